@@ -1,0 +1,40 @@
+"""pipeline-engine: pipeline-parallel training for PyTorch.
+
+Every schedule of the pipeline-parallel literature (synchronous and asynchronous), the
+staleness mitigations that make the asynchronous ones train well, fused Triton optimizer
+steps, and a C++ arena that keeps each stage's weights in flat, aligned buffers.
+
+Heavy pieces (the compiled extension, Triton) load on first use so that ``import engine``
+stays cheap and works on machines that have neither a GPU nor a built extension yet.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from engine._version import __version__
+
+# public name -> module that defines it; resolved lazily by __getattr__ below
+_LAZY: dict[str, str] = {
+    "WeightArena": "engine.arena",
+    "flatten_": "engine.arena",
+    "optim": "engine.optim",
+    "info": "engine.info",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    module = importlib.import_module(module_name)
+    value = module if module_name == f"engine.{name}" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
