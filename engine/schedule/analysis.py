@@ -1,0 +1,184 @@
+"""Analysis: the facts a schedule implies, measured by simulating it.
+
+Why measured and never typed in: ALGORITHMS.md makes the delay D_s "a property of the
+schedule: the engine derives it by simulating the schedule". The pipeline sets each stage
+optimizer's ``delay`` from :attr:`ScheduleReport.delays`, ``pipe.stats()`` reports the same
+numbers, and tests compare them with the closed forms (pb dataflow 2(S-1-s), pipedream and
+pb-1f1b S-1-s, 2bw 1, synchronous 0; gpipe/1f1b bubble (S-1)/(M+S-1)).
+
+Definitions used (per stage s):
+
+* ``records[s][n]``: t_F, t_B, the weight versions F(n)/B(n) use (see
+  :mod:`engine.schedule.versions`), the 1-based index of the update that applied n's
+  gradient, the delay ``update - 1 - version_F``, and the simulated F/B start and end times.
+* ``delays[s]``: the largest delay over the micro-batches, i.e. the steady-state delay
+  (fill micro-batches see fewer updates; with T*M too small to reach steady state it is
+  smaller than the formula, e.g. min(T*M-1, 2(S-1-s)) for pb dataflow). With k = 1 (and
+  for the synchronous schedules and 2bw) every steady-state micro-batch has this delay.
+* ``mean_delays[s]``: with k > 1 the delay varies inside an update group (the first
+  gradient of a group waits longer than the last); this is the mean over the middle half
+  of the run, micro-batches N//4 .. 3N//4-1 (N = T*M), PipeMare's "about 2(S-1-s)/k".
+  Run enough steps (T*M well above 2(S-1)+k) for it to be the steady-state value.
+* ``versions[s]``: the most weight versions the stage must hold at once: the live weights
+  plus every distinct version an in-flight micro-batch (F done, B not yet) will use in its
+  backward; 1 under the ``live`` policy.
+* ``activation_peak[s]``: the most micro-batches between F and B at once.
+* ``bubble_fraction``: 1 - (busy time of all stages) / (S * makespan) under the cost model;
+  ``idle_fraction[s]`` the same per stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from engine.schedule.ir import Kind, Schedule
+from engine.schedule.simulate import Costs, Timeline
+from engine.schedule.validate import validate
+from engine.schedule.versions import stage_versions
+
+
+@dataclass(frozen=True)
+class MicroBatchRecord:
+    """What happened to micro-batch ``mb`` on ``stage`` (times from the cost-model clock)."""
+
+    stage: int
+    mb: int
+    t_F: int
+    t_B: int
+    version_F: int
+    version_B: int
+    update: int
+    delay: int
+    f_start: float
+    f_end: float
+    b_start: float
+    b_end: float
+
+
+@dataclass(frozen=True)
+class ScheduleReport:
+    """Per-stage facts of a schedule; see the module docstring for definitions."""
+
+    schedule: Schedule
+    costs: Costs
+    delays: tuple[int, ...]
+    mean_delays: tuple[float, ...]
+    versions: tuple[int, ...]
+    activation_peak: tuple[int, ...]
+    bubble_fraction: float
+    idle_fraction: tuple[float, ...]
+    makespan: float
+    records: tuple[tuple[MicroBatchRecord, ...], ...]
+    timeline: Timeline
+
+    def record(self, stage: int, mb: int) -> MicroBatchRecord:
+        """The record of micro-batch ``mb`` on ``stage``."""
+        return self.records[stage][mb]
+
+    def summary(self) -> str:
+        """A few human-readable lines (what ``pipe.stats()`` prints)."""
+        s = self.schedule
+        lines = [
+            f"{s.name} (order {s.order}, weights {s.weights}) S={s.stages} M={s.chunks} "
+            f"T={s.steps} k={s.update_size}: bubble {self.bubble_fraction:.3f}, "
+            f"makespan {self.makespan:g}"
+        ]
+        for st in range(s.stages):
+            mean = self.mean_delays[st]
+            extra = f" (steady mean {mean:g})" if mean != self.delays[st] else ""
+            lines.append(
+                f"  stage {st}: delay {self.delays[st]}{extra}, versions {self.versions[st]}, "
+                f"activation peak {self.activation_peak[st]}, idle {self.idle_fraction[st]:.3f}"
+            )
+        return "\n".join(lines)
+
+
+def as_costs(costs: Costs | Mapping[str, object] | None) -> Costs:
+    """Accept a :class:`Costs` or a mapping with keys F, B, U, comm (numbers or per-stage lists)."""
+    if costs is None:
+        return Costs()
+    if isinstance(costs, Costs):
+        return costs
+    names = {"F": "forward", "B": "backward", "U": "update", "comm": "comm"}
+    unknown = set(costs) - set(names) - set(names.values())
+    if unknown:
+        raise ValueError(f"unknown cost keys {sorted(unknown)}; use F, B, U and comm")
+    return Costs(**{names.get(k, k): v for k, v in costs.items()})  # type: ignore[arg-type]
+
+
+def analyze(
+    schedule: Schedule, costs: Costs | Mapping[str, object] | None = None
+) -> ScheduleReport:
+    """Validate ``schedule``, simulate it under ``costs`` (default F=1, B=2) and report per stage."""
+    cost = as_costs(costs)
+    timeline = validate(schedule, costs=cost)
+    S = schedule.stages
+    delays: list[int] = []
+    mean_delays: list[float] = []
+    versions: list[int] = []
+    peaks: list[int] = []
+    records: list[tuple[MicroBatchRecord, ...]] = []
+    idle: list[float] = []
+    makespan = timeline.makespan
+    busy_total = 0.0
+    for s in range(S):
+        vs = stage_versions(schedule, s)
+        recs = []
+        for n in range(schedule.num_micro_batches):
+            v = vs[n]
+            assert v.update is not None and v.delay is not None  # validate() guarantees
+            recs.append(
+                MicroBatchRecord(
+                    stage=s,
+                    mb=n,
+                    t_F=v.t_F,
+                    t_B=v.t_B,
+                    version_F=v.version_F,
+                    version_B=v.version_B,
+                    update=v.update,
+                    delay=v.delay,
+                    f_start=timeline.start[s][v.f_index],
+                    f_end=timeline.end[s][v.f_index],
+                    b_start=timeline.start[s][v.b_index],
+                    b_end=timeline.end[s][v.b_index],
+                )
+            )
+        records.append(tuple(recs))
+        delays.append(max(r.delay for r in recs))
+        N = len(recs)
+        window = recs[N // 4 : max(3 * N // 4, N // 4 + 1)]
+        mean_delays.append(sum(r.delay for r in window) / len(window))
+        t = 0
+        in_flight: dict[int, int] = {}
+        peak = 0
+        held_versions = 1
+        for a in schedule.actions[s]:
+            if a.kind is Kind.FORWARD:
+                in_flight[a.mb] = vs[a.mb].version_B
+            elif a.kind is Kind.BACKWARD:
+                in_flight.pop(a.mb, None)
+            elif a.kind is Kind.UPDATE:
+                t += 1
+            peak = max(peak, len(in_flight))
+            if schedule.weights != "live":
+                held_versions = max(held_versions, len({t, *in_flight.values()}))
+        peaks.append(peak)
+        versions.append(held_versions)
+        busy = sum(e - b for b, e in zip(timeline.start[s], timeline.end[s], strict=True))
+        busy_total += busy
+        idle.append(1.0 - busy / makespan if makespan > 0 else 0.0)
+    bubble = 1.0 - busy_total / (S * makespan) if makespan > 0 else 0.0
+    return ScheduleReport(
+        schedule=schedule,
+        costs=cost,
+        delays=tuple(delays),
+        mean_delays=tuple(mean_delays),
+        versions=tuple(versions),
+        activation_peak=tuple(peaks),
+        bubble_fraction=bubble,
+        idle_fraction=tuple(idle),
+        makespan=makespan,
+        records=tuple(records),
+        timeline=timeline,
+    )

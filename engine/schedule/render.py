@@ -1,0 +1,160 @@
+"""Pictures of a schedule: a timeline PNG and a Chrome/Perfetto trace.
+
+Why both: the PNG goes into docs, bug reports and bench results; the trace JSON opens in
+chrome://tracing or ui.perfetto.dev where one can zoom into a long asynchronous run and
+compare it with a trace the runtime records (same layout: one process, one thread per
+stage, ``ph: "X"`` complete events named like the text form, ``F3``, ``B3``, ``U0-3``).
+
+Times come from :func:`engine.schedule.analyze`'s cost-model clock (F = 1, B = 2 by default),
+so the pictures show the same bubbles the analysis counts. Sends and receives are free in
+the default cost model and are not drawn.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from engine.schedule.analysis import analyze
+from engine.schedule.ir import Kind, Schedule
+from engine.schedule.simulate import Costs
+
+_COLOURS = {Kind.FORWARD: "#4C72B0", Kind.BACKWARD: "#55A868", Kind.UPDATE: "#C44E52"}
+_CATEGORY = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.UPDATE: "update"}
+
+
+def render_timeline(
+    schedule: Schedule,
+    path: str | os.PathLike[str],
+    costs: Costs | Mapping[str, object] | None = None,
+    *,
+    title: str | None = None,
+) -> str:
+    """Draw stages as rows and F/B/U as coloured boxes labelled by micro-batch; save a PNG.
+
+    Zero-cost updates are drawn as thin red bars. Returns the path written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    report = analyze(schedule, costs)
+    tl = report.timeline
+    makespan = max(report.makespan, 1e-9)
+    S = schedule.stages
+    width = min(max(6.0, makespan * 0.25), 60.0)
+    fig, ax = plt.subplots(figsize=(width, 0.6 * S + 1.4))
+    thin = makespan / 400.0
+    for s in range(S):
+        y = S - 1 - s
+        for i, a in enumerate(schedule.actions[s]):
+            if a.kind not in _COLOURS:
+                continue
+            t0, t1 = tl.start[s][i], tl.end[s][i]
+            dur = t1 - t0
+            if a.kind is Kind.UPDATE and dur == 0:
+                ax.add_patch(
+                    plt.Rectangle((t0 - thin, y - 0.45), 2 * thin, 0.9, color=_COLOURS[a.kind])
+                )
+                continue
+            ax.add_patch(
+                plt.Rectangle(
+                    (t0, y - 0.4), dur, 0.8, facecolor=_COLOURS[a.kind], edgecolor="black", lw=0.4
+                )
+            )
+            label = "U" if a.kind is Kind.UPDATE else str(a.mb)
+            ax.text(t0 + dur / 2, y, label, ha="center", va="center", fontsize=7, color="white")
+    ax.set_xlim(0, makespan)
+    ax.set_ylim(-0.6, S - 0.4)
+    ax.set_yticks(range(S))
+    ax.set_yticklabels([f"stage {S - 1 - y}" for y in range(S)])
+    ax.set_xlabel("time (cost units)")
+    ax.set_title(
+        title
+        or (
+            f"{schedule.name} ({schedule.order}) S={S} M={schedule.chunks} T={schedule.steps} "
+            f"k={schedule.update_size}: bubble {report.bubble_fraction:.3f}"
+        )
+    )
+    ax.legend(
+        handles=[Patch(color=c, label=_CATEGORY[k]) for k, c in _COLOURS.items()],
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=8,
+    )
+    fig.tight_layout()
+    out = os.fspath(path)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def chrome_trace(
+    schedule: Schedule,
+    costs: Costs | Mapping[str, object] | None = None,
+    *,
+    time_unit_us: float = 1000.0,
+) -> dict[str, Any]:
+    """A ``{"traceEvents": [...]}`` dict (json.dump it) with one thread per stage.
+
+    One cost unit becomes ``time_unit_us`` microseconds (default 1 ms). F and B events carry
+    the micro-batch's t_F, t_B, weight versions and delay in ``args``.
+    """
+    report = analyze(schedule, costs)
+    tl = report.timeline
+    events: list[dict[str, Any]] = [
+        {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": schedule.name}}
+    ]
+    for s in range(schedule.stages):
+        events.append(
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}}
+        )
+        events.append(
+            {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": s, "args": {"sort_index": s}}
+        )
+        for i, a in enumerate(schedule.actions[s]):
+            if a.kind not in _CATEGORY:
+                continue
+            args: dict[str, Any] = {"stage": s, "index": i}
+            if a.kind is Kind.UPDATE:
+                args["micro_batches"] = list(a.mbs)
+            else:
+                r = report.records[s][a.mb]
+                args.update(
+                    mb=a.mb,
+                    t_F=r.t_F,
+                    t_B=r.t_B,
+                    version_F=r.version_F,
+                    version_B=r.version_B,
+                    update=r.update,
+                    delay=r.delay,
+                )
+            events.append(
+                {
+                    "name": str(a),
+                    "cat": _CATEGORY[a.kind],
+                    "ph": "X",
+                    "ts": tl.start[s][i] * time_unit_us,
+                    "dur": (tl.end[s][i] - tl.start[s][i]) * time_unit_us,
+                    "pid": 0,
+                    "tid": s,
+                    "args": args,
+                }
+            )
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "schedule": schedule.name,
+            "order": schedule.order,
+            "stages": schedule.stages,
+            "chunks": schedule.chunks,
+            "steps": schedule.steps,
+            "update_size": schedule.update_size,
+            "bubble_fraction": report.bubble_fraction,
+            "delays": list(report.delays),
+        },
+    }

@@ -1,0 +1,215 @@
+"""A global-clock simulation of a schedule: when each action starts and ends, or where it deadlocks.
+
+Why simulate rather than reason per schedule: deadlock freedom, bubble fraction and the
+global placement all follow from the same as-soon-as-possible execution of the per-stage
+lists, and a single simulator keeps the validator, the analysis and the renderer consistent
+(the idea follows ``torch.distributed.pipelining``'s ``_simulate_comms_compute``, but with a
+cost model and exact start/end times instead of unit steps).
+
+Model: every stage runs its actions strictly in order, one at a time. An action starts when
+the previous action of its stage has ended and its cross-stage dependency has ended:
+
+* ``RF(n)`` on s waits for ``SF(n)`` on s-1; ``RB(n)`` on s waits for ``SB(n)`` on s+1
+  (sends never block: they are buffered ``isend``\\ s).
+* In a schedule without communication actions, ``F(n)`` on s waits for ``F(n)`` on s-1 and
+  ``B(n)`` on s waits for ``B(n)`` on s+1.
+
+Same-stage dependencies (F before B, a receive before the compute that uses it) are checked
+statically by the validator, not here. If no stage can proceed the schedule deadlocks and a
+:class:`ScheduleError` names every blocked action and what it waits for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.schedule.errors import ScheduleError
+from engine.schedule.ir import Action, Kind, Schedule
+
+CostValue = float | Sequence[float]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Duration of each kind of action, a number or one number per stage.
+
+    Defaults: F = 1, B = 2 (backward costs about twice a forward), updates and
+    communication free.
+    """
+
+    forward: CostValue = 1.0
+    backward: CostValue = 2.0
+    update: CostValue = 0.0
+    comm: CostValue = 0.0
+
+    def of(self, kind: Kind, stage: int) -> float:
+        value = {
+            Kind.FORWARD: self.forward,
+            Kind.BACKWARD: self.backward,
+            Kind.UPDATE: self.update,
+        }.get(kind, self.comm)
+        if isinstance(value, (int, float)):
+            return float(value)
+        try:
+            return float(value[stage])
+        except IndexError:
+            raise ValueError(
+                f"per-stage cost list {list(value)} has no entry for stage {stage}; give one "
+                f"cost per stage"
+            ) from None
+
+    def check(self, stages: int) -> None:
+        for name in ("forward", "backward", "update", "comm"):
+            value = getattr(self, name)
+            values = [value] if isinstance(value, (int, float)) else list(value)
+            if not isinstance(value, (int, float)) and len(values) != stages:
+                raise ValueError(
+                    f"costs.{name} lists {len(values)} per-stage costs for {stages} stages"
+                )
+            if any(v < 0 for v in values):
+                raise ValueError(f"costs.{name} must be >= 0, got {value}")
+
+
+UNIT_COSTS = Costs(forward=1.0, backward=1.0, update=0.0, comm=0.0)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Start and end time of every action (``start[s][i]`` for ``actions[s][i]``)."""
+
+    start: tuple[tuple[float, ...], ...]
+    end: tuple[tuple[float, ...], ...]
+
+    @property
+    def makespan(self) -> float:
+        return max((e[-1] for e in self.end if e), default=0.0)
+
+
+def _index(schedule: Schedule) -> list[dict[tuple[Kind, int], int]]:
+    maps: list[dict[tuple[Kind, int], int]] = []
+    for acts in schedule.actions:
+        m: dict[tuple[Kind, int], int] = {}
+        for i, a in enumerate(acts):
+            if a.kind is not Kind.UPDATE:
+                m.setdefault((a.kind, a.mb), i)
+        maps.append(m)
+    return maps
+
+
+def remote_dependency(
+    schedule: Schedule, stage: int, action: Action, has_comms: bool
+) -> tuple[int, Action] | None:
+    """The (stage, action) on another stage that ``action`` waits for, or None."""
+    S = schedule.stages
+    k = action.kind
+    if k is Kind.RECV_ACT:
+        return stage - 1, Action.send_act(action.mb)
+    if k is Kind.RECV_GRAD:
+        return stage + 1, Action.send_grad(action.mb)
+    if not has_comms:
+        if k is Kind.FORWARD and stage > 0:
+            return stage - 1, Action.forward(action.mb)
+        if k is Kind.BACKWARD and stage < S - 1:
+            return stage + 1, Action.backward(action.mb)
+    return None
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
+    """Run ``schedule`` on a global clock (as soon as possible) and return every action's times.
+
+    Raises :class:`ScheduleError` on deadlock, naming each blocked action and what it waits for.
+    """
+    costs = costs or Costs()
+    costs.check(schedule.stages)
+    S = schedule.stages
+    acts = schedule.actions
+    comms = schedule.has_comms
+    where = _index(schedule)
+    start: list[list[float]] = [[0.0] * len(a) for a in acts]
+    end: list[list[float]] = [[0.0] * len(a) for a in acts]
+    pos = [0] * S
+    free = [0.0] * S
+    deps: list[list[tuple[int, int] | None | str]] = []
+    for s in range(S):
+        row: list[tuple[int, int] | None | str] = []
+        for a in acts[s]:
+            dep = remote_dependency(schedule, s, a, comms)
+            if dep is None:
+                row.append(None)
+            else:
+                r, da = dep
+                if not 0 <= r < S or (da.kind, da.mb) not in where[r]:
+                    row.append("missing")
+                else:
+                    row.append((r, where[r][(da.kind, da.mb)]))
+        deps.append(row)
+
+    while True:
+        progress = False
+        for s in range(S):
+            while pos[s] < len(acts[s]):
+                i = pos[s]
+                dep = deps[s][i]
+                ready = 0.0
+                if dep == "missing":
+                    break
+                if isinstance(dep, tuple):
+                    r, j = dep
+                    if pos[r] <= j:
+                        break
+                    ready = end[r][j]
+                t0 = max(free[s], ready)
+                t1 = t0 + costs.of(acts[s][i].kind, s)
+                start[s][i], end[s][i] = t0, t1
+                free[s] = t1
+                pos[s] += 1
+                progress = True
+        if all(pos[s] == len(acts[s]) for s in range(S)):
+            break
+        if not progress:
+            _raise_deadlock(schedule, pos, deps, comms)
+    return Timeline(tuple(map(tuple, start)), tuple(map(tuple, end)))
+
+
+def _raise_deadlock(
+    schedule: Schedule,
+    pos: list[int],
+    deps: list[list[tuple[int, int] | None | str]],
+    comms: bool,
+) -> None:
+    parts: list[str] = []
+    first: tuple[int, int, Action] | None = None
+    for s in range(schedule.stages):
+        i = pos[s]
+        if i == len(schedule.actions[s]):
+            continue
+        a = schedule.actions[s][i]
+        dep = remote_dependency(schedule, s, a, comms)
+        assert dep is not None
+        r, da = dep
+        d = deps[s][i]
+        if d == "missing":
+            why = (
+                f"which stage {r} never runs"
+                if 0 <= r < schedule.stages
+                else "from a stage that does not exist"
+            )
+        else:
+            assert isinstance(d, tuple)
+            rb = schedule.actions[r][pos[r]] if pos[r] < len(schedule.actions[r]) else None
+            why = (
+                f"(stage {r}'s action {d[1]}), but stage {r} is stuck at its action {pos[r]} ({rb})"
+            )
+        parts.append(f"stage {s} action {i} ({a}) waits for {da} on stage {r} {why}")
+        if first is None:
+            first = (s, i, a)
+    assert first is not None
+    raise ScheduleError(
+        "deadlock, no stage can make progress: "
+        + "; ".join(parts)
+        + ". Reorder the actions so every receive's matching send can run first.",
+        stage=first[0],
+        index=first[1],
+        action=first[2],
+    )

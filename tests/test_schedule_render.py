@@ -1,0 +1,69 @@
+"""Timeline PNG and Chrome trace JSON are produced and well formed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.schedule import analyze, chrome_trace, generate, render_timeline
+
+
+@pytest.mark.parametrize("name, order", [("1f1b", None), ("pb", "dataflow"), ("2bw", None)])
+def test_render_timeline_png(tmp_path: Path, name: str, order: str | None) -> None:
+    sched = generate(name, stages=3, chunks=4, steps=2, order=order)
+    out = render_timeline(sched, tmp_path / "timeline.png")
+    data = Path(out).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
+
+
+def test_chrome_trace(tmp_path: Path) -> None:
+    sched = generate("pb", stages=3, chunks=3, steps=2)
+    trace = chrome_trace(sched)
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    loaded = json.loads(path.read_text())
+    events = [e for e in loaded["traceEvents"] if e["ph"] == "X"]
+    assert {e["tid"] for e in events} == {0, 1, 2}
+    names = {(e["tid"], e["name"]) for e in events}
+    assert (0, "F5") in names and (2, "B0") in names and (1, "U3") in names
+    rep = analyze(sched)
+    f0 = next(e for e in events if e["tid"] == 1 and e["name"] == "F0")
+    assert f0["ts"] == rep.record(1, 0).f_start * 1000 and f0["dur"] == 1000
+    assert f0["args"]["delay"] == rep.record(1, 0).delay
+    meta = [e for e in loaded["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"]
+    assert [e["args"]["name"] for e in meta] == ["stage 0", "stage 1", "stage 2"]
+    assert loaded["otherData"]["delays"] == list(rep.delays)
+
+
+def test_import_is_light() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, engine.schedule; print('matplotlib' in sys.modules, 'torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+        check=True,
+    )
+    assert out.stdout.strip() == "False False"
+
+
+def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.schedule.__main__ import main
+
+    png, trace = tmp_path / "t.png", tmp_path / "t.json"
+    assert main(["pb", "-S", "3", "-M", "3", "--png", str(png), "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("schedule pb stages=3") and "stage 0: delay 2" in out
+    assert png.stat().st_size > 0 and json.loads(trace.read_text())["traceEvents"]
+    golden = tmp_path / "s.txt"
+    golden.write_text(
+        "schedule c stages=1 chunks=1 steps=1 update_size=1 order=x weights=live ticks=0\ns0: B0 F0 U0\n"
+    )
+    assert main(["--file", str(golden)]) == 2
+    assert "stage 0, action 0 (B0): backward before its forward F0" in capsys.readouterr().err
+    assert main(["2bw", "-S", "4", "-M", "2"]) == 2
