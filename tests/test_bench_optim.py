@@ -1,0 +1,55 @@
+"""The optimizer benchmark's harness runs end to end on CPU (interpreted kernels, tiny buffer).
+
+GPU numbers come from .ci/gpu; this test only guards the script itself: every provider runs,
+the CSV has the shared schema and the plot is written.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _load(name: str):
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_optim_benchmark_smoke_writes_csv_and_plot(tmp_path: Path) -> None:
+    bench = _load("optim")
+    common = _load("common")
+    assert bench.main(["--device", "cpu", "--smoke", "--dtypes", "fp32,bf16", "--out", str(tmp_path)]) == 0
+    with (tmp_path / "optim.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert rows and list(rows[0]) == common.COLUMNS
+    seen = {(r["kernel"], r["provider"], r["dtype"]) for r in rows}
+    for dtype in ("fp32", "bf16"):
+        assert ("copy", "torch", dtype) in seen
+        assert ("sgd", "engine", dtype) in seen
+        assert ("sgd", "torch_foreach", dtype) in seen
+        assert ("sgd_sc_pred", "engine", dtype) in seen
+        assert ("sgd_sc_pred", "torch_composition", dtype) in seen
+        assert ("adam", "engine", dtype) in seen
+    assert all(float(r["median_ms"]) > 0 and float(r["gbps"]) > 0 for r in rows)
+    assert (tmp_path / "optim.png").stat().st_size > 1000
+
+
+def test_traffic_model_counts_each_stream_once() -> None:
+    bench = _load("optim")
+    n = 1000
+    assert bench.traffic_bytes("copy", n, 4, 4) == 8 * n
+    assert bench.traffic_bytes("sgd", n, 2, 4) == n * (3 * 2 + 2 * 4)
+    assert bench.traffic_bytes("sgd_sc_pred", n, 2, 4) == n * (4 * 2 + 2 * 4)
+    assert bench.traffic_bytes("adam", n, 4, 4) == n * (3 * 4 + 4 * 4)
+    with pytest.raises(ValueError, match="unknown kernel"):
+        bench.traffic_bytes("lamb", n, 4, 4)
