@@ -1,0 +1,808 @@
+"""Automatic partitioning: profile the layers of an ``nn.Sequential``, then split it into
+pipeline stages that are as fast (``balance="time"``) or as small (``balance="memory"``) as
+possible while every stage fits a memory cap.
+
+Why this module exists, and why it looks the way it does:
+
+* A pipeline runs at the speed of its slowest stage, and a hand-typed ``balance=[...]`` is
+  easily unbalanced or over a device's memory. Profiling each layer once and solving the
+  split exactly takes well under a second for hundreds of layers and removes the guesswork.
+* What a stage holds depends on the **schedule** and on the stage's **position**: PipeDream
+  stashes S-s weight versions at stage s, 2BW keeps two, GPipe keeps the activations of all M
+  micro-batches while 1F1B keeps at most S-s, and pipelined backprop (dataflow order) keeps
+  2(S-1-s)+1. A partitioner that ignores this puts too many layers on stage 0 and runs out of
+  memory exactly where it matters. :func:`stage_footprint` gives these counts; they are the
+  steady-state values of ALGORITHMS.md, and ``tests/test_partition.py`` checks them against
+  :func:`engine.schedule.analyze`, which measures them by simulating the generated schedules.
+  For the asynchronous schedules (pipedream, 2bw, pb) the pipeline stays full across
+  mini-batches, so the count does not shrink with small M (PipeDream keeps S-s micro-batches
+  and versions in flight even with M = 1); the synchronous ones flush every mini-batch, so
+  1F1B holds min(M, S-s) and GPipe M.
+* The solver is exact, not greedy (see :func:`partition`): dynamic programming over prefix
+  sums, O(S * n^2) for n layers and S stages. Times are converted to exact integers (every
+  float is a dyadic rational, so scaling by the largest denominator is lossless) and memory is
+  counted in whole bytes, so comparisons never depend on floating-point summation order, and
+  a brute force over all splits finds exactly the same answer (the tests check this).
+
+Memory of stage s holding layers i..j-1 (``P`` parameter bytes, ``Buf`` buffer bytes, ``A``
+activation bytes of one micro-batch, all summed over the layers)::
+
+    memory = P * (versions_s + 1 gradient) + ceil(P * optimizer_state_factor) + Buf
+             + A * activations_s
+
+``optimizer_state_factor`` counts optimizer buffers per parameter element of the same dtype:
+0 for plain SGD, 1 for SGD with momentum, 2 for Adam/AdamW (the default: a safe upper bound);
+add 1 for PipeMare's discrepancy-correction delta or a materialised weight prediction.
+Activation bytes per layer are the tensors autograd saves for backward (parameters excluded,
+shared storage counted once) plus the layer's output; summing them over a stage is an upper
+bound (a layer's output is often also what the next layer saves), which is the safe side
+for a cap.
+
+Tie-break (deterministic): among the splits that minimise the objective, take the one that
+minimises the other quantity's maximum (``"time"``: the least peak stage memory;
+``"memory"``: the least bottleneck time); among those, the lexicographically smallest balance,
+i.e. the fewest layers on the earliest stages, which under 1F1B/PipeDream/pb are the stages
+that hold the most versions and activations.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "OBJECTIVES",
+    "OPTIMIZER_STATE_FACTORS",
+    "SCHEDULES",
+    "LayerCost",
+    "StageCost",
+    "balance_model",
+    "partition",
+    "profile_layers",
+    "split_sequential",
+    "stage_costs",
+    "stage_footprint",
+]
+
+#: schedules whose per-stage footprint is known (the names of :data:`engine.schedule.SCHEDULES`)
+SCHEDULES: tuple[str, ...] = ("naive", "gpipe", "1f1b", "pipedream", "2bw", "pb")
+OBJECTIVES: tuple[str, ...] = ("time", "memory")
+#: optimizer buffers per parameter element, by name (a number may be given instead)
+OPTIMIZER_STATE_FACTORS: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What one layer costs per micro-batch.
+
+    ``forward_time`` / ``backward_time`` in seconds; ``param_bytes`` of its parameters;
+    ``activation_bytes`` it keeps alive per micro-batch until its backward (saved tensors plus
+    output); ``buffer_bytes`` of its buffers (held once, no gradient or optimizer state).
+    """
+
+    forward_time: float
+    backward_time: float
+    param_bytes: int
+    activation_bytes: int
+    buffer_bytes: int = 0
+    name: str = ""
+
+    @property
+    def time(self) -> float:
+        """Forward plus backward time."""
+        return self.forward_time + self.backward_time
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage of a balance: its layers, time, memory and what its schedule makes it hold."""
+
+    stage: int
+    layers: range
+    time: float
+    memory_bytes: int
+    param_bytes: int
+    activation_bytes: int
+    buffer_bytes: int
+    versions: int
+    activations_held: int
+
+    def describe(self, optimizer_state: Fraction | int) -> str:
+        first, last = self.layers[0], self.layers[-1]
+        span = f"layer {first}" if first == last else f"layers {first}..{last}"
+        return (
+            f"stage {self.stage} ({span}): {self.param_bytes} B weights x ({self.versions} "
+            f"version{'s' if self.versions != 1 else ''} + 1 gradient + {_fmt_factor(optimizer_state)} "
+            f"optimizer state) + {self.buffer_bytes} B buffers + {self.activation_bytes} B "
+            f"activations x {self.activations_held} micro-batch"
+            f"{'es' if self.activations_held != 1 else ''} = {self.memory_bytes} B"
+        )
+
+
+# ----------------------------------------------------------------------------- footprint
+
+
+def _check_positive_int(what: str, value: object, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{what} must be >= 1, got {value}; {fix}")
+    return value
+
+
+def _check_schedule(schedule: object, order: str | None) -> str:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; known schedules: {', '.join(SCHEDULES)}")
+    assert isinstance(schedule, str)
+    if order is not None:
+        if schedule != "pb":
+            raise ValueError(
+                f"order={order!r} only applies to schedule 'pb' ('dataflow' or '1f1b'); "
+                f"leave order unset for {schedule!r}"
+            )
+        if order not in ("dataflow", "1f1b"):
+            raise ValueError(f"unknown pb order {order!r}; use 'dataflow' or '1f1b'")
+    return schedule
+
+
+def stage_footprint(
+    schedule: str, stages: int, chunks: int, *, order: str | None = None
+) -> list[tuple[int, int]]:
+    """``(weight versions, micro-batches of activations)`` each stage holds at its peak.
+
+    Steady-state values of ALGORITHMS.md (S stages, stage s, M = ``chunks``):
+
+    ========== ============== ========================
+    schedule   versions       activations held
+    ========== ============== ========================
+    naive      1              1
+    gpipe      1              M
+    1f1b       1              min(M, S-s)
+    pipedream  S-s            S-s (async: never drains)
+    2bw        2              S-s (needs M >= S)
+    pb         1              2(S-1-s)+1 (dataflow), S-s (``order="1f1b"``)
+    ========== ============== ========================
+    """
+    _check_schedule(schedule, order)
+    S = _check_positive_int("stages", stages, "a pipeline needs at least one stage")
+    M = _check_positive_int("chunks", chunks, "a mini-batch needs at least one micro-batch")
+    if schedule == "2bw" and M < S:
+        raise ValueError(
+            f"schedule '2bw' needs chunks M >= stages S so that two weight versions suffice; "
+            f"got chunks={M} with {S} stages: use chunks >= {S}, or schedule 'pipedream'"
+        )
+    out: list[tuple[int, int]] = []
+    for s in range(S):
+        if schedule == "naive":
+            out.append((1, 1))
+        elif schedule == "gpipe":
+            out.append((1, M))
+        elif schedule == "1f1b":
+            out.append((1, min(M, S - s)))
+        elif schedule == "pipedream":
+            out.append((S - s, S - s))
+        elif schedule == "2bw":
+            out.append((2, S - s))
+        elif order == "1f1b":  # pb in 1F1B order: live weights, async 1F1B in flight
+            out.append((1, S - s))
+        else:  # pb dataflow
+            out.append((1, 2 * (S - 1 - s) + 1))
+    return out
+
+
+# ----------------------------------------------------------------------------- exact costs
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} B"
+
+
+def _fmt_factor(f: Fraction | int) -> str:
+    f = Fraction(f)
+    return str(f.numerator) if f.denominator == 1 else f"{float(f):g}"
+
+
+def _optimizer_factor(value: object) -> Fraction:
+    if isinstance(value, str):
+        key = value.lower()
+        if key not in OPTIMIZER_STATE_FACTORS:
+            raise ValueError(
+                f"unknown optimizer_state_factor {value!r}; use a number of buffers per "
+                f"parameter or one of {', '.join(OPTIMIZER_STATE_FACTORS)}"
+            )
+        return Fraction(OPTIMIZER_STATE_FACTORS[key])
+    if isinstance(value, bool) or not isinstance(value, (int, float, Fraction)):
+        raise TypeError(f"optimizer_state_factor must be a number or a name, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"optimizer_state_factor must be finite and >= 0, got {value!r}")
+    # a float is read as the decimal it prints as (0.005 means 1/200, not the binary double
+    # just above it), so a factor typed by a user rounds as they expect
+    return Fraction(repr(value)) if isinstance(value, float) else Fraction(value)
+
+
+def _check_costs(costs: Sequence[LayerCost]) -> list[LayerCost]:
+    out = list(costs)
+    if not out:
+        raise ValueError("costs is empty: there are no layers to partition")
+    for k, c in enumerate(out):
+        if not isinstance(c, LayerCost):
+            raise TypeError(f"costs[{k}] is a {type(c).__name__}, not a LayerCost")
+        for field in ("forward_time", "backward_time"):
+            v = getattr(c, field)
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not math.isfinite(v)
+                or v < 0
+            ):
+                raise ValueError(f"costs[{k}].{field} = {v!r}: must be a finite number >= 0")
+        for field in ("param_bytes", "activation_bytes", "buffer_bytes"):
+            v = getattr(c, field)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"costs[{k}].{field} = {v!r}: must be an int >= 0 (bytes)")
+    return out
+
+
+class _Model:
+    """Exact integer prefix sums and per-stage cost functions for one problem."""
+
+    def __init__(
+        self,
+        costs: list[LayerCost],
+        footprint: list[tuple[int, int]],
+        factor: Fraction,
+    ) -> None:
+        ratios = [Fraction(c.forward_time) + Fraction(c.backward_time) for c in costs]
+        self.denominator = max(r.denominator for r in ratios)  # a power of two
+        self.time_prefix = [0]
+        self.param_prefix = [0]
+        self.act_prefix = [0]
+        self.buf_prefix = [0]
+        for r, c in zip(ratios, costs, strict=True):
+            self.time_prefix.append(
+                self.time_prefix[-1] + r.numerator * (self.denominator // r.denominator)
+            )
+            self.param_prefix.append(self.param_prefix[-1] + c.param_bytes)
+            self.act_prefix.append(self.act_prefix[-1] + c.activation_bytes)
+            self.buf_prefix.append(self.buf_prefix[-1] + c.buffer_bytes)
+        self.footprint = footprint
+        self.factor = factor
+
+    def time(self, s: int, i: int, j: int) -> int:  # noqa: ARG002 - same shape as memory
+        return self.time_prefix[j] - self.time_prefix[i]
+
+    def memory(self, s: int, i: int, j: int) -> int:
+        versions, held = self.footprint[s]
+        P = self.param_prefix[j] - self.param_prefix[i]
+        A = self.act_prefix[j] - self.act_prefix[i]
+        B = self.buf_prefix[j] - self.buf_prefix[i]
+        f = self.factor
+        opt = -(-(P * f.numerator) // f.denominator)  # ceil(P * factor), exact
+        return P * (versions + 1) + opt + B + A * held
+
+    def seconds(self, t: int) -> float:
+        return float(Fraction(t, self.denominator))
+
+    def stage(self, s: int, i: int, j: int) -> StageCost:
+        versions, held = self.footprint[s]
+        return StageCost(
+            stage=s,
+            layers=range(i, j),
+            time=self.seconds(self.time(s, i, j)),
+            memory_bytes=self.memory(s, i, j),
+            param_bytes=self.param_prefix[j] - self.param_prefix[i],
+            activation_bytes=self.act_prefix[j] - self.act_prefix[i],
+            buffer_bytes=self.buf_prefix[j] - self.buf_prefix[i],
+            versions=versions,
+            activations_held=held,
+        )
+
+
+def stage_costs(
+    costs: Sequence[LayerCost],
+    balance: Sequence[int],
+    *,
+    schedule: str = "1f1b",
+    chunks: int,
+    optimizer_state_factor: float | str = 2,
+    order: str | None = None,
+) -> list[StageCost]:
+    """Time and memory of every stage of ``balance`` under ``schedule`` (same model as
+    :func:`partition` uses; ``memory_bytes`` is what the memory cap is compared with)."""
+    layers = _check_costs(costs)
+    bal = _check_balance(balance, len(layers), what="layers")
+    model = _Model(
+        layers,
+        stage_footprint(schedule, len(bal), chunks, order=order),
+        _optimizer_factor(optimizer_state_factor),
+    )
+    out = []
+    i = 0
+    for s, n in enumerate(bal):
+        out.append(model.stage(s, i, i + n))
+        i += n
+    return out
+
+
+# ----------------------------------------------------------------------------- the solver
+
+_Cost = Callable[[int, int, int], int]
+_Allowed = Callable[[int, int, int], bool]
+
+
+def _minmax(n: int, S: int, cost: _Cost, allowed: _Allowed) -> int | None:
+    """min over splits of [0, n) into S non-empty contiguous stages of max_s cost(s, i, j),
+    among splits whose every stage is ``allowed``; None when no split is allowed.
+
+    best[j] after round s = optimum for layers [0, j) on stages 0..s. O(S n^2).
+    """
+    prev: list[int | None] = [None] * (n + 1)
+    prev[0] = -1  # sentinel below every cost (costs are >= 0)
+    for s in range(S):
+        cur: list[int | None] = [None] * (n + 1)
+        # stage s ends at j in [s+1, n-(S-1-s)], starts at i in [s, j-1]
+        for j in range(s + 1, n - (S - 1 - s) + 1):
+            best: int | None = None
+            for i in range(s, j):
+                p = prev[i]
+                if p is None or not allowed(s, i, j):
+                    continue
+                c = cost(s, i, j)
+                v = p if p > c else c
+                if best is None or v < best:
+                    best = v
+            cur[j] = best
+        prev = cur
+    return prev[n]
+
+
+def _lex_first(n: int, S: int, allowed: _Allowed) -> list[int] | None:
+    """The lexicographically smallest balance whose every stage is ``allowed``. O(S n^2)."""
+    # ok[s][i]: layers [i, n) can be split over stages s..S-1
+    ok = [[False] * (n + 1) for _ in range(S + 1)]
+    ok[S][n] = True
+    for s in range(S - 1, -1, -1):
+        for i in range(s, n - (S - s) + 1):
+            ok[s][i] = any(
+                ok[s + 1][j] and allowed(s, i, j) for j in range(i + 1, n - (S - 1 - s) + 1)
+            )
+    if not ok[0][0]:
+        return None
+    balance, i = [], 0
+    for s in range(S):
+        j = next(j for j in range(i + 1, n + 1) if ok[s + 1][j] and allowed(s, i, j))
+        balance.append(j - i)
+        i = j
+    return balance
+
+
+def _solve(
+    model: _Model, n: int, S: int, primary: _Cost, secondary: _Cost, cap: int | None
+) -> list[int] | None:
+    """Minimise max primary, then max secondary, then the balance lexicographically."""
+
+    def fits(s: int, i: int, j: int) -> bool:
+        return cap is None or model.memory(s, i, j) <= cap
+
+    b1 = _minmax(n, S, primary, fits)
+    if b1 is None:
+        return None
+
+    def within1(s: int, i: int, j: int) -> bool:
+        return fits(s, i, j) and primary(s, i, j) <= b1
+
+    b2 = _minmax(n, S, secondary, within1)
+    assert b2 is not None  # the split that reached b1 is allowed here
+
+    def within2(s: int, i: int, j: int) -> bool:
+        return within1(s, i, j) and secondary(s, i, j) <= b2
+
+    balance = _lex_first(n, S, within2)
+    assert balance is not None
+    return balance
+
+
+def _check_cap(cap: object) -> int | None:
+    if cap is None:
+        return None
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)):
+        raise TypeError(f"memory_cap_bytes must be a number of bytes or None, got {cap!r}")
+    if cap != cap:
+        raise ValueError("memory_cap_bytes is NaN; give a number of bytes or None")
+    if cap == math.inf:
+        return None
+    if cap < 0:
+        raise ValueError(f"memory_cap_bytes must be >= 0, got {cap!r}")
+    return math.floor(cap)  # memory is counted in whole bytes
+
+
+def partition(
+    costs: Sequence[LayerCost],
+    stages: int,
+    *,
+    objective: str = "time",
+    schedule: str = "1f1b",
+    chunks: int,
+    memory_cap_bytes: float | None = None,
+    optimizer_state_factor: float | str = 2,
+    order: str | None = None,
+) -> list[int]:
+    """Split ``costs`` (one per layer, in order) into ``stages`` contiguous stages, optimally.
+
+    Args:
+        costs: per-layer costs, e.g. from :func:`profile_layers`.
+        stages: S, 1 <= S <= number of layers.
+        objective: ``"time"`` minimises the slowest stage's forward + backward time;
+            ``"memory"`` minimises the largest stage memory.
+        schedule: one of :data:`SCHEDULES`; decides the weight versions and activations each
+            stage holds (:func:`stage_footprint`). ``order`` picks pb's order.
+        chunks: M, micro-batches per mini-batch.
+        memory_cap_bytes: every stage's memory (see the module docstring) must be <= this.
+        optimizer_state_factor: optimizer buffers per parameter (SGD 0, momentum 1, Adam 2),
+            a number or one of :data:`OPTIMIZER_STATE_FACTORS`' names.
+
+    Returns:
+        layer counts per stage, each >= 1, summing to ``len(costs)``.
+
+    Algorithm: three exact dynamic programs over prefix sums, each O(S n^2): the minimal
+    bottleneck of the objective under the cap; the minimal bottleneck of the other quantity
+    given that; the lexicographically smallest balance given both (see the module docstring).
+
+    Raises:
+        ValueError: stages out of range, unknown objective/schedule, or no split fits the cap
+            (the message gives the smallest cap that fits and the stage that needs it).
+    """
+    layers = _check_costs(costs)
+    n = len(layers)
+    S = _check_positive_int("stages", stages, "a pipeline needs at least one stage")
+    if S > n:
+        raise ValueError(
+            f"cannot split {n} layer{'s' if n != 1 else ''} into {S} stages; use at most {n} "
+            f"stage{'s' if n != 1 else ''} or split layers"
+        )
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {objective!r}; use 'time' or 'memory'")
+    footprint = stage_footprint(schedule, S, chunks, order=order)
+    factor = _optimizer_factor(optimizer_state_factor)
+    cap = _check_cap(memory_cap_bytes)
+    model = _Model(layers, footprint, factor)
+    if objective == "time":
+        primary, secondary = model.time, model.memory
+    else:
+        primary, secondary = model.memory, model.time
+    balance = _solve(model, n, S, primary, secondary, cap)
+    if balance is None:
+        raise ValueError(
+            _infeasible_message(model, n, S, cap, schedule, chunks, order, factor, memory_cap_bytes)
+        )
+    return balance
+
+
+def _infeasible_message(
+    model: _Model,
+    n: int,
+    S: int,
+    cap: int | None,
+    schedule: str,
+    chunks: int,
+    order: str | None,
+    factor: Fraction,
+    cap_given: object,
+) -> str:
+    def anything(s: int, i: int, j: int) -> bool:
+        return True
+
+    need = _minmax(n, S, model.memory, anything)
+    assert need is not None and cap is not None and need > cap
+    witness = _solve(model, n, S, model.memory, model.time, None)
+    assert witness is not None
+    stages: list[StageCost] = []
+    i = 0
+    for s, k in enumerate(witness):
+        stages.append(model.stage(s, i, i + k))
+        i += k
+    worst = next(st for st in stages if st.memory_bytes == need)
+    sched = f"schedule {schedule!r}" + (f" (order {order!r})" if order else "")
+    lines = [
+        f"no split of {n} layers into {S} stages fits memory_cap_bytes={cap_given!r} under "
+        f"{sched} with chunks={chunks} and optimizer_state_factor={_fmt_factor(factor)}: "
+        f"the smallest cap that fits is {need} bytes ({_fmt_bytes(need)}), reached by "
+        f"balance {witness}, whose tightest stage is {worst.describe(factor)}."
+    ]
+    fixes = [f"raise memory_cap_bytes to at least {need}"]
+    if S < n:
+        fixes.append("use more stages")
+    if len(worst.layers) == 1:
+        fixes.append(f"split layer {worst.layers[0]} (it is alone on stage {worst.stage})")
+    if schedule in ("pipedream", "gpipe") or (schedule == "pb" and order != "1f1b"):
+        fixes.append("use a schedule that holds fewer versions or activations (e.g. '1f1b')")
+    elif schedule in ("1f1b", "2bw") and chunks > 1 and worst.activation_bytes:
+        fixes.append("use activation checkpointing or smaller micro-batches")
+    lines.append("Fix: " + "; or ".join(fixes) + ".")
+    return " ".join(lines)
+
+
+# ----------------------------------------------------------------------------- profiling
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _storage_key(t: Tensor) -> tuple[int, int] | None:
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # e.g. tensor subclasses without storage
+        return None
+    return st.data_ptr(), st.nbytes()
+
+
+def _tensor_bytes(t: Tensor) -> int:
+    key = _storage_key(t)
+    return key[1] if key is not None else t.numel() * t.element_size()
+
+
+def profile_layers(
+    model: nn.Sequential,
+    sample: Tensor,
+    *,
+    device: torch.device | str | None = None,
+    repeats: int = 3,
+) -> list[LayerCost]:
+    """Measure each layer of ``model`` on its own: forward time, backward time, parameter,
+    buffer and activation bytes, per micro-batch.
+
+    ``sample`` is one micro-batch as the pipeline will see it (the mini-batch divided by
+    ``chunks``). Layer k runs on the (detached) output of layer k-1, which requires grad
+    (layer 0's input only if ``sample`` does), and its backward computes the gradients of its
+    parameters and input for an output gradient of ones, through ``torch.autograd.grad`` so
+    that no ``.grad`` is touched. After two warm-up runs, each time is the median of
+    ``repeats`` runs, CUDA-synchronised on a GPU. Activation bytes: the distinct storages
+    autograd saves during the forward (``saved_tensors_hooks``), parameters and buffers
+    excluded, plus the output's storage.
+
+    ``device``: where to measure (default: where ``sample`` is). Each layer is moved there for
+    its measurement and back afterwards; buffers (e.g. BatchNorm running statistics), ``.grad``
+    and the RNG state are left as they were. Layers run in training mode.
+    """
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(f"profile_layers needs an nn.Sequential, got {type(model).__name__}")
+    if len(model) == 0:
+        raise ValueError("model is an empty nn.Sequential: there are no layers to profile")
+    if not isinstance(sample, Tensor):
+        raise TypeError(f"sample must be a tensor (one micro-batch), got {type(sample).__name__}")
+    repeats = _check_positive_int("repeats", repeats, "measure at least once")
+    dev = torch.device(device) if device is not None else sample.device
+    x: Tensor = sample.detach().to(dev)
+    x.requires_grad_(sample.requires_grad)
+    out_costs: list[LayerCost] = []
+    rng_devices = [dev] if dev.type == "cuda" else []
+    with torch.random.fork_rng(devices=rng_devices):
+        for k, (name, layer) in enumerate(model.named_children()):
+            out_costs.append(_profile_one(k, name, layer, x, dev, repeats))
+            with torch.no_grad():
+                training = layer.training
+                layer.train()
+                home = _move(layer, dev)
+                try:
+                    y = layer(x)
+                finally:
+                    layer.train(training)
+                    _restore(layer, home)
+            x = y.detach()
+            x.requires_grad_(x.is_floating_point() or x.is_complex())
+    return out_costs
+
+
+def _move(layer: nn.Module, dev: torch.device) -> dict[str, tuple[torch.device, Tensor]]:
+    """Snapshot buffers and grads and move ``layer`` to ``dev``; :func:`_restore` undoes it."""
+    home: dict[str, tuple[torch.device, Tensor]] = {}
+    for bname, b in layer.named_buffers():
+        home["b:" + bname] = (b.device, b.detach().clone())
+    for pname, p in layer.named_parameters():
+        home["p:" + pname] = (p.device, p.grad)  # type: ignore[assignment]
+    layer.to(dev)
+    return home
+
+
+def _restore(layer: nn.Module, home: dict[str, tuple[torch.device, Tensor]]) -> None:
+    params = dict(layer.named_parameters())
+    buffers = dict(layer.named_buffers())
+    for key, (where, saved) in home.items():
+        kind, name = key[:2], key[2:]
+        if kind == "p:":
+            p = params[name]
+            p.data = p.data.to(where)
+            p.grad = saved
+        else:
+            b = buffers[name]
+            b.data = saved.to(where)
+
+
+def _profile_one(
+    k: int, name: str, layer: nn.Module, x: Tensor, dev: torch.device, repeats: int
+) -> LayerCost:
+    params = [p for p in layer.parameters()]
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in layer.buffers())
+    label = f"{name}: {type(layer).__name__}"
+    training = layer.training
+    home = _move(layer, dev)
+    try:
+        layer.train()
+        excluded = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        excluded |= {b.untyped_storage().data_ptr() for b in layer.buffers()}
+        trainable = [p for p in layer.parameters() if p.requires_grad]
+        inputs = ([x] if x.requires_grad else []) + trainable
+
+        def forward(record: dict[int, int] | None) -> Tensor:
+            if record is None:
+                y = layer(x)
+            else:
+
+                def pack(t: Tensor) -> Tensor:
+                    key = _storage_key(t)
+                    if key is not None and key[0] not in excluded:
+                        record[key[0]] = max(record.get(key[0], 0), key[1])
+                    return t
+
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    y = layer(x)
+            if not isinstance(y, Tensor):
+                raise TypeError(
+                    f"layer {k} ({label}) returned a {type(y).__name__}; partitioning needs "
+                    "every layer of the nn.Sequential to return one tensor"
+                )
+            return y
+
+        def backward(y: Tensor) -> None:
+            if y.requires_grad and inputs:
+                torch.autograd.grad(y, inputs, torch.ones_like(y), allow_unused=True)
+
+        for _ in range(2):  # warm-up (allocator, kernel selection, lazy init)
+            backward(forward(None))
+        _sync(dev)
+        saved: dict[int, int] = {}
+        fwd_times, bwd_times = [], []
+        for r in range(repeats):
+            _sync(dev)
+            t0 = time.perf_counter()
+            y = forward(saved if r == 0 else None)
+            _sync(dev)
+            t1 = time.perf_counter()
+            backward(y)
+            _sync(dev)
+            t2 = time.perf_counter()
+            fwd_times.append(t1 - t0)
+            bwd_times.append(t2 - t1 if y.requires_grad and inputs else 0.0)
+            if r == 0:
+                okey = _storage_key(y)
+                if okey is None:
+                    saved[-1] = _tensor_bytes(y)
+                else:
+                    saved[okey[0]] = max(saved.get(okey[0], 0), okey[1])
+            del y
+    finally:
+        layer.train(training)
+        _restore(layer, home)
+    return LayerCost(
+        forward_time=statistics.median(fwd_times),
+        backward_time=statistics.median(bwd_times),
+        param_bytes=param_bytes,
+        activation_bytes=sum(saved.values()),
+        buffer_bytes=buffer_bytes,
+        name=label,
+    )
+
+
+# ----------------------------------------------------------------------------- model level
+
+
+def _check_balance(balance: object, n: int, *, what: str) -> list[int]:
+    if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
+        raise TypeError(f"balance must be a list of layer counts per stage, got {balance!r}")
+    bal = list(balance)
+    if not bal:
+        raise ValueError(f"balance is empty: give at least one stage, e.g. balance=[{n}]")
+    for s, v in enumerate(bal):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(
+                f"balance[{s}] = {v!r} is not an int: stage {s} needs a whole number of {what}"
+            )
+        if v < 1:
+            raise ValueError(
+                f"balance[{s}] = {v}: stage {s} needs at least one of the {n} {what}; "
+                f"use fewer stages or move {what} into it"
+            )
+    total = sum(bal)
+    if total != n:
+        raise ValueError(
+            f"balance {bal} covers {total} {what} but there are {n}; "
+            f"{'remove' if total > n else 'add'} {abs(total - n)} so that it sums to {n}"
+        )
+    return bal
+
+
+def split_sequential(model: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
+    """Cut ``model`` into ``len(balance)`` consecutive ``nn.Sequential`` stages.
+
+    The stages share the original modules (no copies) and keep their names, so a stage's
+    ``state_dict`` keys are the model's (``"3.weight"`` stays ``"3.weight"``).
+    """
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(f"split_sequential needs an nn.Sequential, got {type(model).__name__}")
+    bal = _check_balance(balance, len(model), what="layers")
+    children = list(model.named_children())
+    out, i = [], 0
+    for n in bal:
+        out.append(nn.Sequential(OrderedDict(children[i : i + n])))
+        i += n
+    return out
+
+
+def balance_model(
+    model: nn.Sequential,
+    sample: Tensor,
+    stages: int,
+    *,
+    balance: str | Sequence[int] = "time",
+    schedule: str,
+    chunks: int,
+    memory_cap_bytes: float | None = None,
+    optimizer_state_factor: float | str = 2,
+    order: str | None = None,
+    device: torch.device | str | None = None,
+    repeats: int = 3,
+) -> list[int]:
+    """Profile ``model`` on ``sample`` (one micro-batch) and return the optimal balance.
+
+    ``balance="time"`` or ``"memory"`` picks the objective (see :func:`partition`); a list is
+    validated against the model and returned unchanged.
+    """
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(f"balance_model needs an nn.Sequential, got {type(model).__name__}")
+    if not isinstance(balance, str):
+        bal = _check_balance(balance, len(model), what="layers")
+        if len(bal) != stages:
+            raise ValueError(f"balance {bal} has {len(bal)} stages but stages={stages}")
+        return bal
+    if balance not in OBJECTIVES:
+        raise ValueError(
+            f"unknown balance {balance!r}; use 'time', 'memory' or a list of layer counts"
+        )
+    # fail on bad arguments before spending time profiling
+    S = _check_positive_int("stages", stages, "a pipeline needs at least one stage")
+    if S > len(model):
+        raise ValueError(
+            f"cannot split {len(model)} layers into {S} stages; use at most {len(model)} stages "
+            "or split layers"
+        )
+    stage_footprint(schedule, S, chunks, order=order)
+    _optimizer_factor(optimizer_state_factor)
+    _check_cap(memory_cap_bytes)
+    costs = profile_layers(model, sample, device=device, repeats=repeats)
+    return partition(
+        costs,
+        S,
+        objective=balance,
+        schedule=schedule,
+        chunks=chunks,
+        memory_cap_bytes=memory_cap_bytes,
+        optimizer_state_factor=optimizer_state_factor,
+        order=order,
+    )
