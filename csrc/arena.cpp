@@ -1,0 +1,436 @@
+// Implementation of csrc/arena.h. See that header for why the arena exists.
+//
+// CUDA specifics (side-stream snapshots, events, L2 windows) go through
+// csrc/cuda/arena_cuda.h, compiled only when PE_WITH_CUDA is defined; without it the
+// same operations fall back to stream-ordered torch copies, which are correct on any
+// device, just not overlapped with compute.
+#include "arena.h"
+
+#include <algorithm>
+#include <string>
+
+#ifdef PE_WITH_CUDA
+#include "cuda/arena_cuda.h"
+#endif
+
+namespace pe {
+namespace {
+
+bool is_power_of_two(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Elements per alignment unit: 256 bytes is 64 float32s, 128 bf16s, 32 float64s.
+int64_t align_elems(int64_t alignment, at::ScalarType dtype) {
+  const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
+  return std::max<int64_t>(1, alignment / item);
+}
+
+#ifdef PE_WITH_CUDA
+void* as_ptr(int64_t stream) { return reinterpret_cast<void*>(static_cast<intptr_t>(stream)); }
+#endif
+
+}  // namespace
+
+namespace {
+
+at::Tensor aligned_alloc(int64_t numel, at::ScalarType dtype, at::Device device,
+                         int64_t alignment, bool zero) {
+  TORCH_CHECK(is_power_of_two(alignment), "alignment must be a power of two, got ", alignment);
+  TORCH_CHECK(numel >= 0, "numel must be >= 0, got ", numel);
+  const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t slack = std::max<int64_t>(0, alignment / item - 1);
+  auto opts = at::TensorOptions().dtype(dtype).device(device);
+  at::Tensor raw = zero ? at::zeros({numel + slack}, opts) : at::empty({numel + slack}, opts);
+  if (device.is_meta() || slack == 0) return raw.narrow(0, 0, numel);
+  const auto addr = reinterpret_cast<uintptr_t>(raw.data_ptr());
+  const auto misalign = static_cast<int64_t>(addr % static_cast<uintptr_t>(alignment));
+  int64_t shift = 0;
+  if (misalign != 0) {
+    TORCH_CHECK((alignment - misalign) % item == 0, "allocator returned an address (", addr,
+                ") that is not a multiple of the element size ", item);
+    shift = (alignment - misalign) / item;
+  }
+  return raw.narrow(0, shift, numel);
+}
+
+}  // namespace
+
+at::Tensor aligned_zeros(int64_t numel, at::ScalarType dtype, at::Device device,
+                         int64_t alignment) {
+  return aligned_alloc(numel, dtype, device, alignment, /*zero=*/true);
+}
+
+at::Tensor aligned_empty(int64_t numel, at::ScalarType dtype, at::Device device,
+                         int64_t alignment) {
+  return aligned_alloc(numel, dtype, device, alignment, /*zero=*/false);
+}
+
+Arena::Arena(int64_t alignment) : alignment_(alignment) {
+  TORCH_CHECK(is_power_of_two(alignment),
+              "alignment must be a power of two (e.g. 256), got ", alignment);
+}
+
+Arena::~Arena() {
+  // Pending side-stream copies still read the live buffers and write the slots: wait for
+  // them before the tensors go back to the caching allocator.
+  for (auto& kv : slots_) {
+    try {
+      settle(kv.second);
+    } catch (...) {
+      // Destructors must not throw; at interpreter exit the CUDA runtime may be gone.
+    }
+  }
+}
+
+int64_t Arena::add_bucket(const std::vector<at::Tensor>& tensors, int64_t group,
+                          bool requires_grad) {
+  TORCH_CHECK(!tensors.empty(), "a bucket needs at least one tensor");
+  // Existing slots cover only the buckets they were taken with; a bucket added later
+  // would leave them incomplete, so all buckets come before the first snapshot.
+  TORCH_CHECK(slots_.empty(), "buckets must be added before the first snapshot");
+  Bucket bk;
+  bk.device = tensors[0].device();
+  bk.dtype = tensors[0].scalar_type();
+  bk.group = group;
+  bk.requires_grad = requires_grad;
+  TORCH_CHECK(at::isFloatingType(bk.dtype),
+              "the arena holds floating-point weights only, got ", bk.dtype);
+  const int64_t unit = align_elems(alignment_, bk.dtype);
+  int64_t cursor = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    TORCH_CHECK(t.device() == bk.device && t.scalar_type() == bk.dtype,
+                "tensor ", i, " of a bucket is ", t.scalar_type(), " on ", t.device(),
+                " but the bucket is ", bk.dtype, " on ", bk.device);
+    TORCH_CHECK(t.layout() == at::kStrided, "tensor ", i, " is not a dense (strided) tensor");
+    cursor = round_up(cursor, unit);
+    bk.offsets.push_back(cursor);
+    bk.numels.push_back(t.numel());
+    bk.shapes.push_back(t.sizes().vec());
+    cursor += t.numel();
+  }
+  // Pad the tail too: every buffer is a whole number of alignment units, so a vectorised
+  // kernel never needs a scalar epilogue and two buckets never share a cache line.
+  bk.numel = round_up(cursor, unit);
+  bk.param = aligned_zeros(bk.numel, bk.dtype, bk.device, alignment_);
+  {
+    c10::NoGradGuard no_grad;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (bk.numels[i] == 0) continue;
+      bk.param.narrow(0, bk.offsets[i], bk.numels[i]).view(bk.shapes[i]).copy_(tensors[i]);
+    }
+  }
+  if (requires_grad) bk.grad = aligned_zeros(bk.numel, bk.dtype, bk.device, alignment_);
+  live_bytes_ += bk.nbytes();
+  if (requires_grad) grad_bytes_ += bk.nbytes();
+  buckets_.push_back(std::move(bk));
+  track_peak();
+  return static_cast<int64_t>(buckets_.size()) - 1;
+}
+
+const Bucket& Arena::bucket(int64_t b) const {
+  TORCH_CHECK(b >= 0 && b < num_buckets(), "bucket index ", b, " out of range (",
+              num_buckets(), " buckets)");
+  return buckets_[static_cast<size_t>(b)];
+}
+
+static std::vector<at::Tensor> views_of(const at::Tensor& flat, const Bucket& bk) {
+  std::vector<at::Tensor> out;
+  out.reserve(bk.offsets.size());
+  for (size_t i = 0; i < bk.offsets.size(); ++i) {
+    out.push_back(flat.narrow(0, bk.offsets[i], bk.numels[i]).view(bk.shapes[i]));
+  }
+  return out;
+}
+
+std::vector<at::Tensor> Arena::param_views(int64_t b) const {
+  const auto& bk = bucket(b);
+  return views_of(bk.param, bk);
+}
+
+std::vector<at::Tensor> Arena::grad_views(int64_t b) const {
+  const auto& bk = bucket(b);
+  TORCH_CHECK(bk.requires_grad, "bucket ", b, " holds requires_grad=False tensors: no gradients");
+  return views_of(bk.grad, bk);
+}
+
+// ---------------------------------------------------------------------------------------
+// weight versions
+
+Slot& Arena::slot_ref(int64_t slot) {
+  auto it = slots_.find(slot);
+  TORCH_CHECK(it != slots_.end(), "weight slot ", slot,
+              was_freed(slot) ? " was already freed" : " does not exist");
+  return it->second;
+}
+
+const Slot& Arena::slot_ref(int64_t slot) const {
+  auto it = slots_.find(slot);
+  TORCH_CHECK(it != slots_.end(), "weight slot ", slot,
+              was_freed(slot) ? " was already freed" : " does not exist");
+  return it->second;
+}
+
+void Arena::copy_into_slot(Slot& s, int64_t stream) {
+  (void)stream;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const auto& bk = buckets_[b];
+#ifdef PE_WITH_CUDA
+    if (bk.device.is_cuda()) {
+      // A previous copy into this slot may still be in flight; the new one goes on the
+      // same side stream, so it is ordered after it, and its event supersedes the old one
+      // (destroying a pending event is legal: waits already enqueued on it still hold).
+      if (s.events[b] != nullptr) {
+        cuda::event_destroy(bk.device.index(), s.events[b]);
+        s.events[b] = nullptr;
+      }
+      s.events[b] = cuda::copy_async(bk.device.index(), s.flats[b].data_ptr(),
+                                     bk.param.data_ptr(), static_cast<size_t>(bk.nbytes()),
+                                     as_ptr(stream));
+      continue;
+    }
+#endif
+    c10::NoGradGuard no_grad;
+    s.flats[b].copy_(bk.param);  // stream-ordered on the current stream for CUDA tensors
+  }
+}
+
+int64_t Arena::snapshot(int64_t stream, std::optional<int64_t> microbatch) {
+  Slot s;
+  s.flats.reserve(buckets_.size());
+  s.events.assign(buckets_.size(), nullptr);
+  for (const auto& bk : buckets_) {
+    // The copy below covers the whole flat buffer, padding (zero in live) included, so
+    // the slot needs no fill of its own (and on CUDA a fill on the current stream could
+    // race with the side-stream copy).
+    s.flats.push_back(aligned_empty(bk.numel, bk.dtype, bk.device, alignment_));
+    s.nbytes += bk.nbytes();
+  }
+  copy_into_slot(s, stream);
+  const int64_t id = next_slot_++;
+  if (microbatch.has_value()) {
+    s.pins[*microbatch] = 1;
+  }
+  slot_bytes_ += s.nbytes;
+  slots_.emplace(id, std::move(s));
+  track_peak();
+  return id;
+}
+
+void Arena::refresh(int64_t slot, int64_t stream) { copy_into_slot(slot_ref(slot), stream); }
+
+void Arena::wait(int64_t slot, int64_t stream) {
+  auto& s = slot_ref(slot);
+  (void)stream;
+#ifdef PE_WITH_CUDA
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (s.events[b] == nullptr) continue;
+    const int dev = buckets_[b].device.index();
+    if (cuda::event_done(dev, s.events[b])) {
+      cuda::event_destroy(dev, s.events[b]);
+      s.events[b] = nullptr;
+    } else {
+      cuda::stream_wait_event(dev, as_ptr(stream), s.events[b]);
+    }
+  }
+#else
+  (void)s;
+#endif
+}
+
+void Arena::wait_all(int64_t stream) {
+#ifdef PE_WITH_CUDA
+  for (auto& kv : slots_) wait(kv.first, stream);
+#else
+  (void)stream;
+#endif
+}
+
+void Arena::settle(Slot& s) {
+#ifdef PE_WITH_CUDA
+  for (size_t b = 0; b < s.events.size(); ++b) {
+    if (s.events[b] == nullptr) continue;
+    const int dev = buckets_[b].device.index();
+    cuda::event_sync(dev, s.events[b]);
+    cuda::event_destroy(dev, s.events[b]);
+    s.events[b] = nullptr;
+  }
+#else
+  (void)s;
+#endif
+}
+
+std::vector<at::Tensor> Arena::slot_views(int64_t slot, int64_t b) const {
+  const auto& s = slot_ref(slot);
+  const auto& bk = bucket(b);
+  return views_of(s.flats[static_cast<size_t>(b)], bk);
+}
+
+at::Tensor Arena::slot_flat(int64_t slot, int64_t b) const {
+  const auto& s = slot_ref(slot);
+  bucket(b);
+  return s.flats[static_cast<size_t>(b)];
+}
+
+void Arena::restore(int64_t slot, int64_t stream) {
+  wait(slot, stream);
+  auto& s = slot_ref(slot);
+  c10::NoGradGuard no_grad;
+  for (size_t b = 0; b < buckets_.size(); ++b) buckets_[b].param.copy_(s.flats[b]);
+}
+
+std::vector<int64_t> Arena::slot_ids() const {
+  std::vector<int64_t> ids;
+  for (const auto& kv : slots_) ids.push_back(kv.first);
+  return ids;
+}
+
+std::map<int64_t, int64_t> Arena::pins(int64_t slot) const { return slot_ref(slot).pins; }
+
+int64_t Arena::refcount(int64_t slot) const {
+  const auto& s = slot_ref(slot);
+  int64_t n = s.holders;
+  for (const auto& kv : s.pins) n += kv.second;
+  return n;
+}
+
+void Arena::pin(int64_t slot, int64_t microbatch) {
+  auto& s = slot_ref(slot);
+  s.pins[microbatch] += 1;
+}
+
+bool Arena::release(int64_t slot, int64_t microbatch) {
+  auto& s = slot_ref(slot);
+  auto it = s.pins.find(microbatch);
+  TORCH_CHECK(it != s.pins.end(), "weight slot ", slot, " is not pinned to micro-batch ",
+              microbatch);
+  if (--it->second == 0) s.pins.erase(it);
+  if (s.pins.empty() && s.holders == 0) {
+    erase_slot(slot);
+    return true;
+  }
+  return false;
+}
+
+void Arena::free_slot(int64_t slot) {
+  auto& s = slot_ref(slot);
+  TORCH_CHECK(s.pins.empty(), "weight slot ", slot, " is still pinned by ", s.pins.size(),
+              " micro-batch(es); release them instead");
+  TORCH_CHECK(s.holders == 0, "weight slot ", slot,
+              " belongs to a double buffer; close the rotation instead");
+  erase_slot(slot);
+}
+
+void Arena::erase_slot(int64_t slot) {
+  auto it = slots_.find(slot);
+  settle(it->second);  // the side stream may still be writing it
+  slot_bytes_ -= it->second.nbytes;
+  slots_.erase(it);
+}
+
+// ---------------------------------------------------------------------------------------
+// double buffering
+
+int64_t Arena::rotation_create(int64_t stream) {
+  const int64_t a = snapshot(stream, std::nullopt);
+  const int64_t b = snapshot(stream, std::nullopt);
+  slots_[a].holders += 1;
+  slots_[b].holders += 1;
+  const int64_t id = next_rotation_++;
+  rotations_[id] = {a, b};
+  return id;
+}
+
+int64_t Arena::rotation_front(int64_t r) const {
+  auto it = rotations_.find(r);
+  TORCH_CHECK(it != rotations_.end(), "double buffer ", r, " does not exist (closed?)");
+  return it->second.first;
+}
+
+int64_t Arena::rotation_back(int64_t r) const {
+  auto it = rotations_.find(r);
+  TORCH_CHECK(it != rotations_.end(), "double buffer ", r, " does not exist (closed?)");
+  return it->second.second;
+}
+
+void Arena::rotation_swap(int64_t r) {
+  auto it = rotations_.find(r);
+  TORCH_CHECK(it != rotations_.end(), "double buffer ", r, " does not exist (closed?)");
+  std::swap(it->second.first, it->second.second);  // index swap: no byte moves
+}
+
+void Arena::rotation_close(int64_t r) {
+  auto it = rotations_.find(r);
+  TORCH_CHECK(it != rotations_.end(), "double buffer ", r, " does not exist (closed?)");
+  for (int64_t slot : {it->second.first, it->second.second}) {
+    auto& s = slots_.at(slot);
+    s.holders -= 1;
+    if (s.holders == 0 && s.pins.empty()) erase_slot(slot);
+  }
+  rotations_.erase(it);
+}
+
+// ---------------------------------------------------------------------------------------
+// accounting
+
+std::map<int64_t, int64_t> Arena::per_slot_bytes() const {
+  std::map<int64_t, int64_t> out;
+  for (const auto& kv : slots_) out[kv.first] = kv.second.nbytes;
+  return out;
+}
+
+void Arena::track_peak() {
+  peak_bytes_ = std::max(peak_bytes_, live_bytes_ + grad_bytes_ + slot_bytes_);
+}
+
+// ---------------------------------------------------------------------------------------
+// L2 persistence
+
+L2Result Arena::set_l2_persistence(int64_t b, int64_t stream, double hit_ratio,
+                                   int64_t max_bytes) {
+  const auto& bk = bucket(b);
+  L2Result out;
+  out.bucket = b;
+  if (!bk.device.is_cuda()) {
+    out.reason = std::string("L2 persistence needs a CUDA buffer; this bucket is on ") +
+                 bk.device.str();
+    return out;
+  }
+#ifdef PE_WITH_CUDA
+  out.supported = true;
+  auto w = cuda::set_l2_persistence(bk.device.index(), as_ptr(stream), bk.param.data_ptr(),
+                                    static_cast<size_t>(bk.nbytes()),
+                                    static_cast<float>(hit_ratio),
+                                    static_cast<size_t>(std::max<int64_t>(0, max_bytes)));
+  out.ok = w.ok;
+  out.granted_bytes = static_cast<int64_t>(w.granted_bytes);
+  out.window_bytes = static_cast<int64_t>(w.window_bytes);
+  out.max_persisting_bytes = static_cast<int64_t>(w.max_persisting_bytes);
+  out.max_window_bytes = static_cast<int64_t>(w.max_window_bytes);
+  out.hit_ratio = w.hit_ratio;
+  out.reason = w.reason;
+#else
+  (void)stream;
+  (void)hit_ratio;
+  (void)max_bytes;
+  out.reason =
+      "engine._C was built without CUDA; rebuild on a machine with a CUDA torch and nvcc "
+      "(see docs/building.md)";
+#endif
+  return out;
+}
+
+void Arena::clear_l2_persistence(int64_t b, int64_t stream) {
+  const auto& bk = bucket(b);
+  TORCH_CHECK(bk.device.is_cuda(), "L2 persistence needs a CUDA buffer; bucket ", b, " is on ",
+              bk.device.str());
+#ifdef PE_WITH_CUDA
+  cuda::clear_l2_persistence(bk.device.index(), as_ptr(stream));
+#else
+  (void)stream;
+  TORCH_CHECK(false, "engine._C was built without CUDA: there is no L2 window to clear");
+#endif
+}
+
+}  // namespace pe

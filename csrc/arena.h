@@ -1,0 +1,148 @@
+// The per-stage weight arena: flat, aligned buffers that own a stage's parameters,
+// gradients and weight versions.
+//
+// Why flat buffers: an optimizer step over a stage becomes one kernel launch per buffer
+// instead of one per tensor, snapshots of the weights (weight stashing, PipeDream-2BW's
+// shadow copy, predicted weights) become one memcpy, and the whole live buffer can be
+// pinned in L2 with a single access-policy window. The Python layer (engine/arena.py)
+// validates input and re-points the modules' parameters at views of these buffers.
+//
+// Layout: parameters are grouped into buckets (one per device, dtype, param group and
+// requires_grad). Inside a bucket every tensor starts at a multiple of `alignment` bytes
+// (a power of two, 256 by default: full 128-byte cache lines / vector loads for every
+// tensor, and what cudaMalloc itself guarantees). Padding is zero and nothing writes it,
+// so elementwise optimizer kernels may sweep the whole buffer including the gaps.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace pe {
+
+// Allocates `numel` zeros of `dtype` on `device` whose first element sits at an address
+// that is a multiple of `alignment` bytes. torch's CPU allocator only promises 64 bytes,
+// so the storage is over-allocated by one alignment and the result is a narrowed view.
+at::Tensor aligned_zeros(int64_t numel, at::ScalarType dtype, at::Device device,
+                         int64_t alignment);
+// Same, uninitialised: for buffers that are overwritten whole right away (slots). On CUDA
+// this launches no fill kernel, so nothing can race with the side-stream copy into it.
+at::Tensor aligned_empty(int64_t numel, at::ScalarType dtype, at::Device device,
+                         int64_t alignment);
+
+struct Bucket {
+  at::Device device{at::kCPU};
+  at::ScalarType dtype = at::kFloat;
+  int64_t group = 0;
+  bool requires_grad = true;
+  at::Tensor param;  // flat live weights, numel() includes padding
+  at::Tensor grad;   // flat gradients (same layout) or undefined when !requires_grad
+  std::vector<int64_t> offsets;  // element offset of each tensor
+  std::vector<int64_t> numels;
+  std::vector<std::vector<int64_t>> shapes;
+  int64_t numel = 0;  // padded total
+  int64_t nbytes() const { return numel * static_cast<int64_t>(c10::elementSize(dtype)); }
+};
+
+// A saved copy of every bucket's live buffer. Its flat buffers have the buckets' layout.
+struct Slot {
+  std::vector<at::Tensor> flats;  // one per bucket
+  std::vector<void*> events;      // CUDA: copy-done event per bucket (nullptr: no copy pending)
+  std::map<int64_t, int64_t> pins;  // micro-batch id -> pin count
+  int64_t holders = 0;            // rotations (double buffers) holding the slot
+  int64_t nbytes = 0;
+};
+
+struct L2Result {
+  bool supported = false;
+  bool ok = false;
+  int64_t bucket = -1;
+  int64_t granted_bytes = 0;
+  int64_t window_bytes = 0;
+  int64_t max_persisting_bytes = 0;
+  int64_t max_window_bytes = 0;
+  double hit_ratio = 0.0;
+  std::string reason;
+};
+
+class Arena {
+ public:
+  explicit Arena(int64_t alignment);
+  ~Arena();
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  int64_t alignment() const { return alignment_; }
+
+  // Copies `tensors` (all of one device and dtype; validated by the caller and checked
+  // again here) into a new bucket and returns its index.
+  int64_t add_bucket(const std::vector<at::Tensor>& tensors, int64_t group, bool requires_grad);
+  int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
+  const Bucket& bucket(int64_t b) const;
+  std::vector<at::Tensor> param_views(int64_t b) const;
+  std::vector<at::Tensor> grad_views(int64_t b) const;
+
+  // --- weight versions -------------------------------------------------------------
+  // `stream` is the caller's current CUDA stream (cudaStream_t as an integer; 0 is the
+  // default stream); ignored for CPU buckets and in CPU-only builds.
+  int64_t snapshot(int64_t stream, std::optional<int64_t> microbatch);
+  void refresh(int64_t slot, int64_t stream);  // copy live into an existing slot
+  void wait(int64_t slot, int64_t stream);     // make `stream` wait for the slot's copy
+  void wait_all(int64_t stream);               // ... for every pending copy (before writing live)
+  std::vector<at::Tensor> slot_views(int64_t slot, int64_t b) const;
+  at::Tensor slot_flat(int64_t slot, int64_t b) const;
+  void restore(int64_t slot, int64_t stream);  // copy the slot back into live
+  bool has_slot(int64_t slot) const { return slots_.count(slot) != 0; }
+  bool was_freed(int64_t slot) const { return slot >= 0 && slot < next_slot_ && !has_slot(slot); }
+  std::vector<int64_t> slot_ids() const;
+  std::map<int64_t, int64_t> pins(int64_t slot) const;
+  int64_t refcount(int64_t slot) const;
+  void pin(int64_t slot, int64_t microbatch);
+  // Drops one pin; frees the slot when no pin and no rotation holds it. Returns freed.
+  bool release(int64_t slot, int64_t microbatch);
+  void free_slot(int64_t slot);  // drops a slot that is neither pinned nor held
+
+  // --- double buffering (PipeDream-2BW) ---------------------------------------------
+  int64_t rotation_create(int64_t stream);
+  int64_t rotation_front(int64_t r) const;
+  int64_t rotation_back(int64_t r) const;
+  void rotation_swap(int64_t r);
+  void rotation_close(int64_t r);
+
+  // --- accounting ---------------------------------------------------------------------
+  int64_t live_bytes() const { return live_bytes_; }
+  int64_t grad_bytes() const { return grad_bytes_; }
+  int64_t slot_bytes() const { return slot_bytes_; }
+  int64_t peak_bytes() const { return peak_bytes_; }
+  std::map<int64_t, int64_t> per_slot_bytes() const;
+
+  // --- L2 persistence (CUDA) -----------------------------------------------------------
+  L2Result set_l2_persistence(int64_t b, int64_t stream, double hit_ratio, int64_t max_bytes);
+  void clear_l2_persistence(int64_t b, int64_t stream);
+
+ private:
+  Slot& slot_ref(int64_t slot);
+  const Slot& slot_ref(int64_t slot) const;
+  void copy_into_slot(Slot& s, int64_t stream);
+  void settle(Slot& s);  // host-wait for pending copies and drop their events
+  void erase_slot(int64_t slot);
+  void track_peak();
+
+  int64_t alignment_;
+  std::vector<Bucket> buckets_;
+  std::map<int64_t, Slot> slots_;
+  std::map<int64_t, std::pair<int64_t, int64_t>> rotations_;  // id -> (front, back)
+  int64_t next_slot_ = 0;
+  int64_t next_rotation_ = 0;
+  int64_t live_bytes_ = 0;
+  int64_t grad_bytes_ = 0;
+  int64_t slot_bytes_ = 0;
+  int64_t peak_bytes_ = 0;
+};
+
+}  // namespace pe

@@ -1,0 +1,593 @@
+"""Tests of the weight arena (engine.arena over engine._C).
+
+The arena is the foundation every later piece (fused optimizers, weight stashing, 2BW,
+weight prediction) builds on, so these tests pin down the contract: aligned slices,
+aliasing between parameters and flat buffers, bit-exact independent snapshots,
+reference-counted slots, copy-free rotation, unchanged module behaviour, and bad input
+rejected before anything moves.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from engine.arena import (
+    ArenaError,
+    FlatView,
+    SlotError,
+    WeightArena,
+    flat_buffers_for,
+    flatten_,
+)
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 3))
+
+
+def clones(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def assert_unchanged(module: nn.Module, before: dict[str, torch.Tensor], ptrs: dict[str, int]) -> None:
+    for n, p in module.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+        assert p.data_ptr() == ptrs[n], f"{n} was moved"
+
+
+def data_ptrs(module: nn.Module) -> dict[str, int]:
+    return {n: p.data_ptr() for n, p in module.named_parameters()}
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+@pytest.mark.parametrize("alignment", [256, 64, 1024])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_every_slice_is_aligned_and_padding_is_zero(alignment: int, dtype: torch.dtype) -> None:
+    m = mlp().to(dtype)
+    before = clones(m)
+    arena = flatten_(m, alignment=alignment)
+    for p in m.parameters():
+        assert p.data_ptr() % alignment == 0
+        assert p.grad is not None and p.grad.data_ptr() % alignment == 0
+    (bucket,) = arena.buckets
+    assert bucket.numel * p.element_size() % alignment == 0
+    assert bucket.nbytes == bucket.numel * p.element_size()
+    for n, p in m.named_parameters():
+        assert torch.equal(p.detach(), before[n])
+    flat = arena.flat_param()
+    mask = torch.ones(flat.numel(), dtype=torch.bool)
+    for off, n in zip(bucket.offsets, bucket.numels, strict=False):
+        mask[off : off + n] = False
+    assert mask.any()  # this layout has padding
+    assert torch.count_nonzero(flat[mask]) == 0
+    # padding stays zero through a forward/backward and an SGD step over the whole buffer
+    m(torch.randn(5, 7, dtype=dtype)).square().sum().backward()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    opt.step()
+    fv = flat_buffers_for(list(m.parameters()))
+    assert fv is not None
+    fv.param.add_(fv.grad, alpha=-0.1)  # a "one launch" update sweeping the padding too
+    assert torch.count_nonzero(flat[mask]) == 0
+    assert torch.count_nonzero(arena.flat_grad()[mask]) == 0
+
+
+def test_non_power_of_two_alignment_is_rejected_and_nothing_moves() -> None:
+    m = mlp()
+    before, ptrs = clones(m), data_ptrs(m)
+    for bad in (0, 3, 100, -256, 2.0):
+        with pytest.raises(ArenaError, match="power of two"):
+            flatten_(m, alignment=bad)  # type: ignore[arg-type]
+    assert_unchanged(m, before, ptrs)
+    assert flat_buffers_for(list(m.parameters())) is None
+
+
+def test_buckets_split_by_dtype_group_and_requires_grad() -> None:
+    a = nn.Parameter(torch.randn(3))
+    b = nn.Parameter(torch.randn(4, dtype=torch.float64))
+    c = nn.Parameter(torch.randn(5), requires_grad=False)
+    d = nn.Parameter(torch.randn(2))
+    arena = flatten_([{"params": [a, b, c]}, {"params": [d]}])
+    keys = [(x.dtype, x.group, x.requires_grad) for x in arena.buckets]
+    assert keys == [
+        (torch.float32, 0, True),
+        (torch.float64, 0, True),
+        (torch.float32, 0, False),
+        (torch.float32, 1, True),
+    ]
+    assert arena.params == [a, b, c, d]
+    assert arena.names[3] == "param_groups[1].params[0]"
+
+
+# ----------------------------------------------------------------------------- aliasing
+
+
+def test_param_and_grad_views_alias_the_flat_buffers() -> None:
+    m = mlp()
+    arena = flatten_(m)
+    (bucket,) = arena.buckets
+    flat, gflat = arena.flat_param(), arena.flat_grad()
+    assert gflat is not None
+    w = m[0].weight
+    off = bucket.offsets[0]
+    # write through the parameter, read through the flat buffer
+    with torch.no_grad():
+        w[2, 3] = 42.0
+    assert flat[off + 2 * 7 + 3].item() == 42.0
+    # write through the flat buffer, read through the parameter
+    flat[bucket.offsets[3] + 1] = -7.0
+    assert m[2].bias[1].item() == -7.0
+    gflat[off + 5] = 3.5
+    assert w.grad.view(-1)[5].item() == 3.5
+    w.grad.view(-1)[6] = 1.25
+    assert gflat[off + 6].item() == 1.25
+
+
+def test_module_keeps_working_and_grads_land_in_the_flat_buffer() -> None:
+    ref, m = mlp(1), mlp(1)
+    params = list(m.parameters())
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)  # created BEFORE flattening
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    arena = flatten_(m)
+    assert list(m.parameters()) == params and all(a is b for a, b in zip(m.parameters(), params, strict=False))
+    torch.manual_seed(3)
+    for _ in range(3):
+        x, y = torch.randn(8, 7), torch.randn(8, 3)
+        for model, o in ((ref, ref_opt), (m, opt)):
+            o.zero_grad(set_to_none=False)
+            nn.functional.mse_loss(model(x), y).backward()
+            o.step()
+    for (n, p), q in zip(m.named_parameters(), ref.parameters(), strict=False):
+        assert torch.equal(p, q), n
+    (bucket,) = arena.buckets
+    gflat = arena.flat_grad()
+    for p, off, n in zip(m.parameters(), bucket.offsets, bucket.numels, strict=False):
+        assert torch.equal(gflat[off : off + n], p.grad.reshape(-1))
+        assert p.grad.data_ptr() == gflat[off:].data_ptr()
+    # arena.zero_grad keeps the views
+    ptrs = [p.grad.data_ptr() for p in m.parameters()]
+    arena.zero_grad()
+    assert [p.grad.data_ptr() for p in m.parameters()] == ptrs
+    assert torch.count_nonzero(gflat) == 0
+
+
+def test_existing_grads_are_copied_in() -> None:
+    m = mlp()
+    m(torch.randn(2, 7)).sum().backward()
+    grads = [p.grad.clone() for p in m.parameters()]
+    arena = flatten_(m)
+    for p, g in zip(m.parameters(), grads, strict=False):
+        assert torch.equal(p.grad, g)
+    assert flat_buffers_for(arena.params).grads_are_views()
+
+
+def test_state_dict_round_trips_before_and_after_flattening() -> None:
+    src = mlp(5)
+    saved_before = io.BytesIO()
+    torch.save(src.state_dict(), saved_before)
+
+    m = mlp(6)
+    flatten_(m)
+    saved_before.seek(0)
+    m.load_state_dict(torch.load(saved_before))
+    for p, q in zip(m.parameters(), src.parameters(), strict=False):
+        assert torch.equal(p, q)
+    assert flat_buffers_for(list(m.parameters())) is not None  # still views after loading
+
+    with torch.no_grad():
+        m[0].weight.mul_(2)
+    saved_after = io.BytesIO()
+    torch.save(m.state_dict(), saved_after)
+    plain = mlp(7)
+    saved_after.seek(0)
+    plain.load_state_dict(torch.load(saved_after))
+    for p, q in zip(plain.parameters(), m.parameters(), strict=False):
+        assert torch.equal(p, q)
+        assert p.shape == q.shape
+
+
+def test_requires_grad_false_params_stay_out_of_the_grad_buffer() -> None:
+    m = mlp()
+    m[0].weight.requires_grad_(False)
+    arena = flatten_(m)
+    frozen = [b for b in arena.buckets if not b.requires_grad]
+    assert len(frozen) == 1 and frozen[0].names == ("0.weight",)
+    assert arena.flat_grad(frozen[0].index) is None
+    assert m[0].weight.grad is None
+    m(torch.randn(4, 7)).sum().backward()
+    assert m[0].weight.grad is None
+    assert m[0].bias.grad is not None
+    trainable = [p for p in m.parameters() if p.requires_grad]
+    fv = flat_buffers_for(trainable)
+    assert fv is not None and fv.grad is not None and fv.grads_are_views()
+    fv_frozen = flat_buffers_for([m[0].weight])
+    assert fv_frozen is not None and fv_frozen.grad is None
+    total = sum(b.nbytes for b in arena.buckets)
+    grad_total = sum(b.nbytes for b in arena.buckets if b.requires_grad)
+    assert arena.bytes()["live"] == total and arena.bytes()["grad"] == grad_total
+
+
+def test_zero_size_params_work() -> None:
+    empty = nn.Parameter(torch.empty(0, 4))
+    w = nn.Parameter(torch.randn(3, 4))
+    arena = flatten_([empty, w])
+    assert empty.shape == (0, 4) and empty.numel() == 0
+    assert w.data_ptr() % 256 == 0
+    (w * 2).sum().backward()
+    assert torch.equal(w.grad, torch.full((3, 4), 2.0))
+    s = arena.snapshot()
+    views = arena.slot_views(s)
+    assert views[0].shape == (0, 4) and torch.equal(views[1], w.detach())
+    fv = flat_buffers_for([empty, w])
+    assert fv is not None and fv.numels == [0, 12]
+
+
+# ----------------------------------------------------------------------------- slots
+
+
+def test_snapshot_is_bit_exact_and_independent() -> None:
+    m = mlp()
+    arena = flatten_(m)
+    live = [p.detach().clone() for p in m.parameters()]
+    s = arena.snapshot()
+    views = arena.slot_views(s)
+    assert len(views) == len(live)
+    for v, w in zip(views, live, strict=False):
+        assert v.dtype == w.dtype and v.shape == w.shape
+        assert torch.equal(v.view(torch.int32), w.view(torch.int32))  # bit for bit
+        assert v.data_ptr() % 256 == 0
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)
+    for v, w in zip(arena.slot_views(s), live, strict=False):
+        assert torch.equal(v, w)
+    assert torch.equal(arena.slot_flat(s)[: arena.buckets[0].numel].count_nonzero(),
+                       torch.cat([w.reshape(-1) for w in live]).count_nonzero())
+    # use() runs the module on the slot and returns to the live weights
+    x = torch.randn(3, 7)
+    ref = mlp()(x)
+    with arena.use(s):
+        assert torch.equal(m(x), ref)
+        assert flat_buffers_for(arena.params) is None  # not the live buffer right now
+    assert torch.equal(m[0].bias, live[1] + 1.0)
+    assert flat_buffers_for(arena.params) is not None
+    arena.restore(s)
+    for p, w in zip(m.parameters(), live, strict=False):
+        assert torch.equal(p, w)
+    assert flat_buffers_for(arena.params) is not None  # restore copies, params stay views
+
+
+def test_refcounted_release_frees_the_slot() -> None:
+    arena = flatten_(mlp())
+    per = arena.bytes()["live"]
+    s = arena.snapshot(microbatch=0)
+    arena.pin(s, 1)
+    arena.pin(s, 1)
+    assert arena.refcount(s) == 3 and arena.pins(s) == {0: 1, 1: 2}
+    assert arena.bytes()["slots"] == per and arena.bytes()["per_slot"] == {s: per}
+    assert arena.release(s, 0) is False
+    assert arena.release(s, 1) is False
+    assert s in arena.slots and arena.bytes()["slots"] == per
+    assert arena.release(s, 1) is True
+    assert s not in arena.slots
+    b = arena.bytes()
+    assert b["slots"] == 0 and b["per_slot"] == {}
+    assert b["peak"] == b["live"] + b["grad"] + per
+
+
+def test_release_of_unknown_or_freed_slot_is_a_clear_error() -> None:
+    arena = flatten_(mlp(), name="stage3")
+    s = arena.snapshot(microbatch=4)
+    with pytest.raises(SlotError, match="stage3.*no weight slot 99"):
+        arena.release(99, 4)
+    with pytest.raises(SlotError, match="not pinned to micro-batch 5"):
+        arena.release(s, 5)
+    assert arena.pins(s) == {4: 1}  # failed releases changed nothing
+    assert arena.release(s, 4) is True
+    with pytest.raises(SlotError, match="already freed"):
+        arena.release(s, 4)
+    with pytest.raises(SlotError, match="already freed"):
+        arena.slot_views(s)
+    unpinned = arena.snapshot()
+    arena.free(unpinned)
+    with pytest.raises(SlotError, match="already freed"):
+        arena.free(unpinned)
+
+
+def test_rotation_swaps_without_copying() -> None:
+    m = mlp()
+    arena = flatten_(m)
+    db = arena.rotation()
+    front, back = db.front, db.back
+    front_ptrs = [v.data_ptr() for v in db.front_views()]
+    back_ptrs = [v.data_ptr() for v in db.back_views()]
+    with torch.no_grad():
+        m[0].weight.fill_(0.5)
+    db.refresh_back()
+    assert torch.equal(db.back_views()[0], torch.full_like(m[0].weight, 0.5))
+    assert not torch.equal(db.front_views()[0], db.back_views()[0])
+    bytes_before = arena.bytes()["slots"]
+    db.swap()
+    assert (db.front, db.back) == (back, front)
+    assert [v.data_ptr() for v in db.front_views()] == back_ptrs
+    assert [v.data_ptr() for v in db.back_views()] == front_ptrs
+    assert torch.equal(db.front_views()[0], torch.full_like(m[0].weight, 0.5))
+    assert arena.bytes()["slots"] == bytes_before  # nothing allocated or copied
+    with pytest.raises(RuntimeError, match="double buffer"):
+        arena.free(db.front)
+    db.close()
+    assert arena.slots == [] and arena.bytes()["slots"] == 0
+
+
+# ----------------------------------------------------------------------------- flat_buffers_for
+
+
+def test_flat_buffers_for_exact_bucket_only() -> None:
+    m = mlp()
+    arena = flatten_(m)
+    params = list(m.parameters())
+    fv = flat_buffers_for(params)
+    assert isinstance(fv, FlatView)
+    assert fv.param.data_ptr() == arena.flat_param().data_ptr()
+    assert fv.grad is not None and fv.grad.data_ptr() == arena.flat_grad().data_ptr()
+    assert fv.offsets == list(arena.buckets[0].offsets) and fv.numels == [91, 13, 39, 3]
+    assert flat_buffers_for(tuple(params)) is fv
+    assert flat_buffers_for(params[:2]) is None  # subset
+    assert flat_buffers_for(params[::-1]) is None  # reordered
+    assert flat_buffers_for([]) is None
+    assert flat_buffers_for(list(mlp().parameters())) is None  # never flattened
+
+    # optimizer state with the same layout
+    state, views = fv.make_state()
+    assert state.numel() == fv.param.numel() and state.data_ptr() % 256 == 0
+    assert [v.shape for v in views] == [p.shape for p in params]
+    state[fv.offsets[1]] = 9.0
+    assert views[1][0].item() == 9.0
+
+    # grads: None counts as zero, foreign tensors are copied in
+    for p in params:
+        p.grad = None
+    m(torch.randn(2, 7)).sum().backward()
+    assert not fv.grads_are_views()
+    expected = [p.grad.clone() for p in params]
+    params[3].grad = None
+    fv.rebind_grads()
+    assert fv.grads_are_views()
+    for p, g in zip(params[:3], expected[:3], strict=False):
+        assert torch.equal(p.grad, g)
+    assert torch.count_nonzero(params[3].grad) == 0
+
+    # the user replaces p.data: the bucket is no longer complete
+    params[1].data = torch.zeros(13)
+    assert flat_buffers_for(params) is None
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_params_on_two_devices_are_rejected_by_name() -> None:
+    m = mlp()
+    m[2].to("meta")
+    before = {n: p for n, p in m.named_parameters() if p.device.type == "cpu"}
+    values = {n: p.detach().clone() for n, p in before.items()}
+    with pytest.raises(ArenaError, match=r"'2\.weight' is on meta but '0\.weight' is on cpu"):
+        flatten_(m, name="s1")
+    for n, p in before.items():
+        assert torch.equal(p.detach(), values[n])
+    assert flat_buffers_for(list(m[0].parameters())) is None
+    flatten_(m[0])  # the cpu part alone is still free to flatten
+
+
+def test_integer_params_are_rejected_by_name() -> None:
+    m = mlp()
+    m.register_parameter("step", nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False))
+    before, ptrs = clones(m), data_ptrs(m)
+    with pytest.raises(ArenaError, match=r"'step' has integer/bool dtype torch\.int64.*register_buffer"):
+        flatten_(m)
+    assert_unchanged(m, before, ptrs)
+    c = nn.Parameter(torch.zeros(2, dtype=torch.complex64))
+    with pytest.raises(ArenaError, match="complex"):
+        flatten_([c])
+
+
+def test_param_shared_by_two_stages_is_rejected_naming_both_arenas() -> None:
+    shared = nn.Linear(4, 4)
+    stage0 = nn.Sequential(shared, nn.ReLU())
+    stage1 = nn.Sequential(nn.Linear(4, 4), shared)
+    a0 = flatten_(stage0, name="stage0")
+    before, ptrs = clones(stage1), data_ptrs(stage1)
+    with pytest.raises(ArenaError, match=r"'1\.weight' already belongs to arena 'stage0'.*'stage1'"):
+        flatten_(stage1, name="stage1")
+    assert_unchanged(stage1, before, ptrs)  # stage1's own Linear did not move either
+    assert flat_buffers_for(list(stage1[0].parameters())) is None
+    assert flat_buffers_for(a0.params) is not None  # and stage0 still owns its weights
+
+
+def test_duplicate_and_non_leaf_inputs_are_rejected() -> None:
+    p = nn.Parameter(torch.randn(3))
+    with pytest.raises(ArenaError, match="same tensor"):
+        flatten_([p, p])
+    with pytest.raises(ArenaError, match="not a leaf"):
+        flatten_([p * 2])
+    with pytest.raises(TypeError, match="not a torch.Tensor"):
+        flatten_([p, 3.0])  # type: ignore[list-item]
+    assert flat_buffers_for([p]) is None
+
+
+def test_arena_can_be_deep_copied_module_wise() -> None:
+    # a deep copy of a flattened module is independent (other stages may clone it)
+    m = mlp()
+    flatten_(m, name="orig")
+    twin = copy.deepcopy(m)
+    other = flatten_(twin, name="twin")
+    assert isinstance(other, WeightArena)
+    with torch.no_grad():
+        twin[0].bias.add_(1)
+    assert not torch.equal(twin[0].bias, m[0].bias)
+
+
+# ----------------------------------------------------------------------------- L2 / CUDA
+
+
+def test_l2_persistence_on_cpu_reports_unsupported() -> None:
+    arena = flatten_(mlp())
+    r = arena.set_l2_persistence()
+    assert r.supported is False and r.ok is False and r.granted_bytes == 0
+    assert "CUDA" in r.reason
+    with pytest.raises(ArenaError, match="hit_ratio"):
+        arena.set_l2_persistence(hit_ratio=1.5)
+    with pytest.raises(ArenaError, match="no L2 window"):
+        arena.clear_l2_persistence()
+
+
+@pytest.mark.cuda
+def test_cuda_async_snapshot_waits_on_its_event() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024)).cuda()
+    arena = flatten_(m)
+    assert all(p.data_ptr() % 256 == 0 for p in m.parameters())
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(3.0)  # queued work the snapshot must wait for
+        expected = [p.detach().clone() for p in m.parameters()]
+        s = arena.snapshot(microbatch=0, overlap=True)
+        fv = flat_buffers_for(arena.params)  # waits for the copy before we write live
+        assert fv is not None
+        fv.param.add_(1.0)
+        views = arena.slot_views(s)
+        got = [v.clone() for v in views]
+        # default (overlap=False): a plain per-tensor update right after is safe too
+        s2 = arena.snapshot()
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(1.0)
+        got2 = [v.clone() for v in arena.slot_views(s2)]
+    torch.cuda.synchronize()
+    for g, e in zip(got, expected, strict=False):
+        assert torch.equal(g, e)
+    for g, e in zip(got2, expected, strict=False):
+        assert torch.equal(g, e + 1.0)
+    arena.free(s2)
+    x = torch.randn(8, 1024, device="cuda")
+    with arena.use(s):
+        y_slot = m(x)
+    y_slot.sum().backward()
+    assert arena.flat_grad().abs().sum().item() > 0
+    assert arena.release(s, 0) and arena.bytes()["slots"] == 0
+    db = arena.rotation()
+    db.refresh_back()
+    db.swap()
+    assert torch.equal(db.front_views()[0], m[0].weight.detach())
+
+
+@pytest.mark.cuda
+def test_cuda_l2_persistence_reports_granted_bytes() -> None:
+    m = nn.Linear(512, 512).cuda()
+    arena = flatten_(m)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        r = arena.set_l2_persistence(stream=stream)
+        try:
+            assert r.supported
+            major, _ = torch.cuda.get_device_capability()
+            if major >= 8:
+                assert r.ok, r.reason
+                assert 0 < r.granted_bytes <= r.max_persisting_bytes
+                assert 0 < r.window_bytes <= arena.buckets[0].nbytes
+                assert 0.0 < r.hit_ratio <= 1.0
+            m(torch.randn(4, 512, device="cuda")).sum().backward()
+        finally:
+            arena.clear_l2_persistence(stream=stream)
+    torch.cuda.synchronize()
+
+
+def test_arena_lives_with_its_params_and_is_collected_with_them() -> None:
+    import gc
+    import pickle
+    import weakref
+
+    m = mlp()
+    ref = weakref.ref(flatten_(m))  # the return value is dropped on purpose
+    gc.collect()
+    assert ref() is not None
+    assert flat_buffers_for(list(m.parameters())) is not None
+    # a pickled copy is not in the arena
+    twin = pickle.loads(pickle.dumps(m))
+    assert flat_buffers_for(list(twin.parameters())) is None
+    flatten_(twin)
+    del m
+    gc.collect()
+    assert ref() is None
+
+
+# ----------------------------------------------------------------------------- bench/l2_persistence.py
+
+BENCH = __import__("pathlib").Path(__file__).resolve().parents[1] / "bench" / "l2_persistence.py"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit path")
+def test_l2_bench_exits_cleanly_without_gpu(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "no GPU" in proc.stdout
+    assert not list(tmp_path.iterdir())  # nothing pretends to be a measurement
+
+
+@pytest.mark.cuda
+def test_l2_bench_writes_ratio_and_granted_bytes(tmp_path) -> None:
+    import csv
+    import runpy
+
+    bench = runpy.run_path(str(BENCH))
+    assert bench["main"](["--out", str(tmp_path), "--iters", "10", "--warmup", "2", "--layers", "2"]) == 0
+    (row,) = list(csv.DictReader((tmp_path / "l2_persistence.csv").open()))
+    assert row["device"] == torch.cuda.get_device_name()
+    assert int(row["granted_bytes"]) >= 0 and row["speedup"]
+    if torch.cuda.get_device_capability()[0] >= 8:
+        assert int(row["granted_bytes"]) > 0 and float(row["speedup"]) > 0
+
+
+def test_random_layouts_are_aligned_disjoint_and_exact() -> None:
+    """Property check over random shapes (zero-size included), dtypes and alignments."""
+    gen = torch.Generator().manual_seed(1234)
+    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+    for case in range(25):
+        alignment = 2 ** int(torch.randint(0, 11, (1,), generator=gen))  # 1 .. 1024 bytes
+        dtype = dtypes[case % len(dtypes)]
+        shapes = []
+        for _ in range(int(torch.randint(1, 6, (1,), generator=gen))):
+            rank = int(torch.randint(0, 3, (1,), generator=gen))
+            shapes.append(tuple(int(d) for d in torch.randint(0, 6, (rank,), generator=gen)))
+        params = [nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+        values = [p.detach().clone() for p in params]
+        arena = flatten_(params, alignment=alignment)
+        (bucket,) = arena.buckets
+        item = params[0].element_size()
+        spans = []
+        for p, v, off, n in zip(params, values, bucket.offsets, bucket.numels, strict=True):
+            assert torch.equal(p.detach(), v) and p.shape == v.shape
+            assert (off * item) % alignment == 0 and p.data_ptr() % max(alignment, item) == 0
+            spans.append((off, off + n))
+        for (_, a1), (b0, _) in zip(spans, spans[1:], strict=False):
+            assert a1 <= b0  # in order, never overlapping
+        assert spans[-1][1] <= bucket.numel and (bucket.numel * item) % alignment == 0
+        flat = arena.flat_param()
+        mask = torch.ones(bucket.numel, dtype=torch.bool)
+        for a, b in spans:
+            mask[a:b] = False
+        assert torch.count_nonzero(flat[mask]) == 0
