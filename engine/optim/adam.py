@@ -1,0 +1,237 @@
+"""Adam and AdamW that know about delay: drop-ins for ``torch.optim.Adam`` / ``AdamW``.
+
+Delay compensation for Adam is this project's own derivation (ALGORITHMS.md, "Adam / AdamW
+with delay compensation"), not a published method:
+
+* Spike compensation SC_D replaces the first moment in the numerator by
+  ``b1^D * u_hat + (1 - b1^D) * g`` (D = 1 is NAdam's numerator with constant momentum).
+* Prediction extrapolates the last applied step ``s = w_old - w_new`` (stored per param as
+  ``state["last_update"]``, so it survives a state_dict round trip):
+  ``"linear"``: w_hat = w - H * s, the rule of ALGORITHMS.md;
+  ``"momentum"``: w_hat = w - (b1 + b1^2 + ... + b1^H) * s. Without new gradients Adam's first
+  moment decays by b1 per step; holding the denominator (and bias corrections) fixed, the
+  next H steps are b1*s, b1^2*s, ..., which is this sum. It is the Adam analogue of SGD's
+  "momentum" mode and is exact for a constant denominator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _functional, _is_real_number
+
+__all__ = ["Adam", "AdamW"]
+
+
+class _AdamBase(DelayOptimizer):
+    _family = "adam"
+    _decoupled = False
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        amsgrad: bool,
+        *,
+        maximize: bool,
+        delay: int,
+        spike_compensation: bool,
+        prediction: str | None,
+        prediction_horizon: float | None,
+        discrepancy_correction: bool,
+        correction_decay: float,
+        fused: bool | None,
+    ) -> None:
+        if isinstance(betas, (list, tuple)):
+            # torch accepts 1-element tensor betas; the update reads them as Python floats
+            betas = tuple(float(b) if isinstance(b, Tensor) and b.numel() == 1 else b for b in betas)
+        defaults = {
+            **DELAY_DEFAULTS,
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": amsgrad,
+            "maximize": maximize,
+            "decoupled_weight_decay": self._decoupled,
+            "delay": delay,
+            "spike_compensation": spike_compensation,
+            "prediction": prediction,
+            "prediction_horizon": prediction_horizon,
+            "discrepancy_correction": discrepancy_correction,
+            "correction_decay": correction_decay,
+            "fused": fused,
+        }
+        super().__init__(params, defaults)
+
+    def _check_options(self, group: dict[str, Any], where: str) -> None:
+        super()._check_options(group, where)
+        betas = group["betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"{where}betas={betas!r} is invalid: give a pair (beta1, beta2)")
+        for i, b in enumerate(betas):
+            if not (_is_real_number(b) and 0.0 <= b < 1.0):
+                raise ValueError(
+                    f"{where}betas[{i}]={b!r} is invalid: each beta must lie in [0, 1) "
+                    "(beta = 1 never forgets and divides by zero in the bias correction)"
+                )
+        eps = group["eps"]
+        if not (_is_real_number(eps) and eps >= 0.0):
+            raise ValueError(f"{where}eps={eps!r} is invalid: it must be a float >= 0")
+        if not isinstance(group["amsgrad"], bool):
+            raise TypeError(f"{where}amsgrad={group['amsgrad']!r} is invalid: it must be True or False")
+
+    def _state_keys(self, group: dict[str, Any]) -> list[str]:
+        keys = ["exp_avg", "exp_avg_sq"]
+        if group["amsgrad"]:
+            keys.append("max_exp_avg_sq")
+        if group["prediction"] is not None:
+            keys.append("last_update")
+        if self._correction_gamma(group) is not None:
+            keys.append("delta")
+        return keys
+
+    def _is_fresh(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
+        return "step" not in state
+
+    def _ensure_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> bool:
+        fresh = self._is_fresh(group, state)
+        if fresh:
+            # torch keeps the (non-fused) step count on the CPU; we keep it beside the param
+            # so the fused kernels read it without a host sync (identical on CPU).
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        for key in self._state_keys(group):
+            if key not in state:
+                state[key] = self._new_state_tensor(p)
+        return fresh
+
+    def _call_update(
+        self,
+        fn: Callable[..., Any],
+        group: dict[str, Any],
+        param: Tensor,
+        grad: Tensor,
+        state: dict[str, Tensor],
+        init: bool,
+        predicted: Tensor | None,
+        grad_scale: Tensor | None,
+        found_inf: Tensor | None,
+    ) -> None:
+        beta1, beta2 = group["betas"]
+        gamma = self._correction_gamma(group)
+        horizon = 0.0
+        if predicted is not None:
+            horizon = self._adam_horizon(group, self._horizon(group))
+        fn(
+            param,
+            grad,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            state.get("max_exp_avg_sq"),
+            step=state["step"],
+            lr=self.effective_lr(group),
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            decoupled=group["decoupled_weight_decay"],
+            amsgrad=group["amsgrad"],
+            maximize=group["maximize"],
+            sc_delay=group["delay"] if group["spike_compensation"] else 0,
+            last_update=state.get("last_update"),
+            predicted=predicted,
+            predict_horizon=horizon,
+            delta=state.get("delta") if gamma is not None else None,
+            delta_gamma=gamma if gamma is not None else 0.0,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+        )
+
+    @staticmethod
+    def _adam_horizon(group: dict[str, Any], horizon: float) -> float:
+        """Multiple of the last step that the prediction extrapolates (module docstring)."""
+        if group["prediction"] == "linear":
+            return float(horizon)
+        return _functional().prediction_coeff("momentum", 1.0, group["betas"][0], horizon)
+
+    def _prediction_direction_and_coeff(self, group: dict[str, Any], p: Tensor, horizon: float) -> tuple[Tensor | None, float]:
+        last = self.state[p].get("last_update") if p in self.state else None
+        return last, self._adam_horizon(group, horizon)
+
+
+class Adam(_AdamBase):
+    """Adam with L2 weight decay (added to the gradient), plus the delay options.
+
+    With ``delay=0`` and the mitigations off the result equals ``torch.optim.Adam`` bit for bit
+    on CPU. See the module docstring for what spike compensation and prediction mean for Adam,
+    and ``engine.optim.SGD`` for the shared delay keywords.
+    """
+
+    _decoupled = False
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        delay: int = 0,
+        spike_compensation: bool = False,
+        prediction: str | None = None,
+        prediction_horizon: float | None = None,
+        discrepancy_correction: bool = False,
+        correction_decay: float = 0.1,
+        fused: bool | None = None,
+    ) -> None:
+        super().__init__(
+            params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, delay=delay,
+            spike_compensation=spike_compensation, prediction=prediction,
+            prediction_horizon=prediction_horizon, discrepancy_correction=discrepancy_correction,
+            correction_decay=correction_decay, fused=fused,
+        )
+
+
+class AdamW(_AdamBase):
+    """AdamW: Adam with decoupled weight decay (w *= 1 - lr * wd), torch's default wd=1e-2.
+
+    With ``delay=0`` and the mitigations off the result equals ``torch.optim.AdamW`` bit for
+    bit on CPU. Prediction extrapolates the whole applied step, decay included.
+    """
+
+    _decoupled = True
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        delay: int = 0,
+        spike_compensation: bool = False,
+        prediction: str | None = None,
+        prediction_horizon: float | None = None,
+        discrepancy_correction: bool = False,
+        correction_decay: float = 0.1,
+        fused: bool | None = None,
+    ) -> None:
+        super().__init__(
+            params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, delay=delay,
+            spike_compensation=spike_compensation, prediction=prediction,
+            prediction_horizon=prediction_horizon, discrepancy_correction=discrepancy_correction,
+            correction_decay=correction_decay, fused=fused,
+        )

@@ -1,0 +1,368 @@
+"""Reference optimizer math: readable plain-torch updates that define what the kernels compute.
+
+Every optimizer in ``engine.optim`` has two paths with the same signature: the functions here
+(the reference, written with the same torch ops in the same order as ``torch.optim``'s
+single-tensor implementations) and the fused Triton kernels in ``triton_kernels`` (one pass
+over memory). Tests hold the two together, and hold this module to ``torch.optim.SGD`` /
+``Adam`` / ``AdamW`` bit for bit with the delay mitigations off. That is why the code below
+looks clumsy in places (``g.add(w, alpha=wd)`` rather than ``g + wd * w``, ``lerp_`` for
+Adam's first moment, bias corrections as Python floats): each choice mirrors torch's rounding.
+
+The mitigations (spike compensation, weight prediction, PipeMare's discrepancy buffer) follow
+the "Update rules" of docs/ALGORITHMS.md. Conventions this module fixes:
+
+* Optimizer state (momentum buffer, moments, ``delta``, ``last_update``) is fp32 whatever
+  the parameter dtype. Low-precision (bf16/fp16) parameters and gradients are upcast to fp32,
+  all math runs in fp32 and the new weights are rounded once (round to nearest even) when
+  stored. For fp32 parameters the update runs in place on the parameter with torch's ops.
+* Quantities derived from weights (predicted weights, ``delta``, ``last_update``) use the
+  weights *as stored* (after rounding to the parameter dtype), so an on-demand
+  :func:`predict` after the step reproduces the in-step prediction exactly.
+* AMP: ``grad_scale`` divides the gradient; a non-zero ``found_inf`` skips the whole update
+  (weights, state, derived buffers and Adam's step counter are left untouched).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "spike_coeffs",
+    "prediction_coeff",
+    "sgd_update",
+    "adam_update",
+    "predict",
+    "validate_sgd_args",
+    "validate_adam_args",
+]
+
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------- coefficients
+
+
+def spike_coeffs(momentum: float, delay: int) -> tuple[float, float]:
+    """Spike-compensation coefficients (a, b) of Kosson et al. for delay ``D``.
+
+    The applied update is ``a * v + b * g'`` with ``a = m**D`` and
+    ``b = (1 - m**D) / (1 - m)`` (``b = D`` for ``m == 1``): the gradient's first ``D``
+    momentum contributions, which a delayed stage would otherwise apply too late, are applied
+    at once. ``D = 0`` gives (1, 0), plain momentum; ``D = 1`` gives (m, 1), Nesterov.
+    """
+    if isinstance(delay, bool) or int(delay) != delay or delay < 0:
+        raise ValueError(f"spike compensation delay must be an integer >= 0, got {delay!r}")
+    if not 0.0 <= momentum <= 1.0:
+        raise ValueError(f"spike compensation needs 0 <= momentum <= 1, got {momentum!r}")
+    delay = int(delay)
+    a = momentum**delay
+    if momentum == 1.0:
+        return a, float(delay)
+    # for D = 1 the numerator and denominator are the same float, so b == 1.0 exactly
+    return a, (1.0 - a) / (1.0 - momentum)
+
+
+def prediction_coeff(mode: str, lr: float, momentum: float, horizon: float) -> float:
+    """Coefficient c of a weight prediction ``w_hat = w - c * v`` (ALGORITHMS.md).
+
+    ``"linear"``: ``c = lr * H`` (LWP, SpecTrain). ``"momentum"``: ``c = lr * (m + m^2 + ... +
+    m^H)``, the exact extrapolation of momentum SGD when no new gradient arrives (H = 1 is
+    the Nesterov look-ahead); H must then be an integer.
+    """
+    if horizon < 0:
+        raise ValueError(f"prediction horizon must be >= 0, got {horizon!r}")
+    if mode == "linear":
+        return lr * horizon
+    if mode == "momentum":
+        if int(horizon) != horizon:
+            raise ValueError(f"'momentum' prediction needs an integer horizon, got {horizon!r}")
+        total, power = 0.0, 1.0
+        for _ in range(int(horizon)):
+            power *= momentum
+            total += power
+        return lr * total
+    raise ValueError(f"prediction mode must be 'linear' or 'momentum', got {mode!r}")
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_like(name: str, t: Tensor | None, param: Tensor, dtype: torch.dtype | None) -> None:
+    if t is None:
+        return
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    if t.shape != param.shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, param has {tuple(param.shape)}")
+    if t.device != param.device:
+        raise ValueError(f"{name} is on {t.device}, param is on {param.device}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+
+
+def _check_scalar_tensor(name: str, t: Tensor | None, param: Tensor) -> None:
+    if t is None:
+        return
+    if not isinstance(t, Tensor) or t.numel() != 1:
+        raise ValueError(f"{name} must be a one-element tensor, got {t!r}")
+    if not t.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if t.device != param.device:
+        raise ValueError(f"{name} is on {t.device}, param is on {param.device}")
+
+
+def _check_common(param: Tensor, grad: Tensor, predicted, delta, grad_scale, found_inf) -> None:
+    if not isinstance(param, Tensor):
+        raise TypeError(f"param must be a Tensor, got {type(param).__name__}")
+    if param.dtype not in _PARAM_DTYPES:
+        raise TypeError(f"param must be float32, bfloat16 or float16, got {param.dtype}")
+    _check_like("grad", grad, param, None)
+    if grad.dtype not in _PARAM_DTYPES:
+        raise TypeError(f"grad must be float32, bfloat16 or float16, got {grad.dtype}")
+    _check_like("predicted", predicted, param, param.dtype)
+    _check_like("delta", delta, param, torch.float32)
+    _check_scalar_tensor("grad_scale", grad_scale, param)
+    _check_scalar_tensor("found_inf", found_inf, param)
+
+
+def validate_sgd_args(param, grad, momentum_buffer, *, momentum, dampening, sc_delay,
+                      predicted, delta, grad_scale, found_inf) -> None:
+    """Raise a clear error (naming the tensor) before anything is written."""
+    _check_common(param, grad, predicted, delta, grad_scale, found_inf)
+    if momentum < 0:
+        raise ValueError(f"momentum must be >= 0, got {momentum!r}")
+    if momentum != 0:
+        if momentum_buffer is None:
+            raise ValueError("momentum_buffer is required when momentum != 0")
+        _check_like("momentum_buffer", momentum_buffer, param, torch.float32)
+    if sc_delay:
+        spike_coeffs(momentum, sc_delay)  # validates delay and momentum range
+
+
+def validate_adam_args(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, *, amsgrad,
+                       sc_delay, last_update, predicted, delta, grad_scale, found_inf) -> None:
+    """Raise a clear error (naming the tensor) before anything is written."""
+    _check_common(param, grad, predicted, delta, grad_scale, found_inf)
+    _check_like("exp_avg", exp_avg, param, torch.float32)
+    _check_like("exp_avg_sq", exp_avg_sq, param, torch.float32)
+    if exp_avg is None or exp_avg_sq is None:
+        raise ValueError("exp_avg and exp_avg_sq are required")
+    if amsgrad:
+        if max_exp_avg_sq is None:
+            raise ValueError("max_exp_avg_sq is required when amsgrad=True")
+        _check_like("max_exp_avg_sq", max_exp_avg_sq, param, torch.float32)
+    _check_like("last_update", last_update, param, torch.float32)
+    if not isinstance(step, Tensor) or step.numel() != 1 or step.dtype != torch.float32:
+        raise TypeError(f"step must be a one-element float32 tensor, got {step!r}")
+    if isinstance(sc_delay, bool) or int(sc_delay) != sc_delay or sc_delay < 0:
+        raise ValueError(f"spike compensation delay must be an integer >= 0, got {sc_delay!r}")
+
+
+def _skip(found_inf: Tensor | None) -> bool:
+    # reference path: a host read is fine here (the fused path never syncs)
+    return found_inf is not None and bool(found_inf.item() != 0)
+
+
+def _as_f32(t: Tensor) -> Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
+# --------------------------------------------------------------------------- prediction
+
+
+def predict(param: Tensor, direction: Tensor, coeff: float) -> Tensor:
+    """``w - coeff * direction`` as a new tensor in the param's dtype (fp32 math)."""
+    _check_like("direction", direction, param, None)
+    out = torch.add(_as_f32(param), _as_f32(direction), alpha=-coeff)
+    return out if out.dtype == param.dtype else out.to(param.dtype)
+
+
+# --------------------------------------------------------------------------- SGD
+
+
+def sgd_update(
+    param: Tensor,
+    grad: Tensor,
+    momentum_buffer: Tensor | None,
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+    init_momentum: bool,
+    sc_delay: int = 0,
+    predicted: Tensor | None = None,
+    predict_coeff: float = 0.0,
+    delta: Tensor | None = None,
+    delta_gamma: float = 0.0,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """One momentum-SGD step in place, torch.optim.SGD's op order (ALGORITHMS.md).
+
+    ::
+
+        g  = grad (/ grad_scale), negated if maximize
+        g' = g + wd * w
+        v  = g' on the first step (init_momentum), else m * v + (1 - d) * g'
+        u  = b * g' + a * v  if sc_delay > 0   (spike compensation; supersedes nesterov,
+             g' + m * v      elif nesterov       since D = 1 *is* Nesterov)
+             v               otherwise;  u = g' when momentum == 0 (no buffer)
+        w  = w - lr * u
+
+    Optional outputs: ``predicted = w_new - predict_coeff * v_new`` (``v_new = g'`` without
+    momentum) in the param's dtype; ``delta = gamma * delta + (1 - gamma) * (w_new - w_old)``.
+    """
+    validate_sgd_args(param, grad, momentum_buffer, momentum=momentum, dampening=dampening,
+                      sc_delay=sc_delay, predicted=predicted, delta=delta,
+                      grad_scale=grad_scale, found_inf=found_inf)
+    if _skip(found_inf):
+        return
+    w = _as_f32(param)  # fp32 params: the param itself, updated in place like torch
+    g = _as_f32(grad)
+    if grad_scale is not None:
+        g = g.div(grad_scale.float())
+    if maximize:
+        g = -g
+    w_old = w.clone() if delta is not None else None
+
+    if weight_decay != 0:
+        g = g.add(w, alpha=weight_decay)
+
+    if momentum != 0:
+        buf = momentum_buffer
+        if init_momentum:
+            buf.copy_(g)
+        else:
+            buf.mul_(momentum).add_(g, alpha=1 - dampening)
+        if sc_delay > 0:
+            a, b = spike_coeffs(momentum, sc_delay)
+            upd = g.mul(b).add(buf, alpha=a)  # D = 1: b == 1.0, identical to nesterov below
+        elif nesterov:
+            upd = g.add(buf, alpha=momentum)
+        else:
+            upd = buf
+        direction = buf
+    else:
+        upd = g
+        direction = g
+
+    w.add_(upd, alpha=-lr)
+    if w is not param:
+        param.copy_(w)
+        w = _as_f32(param)  # derived buffers use the stored (rounded) weights
+
+    if predicted is not None:
+        predicted.copy_(predict(param, direction, predict_coeff))
+    if delta is not None:
+        delta.mul_(delta_gamma).add_(w.sub(w_old), alpha=1 - delta_gamma)
+
+
+# --------------------------------------------------------------------------- Adam
+
+
+def adam_update(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    max_exp_avg_sq: Tensor | None,
+    *,
+    step: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    amsgrad: bool,
+    maximize: bool,
+    sc_delay: int = 0,
+    last_update: Tensor | None = None,
+    predicted: Tensor | None = None,
+    predict_horizon: float = 0.0,
+    delta: Tensor | None = None,
+    delta_gamma: float = 0.0,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """One Adam (``decoupled=False``) or AdamW (``decoupled=True``) step in place.
+
+    With the mitigations off this is torch.optim.Adam/AdamW's single-tensor path op for op
+    (``step`` is incremented in place first and read as a Python float, bias corrections are
+    Python floats, ``lerp_`` for the first moment, ``addcdiv_`` for the update).
+
+    Delay compensation for Adam is this project's own derivation (ALGORITHMS.md, "Adam / AdamW
+    with delay compensation"), not a published method:
+
+    * Spike compensation SC_D replaces the bias-corrected first moment in the numerator by
+      ``b1^D * u_hat + (1 - b1^D) * g`` with ``u_hat = u / (1 - b1^t)``. The bias correction
+      is applied to ``u`` only, because ``g`` is already an unbiased single sample; then the
+      weights of every gradient still sum to one (at t = 1 the numerator is exactly g), and
+      a gradient's contribution k >= 1 steps later equals plain Adam's contribution k + D
+      steps later, which is what spike compensation means. D = 1 is NAdam's numerator with
+      constant momentum (Dozat's form).
+    * Prediction extrapolates the last applied step: ``w_hat = w_new - H * (w_old - w_new)``.
+      ``last_update`` (if given) keeps ``w_old - w_new`` so a prediction at another horizon
+      can be made later with ``predict(param, last_update, H)``. Under AdamW the applied
+      step includes the decoupled decay.
+    """
+    validate_adam_args(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step,
+                       amsgrad=amsgrad, sc_delay=sc_delay, last_update=last_update,
+                       predicted=predicted, delta=delta, grad_scale=grad_scale,
+                       found_inf=found_inf)
+    if _skip(found_inf):
+        return
+    w = _as_f32(param)
+    g = _as_f32(grad)
+    if grad_scale is not None:
+        g = g.div(grad_scale.float())
+    if maximize:
+        g = -g
+    w_old = w.clone() if (last_update is not None or predicted is not None
+                          or delta is not None) else None
+
+    step += 1
+    if weight_decay != 0:
+        if decoupled:
+            w.mul_(1 - lr * weight_decay)
+        else:
+            g = g.add(w, alpha=weight_decay)
+
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+
+    t = step.item()
+    bias_correction1 = 1 - beta1**t
+    bias_correction2 = 1 - beta2**t
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+
+    if amsgrad:
+        torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
+        denom = (max_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    else:
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+
+    if sc_delay > 0:
+        a = beta1 ** int(sc_delay)
+        numer = exp_avg.mul(a / bias_correction1).add_(g, alpha=1 - a)
+        w.addcdiv_(numer, denom, value=-lr)
+    else:
+        w.addcdiv_(exp_avg, denom, value=-step_size)
+
+    if w is not param:
+        param.copy_(w)
+        w = _as_f32(param)
+
+    if last_update is not None or predicted is not None:
+        applied = w_old.sub(w)
+        if last_update is not None:
+            last_update.copy_(applied)
+        if predicted is not None:
+            predicted.copy_(predict(param, applied, predict_horizon))
+    if delta is not None:
+        delta.mul_(delta_gamma).add_(w.sub(w_old), alpha=1 - delta_gamma)

@@ -1,0 +1,162 @@
+"""Momentum SGD that knows about delay: a drop-in for ``torch.optim.SGD``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+
+from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _functional, _is_real_number
+
+__all__ = ["SGD"]
+
+
+class SGD(DelayOptimizer):
+    """Momentum SGD in PyTorch's convention, plus the staleness mitigations of ALGORITHMS.md.
+
+    With ``delay=0`` and the mitigations off the result equals ``torch.optim.SGD`` bit for bit
+    on CPU (same op order, see ``engine.optim.functional.sgd_update``).
+
+    Args (beyond torch's):
+        delay: D_s, updates between a micro-batch's forward and the update of its gradient.
+            The pipeline sets it per stage; per param group like every option.
+        spike_compensation: apply SC_D (Kosson et al.) with D = ``delay``:
+            ``w -= lr * (m^D * v + (1 - m^D) / (1 - m) * g')``. D = 1 is torch's Nesterov
+            update exactly, so it cannot be combined with ``nesterov=True``.
+        prediction: ``None``, ``"linear"`` (w_hat = w - lr*H*v) or ``"momentum"``
+            (w_hat = w - lr*(m + ... + m^H)*v); read with :meth:`predicted_weights`.
+        prediction_horizon: H; ``None`` means the group's delay.
+        discrepancy_correction / correction_decay: PipeMare T2's delta buffer;
+            :meth:`backward_weights` returns w - delay * delta.
+        fused: ``None`` (Triton on CUDA, reference on CPU), ``True`` or ``False``.
+    """
+
+    _family = "sgd"
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 1e-3,
+        momentum: float = 0,
+        dampening: float = 0,
+        weight_decay: float = 0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        delay: int = 0,
+        spike_compensation: bool = False,
+        prediction: str | None = None,
+        prediction_horizon: float | None = None,
+        discrepancy_correction: bool = False,
+        correction_decay: float = 0.1,
+        fused: bool | None = None,
+    ) -> None:
+        defaults = {
+            **DELAY_DEFAULTS,
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+            "maximize": maximize,
+            "delay": delay,
+            "spike_compensation": spike_compensation,
+            "prediction": prediction,
+            "prediction_horizon": prediction_horizon,
+            "discrepancy_correction": discrepancy_correction,
+            "correction_decay": correction_decay,
+            "fused": fused,
+        }
+        super().__init__(params, defaults)
+
+    def _check_options(self, group: dict[str, Any], where: str) -> None:
+        super()._check_options(group, where)
+        m = group["momentum"]
+        if not (_is_real_number(m) and 0.0 <= m < 1.0):
+            raise ValueError(
+                f"{where}momentum={m!r} is invalid: it must lie in [0, 1) (m >= 1 makes the "
+                "momentum buffer grow without bound)"
+            )
+        d = group["dampening"]
+        if not (_is_real_number(d) and 0.0 <= d <= 1.0):
+            raise ValueError(f"{where}dampening={d!r} is invalid: it must lie in [0, 1]")
+        if not isinstance(group["nesterov"], bool):
+            raise TypeError(f"{where}nesterov={group['nesterov']!r} is invalid: it must be True or False")
+        if group["nesterov"] and (m == 0 or d != 0):
+            raise ValueError(
+                f"{where}nesterov=True needs momentum > 0 and dampening=0 "
+                f"(got momentum={m!r}, dampening={d!r}), as in torch.optim.SGD"
+            )
+        if group["spike_compensation"] and group["nesterov"]:
+            raise ValueError(
+                f"{where}spike_compensation=True cannot be combined with nesterov=True: SC with "
+                "delay D=1 *is* the Nesterov update, and for other delays SC replaces it; use "
+                "spike_compensation=True alone (D = the group's delay)"
+            )
+        if group["prediction"] is not None and m == 0:
+            raise ValueError(
+                f"{where}prediction={group['prediction']!r} needs momentum > 0: SGD's prediction "
+                "extrapolates along the momentum buffer, and without momentum there is nothing "
+                "to extrapolate (set momentum, or prediction=None)"
+            )
+
+    def _state_keys(self, group: dict[str, Any]) -> list[str]:
+        keys = []
+        if group["momentum"] != 0:
+            keys.append("momentum_buffer")
+        if self._correction_gamma(group) is not None:
+            keys.append("delta")
+        return keys
+
+    def _is_fresh(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
+        return group["momentum"] != 0 and "momentum_buffer" not in state
+
+    def _ensure_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> bool:
+        fresh = self._is_fresh(group, state)
+        for key in self._state_keys(group):
+            if key not in state:
+                state[key] = self._new_state_tensor(p)
+        return fresh
+
+    def _call_update(
+        self,
+        fn: Callable[..., Any],
+        group: dict[str, Any],
+        param: Tensor,
+        grad: Tensor,
+        state: dict[str, Tensor],
+        init: bool,
+        predicted: Tensor | None,
+        grad_scale: Tensor | None,
+        found_inf: Tensor | None,
+    ) -> None:
+        lr = self.effective_lr(group)
+        gamma = self._correction_gamma(group)
+        coeff = 0.0
+        if predicted is not None:
+            coeff = _functional().prediction_coeff(group["prediction"], lr, group["momentum"], self._horizon(group))
+        fn(
+            param,
+            grad,
+            state.get("momentum_buffer"),
+            lr=lr,
+            momentum=group["momentum"],
+            dampening=group["dampening"],
+            weight_decay=group["weight_decay"],
+            nesterov=group["nesterov"],
+            maximize=group["maximize"],
+            init_momentum=init,
+            sc_delay=group["delay"] if group["spike_compensation"] else 0,
+            predicted=predicted,
+            predict_coeff=coeff,
+            delta=state.get("delta") if gamma is not None else None,
+            delta_gamma=gamma if gamma is not None else 0.0,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+        )
+
+    def _prediction_direction_and_coeff(self, group: dict[str, Any], p: Tensor, horizon: float) -> tuple[Tensor | None, float]:
+        buf = self.state[p].get("momentum_buffer") if p in self.state else None
+        coeff = _functional().prediction_coeff(group["prediction"], self.effective_lr(group), group["momentum"], horizon)
+        return buf, coeff

@@ -1,0 +1,259 @@
+"""Fused SGD kernel (triton_kernels.sgd) against the reference math, under the interpreter on CPU.
+
+Each case runs three steps (the first initializes the momentum buffer) from identical inputs
+for kernel and reference; after comparing, the kernel's tensors are reset to the reference's
+so that rounding differences cannot compound and the fp32 state can be held to a tight
+tolerance. Tensors derived from the stored weights (param, predicted, delta) get the param
+dtype's tolerance: one rounding to bf16/fp16 can land one ulp apart when the fp32 values
+differ in their last bit (torch fuses some multiply-adds on CPU, the interpreter does not).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.optim.functional import prediction_coeff, sgd_update
+from triton_kernels.sgd import fused_sgd_update, launch_sgd
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _on_device():
+    # CPU: the interpreter runs the kernels on CPU tensors; on a GPU machine the kernels are
+    # compiled and need CUDA tensors, so every tensor a test makes lands on DEVICE
+    if DEVICE.type == "cpu":
+        yield  # the default already; a device mode would slow every torch call
+        return
+    with torch.device(DEVICE):
+        yield
+
+
+def _randn(n, gen):
+    return torch.randn(n, generator=gen, device="cpu").to(DEVICE)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SIZES = [1, 127, 1023]
+# 65537 (more than one interpreter block, ragged tail) for the combinations that switch on
+# the most features; the full grid at that size would take minutes under the interpreter
+BIG = 65537
+BIG_CASES = ["plain", "nesterov", "sc3", "amp"]
+
+BASE = dict(lr=0.05, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False,
+            maximize=False)
+CASES = {
+    "plain": dict(momentum=0.0),
+    "plain_wd_max": dict(momentum=0.0, weight_decay=1e-2, maximize=True),
+    "momentum": dict(),
+    "wd": dict(weight_decay=1e-2),
+    "nesterov": dict(nesterov=True, weight_decay=5e-3),
+    "dampening": dict(dampening=0.3),
+    "maximize": dict(maximize=True, weight_decay=1e-2),
+    "sc3": dict(sc_delay=3, weight_decay=1e-2),
+    "sc1": dict(sc_delay=1),
+    "linear_pred": dict(pred="linear"),
+    "momentum_pred": dict(pred="momentum", sc_delay=2),
+    "delta": dict(delta=True, dampening=0.1),
+    "amp": dict(scale=True, weight_decay=1e-2, pred="linear", delta=True),
+}
+
+
+def _close(name, got, ref, dtype, w=None):
+    """Elementwise: fp32 values to ~1e-6 relative; bf16/fp16 values to one ulp of their dtype.
+
+    ``w`` (the reference weights) marks tensors derived from the stored weights (predicted,
+    delta, last_update): a one-ulp flip of a stored weight moves them by an ulp of that
+    weight, not of themselves. A one-ulp flip happens only when the fp32 result sits on a
+    rounding boundary (torch fuses multiply-adds on CPU, the interpreter does not), so for
+    bf16/fp16 at most 1% of the elements may differ beyond fp32 agreement: a systematic
+    error smaller than one ulp (a wrong step size, say) flips far more than that.
+    """
+    got, ref = got.float(), ref.float()
+    diff = (got - ref).abs()
+    tight = 8 * torch.finfo(torch.float32).eps
+    rtol = tight if dtype == torch.float32 else torch.finfo(dtype).eps
+    floor = tight * ref.abs().max().item()
+    w_abs = 2 * w.float().abs() if w is not None else torch.zeros_like(ref)
+    allowed = rtol * (ref.abs() + w_abs) + floor
+    worst = (diff - allowed).argmax()
+    assert (diff <= allowed).all(), (
+        f"{name}: got {got[worst].item()!r}, expected {ref[worst].item()!r} at {worst.item()} "
+        f"(allowed {allowed[worst].item():.3g}, {(diff > allowed).sum().item()} elements off)")
+    if dtype != torch.float32:
+        flipped = (diff > tight * (ref.abs() + w_abs) + floor).sum().item()
+        assert flipped <= max(2, ref.numel() // 100), f"{name}: {flipped} elements one ulp off"
+
+
+def _make(n, dtype, case, seed):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    t = {
+        "param": _randn(n, gen).to(dtype),
+        "buf": torch.zeros(n),
+        "predicted": torch.empty(n, dtype=dtype) if "pred" in case else None,
+        "delta": _randn(n, gen) * 1e-2 if case.get("delta") else None,
+    }
+    return t
+
+
+def _kwargs(case, step, t, scale):
+    kw = {k: v for k, v in {**BASE, **case}.items() if k not in ("pred", "delta", "scale")}
+    if "pred" in case:
+        kw["predict_coeff"] = prediction_coeff(case["pred"], kw["lr"], kw["momentum"], 3)
+    kw["delta_gamma"] = 0.1 ** (1 / 3)
+    kw["init_momentum"] = step == 0
+    if case.get("scale"):
+        kw["grad_scale"] = scale
+        kw["found_inf"] = torch.tensor(0.0)
+    return kw
+
+
+def _run_case(n, dtype, case, block=None, steps=3, grad_dtype=None):
+    ref = _make(n, dtype, case, seed=n)
+    fused = {k: (v.clone() if v is not None else None) for k, v in ref.items()}
+    gen = torch.Generator(device="cpu").manual_seed(n + 1)
+    scale = torch.tensor(1024.0)
+    for step in range(steps):
+        g = _randn(n, gen).to(grad_dtype or dtype)
+        if case.get("scale"):
+            g = (g.float() * scale).to(grad_dtype or dtype)
+        kw = _kwargs(case, step, ref, scale)
+        sgd_update(ref["param"], g, ref["buf"], predicted=ref["predicted"], delta=ref["delta"],
+                   **kw)
+        launch_sgd(fused["param"], g, fused["buf"], predicted=fused["predicted"],
+                   delta=fused["delta"], block=block, **kw)
+        for name, r in ref.items():
+            if r is None:
+                continue
+            w = ref["param"] if name in ("predicted", "delta") else None
+            _close(name, fused[name], r, torch.float32 if name == "buf" else dtype, w)
+            fused[name].copy_(r)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(CASES), ids=str)
+def test_fused_sgd_matches_reference(case, dtype, n):
+    _run_case(n, dtype, CASES[case])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", BIG_CASES, ids=str)
+def test_fused_sgd_matches_reference_big(case, dtype):
+    _run_case(BIG, dtype, CASES[case])
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", ["momentum", "amp"])
+def test_fp32_params_with_low_precision_grads(case, grad_dtype):
+    # fp32 master weights fed half-precision gradients (AMP without a grad copy)
+    _run_case(1023, torch.float32, CASES[case], grad_dtype=grad_dtype)
+
+
+@pytest.mark.parametrize("case", ["momentum", "sc3", "amp"])
+def test_fused_sgd_many_programs(case):
+    # small blocks: many program instances and a ragged last block
+    _run_case(1023, torch.float32, CASES[case], block=128)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_found_inf_writes_nothing(dtype):
+    n = 1000
+    param = torch.randn(n).to(dtype)
+    buf, delta = torch.randn(n), torch.randn(n)
+    pred = torch.randn(n).to(dtype)
+    before = [t.clone() for t in (param, buf, delta, pred)]
+    launch_sgd(param, torch.randn(n).to(dtype), buf, lr=0.1, momentum=0.9, dampening=0.0,
+               weight_decay=1e-2, nesterov=False, maximize=False, init_momentum=False,
+               sc_delay=2, predicted=pred, predict_coeff=0.3, delta=delta, delta_gamma=0.5,
+               grad_scale=torch.tensor(2.0), found_inf=torch.tensor(1.0), block=256)
+    for a, b in zip((param, buf, delta, pred), before, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_sc1_equals_nesterov_in_kernel():
+    n = 4097
+    g, buf0 = torch.randn(n), torch.randn(n)
+    outs = []
+    for kw in (dict(nesterov=True), dict(sc_delay=1)):
+        w, buf = torch.ones(n), buf0.clone()
+        fused_sgd_update(w, g, buf, lr=0.1, momentum=0.9, dampening=0.0, weight_decay=1e-2,
+                         maximize=False, init_momentum=False, **{"nesterov": False, **kw})
+        outs.append(w)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_bf16_rounding_is_nearest_even():
+    # fp32 values exactly halfway between bf16 neighbours and just beside them
+    base = torch.tensor([1.0, 1.0078125, -3.0, 256.0])
+    half_ulp = torch.tensor([2.0**-8, 2.0**-8 * 1.0078125, 2.0**-7 * 3 / 2, 1.0])
+    upd = torch.cat([half_ulp, half_ulp * 1.001, half_ulp * 0.999])
+    w0 = torch.cat([base, base, base])
+    w = w0.to(torch.bfloat16)
+    # plain SGD with lr = -1: w + upd in fp32, then one rounding
+    fused_sgd_update(w, upd, None, lr=-1.0, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                     nesterov=False, maximize=False, init_momentum=True)
+    assert torch.equal(w, (w0 + upd).to(torch.bfloat16))
+
+
+def test_bf16_rounding_keeps_specials():
+    big = torch.finfo(torch.bfloat16).max
+    w0 = torch.tensor([float("inf"), float("-inf"), float("nan"), big, -big, 0.0])
+    # 0.75 ulp past bf16's largest finite value: finite in fp32, rounds to inf in bf16
+    upd = torch.tensor([0.0, 0.0, 0.0, 0.75 * 2.0**120, -0.75 * 2.0**120, -0.0])
+    w = w0.to(torch.bfloat16)
+    fused_sgd_update(w, upd, None, lr=-1.0, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                     nesterov=False, maximize=False, init_momentum=True)
+    expected = (w0 + upd).to(torch.bfloat16)
+    assert torch.equal(w.isnan(), expected.isnan())
+    assert torch.equal(w[~w.isnan()], expected[~expected.isnan()])
+    assert w[3].item() == float("inf") and w[4].item() == float("-inf")
+
+
+def test_rejects_bad_arguments():
+    w = torch.randn(16)
+    kw = dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False,
+              maximize=False, init_momentum=False)
+    with pytest.raises(ValueError, match="param must be contiguous"):
+        fused_sgd_update(torch.randn(4, 4).t(), torch.randn(4, 4), torch.zeros(4, 4), **kw)
+    with pytest.raises(ValueError, match="momentum_buffer must be contiguous"):
+        fused_sgd_update(torch.randn(4, 4), torch.randn(4, 4), torch.zeros(4, 4).t(), **kw)
+    with pytest.raises(ValueError, match="delta has shape"):
+        fused_sgd_update(w, torch.randn(16), torch.zeros(16), delta=torch.zeros(15), **kw)
+    with pytest.raises(TypeError, match="momentum_buffer must be torch.float32"):
+        fused_sgd_update(w, torch.randn(16), torch.zeros(16, dtype=torch.bfloat16), **kw)
+    with pytest.raises(ValueError, match="found_inf must be a one-element"):
+        fused_sgd_update(w, torch.randn(16), torch.zeros(16), found_inf=torch.zeros(2), **kw)
+
+
+def test_empty_tensor_is_a_no_op():
+    w = torch.empty(0)
+    fused_sgd_update(w, torch.empty(0), torch.empty(0), **BASE, init_momentum=True)
+    assert w.numel() == 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(
+    n=st.integers(1, 5000),
+    dtype=st.sampled_from(DTYPES),
+    lr=st.floats(1e-4, 1.0),
+    momentum=st.sampled_from([0.0, 0.5, 0.9, 0.99]),
+    dampening=st.sampled_from([0.0, 0.1]),
+    weight_decay=st.sampled_from([0.0, 1e-4, 0.1]),
+    nesterov=st.booleans(),
+    maximize=st.booleans(),
+    sc_delay=st.integers(0, 6),
+    pred=st.sampled_from([None, "linear", "momentum"]),
+    delta=st.booleans(),
+    scale=st.booleans(),
+)
+def test_fused_sgd_property(n, dtype, lr, momentum, dampening, weight_decay, nesterov,
+                            maximize, sc_delay, pred, delta, scale):
+    case = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                nesterov=nesterov and dampening == 0.0, maximize=maximize, sc_delay=sc_delay,
+                delta=delta, scale=scale)
+    if pred is not None:
+        case["pred"] = pred
+    _run_case(n, dtype, case, block=1024, steps=2)

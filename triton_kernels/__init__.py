@@ -1,0 +1,37 @@
+"""Triton kernels of the engine, one module per kernel family, each with its launcher.
+
+``sgd``: fused momentum-SGD step (weight decay, Nesterov, dampening, maximize, spike
+compensation, weight prediction, PipeMare's delta, AMP unscale / skip).
+``adam``: fused Adam / AdamW step (AMSGrad, the same mitigations, on-device bias correction).
+``_launch``: what the launchers share (block sizes, argument checks, bf16 rounding).
+
+The launchers have exactly the signatures of the reference functions in
+``engine.optim.functional``. The kernel modules are imported on first attribute access:
+Triton reads ``TRITON_INTERPRET`` when a kernel is defined, so importing this package must not
+define kernels before a test's conftest (or the user) has chosen interpreter or GPU mode.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "fused_sgd_update": "triton_kernels.sgd",
+    "fused_adam_update": "triton_kernels.adam",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'triton_kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

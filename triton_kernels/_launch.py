@@ -1,0 +1,76 @@
+"""Helpers shared by the optimizer kernels' launchers and bodies.
+
+Launch policy: one program per BLOCK elements of a flat buffer. On a GPU BLOCK is 1024 with 4
+warps (memory-bound elementwise code; larger blocks do not help on H100). Under
+``TRITON_INTERPRET=1`` every program instance costs milliseconds of Python, so the launcher
+uses a large block there; tests can pass a small one to exercise the multi-program path.
+
+``cast_rne`` exists because the interpreter converts fp32 to bf16 by truncation while
+GPUs and torch round to nearest even: doing the rounding with integer ops gives the same bits
+on both, so CPU tests check exactly what the GPU computes, and bf16 results match torch's
+``Tensor.to(torch.bfloat16)``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+GPU_BLOCK = 1024
+GPU_WARPS = 4
+INTERPRET_BLOCK = 1 << 16
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def default_block() -> int:
+    return INTERPRET_BLOCK if interpreting() else GPU_BLOCK
+
+
+def check_launchable(tensors: dict[str, Tensor | None]) -> None:
+    """Contiguity and device checks the kernels need on top of the reference's validation.
+
+    The interpreter reads a strided tensor as if it were contiguous, so a strided argument
+    would silently update the wrong elements: refuse it with the tensor's name.
+    """
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous for the fused kernel (strides "
+                             f"{tuple(t.stride())}); call .contiguous() or use the reference path")
+        if t.device.type == "cpu" and not interpreting():
+            raise RuntimeError(f"{name} is a CPU tensor but TRITON_INTERPRET is not set: the "
+                               "fused kernels run on CUDA tensors, or on CPU under the interpreter")
+
+
+def grid_for(n: int, block: int) -> tuple[int]:
+    return (max(1, triton.cdiv(n, block)),)
+
+
+def placeholder(t: Tensor | None, fallback: Tensor) -> Tensor:
+    """Pointer argument for an optional tensor; the kernel never touches it when its flag is
+    off, so any valid tensor on the right device serves."""
+    return fallback if t is None else t
+
+
+@triton.jit
+def cast_rne(x, dtype: tl.constexpr):
+    """Convert fp32 ``x`` to ``dtype`` rounding to nearest even, also for bf16."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        lsb = (bits >> 16) & 1
+        rounded = (bits + 0x7FFF + lsb) >> 16
+        # NaN must stay NaN (the carry could turn a small-payload NaN into inf): keep its top
+        # half and force the quiet bit
+        rounded = tl.where(x != x, (bits >> 16) | 0x40, rounded)
+        out = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = x.to(dtype)
+    return out

@@ -1,0 +1,283 @@
+"""Fused Adam / AdamW step: one pass over a flat buffer (or one tensor) per call.
+
+Reads w, g, exp_avg, exp_avg_sq (and max_exp_avg_sq for AMSGrad) once and writes the new
+weights and moments, plus, when asked, the applied update (``last_update``), the predicted
+weights and PipeMare's ``delta`` in the same pass. The math is
+``engine.optim.functional.adam_update`` op for op, including the project's own delay
+compensation for Adam (see that docstring): fp32 arithmetic, torch's lerp formula for the
+first moment, IEEE-rounded sqrt and division (``sqrt_rn``/``div_rn``; plain ``/`` and
+``sqrt`` are approximate on GPUs), bf16/fp16 weights rounded to nearest even once on store.
+
+The step counter and AMP (why it is done this way):
+
+* ``step`` is a one-element fp32 tensor incremented by this call unless ``found_inf`` is set.
+  The increment is a tiny device op issued *before* the kernel (``step += (found_inf == 0)``)
+  rather than a write inside the kernel: every program instance reads ``step`` to form the
+  bias corrections, and a write by one program would race with the reads of the others.
+* When ``step`` lives on the param's device (the CUDA-graph friendly layout, and always under
+  the interpreter), the kernel computes the bias corrections itself in fp64 from
+  ``log(beta)`` (so no host synchronization). When ``step`` is a CPU tensor and the params
+  are on the GPU (torch's default layout), the host computes them from ``step`` exactly as
+  torch does; with a ``found_inf`` tensor that costs one host read of ``found_inf``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from engine.optim.functional import validate_adam_args
+from triton_kernels._launch import (
+    GPU_WARPS,
+    cast_rne,
+    check_launchable,
+    default_block,
+    grid_for,
+    interpreting,
+    placeholder,
+)
+
+__all__ = ["fused_adam_update", "adam_kernel", "launch_adam"]
+
+
+@triton.jit
+def adam_kernel(
+    param_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, last_ptr, pred_ptr, delta_ptr,
+    scale_ptr, inf_ptr, step_ptr,
+    n, lr, w1, beta2, keep2, eps, weight_decay, decay, log_beta1, log_beta2,
+    host_step_size, host_bc2_sqrt, host_sc_coef, sc_keep, sc_a, horizon, gamma, keep_gamma,
+    BLOCK: tl.constexpr,
+    WEIGHT_DECAY: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    AMSGRAD: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    SC: tl.constexpr,
+    LAST: tl.constexpr,
+    PREDICT: tl.constexpr,
+    DELTA: tl.constexpr,
+    SCALE: tl.constexpr,
+    CHECK_INF: tl.constexpr,
+    DEVICE_STEP: tl.constexpr,
+    LERP_SMALL: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if CHECK_INF:
+        # an overflowed AMP step masks every load and store: nothing is read or written
+        n = tl.where(tl.load(inf_ptr) == 0, n, 0)
+    mask = offs < n
+
+    if DEVICE_STEP:
+        # bias corrections from the (already incremented) step, in fp64: 1 - beta2**t
+        # cancels badly in fp32 for small t
+        t = tl.load(step_ptr).to(tl.float64)
+        bc1 = 1.0 - tl.exp(t * log_beta1)
+        bc2 = 1.0 - tl.exp(t * log_beta2)
+        step_size = (lr / bc1).to(tl.float32)
+        bc2_sqrt = tl.sqrt(bc2).to(tl.float32)
+        sc_coef = (sc_a / bc1).to(tl.float32)
+    else:
+        step_size = host_step_size
+        bc2_sqrt = host_bc2_sqrt
+        sc_coef = host_sc_coef
+
+    w = tl.load(param_ptr + offs, mask=mask).to(tl.float32)
+    g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
+    if SCALE:
+        g = tl.div_rn(g, tl.load(scale_ptr).to(tl.float32))
+    if MAXIMIZE:
+        g = -g
+    w_old = w
+    if WEIGHT_DECAY:
+        if DECOUPLED:
+            w = w * decay
+        else:
+            g = g + weight_decay * w
+
+    m = tl.load(m_ptr + offs, mask=mask)
+    # torch's lerp: self + wt * (end - self) for |wt| < 0.5, else end - (end - self) * (1 - wt)
+    if LERP_SMALL:
+        m = m + w1 * (g - m)
+    else:
+        m = g - (g - m) * (1.0 - w1)
+    v = tl.load(v_ptr + offs, mask=mask)
+    v = v * beta2 + (keep2 * g) * g
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+    if AMSGRAD:
+        vmax = tl.load(vmax_ptr + offs, mask=mask)
+        vmax = tl.maximum(vmax, v, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(vmax_ptr + offs, vmax, mask=mask)
+        v = vmax
+
+    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    if SC:
+        numer = m * sc_coef + sc_keep * g
+        w = w + tl.div_rn(-lr * numer, denom)
+    else:
+        w = w + tl.div_rn(-step_size * m, denom)
+
+    w_new = cast_rne(w, param_ptr.dtype.element_ty)
+    tl.store(param_ptr + offs, w_new, mask=mask)
+
+    if LAST or PREDICT or DELTA:
+        # derived buffers use the weights as stored, as the reference does
+        w_st = w_new.to(tl.float32)
+        applied = w_old - w_st
+        if LAST:
+            tl.store(last_ptr + offs, applied, mask=mask)
+        if PREDICT:
+            pred = cast_rne(w_st - horizon * applied, pred_ptr.dtype.element_ty)
+            tl.store(pred_ptr + offs, pred, mask=mask)
+        if DELTA:
+            d = tl.load(delta_ptr + offs, mask=mask)
+            d = d * gamma + keep_gamma * (w_st - w_old)
+            tl.store(delta_ptr + offs, d, mask=mask)
+
+
+def _log(beta: float) -> float:
+    # beta = 0 is legal (no averaging): log -> -inf makes beta**t = exp(-inf) = 0 in-kernel
+    return math.log(beta) if beta > 0 else -math.inf
+
+
+def _advance_step(step: Tensor, found_inf: Tensor | None) -> None:
+    if found_inf is None:
+        step += 1
+    elif found_inf.device == step.device:
+        # device-side: no host synchronization
+        step.add_((found_inf.reshape(()) == 0).to(step.dtype))
+    elif found_inf.item() == 0:
+        step += 1
+
+
+def launch_adam(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    max_exp_avg_sq: Tensor | None,
+    *,
+    step: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    amsgrad: bool,
+    maximize: bool,
+    sc_delay: int = 0,
+    last_update: Tensor | None = None,
+    predicted: Tensor | None = None,
+    predict_horizon: float = 0.0,
+    delta: Tensor | None = None,
+    delta_gamma: float = 0.0,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    block: int | None = None,
+    device_step: bool | None = None,
+) -> None:
+    """:func:`fused_adam_update` with an explicit block size and bias-correction mode.
+
+    ``device_step=None`` picks the device path when ``step`` is on the param's device;
+    tests force ``False`` to cover the host path on CPU.
+    """
+    validate_adam_args(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step,
+                       amsgrad=amsgrad, sc_delay=sc_delay, last_update=last_update,
+                       predicted=predicted, delta=delta, grad_scale=grad_scale,
+                       found_inf=found_inf)
+    if step.device != param.device and step.device.type != "cpu":
+        raise ValueError(f"step is on {step.device}; it must be on the CPU or on the param's "
+                         f"device {param.device}")
+    if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"Adam needs 0 <= beta < 1, got beta1={beta1!r}, beta2={beta2!r}")
+    check_launchable({"param": param, "grad": grad, "exp_avg": exp_avg,
+                      "exp_avg_sq": exp_avg_sq,
+                      "max_exp_avg_sq": max_exp_avg_sq if amsgrad else None,
+                      "last_update": last_update, "predicted": predicted, "delta": delta})
+    if device_step is None:
+        device_step = step.device == param.device
+    elif device_step and step.device != param.device:
+        raise ValueError("device_step=True needs step on the param's device")
+
+    _advance_step(step, found_inf)
+
+    sc_a = beta1 ** int(sc_delay) if sc_delay > 0 else 0.0
+    if device_step:
+        host_step_size = host_bc2_sqrt = host_sc_coef = 0.0
+    else:
+        # torch's non-capturable path: Python floats from the step value
+        t = step.item()
+        bias_correction1 = 1 - beta1**t
+        host_step_size = lr / bias_correction1
+        host_bc2_sqrt = (1 - beta2**t) ** 0.5
+        host_sc_coef = sc_a / bias_correction1
+
+    n = param.numel()
+    if n == 0:
+        return
+    block = block or default_block()
+    adam_kernel[grid_for(n, block)](
+        param, grad, exp_avg, exp_avg_sq,
+        placeholder(max_exp_avg_sq if amsgrad else None, param),
+        placeholder(last_update, param), placeholder(predicted, param),
+        placeholder(delta, param), placeholder(grad_scale, param),
+        placeholder(found_inf, param), step if device_step else param,
+        n, float(lr), float(1 - beta1), float(beta2), float(1 - beta2), float(eps),
+        float(weight_decay), float(1 - lr * weight_decay), _log(beta1), _log(beta2),
+        float(host_step_size), float(host_bc2_sqrt), float(host_sc_coef), float(1 - sc_a),
+        float(sc_a), float(predict_horizon), float(delta_gamma), float(1 - delta_gamma),
+        BLOCK=block,
+        WEIGHT_DECAY=weight_decay != 0,
+        DECOUPLED=bool(decoupled),
+        AMSGRAD=bool(amsgrad),
+        MAXIMIZE=bool(maximize),
+        SC=sc_delay > 0,
+        LAST=last_update is not None,
+        PREDICT=predicted is not None,
+        DELTA=delta is not None,
+        SCALE=grad_scale is not None,
+        CHECK_INF=found_inf is not None,
+        DEVICE_STEP=bool(device_step),
+        LERP_SMALL=abs(1 - beta1) < 0.5,
+        num_warps=1 if interpreting() else GPU_WARPS,
+    )
+
+
+def fused_adam_update(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    max_exp_avg_sq: Tensor | None,
+    *,
+    step: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    amsgrad: bool,
+    maximize: bool,
+    sc_delay: int = 0,
+    last_update: Tensor | None = None,
+    predicted: Tensor | None = None,
+    predict_horizon: float = 0.0,
+    delta: Tensor | None = None,
+    delta_gamma: float = 0.0,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """Fused equivalent of ``engine.optim.functional.adam_update`` (same signature and
+    semantics); all tensors must be contiguous and on one device (``step`` may be a CPU
+    tensor when the params are on the GPU)."""
+    launch_adam(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step=step, lr=lr,
+                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                decoupled=decoupled, amsgrad=amsgrad, maximize=maximize, sc_delay=sc_delay,
+                last_update=last_update, predicted=predicted,
+                predict_horizon=predict_horizon, delta=delta, delta_gamma=delta_gamma,
+                grad_scale=grad_scale, found_inf=found_inf)
+
