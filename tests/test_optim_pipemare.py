@@ -1,0 +1,124 @@
+"""PipeMareLR (PipeMare T1): the multiplier tau_s ** -(1 - min(k/K, 1)) per group, exactly,
+alone and chained with StepLR / OneCycleLR (which own group["lr"]), and the rate the
+optimizer's update actually uses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import engine.optim as eo
+
+
+def formula(lr_k: float, tau: int, k: int, K: int) -> float:
+    progress = 1.0 if K == 0 else min(k / K, 1.0)
+    return lr_k * float(max(tau, 1)) ** -(1.0 - progress)
+
+
+def three_groups(cls=eo.SGD, **kw):
+    params = [nn.Parameter(torch.randn(4)) for _ in range(3)]
+    opt = cls([{"params": [params[0]], "delay": 6}, {"params": [params[1]], "delay": 2}, {"params": [params[2]], "delay": 0}], **kw)
+    return params, opt
+
+
+def test_values_match_formula() -> None:
+    _, opt = three_groups(lr=0.1, momentum=0.9)
+    K = 5
+    sched = eo.PipeMareLR(opt, warmup_steps=K)
+    for k in range(9):
+        expected = [formula(0.1, tau, k, K) for tau in (6, 2, 0)]
+        assert opt.effective_lrs() == expected  # exact: same float expression
+        assert sched.get_last_lr() == expected
+        assert [g["lr"] for g in opt.param_groups] == [0.1] * 3  # base schedule untouched
+        opt.step()
+        sched.step()
+    assert opt.effective_lrs() == [0.1, 0.1, 0.1]  # after warm-up the multiplier is 1
+    assert formula(0.1, 6, 0, K) == pytest.approx(0.1 / 6)
+
+
+def test_zero_warmup_means_no_rescaling() -> None:
+    _, opt = three_groups(lr=0.1)
+    eo.PipeMareLR(opt, warmup_steps=0)
+    assert opt.effective_lrs() == [0.1, 0.1, 0.1]
+
+
+@pytest.mark.parametrize("pipemare_first", [True, False])
+def test_chained_with_step_lr(pipemare_first: bool) -> None:
+    _, opt = three_groups(cls=eo.Adam, lr=0.01)
+    _, ref_opt = three_groups(cls=eo.Adam, lr=0.01)
+    K = 4
+    if pipemare_first:
+        pm = eo.PipeMareLR(opt, warmup_steps=K)
+        step_lr = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    else:
+        step_lr = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        pm = eo.PipeMareLR(opt, warmup_steps=K)
+    ref_step = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)  # lr_k alone
+    for k in range(8):
+        lr_k = ref_opt.param_groups[0]["lr"]
+        assert opt.effective_lrs() == [formula(lr_k, tau, k, K) for tau in (6, 2, 0)]
+        opt.step()
+        ref_opt.step()
+        for s in ((pm, step_lr) if k % 2 else (step_lr, pm)):  # order must not matter
+            s.step()
+        ref_step.step()
+    assert ref_opt.param_groups[0]["lr"] == 0.01 * 0.5**4
+
+
+def test_chained_with_one_cycle() -> None:
+    _, opt = three_groups(lr=0.1, momentum=0.9)
+    _, ref_opt = three_groups(lr=0.1, momentum=0.9)
+    total, K = 12, 6
+    one = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=total)
+    pm = eo.PipeMareLR(opt, warmup_steps=K)
+    ref_one = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=0.5, total_steps=total)
+    seen = set()
+    for k in range(total - 1):
+        lr_k = ref_opt.param_groups[0]["lr"]
+        seen.add(lr_k)
+        assert opt.effective_lrs() == [formula(lr_k, tau, k, K) for tau in (6, 2, 0)]
+        opt.step()
+        ref_opt.step()
+        one.step()
+        pm.step()
+        ref_one.step()
+    assert len(seen) > 5  # the base schedule really varied
+
+
+def test_update_uses_the_scaled_rate() -> None:
+    p = nn.Parameter(torch.randn(5))
+    opt = eo.SGD([p], lr=0.1, delay=4)
+    eo.PipeMareLR(opt, warmup_steps=10)
+    g = torch.randn(5)
+    p.grad = g.clone()
+    before = p.detach().clone()
+    opt.step()
+    assert torch.equal(p.detach(), before.add(g, alpha=-formula(0.1, 4, 0, 10)))
+
+
+def test_delay_read_at_each_step_and_state_dict() -> None:
+    _, opt = three_groups(lr=0.1)
+    sched = eo.PipeMareLR(opt, warmup_steps=4)
+    opt.param_groups[2]["delay"] = 3  # the pipeline sets delays after construction
+    opt.step()
+    sched.step()
+    assert opt.effective_lrs()[2] == formula(0.1, 3, 1, 4)
+    # lr_scale travels with the optimizer's state_dict, k with the scheduler's
+    _, opt2 = three_groups(lr=0.1)
+    sched2 = eo.PipeMareLR(opt2, warmup_steps=4)
+    opt2.load_state_dict(opt.state_dict())
+    sched2.load_state_dict(sched.state_dict())
+    assert opt2.effective_lrs() == opt.effective_lrs()
+    opt.step(); sched.step(); opt2.step(); sched2.step()  # noqa: E702
+    assert opt2.effective_lrs() == opt.effective_lrs() == [formula(0.1, t, 2, 4) for t in (6, 2, 3)]
+
+
+def test_rejects_bad_arguments() -> None:
+    p = nn.Parameter(torch.randn(2))
+    with pytest.raises(TypeError, match="needs an engine.optim optimizer.*lr_scale"):
+        eo.PipeMareLR(torch.optim.SGD([p], lr=0.1), warmup_steps=3)
+    opt = eo.SGD([p], lr=0.1)
+    with pytest.raises(ValueError, match="warmup_steps=-1 is invalid"):
+        eo.PipeMareLR(opt, warmup_steps=-1)
+    assert "lr_scale" not in opt.param_groups[0]
