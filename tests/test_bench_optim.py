@@ -20,6 +20,7 @@ def _load(name: str):
     sys.path.insert(0, str(BENCH))
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -53,3 +54,29 @@ def test_traffic_model_counts_each_stream_once() -> None:
     assert bench.traffic_bytes("adam", n, 4, 4) == n * (3 * 4 + 4 * 4)
     with pytest.raises(ValueError, match="unknown kernel"):
         bench.traffic_bytes("lamb", n, 4, 4)
+
+
+def test_composition_peer_computes_what_the_fused_kernel_computes() -> None:
+    """The plain-torch peer must produce the same weights, momentum and prediction, or the
+    speed ratio compares different work."""
+    import torch
+
+    from engine.optim.functional import prediction_coeff, sgd_update
+
+    bench = _load("optim")
+    torch.manual_seed(0)
+    w = torch.randn(1000)
+    g = torch.randn(1000) * 1e-2
+    w_ref, v_ref, pred_ref = w.clone(), torch.zeros(1000), torch.empty(1000)
+    run = bench._composition_provider(w, g)
+    for _ in range(3):
+        run()
+        sgd_update(
+            w_ref, g, v_ref, lr=bench.LR, momentum=bench.MOMENTUM, dampening=0.0, weight_decay=0.0,
+            nesterov=False, maximize=False, init_momentum=False, sc_delay=bench.DELAY,
+            predicted=pred_ref,
+            predict_coeff=prediction_coeff("linear", bench.LR, bench.MOMENTUM, bench.DELAY),
+        )
+    torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(run.momentum, v_ref, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(run.predicted, pred_ref, rtol=1e-6, atol=1e-7)
