@@ -1,0 +1,76 @@
+"""Instrumentation: which weights each F and B of each micro-batch actually read.
+
+``Probe`` is a layer with a weight vector (y = x * weight, elementwise) whose autograd
+Function records, for the action the runtime is executing (stage, global micro-batch id,
+kind), a copy of the weight it read: in forward the value it multiplied by, in backward the
+value of the *saved leaf parameter* at B time (saved by reference, so this is exactly what
+the backward computed with). Tests compare these with the version history of ALGORITHMS.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Probe", "current_action", "action_context"]
+
+_CURRENT: contextvars.ContextVar[tuple[int, int, str] | None] = contextvars.ContextVar(
+    "engine_action", default=None
+)
+
+
+def current_action() -> tuple[int, int, str] | None:
+    """(stage, micro-batch id, kind) of the action being run, or None outside a pipeline."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def action_context(stage: int, microbatch: int, kind: str) -> Iterator[None]:
+    token = _CURRENT.set((stage, microbatch, kind))
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+class _ProbeFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, probe: Probe) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.probe = probe
+        probe._record("F", weight)
+        return x * weight
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        ctx.probe._record("B", weight)
+        gw = (grad * x).reshape(-1, weight.numel()).sum(0).reshape(weight.shape)
+        return grad * weight, gw, None
+
+
+class Probe(nn.Module):
+    """y = x * weight with a record of every read: ``log`` holds dicts with keys stage, mb,
+    kind ("F", "R" for a recomputed forward, "B") and value (a clone of the weight read)."""
+
+    def __init__(self, dim: int, init: float = 1.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((dim,), float(init)))
+        self.log: list[dict[str, Any]] = []
+
+    def _record(self, kind: str, weight: Tensor) -> None:
+        cur = current_action()
+        if cur is None:
+            return
+        stage, mb, action = cur
+        if kind == "F" and action == "B":
+            kind = "R"  # forward re-run inside a backward: recomputation
+        self.log.append({"stage": stage, "mb": mb, "kind": kind, "value": weight.detach().clone()})
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _ProbeFn.apply(x, self.weight, self)

@@ -1,0 +1,58 @@
+"""Activations a stage holds between a micro-batch's forward and its backward.
+
+Why a class: the activation peak (micro-batches held at once) is one of the facts a schedule
+promises (gpipe M; 1f1b/pipedream/2bw at most S-s; pb 2(S-1-s)+1) and ``stats()`` reports it,
+so every put/pop goes through one place that counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["StashEntry", "ActivationStash"]
+
+
+@dataclasses.dataclass
+class StashEntry:
+    """What B(i) needs: the stage input, the forward's output (or the scaled loss at the last
+    stage) when the graph is kept, the weight buffer F ran on, and the RNG state for exact
+    recomputation."""
+
+    i: int
+    x: Tensor
+    out: Tensor | None
+    fbuf: int
+    t_f: int
+    scale: float
+    target: Any = None
+    rng: Any = None  # (cpu state, cuda device or None, cuda state or None)
+    dropped: bool = False
+
+
+class ActivationStash:
+    """Per-stage map micro-batch -> StashEntry with peak accounting."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, StashEntry] = {}
+        self.peak = 0
+
+    def put(self, entry: StashEntry) -> None:
+        if entry.i in self._entries:
+            raise RuntimeError(f"micro-batch {entry.i} is already stashed")
+        self._entries[entry.i] = entry
+        self.peak = max(self.peak, len(self._entries))
+
+    def pop(self, i: int) -> StashEntry:
+        return self._entries.pop(i)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entries(self) -> list[StashEntry]:
+        return list(self._entries.values())
+
+    def clear(self) -> None:
+        self._entries.clear()
