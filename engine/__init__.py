@@ -19,7 +19,12 @@ from engine._version import __version__
 _LAZY: dict[str, str] = {
     "WeightArena": "engine.arena",
     "flatten_": "engine.arena",
+    "Pipeline": "engine.runtime",
+    "save": "engine.checkpoint",
+    "load": "engine.checkpoint",
     "optim": "engine.optim",
+    "schedule": "engine.schedule",
+    "partition": "engine.partition",
     "info": "engine.info",
 }
 
