@@ -1,0 +1,18 @@
+"""Subcommands of ``python -m engine``, one module each.
+
+Why one module per subcommand: each owns its options (``add_arguments``) and its entry point
+(``run``), so ``engine/__main__.py`` only wires them together and a subcommand can be read,
+tested and imported (``compare`` reuses ``train``'s training loop) on its own. Heavy imports
+(torch, matplotlib, scikit-learn) happen inside ``run`` so ``python -m engine --help`` is fast.
+
+Errors the user can fix raise :class:`CLIError`; ``__main__`` prints them as one line on
+stderr and exits with status 2, argparse's convention for bad usage.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CLIError"]
+
+
+class CLIError(Exception):
+    """A usage error: printed as ``python -m engine CMD: error: MESSAGE`` with exit status 2."""

@@ -1,0 +1,527 @@
+"""``python -m engine compare``: every method of the pipeline papers on real data, one command.
+
+Why: the claims of the literature (Kosson et al.: batch-size-1 pipelined backprop with spike
+compensation and linear weight prediction matches synchronous training while plain pipelined
+backprop degrades with depth; Yang et al.: PipeMare's learning-rate rescheduling T1 and
+discrepancy correction T2 close most of the gap of plain asynchrony) should be checkable on
+any machine in minutes. This command trains the same model, split the same way, with each
+method, from the same initial weights and data order, and reports what the engine itself
+measured.
+
+Setting (defaults): digits, 2 epochs, a 16-layer residual MLP split into S = 8 stages (two layers per
+stage: fine-grained), one sample per micro-batch, update size k = 1 for the asynchronous
+methods (the "no batches" setting) and M = S micro-batches per update for the synchronous
+ones and 2BW. Hyper-parameters come from one reference (lr_ref = 0.03, m_ref = 0.9 at
+B_ref = 32 samples per update, the best of lr in {0.03, 0.1, 0.3} for plain synchronous SGD)
+scaled to each method's samples per update B: m = m_ref ** (B / B_ref) and
+lr = lr_ref * (B / B_ref) * (1 - m) / (1 - m_ref) (see ``engine.cli.train`` for why the extra
+factor: it is ALGORITHMS.md's linear rule for PyTorch's undampened momentum; ``--scaling
+linear`` gives the literal rule), so every method has the same momentum time constant and the
+same total step per sample. Nothing is tuned per method. The default run takes about four
+minutes on two shared CPU cores.
+
+Outputs in ``--out``: ``summary.csv``, ``report.md``, ``curves_S{S}.png`` (test accuracy and
+training loss per method), ``timeline_{schedule}.png`` (schedule pictures from
+``engine.schedule.render_timeline``), ``depth.png`` when several depths are given, and one
+``metrics.csv`` per run under ``runs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from engine.cli import CLIError
+from engine.cli.train import (
+    TrainConfig,
+    TrainResult,
+    add_hparam_arguments,
+    add_model_arguments,
+    train,
+)
+
+__all__ = ["METHODS", "Method", "add_arguments", "run", "method_config", "summarize"]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the comparison: a schedule plus mitigation options (TrainConfig overrides)."""
+
+    name: str
+    schedule: str
+    options: tuple[tuple[str, Any], ...] = ()
+    what: str = ""
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("gpipe", "gpipe", (), "synchronous baseline (fill-drain, update per mini-batch)"),
+        Method("1f1b", "1f1b", (), "synchronous, PipeDream-Flush order"),
+        Method("pipedream", "pipedream", (), "async 1F1B with weight stashing, k = 1"),
+        Method("2bw", "2bw", (), "PipeDream-2BW: two weight versions, delay 1, k = M"),
+        Method("pb", "pb", (), "pipelined backprop, live weights, k = 1 (no mitigation)"),
+        Method("pb+sc", "pb", (("spike_compensation", True),), "pb + spike compensation"),
+        Method("pb+lwp", "pb", (("prediction", "lwp"),), "pb + linear weight prediction"),
+        Method(
+            "pb+sc+lwp",
+            "pb",
+            (("spike_compensation", True), ("prediction", "lwp")),
+            "pb + SC + LWP (Kosson et al.'s recommendation)",
+        ),
+        Method("spectrain", "pb", (("prediction", "spectrain"),), "SpecTrain (F and B predicted)"),
+        Method("pipemare-t1", "pb", (("pipemare_lr", True),), "PipeMare T1: lr rescheduling"),
+        Method(
+            "pipemare-t2",
+            "pb",
+            (("discrepancy_correction", True),),
+            "PipeMare T2: discrepancy correction",
+        ),
+        Method(
+            "pipemare",
+            "pb",
+            (("pipemare_lr", True), ("discrepancy_correction", True)),
+            "PipeMare T1 + T2",
+        ),
+    )
+}
+
+TIMELINE_SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw", "pb")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    add_hparam_arguments(p)
+    p.add_argument(
+        "--methods",
+        default="all",
+        help=f"comma list of methods or 'all' (default): {', '.join(METHODS)}",
+    )
+    p.add_argument(
+        "--stages",
+        default="8",
+        help="pipeline depth S, or a comma list for a depth sweep, e.g. 4,8,16 (default 8)",
+    )
+    p.add_argument(
+        "--chunks",
+        type=int,
+        default=None,
+        help="micro-batches per mini-batch M (default S: the sync methods and 2BW update every S samples)",
+    )
+    p.add_argument(
+        "--update-size", type=int, default=1, help="k for the asynchronous methods (default 1)"
+    )
+    p.add_argument(
+        "--target",
+        type=float,
+        default=0.9,
+        help="test accuracy target for 'updates to target' (default 0.9)",
+    )
+    p.add_argument(
+        "--out",
+        default="out/compare",
+        help="folder for the table, plots and report (default out/compare)",
+    )
+    p.set_defaults(evals_per_epoch=8, epochs=2)
+
+
+def _parse_methods(text: str) -> list[Method]:
+    if text.strip() == "all":
+        return list(METHODS.values())
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [n for n in names if n not in METHODS]
+    if unknown or not names:
+        raise CLIError(
+            f"unknown method(s) {', '.join(unknown) or repr(text)}; choose from {', '.join(METHODS)} or all"
+        )
+    return [METHODS[n] for n in dict.fromkeys(names)]
+
+
+def _parse_stages(text: str) -> list[int]:
+    try:
+        out = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise CLIError(f"--stages {text!r}: give an integer or a comma list like 4,8,16") from None
+    if not out or any(s < 1 for s in out):
+        raise CLIError(f"--stages {text!r}: every depth must be >= 1")
+    return sorted(dict.fromkeys(out))
+
+
+def method_config(
+    base: TrainConfig, method: Method, stages: int, chunks: int | None, update_size: int
+) -> TrainConfig:
+    """The TrainConfig of ``method`` at depth ``stages`` (shared data, model, seed, reference)."""
+    M = chunks if chunks is not None else stages
+    cfg = replace(
+        base,
+        schedule=method.schedule,
+        stages=stages,
+        chunks=M,
+        update_size=update_size if method.schedule in ("pb", "pipedream") else None,
+        resume=False,
+    )
+    for key, value in method.options:
+        cfg = replace(cfg, **{key: value})
+    return cfg
+
+
+def _modal_delays(stats: dict[str, Any]) -> list[int]:
+    """Per stage, the delay most micro-batches saw (steady state; fill/drain are the minority)."""
+    out = []
+    for counts in stats.get("measured_delays", []):
+        c = Counter({int(k): int(v) for k, v in counts.items()})
+        out.append(c.most_common(1)[0][0] if c else 0)
+    return out
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def summarize(name: str, res: TrainResult, target: float) -> dict[str, Any]:
+    """One table row from a finished run."""
+    st = res.stats or {}
+    rows = res.rows
+    hit = next((r for r in rows if r["test_acc"] >= target), None)
+    buffers = st.get("weight_buffers") or [1] * len(res.stage_param_bytes)
+    act_peak = st.get("activation_peak") or [0] * len(res.stage_activation_bytes)
+    return {
+        "method": name,
+        "S": res.config.stages,
+        "schedule": res.config.schedule,
+        "B": res.config.samples_per_update(),
+        "lr": res.lr,
+        "momentum": res.momentum,
+        "final_acc": res.final_test_acc,
+        "best_acc": max((r["test_acc"] for r in rows), default=float("nan")),
+        "last_epoch_acc": _mean([r["test_acc"] for r in rows if r["epoch"] == rows[-1]["epoch"]]),
+        "last_epoch_loss": _mean(
+            [r["train_loss"] for r in rows if r["epoch"] == rows[-1]["epoch"]]
+        ),
+        "final_loss": res.final_test_loss,
+        "updates_to_target": hit["updates"] if hit else None,
+        "samples_to_target": hit["samples"] if hit else None,
+        "samples_per_s": res.samples_per_s,
+        "weight_kib": sum(b * p for b, p in zip(buffers, res.stage_param_bytes, strict=False))
+        / 1024,
+        "act_kib": sum(a * b for a, b in zip(act_peak, res.stage_activation_bytes, strict=False))
+        / 1024,
+        "delays": "/".join(str(d) for d in _modal_delays(st)),
+        "bubble": st.get("bubble_fraction", float("nan")),
+        "diverged": res.diverged or "",
+    }
+
+
+COLUMNS = (
+    ("method", "method", "{}"),
+    ("S", "S", "{}"),
+    ("B", "B/upd", "{}"),
+    ("lr", "lr", "{:.4g}"),
+    ("momentum", "m", "{:.4f}"),
+    ("final_acc", "final acc", "{:.4f}"),
+    ("last_epoch_acc", "last-epoch mean", "{:.4f}"),
+    ("best_acc", "best acc", "{:.4f}"),
+    ("last_epoch_loss", "train loss", "{:.3f}"),
+    ("updates_to_target", "upd→target", "{}"),
+    ("samples_to_target", "samples→target", "{}"),
+    ("samples_per_s", "samples/s", "{:.0f}"),
+    ("weight_kib", "weights KiB", "{:.0f}"),
+    ("act_kib", "act KiB", "{:.1f}"),
+    ("delays", "delays (stage 0..S-1)", "{}"),
+    ("bubble", "bubble", "{:.3f}"),
+)
+
+
+def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
+    v = row[key]
+    if v is None:
+        return "never"
+    if isinstance(v, float) and math.isnan(v):
+        return "-"
+    s = fmt.format(v)
+    if key == "final_acc" and row["diverged"]:
+        s += " (diverged)"
+    return s
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    head = "| " + " | ".join(h for _, h, _ in COLUMNS) + " |"
+    sep = "|" + "|".join("---" for _ in COLUMNS) + "|"
+    body = ["| " + " | ".join(_cell(r, k, f) for k, _, f in COLUMNS) + " |" for r in rows]
+    return "\n".join([head, sep, *body])
+
+
+def text_table(rows: list[dict[str, Any]]) -> str:
+    cells = [[h for _, h, _ in COLUMNS]] + [[_cell(r, k, f) for k, _, f in COLUMNS] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c[i].ljust(widths[i]) for i in range(len(COLUMNS))) for c in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ plots
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_curves(results: list[tuple[str, TrainResult]], path: Path, title: str) -> None:
+    plt = _plt()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    cmap = plt.get_cmap("tab10" if len(results) <= 10 else "tab20")
+    for i, (name, res) in enumerate(results):
+        if not res.rows:
+            continue
+        xs = [r["samples"] for r in res.rows]
+        style = "--" if res.config.schedule in ("gpipe", "1f1b", "naive") else "-"
+        ax1.plot(
+            xs, [r["test_acc"] for r in res.rows], style, color=cmap(i % cmap.N), label=name, lw=1.4
+        )
+        ax2.plot(
+            xs,
+            [r["train_loss"] for r in res.rows],
+            style,
+            color=cmap(i % cmap.N),
+            label=name,
+            lw=1.4,
+        )
+    ax1.set_xlabel("training samples")
+    ax1.set_ylabel("test accuracy")
+    ax1.grid(alpha=0.3)
+    ax2.set_xlabel("training samples")
+    ax2.set_ylabel("training loss (mean since previous point)")
+    ax2.set_yscale("log")
+    ax2.grid(alpha=0.3)
+    ax1.legend(fontsize=7, ncol=2)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_depth(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Two panels against S: final test accuracy and last-epoch training loss (less noisy)."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    depths = sorted({r["S"] for r in rows})
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault(r["method"], []).append(r)
+    for ax, key, label in (
+        (axes[0], "final_acc", "final test accuracy"),
+        (axes[1], "last_epoch_loss", "training loss, mean over the last epoch"),
+    ):
+        for name, rs in by.items():
+            rs = sorted(rs, key=lambda r: r["S"])
+            ax.plot([r["S"] for r in rs], [r[key] for r in rs], "o-", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(depths)
+        ax.set_xticklabels([str(s) for s in depths])
+        ax.set_xlabel("pipeline stages S")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def render_timelines(out: Path, stages: int, chunks: int, schedules: list[str]) -> list[Path]:
+    from engine.schedule import generate, render_timeline
+
+    paths = []
+    for name in schedules:
+        S = min(stages, 4)  # a picture of 4 stages reads; 16 rows of boxes do not
+        M = max(min(chunks, 4), S) if name == "2bw" else min(chunks, 4)
+        sched = generate(name, S, M, 2, None, None)
+        p = out / f"timeline_{name}.png"
+        render_timeline(sched, p)
+        paths.append(p)
+    return paths
+
+
+# ------------------------------------------------------------------ report
+
+
+def machine_line() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (
+        f"{cpu}, {os.cpu_count()} cores visible, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), {dev}, Python {platform.python_version()}"
+    )
+
+
+def write_report(
+    path: Path,
+    rows: list[dict[str, Any]],
+    base: TrainConfig,
+    methods: list[Method],
+    depths: list[int],
+    images: list[Path],
+    command: str,
+    wall: float,
+    target: float,
+) -> None:
+    lines = [
+        "# Pipeline methods compared",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Wall time: {wall:.0f} s. Machine: {machine_line()}.",
+        "",
+        f"Data: {base.dataset}. Model: residual MLP, {base.layers} layers, width {base.width}, "
+        f"split evenly into S = {', '.join(map(str, depths))} stages; {base.batch_size} sample(s) per micro-batch; "
+        f"{base.epochs} epochs; seed {base.seed}; activation recomputation `{base.checkpoint}`.",
+        "",
+        f"Hyper-parameters: {base.optimizer.upper()} with reference lr_ref = {base.lr}, m_ref = {base.momentum} "
+        + (
+            f"at B_ref = {base.ref_batch} samples per update, scaled per method to its B: m = m_ref ^ (B / B_ref), "
+            + (
+                "lr = lr_ref * (B / B_ref) * (1 - m) / (1 - m_ref) (`--scaling per-sample`: each sample's total "
+                "step fixed with PyTorch's undampened momentum)."
+                if base.scaling == "per-sample"
+                else "lr = lr_ref * B / B_ref (`--scaling linear`)."
+            )
+            if base.ref_batch
+            else "used as given (no scaling)."
+        ),
+        "",
+        "Methods: " + "; ".join(f"`{m.name}`: {m.what}" for m in methods) + ".",
+        "",
+        f"Columns: test accuracy at the end, averaged over the last epoch's evaluation points, and best; "
+        "training loss averaged over the last epoch (over many more samples than the test set, so the "
+        f"least noisy column); updates and samples until the test accuracy first reached {target} "
+        "(measured at the evaluation points); training throughput; peak weight memory (weight buffers the "
+        "engine held per stage x that stage's parameter bytes, summed); peak activation memory (micro-batches "
+        "stashed per stage x measured bytes per micro-batch, summed); the delay most micro-batches saw per "
+        "stage (measured by the engine); bubble fraction (engine clock, unit costs F = 1, B = 2).",
+        "",
+        markdown_table(rows),
+        "",
+    ]
+    for img in images:
+        lines += [f"![{img.stem}]({img.name})", ""]
+    path.write_text("\n".join(lines))
+
+
+def write_summary(path: Path, rows: list[dict[str, Any]]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+# ------------------------------------------------------------------ entry point
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from engine.cli.train import check_config, config_from_args
+
+    t_start = time.perf_counter()
+    methods = _parse_methods(args.methods)
+    depths = _parse_stages(args.stages)
+    if args.chunks is not None and args.chunks < 1:
+        raise CLIError(f"--chunks {args.chunks} must be >= 1")
+    if args.update_size < 1:
+        raise CLIError(f"--update-size {args.update_size} must be >= 1")
+    if not 0 < args.target <= 1:
+        raise CLIError(f"--target {args.target} must be an accuracy in (0, 1]")
+    out = Path(args.out)
+    base = config_from_args(
+        argparse.Namespace(**{**vars(args), "stages": depths[0], "schedule": "pb"})
+    )
+    configs = [
+        (m, S, method_config(base, m, S, args.chunks, args.update_size))
+        for S in depths
+        for m in methods
+    ]
+    for m, S, cfg in configs:  # every configuration is checked before the first run starts
+        try:
+            check_config(cfg)
+        except CLIError as exc:
+            raise CLIError(f"method {m.name} at S={S}: {exc}") from None
+        if cfg.schedule == "2bw" and cfg.chunks < S:
+            raise CLIError(
+                f"method 2bw needs --chunks >= stages (M >= S); got --chunks {cfg.chunks} with S={S}"
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    by_depth: dict[int, list[tuple[str, TrainResult]]] = {}
+    overall = tqdm(
+        total=len(configs), desc="compare", unit="run", disable=not args.progress, file=sys.stderr
+    )
+    for i, (m, S, cfg) in enumerate(configs):
+        cfg = replace(cfg, out=str(out / "runs" / f"S{S}-{m.name}"))
+        res = train(cfg, save=True, desc=f"S={S} {m.name}", position=1)
+        row = summarize(m.name, res, args.target)
+        rows.append(row)
+        by_depth.setdefault(S, []).append((m.name, res))
+        overall.update(1)
+        msg = (
+            f"[{i + 1}/{len(configs)}] S={S} {m.name:12s} acc {row['final_acc']:.4f} "
+            f"({row['samples_per_s']:.0f} samples/s)"
+            + (f" DIVERGED: {res.diverged}" if res.diverged else "")
+        )
+        if args.progress:
+            overall.write(msg, file=sys.stderr)
+    overall.close()
+    images: list[Path] = []
+    for S, results in by_depth.items():
+        p = out / f"curves_S{S}.png"
+        plot_curves(
+            results,
+            p,
+            f"{base.dataset}: S={S} stages, {base.layers} layers, {base.batch_size} sample/micro-batch",
+        )
+        images.append(p)
+    if len(depths) > 1:
+        p = out / "depth.png"
+        plot_depth(rows, p, f"{base.dataset}: accuracy and loss vs pipeline depth")
+        images.append(p)
+    scheds = [s for s in TIMELINE_SCHEDULES if any(m.schedule == s for m in methods)]
+    images += render_timelines(out, depths[-1], args.chunks or depths[-1], scheds)
+    wall = time.perf_counter() - t_start
+    command = "python -m engine compare " + " ".join(
+        shlex.quote(a) for a in (getattr(args, "argv", None) or [])
+    )
+    write_summary(out / "summary.csv", rows)
+    write_report(
+        out / "report.md", rows, base, methods, depths, images, command.strip(), wall, args.target
+    )
+    print(text_table(rows))
+    print(
+        f"\nwall time {wall:.0f} s; wrote {out / 'report.md'}, {out / 'summary.csv'}, "
+        f"{len(images)} PNGs in {out}"
+    )
+    return 0

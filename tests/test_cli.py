@@ -1,0 +1,337 @@
+"""``python -m engine``: every subcommand end to end on tiny settings, one-line usage errors
+with exit status 2, produced files, and exact resumption from a checkpoint.
+
+Tiny settings: iris (120 training samples), 2-4 stages of width-8 layers, so each command
+runs in about a second.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine.__main__ import main
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = [
+    "--dataset",
+    "iris",
+    "--layers",
+    "4",
+    "--width",
+    "8",
+    "--batch-size",
+    "4",
+    "--evals-per-epoch",
+    "2",
+    "--no-progress",
+]
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# ------------------------------------------------------------------ train
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--schedule", "gpipe"],
+        ["--schedule", "1f1b"],
+        ["--schedule", "pipedream"],
+        ["--schedule", "2bw"],
+        ["--schedule", "pb", "--spike-compensation", "--prediction", "lwp"],
+        ["--schedule", "pb", "--prediction", "spectrain"],
+        ["--schedule", "pb", "--pipemare-lr", "--discrepancy-correction"],
+        ["--schedule", "pb", "--order", "1f1b", "--update-size", "2", "--optimizer", "adam"],
+    ],
+    ids=lambda e: "-".join(a.lstrip("-") for a in e),
+)
+def test_train_runs_every_schedule_and_mitigation(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, extra: list[str]
+) -> None:
+    code, out, err = _run(
+        capsys,
+        "train",
+        *TINY,
+        "--stages",
+        "2",
+        "--chunks",
+        "2",
+        "--epochs",
+        "1",
+        "--out",
+        str(tmp_path),
+        *extra,
+    )
+    assert code == 0, err
+    assert "test_acc=" in out
+    assert (tmp_path / "checkpoint.safetensors").stat().st_size > 0
+    rows = _rows(tmp_path / "metrics.csv")
+    assert len(rows) == 2 and {"train_loss", "test_acc", "samples_per_s", "updates"} <= set(rows[0])
+    assert 0.0 <= float(rows[-1]["test_acc"]) <= 1.0
+
+
+def test_train_learns_digits_beyond_chance(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, out, err = _run(
+        capsys,
+        "train",
+        "--dataset",
+        "digits",
+        "--layers",
+        "2",
+        "--width",
+        "32",
+        "--stages",
+        "2",
+        "--chunks",
+        "4",
+        "--batch-size",
+        "8",
+        "--schedule",
+        "1f1b",
+        "--epochs",
+        "1",
+        "--evals-per-epoch",
+        "1",
+        "--no-progress",
+        "--out",
+        str(tmp_path),
+    )
+    assert code == 0, err
+    assert float(_rows(tmp_path / "metrics.csv")[-1]["test_acc"]) > 0.6
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        ["--schedule", "pb", "--spike-compensation", "--prediction", "lwp"],
+        ["--schedule", "pb", "--pipemare-lr", "--discrepancy-correction"],
+        ["--schedule", "2bw", "--chunks", "3"],
+        pytest.param(
+            ["--schedule", "pb", "--prediction", "lwp", "--pipemare-lr"],
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="engine.optim: the first prediction after load uses the current lr_scale, an "
+                "uninterrupted run the cached one of the previous step (PipeMareLR changes it)",
+            ),
+        ),
+    ],
+    ids=["pb+sc+lwp", "pipemare", "2bw", "lwp+T1"],
+)
+def test_resume_continues_exactly_where_it_stopped(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, method: list[str]
+) -> None:
+    common = [*TINY, "--stages", "3", "--chunks", "2", *method]
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert _run(capsys, "train", *common, "--epochs", "3", "--out", str(full))[0] == 0
+    assert _run(capsys, "train", *common, "--epochs", "1", "--out", str(split))[0] == 0
+    assert _run(capsys, "train", *common, "--epochs", "3", "--out", str(split), "--resume")[0] == 0
+    a = load_file(str(full / "checkpoint.safetensors"))
+    b = load_file(str(split / "checkpoint.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    timing = {"samples_per_s", "elapsed_s"}
+    ra, rb = _rows(full / "metrics.csv"), _rows(split / "metrics.csv")
+    assert len(ra) == len(rb) == 6
+    for x, y in zip(ra, rb, strict=True):
+        assert {k: v for k, v in x.items() if k not in timing} == {
+            k: v for k, v in y.items() if k not in timing
+        }
+
+
+def test_resume_refuses_different_options(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert (
+        _run(
+            capsys,
+            "train",
+            *TINY,
+            "--stages",
+            "2",
+            "--chunks",
+            "2",
+            "--epochs",
+            "1",
+            "--out",
+            str(tmp_path),
+        )[0]
+        == 0
+    )
+    code, _, err = _run(
+        capsys,
+        "train",
+        *TINY,
+        "--stages",
+        "2",
+        "--chunks",
+        "2",
+        "--epochs",
+        "2",
+        "--lr",
+        "0.5",
+        "--out",
+        str(tmp_path),
+        "--resume",
+    )
+    assert code == 2 and "different options" in err and "lr" in err
+    code, _, err = _run(
+        capsys,
+        "train",
+        *TINY,
+        "--stages",
+        "2",
+        "--chunks",
+        "2",
+        "--epochs",
+        "2",
+        "--out",
+        str(tmp_path / "nope"),
+        "--resume",
+    )
+    assert code == 2 and "no checkpoint" in err
+
+
+# ------------------------------------------------------------------ usage errors
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["train", "--schedule", "zigzag"], "unknown schedule 'zigzag'"),
+        (["train", "--stages", "20"], "exceeds the model's 16 layers"),
+        (["train", "--chunks", "0"], "--chunks must be >= 1"),
+        (["train", "--dataset", "mnist"], "unknown dataset 'mnist'"),
+        (["train", "--schedule", "gpipe", "--prediction", "lwp"], "--schedule pb only"),
+        (["train", "--schedule", "2bw", "--stages", "4", "--chunks", "2"], "chunks >= stages"),
+        (["compare", "--methods", "pb,foo"], "unknown method(s) foo"),
+        (["compare", "--stages", "32"], "exceeds the model's 16 layers"),
+        (["compare", "--dataset", "mnist"], "unknown dataset 'mnist'"),
+        (["schedule", "zigzag"], "unknown schedule 'zigzag'"),
+        (["schedule", "gpipe", "--chunks", "0"], "--chunks 0 must be >= 1"),
+        (["nosuchcommand"], "invalid choice"),
+        *(
+            [(["train", "--device", "cuda"], "no CUDA GPU is visible")]
+            if not torch.cuda.is_available()
+            else []
+        ),
+    ],
+)
+def test_bad_arguments_give_one_line_and_status_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], needle: str
+) -> None:
+    code, out, err = _run(
+        capsys, *argv, *(["--out", str(tmp_path)] if argv[0] in ("train", "compare") else [])
+    )
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert needle in lines[0]
+    assert "Traceback" not in err
+    assert not list(tmp_path.iterdir())  # nothing ran
+
+
+def test_python_dash_m_engine_exits_2_without_traceback() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine", "train", "--stages", "0"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and "--stages must be >= 1" in proc.stderr
+
+
+# ------------------------------------------------------------------ compare, schedule, bench
+
+
+def test_compare_writes_table_plots_and_report(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, out, err = _run(
+        capsys,
+        "compare",
+        *TINY,
+        "--methods",
+        "gpipe,pb,pb+sc+lwp,pipemare",
+        "--stages",
+        "2,4",
+        "--epochs",
+        "1",
+        "--target",
+        "0.5",
+        "--out",
+        str(tmp_path),
+    )
+    assert code == 0, err
+    for name in ("gpipe", "pb+sc+lwp", "pipemare", "upd→target", "bubble"):
+        assert name in out
+    report = (tmp_path / "report.md").read_text()
+    assert "| gpipe | 2 |" in report and "| pipemare | 4 |" in report
+    for png in (
+        "curves_S2.png",
+        "curves_S4.png",
+        "depth.png",
+        "timeline_gpipe.png",
+        "timeline_pb.png",
+    ):
+        p = tmp_path / png
+        assert p.stat().st_size > 1000, png
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"({png})" in report
+    rows = _rows(tmp_path / "summary.csv")
+    assert len(rows) == 8
+    pb4 = next(r for r in rows if r["method"] == "pb" and r["S"] == "4")
+    assert pb4["delays"] == "6/4/2/0"  # 2(S-1-s), measured by the engine
+    gp = next(r for r in rows if r["method"] == "gpipe" and r["S"] == "4")
+    assert float(gp["bubble"]) > 0.3 and gp["delays"] == "0/0/0/0"
+
+
+def test_schedule_prints_and_draws(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    png, trace = tmp_path / "t.png", tmp_path / "t.json"
+    code, out, err = _run(
+        capsys,
+        "schedule",
+        "1f1b",
+        "--stages",
+        "3",
+        "--chunks",
+        "4",
+        "--png",
+        str(png),
+        "--trace",
+        str(trace),
+    )
+    assert code == 0, err
+    assert "bubble" in out.lower()
+    assert png.stat().st_size > 1000 and trace.stat().st_size > 100
+
+
+def test_bench_on_cpu_says_it_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the full benchmark would run")
+    code, out, _ = _run(capsys, "bench")
+    assert code == 0 and "needs a CUDA GPU" in out and "--smoke" in out
