@@ -201,6 +201,9 @@ def _rebind(
 
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref, int, int]] = {}
 _ARENA_COUNTER = itertools.count()
+# data pointer of a bucket's first live view -> (arena, bucket index): finds the bucket of
+# *aliases* (other tensors viewing the same storage, e.g. a pipeline's shadow Parameters)
+_BY_PTR: dict[int, list[tuple[weakref.ref, int]]] = {}
 
 
 class _ArenaLink:
@@ -241,7 +244,9 @@ def _owner_of(p: torch.Tensor) -> WeightArena | None:
 
 
 def flat_buffers_for(params: Sequence[torch.Tensor]) -> FlatView | None:
-    """Return the flat buffers when ``params`` are exactly one bucket's parameters.
+    """Return the flat buffers when ``params`` are exactly one bucket's parameters, or
+    aliases of them (other tensors viewing exactly the bucket's live storage in bucket order,
+    such as the shadow Parameters a pipeline stage hands its optimizer; see ``_alias_view``).
 
     "Exactly" means the same tensors in the same order as the bucket (its
     ``BucketInfo.names`` order) and each one still a view into the bucket's live buffer
@@ -259,7 +264,7 @@ def flat_buffers_for(params: Sequence[torch.Tensor]) -> FlatView | None:
         return None
     entry = _OWNERS.get(id(params[0]))
     if entry is None or entry[0]() is not params[0]:
-        return None
+        return _alias_view(params)
     arena = entry[1]()
     if arena is None:
         return None
@@ -273,6 +278,65 @@ def flat_buffers_for(params: Sequence[torch.Tensor]) -> FlatView | None:
     if bucket.device.type == "cuda":
         arena._core.wait_all(arena._stream(None))
     return bucket.flat_view
+
+
+def _alias_view(params: Sequence[torch.Tensor]) -> FlatView | None:
+    """The FlatView for tensors that are not the bucket's Parameters but view exactly its live
+    storage, member by member (same data pointer, shape, dtype and device, same order).
+
+    Why: a pipeline steps *shadow* Parameters that share the live buffer, so that the in-place
+    update does not bump the module Parameters' autograd version counters while in-flight
+    graphs still hold them (engine/runtime/weights.py). Matching by identity alone would send
+    such a stage down the per-tensor path. The returned view has the bucket's flat buffers and
+    ``params`` = the given tensors (their ``.grad`` is what ``rebind_grads`` points at the flat
+    gradient); it is cached on the bucket per tuple of tensors.
+    """
+    candidates = _BY_PTR.get(params[0].data_ptr()) if params[0].numel() else None
+    if not candidates:
+        return None
+    for arena_ref, index in candidates:
+        arena = arena_ref()
+        if arena is None:
+            continue
+        bucket = arena._buckets[index]
+        members = bucket.params
+        if len(params) != len(members):
+            continue
+        if not all(
+            p.data_ptr() == ptr and p.shape == q.shape and p.dtype == q.dtype and p.device == q.device
+            for p, q, ptr in zip(params, members, bucket.ptrs, strict=False)
+        ):
+            continue
+        key = tuple(id(p) for p in params)
+        view = bucket.aliases.get(key)
+        if view is None or any(a is not b for a, b in zip(view.params, params, strict=False)):
+            base = bucket.flat_view
+            view = FlatView(
+                param=base.param,
+                grad=base.grad,
+                offsets=base.offsets,
+                numels=base.numels,
+                params=tuple(params),
+                shapes=base.shapes,
+                alignment=base.alignment,
+                _grad_views=base._grad_views,
+                _grad_ptrs=base._grad_ptrs,
+            )
+            bucket.aliases[key] = view
+        if bucket.device.type == "cuda":
+            arena._core.wait_all(arena._stream(None))
+        return view
+    return None
+
+
+def _forget_ptrs(entries: list[tuple[int, int]]) -> None:
+    """Drop a collected arena's buckets from the pointer registry."""
+    for ptr, _index in entries:
+        alive = [(r, i) for r, i in _BY_PTR.get(ptr, []) if r() is not None]
+        if alive:
+            _BY_PTR[ptr] = alive
+        else:
+            _BY_PTR.pop(ptr, None)
 
 
 # --------------------------------------------------------------------------------------
@@ -294,6 +358,7 @@ class _Bucket:
     ptrs: list[int]
     grad_ptrs: list[int]
     flat_view: FlatView
+    aliases: dict[tuple[int, ...], FlatView] = field(default_factory=dict)
 
 
 class DoubleBuffer:
@@ -850,4 +915,7 @@ def flatten_(
             ref = weakref.ref(p, lambda r, k=key: _forget(k, r))
             _OWNERS[key] = (ref, arena_ref, b.index, pos)
             p._engine_arena = _ArenaLink(arena)  # keeps the arena alive with its params
+        if b.ptrs and b.ptrs[0]:
+            _BY_PTR.setdefault(b.ptrs[0], []).append((arena_ref, b.index))
+    weakref.finalize(arena, _forget_ptrs, [(b.ptrs[0], b.index) for b in arena._buckets if b.ptrs])
     return arena

@@ -79,6 +79,9 @@ class Stage:
             )
         self.bridge = OptimizerBridge(opt, self.shadow)
         self.scheduler: Any = None
+        #: called with the shadow parameters (grads in place) before each optimizer step:
+        #: the data-parallel all-reduce under gloo/NCCL (None: no replicas)
+        self.grad_hook: Callable[[list[nn.Parameter]], None] | None = None
         self.stash = ActivationStash()
         self.updates = 0  # t: updates applied so far
         self.segment_updates = 0  # updates at the start of the current segment (2BW's origin)
@@ -266,6 +269,8 @@ class Stage:
                 sp.grad = mp.grad
                 mp.grad = None
             if self.pending_grads:
+                if self.grad_hook is not None:
+                    self.grad_hook(self.shadow)
                 w = self.pending_weight
                 if expected_weight is not None and not math.isclose(
                     w, expected_weight, rel_tol=1e-9

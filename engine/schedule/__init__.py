@@ -14,7 +14,9 @@ delay D_s, weight versions and activation peak from them -- never from hand-type
 (With only 3 micro-batches stage 0 never reaches its steady-state delay 2(S-1) = 4; use
 ``steps`` to cover more mini-batches.)
 
-Modules: ``ir`` (Action, Schedule), ``text`` (format/parse), ``generators`` (generate),
+Modules: ``ir`` (Action, Schedule), ``streams`` (stage_actions: the open-ended per-stage
+streams every runtime transport executes), ``text`` (format/parse), ``generators`` (generate,
+the streams cut at T*M micro-batches),
 ``simulate`` (global clock, deadlock detection), ``validate``, ``versions`` (t_F/t_B and
 weight versions per policy), ``analysis`` (analyze), ``render`` (PNG, Chrome trace).
 Importing this package does not import torch or matplotlib.
@@ -22,12 +24,19 @@ Importing this package does not import torch or matplotlib.
 
 from __future__ import annotations
 
-from engine.schedule.analysis import MicroBatchRecord, ScheduleReport, analyze
+from engine.schedule.analysis import (
+    MicroBatchRecord,
+    ScheduleReport,
+    analyze,
+    schedule_delays,
+    steady_steps,
+)
 from engine.schedule.errors import ScheduleError
 from engine.schedule.generators import SCHEDULES, generate
 from engine.schedule.ir import Action, Kind, Schedule
 from engine.schedule.render import chrome_trace, render_timeline
 from engine.schedule.simulate import Costs, Timeline, simulate
+from engine.schedule.streams import stage_actions, stage_ticks, truncate
 from engine.schedule.text import format_schedule, parse
 from engine.schedule.validate import activation_bound, validate
 from engine.schedule.versions import Versions, stage_versions
@@ -50,7 +59,12 @@ __all__ = [
     "generate",
     "parse",
     "render_timeline",
+    "schedule_delays",
     "simulate",
+    "stage_actions",
+    "stage_ticks",
     "stage_versions",
+    "steady_steps",
+    "truncate",
     "validate",
 ]

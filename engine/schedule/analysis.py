@@ -11,10 +11,15 @@ Definitions used (per stage s):
 * ``records[s][n]``: t_F, t_B, the weight versions F(n)/B(n) use (see
   :mod:`engine.schedule.versions`), the 1-based index of the update that applied n's
   gradient, the delay ``update - 1 - version_F``, and the simulated F/B start and end times.
-* ``delays[s]``: the largest delay over the micro-batches, i.e. the steady-state delay
-  (fill micro-batches see fewer updates; with T*M too small to reach steady state it is
-  smaller than the formula, e.g. min(T*M-1, 2(S-1-s)) for pb dataflow). With k = 1 (and
+* ``delays[s]``: **D_s**, the largest delay over the micro-batches, i.e. the steady-state
+  delay (fill micro-batches see fewer updates; with T*M too small to reach steady state it
+  is smaller than the formula, e.g. min(T*M-1, 2(S-1-s)) for pb dataflow). With k = 1 (and
   for the synchronous schedules and 2bw) every steady-state micro-batch has this delay.
+  With k > 1 the delay varies inside an update group and D_s is the delay of the stalest
+  gradient of a group: ceil(L/k) for a lag of L micro-batches (pb dataflow L = 2(S-1-s),
+  1f1b order L = S-1-s). This is the one definition of D_s in the engine: the runtime sets
+  it on the stage optimizers through :func:`schedule_delays` (see docs/ALGORITHMS.md,
+  "Choices made by this implementation").
 * ``mean_delays[s]``: with k > 1 the delay varies inside an update group (the first
   gradient of a group waits longer than the last); this is the mean over the middle half
   of the run, micro-batches N//4 .. 3N//4-1 (N = T*M), PipeMare's "about 2(S-1-s)/k".
@@ -105,6 +110,39 @@ def as_costs(costs: Costs | Mapping[str, object] | None) -> Costs:
     if unknown:
         raise ValueError(f"unknown cost keys {sorted(unknown)}; use F, B, U and comm")
     return Costs(**{names.get(k, k): v for k, v in costs.items()})  # type: ignore[arg-type]
+
+
+def steady_steps(name: str, stages: int, chunks: int, update_size: int | None = None) -> int:
+    """Mini-batches T after which every stage of ``name`` has reached its steady-state delay.
+
+    The fill lasts at most 2(S-1) micro-batches (pb dataflow) plus one update group; twice
+    that, rounded up to whole mini-batches with k | T*M (the generators require it), leaves
+    a steady window at least as long as the fill.
+    """
+    per_minibatch = name in ("naive", "gpipe", "1f1b", "2bw")
+    k = chunks if (update_size is None and per_minibatch) else (update_size or 1)
+    target = 2 * (2 * stages + 2 * k + chunks)
+    T = max(1, -(-target // chunks))
+    while (T * chunks) % k:
+        T += 1
+    return T
+
+
+def schedule_delays(
+    name: str, stages: int, chunks: int, update_size: int | None = None, order: str | None = None
+) -> tuple[int, ...]:
+    """D_s of every stage for the open-ended schedule the runtime executes.
+
+    Simulates ``generate(name, ...)`` over :func:`steady_steps` mini-batches and returns
+    :attr:`ScheduleReport.delays` (the steady-state maximum). Every runtime and transport
+    reads D_s from here, so the number a stage optimizer uses is the number the analysis
+    reports.
+    """
+    from engine.schedule.generators import generate
+
+    T = steady_steps(name, stages, chunks, update_size)
+    sched = generate(name, stages, chunks, steps=T, update_size=update_size, order=order)
+    return analyze(sched).delays
 
 
 def analyze(

@@ -23,29 +23,12 @@ from dataclasses import replace
 
 from engine.schedule.ir import Action, Kind, Schedule
 from engine.schedule.simulate import UNIT_COSTS, simulate
+from engine.schedule.streams import ORDERS, SYNCHRONOUS, WEIGHTS, stage_ticks, truncate_ticks
+
+__all__ = ["SCHEDULES", "ORDERS", "WEIGHTS", "SYNCHRONOUS", "generate"]
+
 
 SCHEDULES: tuple[str, ...] = ("naive", "gpipe", "1f1b", "pipedream", "2bw", "pb")
-
-#: order each schedule runs in; pb also accepts "1f1b"
-ORDERS: dict[str, tuple[str, ...]] = {
-    "naive": ("naive",),
-    "gpipe": ("fill-drain",),
-    "1f1b": ("1f1b",),
-    "pipedream": ("1f1b",),
-    "2bw": ("1f1b",),
-    "pb": ("dataflow", "1f1b"),
-}
-
-WEIGHTS: dict[str, str] = {
-    "naive": "live",
-    "gpipe": "live",
-    "1f1b": "live",
-    "pipedream": "stash",
-    "2bw": "2bw",
-    "pb": "live",
-}
-
-SYNCHRONOUS: frozenset[str] = frozenset({"naive", "gpipe", "1f1b"})
 
 
 def _check_int(what: str, value: object, fix: str) -> int:
@@ -54,53 +37,6 @@ def _check_int(what: str, value: object, fix: str) -> int:
     if value < 1:
         raise ValueError(f"{what} must be >= 1, got {value}; {fix}")
     return value
-
-
-def _one_f_one_b(stage: int, S: int, mbs: list[int]) -> list[Action]:
-    """Warm-up S-1-s forwards, then alternate F/B (forward first), then drain the backwards."""
-    warm = min(S - 1 - stage, len(mbs))
-    seq = [Action.forward(n) for n in mbs[:warm]]
-    for i in range(len(mbs) - warm):
-        seq.append(Action.forward(mbs[i + warm]))
-        seq.append(Action.backward(mbs[i]))
-    seq.extend(Action.backward(n) for n in mbs[len(mbs) - warm :])
-    return seq
-
-
-def _insert_updates(seq: list[Action], k: int) -> list[Action]:
-    """Put an update after every k-th backward, applying exactly those k gradients."""
-    out: list[Action] = []
-    pending: list[int] = []
-    for a in seq:
-        out.append(a)
-        if a.kind is Kind.BACKWARD:
-            pending.append(a.mb)
-            if len(pending) == k:
-                out.append(Action.update(pending))
-                pending = []
-    if pending:  # generators require k | T*M, so this cannot happen; fail loudly if it does
-        raise AssertionError(f"{len(pending)} gradients left without an update")
-    return out
-
-
-def _with_comms(stage: int, S: int, seq: list[Action]) -> list[Action]:
-    out: list[Action] = []
-    for a in seq:
-        if a.kind is Kind.FORWARD:
-            if stage > 0:
-                out.append(Action.recv_act(a.mb))
-            out.append(a)
-            if stage < S - 1:
-                out.append(Action.send_act(a.mb))
-        elif a.kind is Kind.BACKWARD:
-            if stage < S - 1:
-                out.append(Action.recv_grad(a.mb))
-            out.append(a)
-            if stage > 0:
-                out.append(Action.send_grad(a.mb))
-        else:
-            out.append(a)
-    return out
 
 
 def _unit_ticks(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
@@ -127,30 +63,6 @@ def _unit_ticks(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
             ticks.append(int(starts[ref]))
         out.append(tuple(ticks))
     return tuple(out)
-
-
-def _dataflow(S: int, N: int, k: int) -> tuple[list[list[Action]], list[list[int]]]:
-    """pb dataflow: at tick t stage s runs F(t-s), then B(t-2(S-1)+s), then its update."""
-    actions: list[list[Action]] = [[] for _ in range(S)]
-    ticks: list[list[int]] = [[] for _ in range(S)]
-    for s in range(S):
-        done = 0
-        for t in range(N + 2 * (S - 1)):
-            group: list[Action] = []
-            f = t - s
-            if 0 <= f < N:
-                group.append(Action.forward(f))
-            b = t - 2 * (S - 1) + s
-            if 0 <= b < N:
-                group.append(Action.backward(b))
-            group = _with_comms(s, S, group)
-            if 0 <= b < N:
-                done += 1
-                if done % k == 0:
-                    group.append(Action.update(range(b - k + 1, b + 1)))
-            actions[s].extend(group)
-            ticks[s].extend([t] * len(group))
-    return actions, ticks
 
 
 def generate(
@@ -211,26 +123,14 @@ def generate(
             f"'pipedream' (weight stashing) for small M"
         )
 
-    ticks: list[list[int]] | None = None
-    if order == "dataflow":
-        actions, ticks = _dataflow(S, N, k)
-    else:
-        actions = []
-        for s in range(S):
-            if name == "naive":
-                seq = [a for n in range(N) for a in (Action.forward(n), Action.backward(n))]
-            elif name == "gpipe":
-                seq = []
-                for j in range(T):
-                    mbs = range(j * M, (j + 1) * M)
-                    seq += [Action.forward(n) for n in mbs] + [Action.backward(n) for n in mbs]
-            elif name == "1f1b":
-                seq = []
-                for j in range(T):
-                    seq += _one_f_one_b(s, S, list(range(j * M, (j + 1) * M)))
-            else:  # pipedream, 2bw, pb in 1f1b order: async 1F1B over all T*M micro-batches
-                seq = _one_f_one_b(s, S, list(range(N)))
-            actions.append(_with_comms(s, S, _insert_updates(seq, k)))
+    # the finite schedule is the open-ended stream of every stage cut at N micro-batches
+    actions: list[list[Action]] = []
+    ticks: list[list[int]] | None = [] if order == "dataflow" else None
+    for s in range(S):
+        pairs = list(truncate_ticks(stage_ticks(name, s, S, M, k, order), N))
+        actions.append([a for a, _ in pairs])
+        if ticks is not None:
+            ticks.append([t for _, t in pairs])
     schedule = Schedule(
         name=name,
         stages=S,

@@ -1,0 +1,66 @@
+"""The interface every transport implements: move one activation or gradient between stages.
+
+Why one small interface: the executor runs the schedule IR's action streams
+(:func:`engine.schedule.stage_actions`) unchanged whatever carries the tensors. ``SF(n)``
+becomes ``send("act", s, n, y)``, ``RF(n)`` becomes ``recv("act", s, n)``, ``SB``/``RB`` the
+same on the ``"grad"`` channel. Channels are FIFO per (channel, sender): a stream sends and
+receives in micro-batch order, so transports may match messages by order.
+
+Two execution models share it:
+
+* polling (``blocking = False``, the in-process "local" transport): every stage lives in
+  this process; ``recv`` returns None when the message is not there yet and the executor
+  moves on to another stage.
+* blocking (``blocking = True``, gloo/NCCL): one stage per process; ``recv`` waits for the
+  peer, at most ``timeout`` seconds, and raises :class:`PeerError` naming the peer when it
+  died or hangs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["Transport", "PeerError", "ShapeAgreementError", "CHANNELS"]
+
+#: "act": stage s -> s+1 (forward activations); "grad": stage s -> s-1 (input gradients)
+CHANNELS = ("act", "grad")
+
+
+class PeerError(RuntimeError):
+    """A peer stage did not deliver (died, timed out, or the connection broke)."""
+
+
+class ShapeAgreementError(ValueError):
+    """A tensor sent between two stages does not match the shape/dtype agreed at the handshake."""
+
+
+class Transport(ABC):
+    """Moves tensors between neighbouring stages; see the module docstring."""
+
+    #: True when ``recv`` blocks until the message arrives (one stage per process)
+    blocking: bool = False
+    name: str = "?"
+
+    @abstractmethod
+    def send(self, channel: str, stage: int, mb: int, tensor: Any) -> None:
+        """Send ``tensor`` from ``stage`` on ``channel`` (asynchronously where possible)."""
+
+    @abstractmethod
+    def recv(self, channel: str, stage: int, mb: int) -> Any | None:
+        """The tensor ``stage`` receives on ``channel`` for micro-batch ``mb``; None when a
+        polling transport has nothing yet."""
+
+    def wait_sends(self) -> None:  # noqa: B027 - optional hook
+        """Block until every send issued so far has left (their buffers may then be reused)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release communication resources."""
+
+    @staticmethod
+    def describe(tensor: Tensor | None) -> str:
+        if tensor is None:
+            return "None"
+        return f"{tuple(tensor.shape)} {str(tensor.dtype).replace('torch.', '')}"

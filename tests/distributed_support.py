@@ -1,0 +1,434 @@
+"""Spawning gloo process groups for the distributed tests, and what each rank runs.
+
+Why one spawn runs many configurations: starting 4 processes costs ~10 s on 2 cores, a
+configuration ~0.1-0.5 s. So each spawn runs a list of *phases*; every rank writes what it
+saw to ``outdir/rank{r}.pt`` and the tests read those files. Each rank also runs the local
+(single-process) pipeline of the same configuration itself, with the same thread count, so a
+bitwise comparison never depends on the other process's BLAS threading.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+DIM, OUT = 6, 3
+STEPS = 10
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stage_factories(S: int, wrong_input_at: int | None = None) -> list[Callable[[], nn.Module]]:
+    """Deterministic per-stage factories (seeded by stage index): the local and the distributed
+    runs build identical stages, and a rank builds only its own."""
+
+    def make(s: int) -> Callable[[], nn.Module]:
+        def build() -> nn.Module:
+            torch.manual_seed(1000 + s)
+            d_in = DIM + 1 if s == wrong_input_at else DIM
+            if s == S - 1:
+                return nn.Sequential(nn.Linear(d_in, DIM), nn.Tanh(), nn.Linear(DIM, OUT))
+            return nn.Sequential(nn.Linear(d_in, DIM), nn.Tanh())
+
+        return build
+
+    return [make(s) for s in range(S)]
+
+
+def batch(step: int, B: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 + step)
+    return torch.randn(B, DIM, generator=g), torch.randn(B, OUT, generator=g)
+
+
+def _sgd(**kw: Any) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    import engine.optim as eo
+
+    return lambda p: eo.SGD(p, lr=0.05, momentum=0.9, **kw)
+
+
+def configs(S: int) -> dict[str, dict[str, Any]]:
+    """Every schedule and every mitigation, as Pipeline keyword arguments."""
+    import engine.optim as eo
+
+    M = 4
+    out: dict[str, dict[str, Any]] = {
+        "naive": dict(
+            schedule="naive", optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)
+        ),
+        "gpipe": dict(schedule="gpipe", optimizer=_sgd()),
+        "1f1b-adam": dict(schedule="1f1b", optimizer=lambda p: eo.Adam(p, lr=1e-2)),
+        "pipedream": dict(schedule="pipedream", optimizer=_sgd()),
+        "pipedream-k2-nockpt": dict(
+            schedule="pipedream", update_size=2, checkpoint="never", optimizer=_sgd()
+        ),
+        "2bw": dict(schedule="2bw", optimizer=_sgd()),
+        "pb": dict(schedule="pb", optimizer=_sgd()),
+        "pb-1f1b": dict(schedule="pb", order="1f1b", optimizer=_sgd()),
+        "pb-k2": dict(schedule="pb", update_size=2, optimizer=_sgd()),
+        "pb-sc": dict(schedule="pb", optimizer=_sgd(spike_compensation=True)),
+        "pb-lwp": dict(schedule="pb", optimizer=_sgd(prediction="linear"), checkpoint="never"),
+        "pb-lwp-momentum": dict(schedule="pb", optimizer=_sgd(prediction="momentum")),
+        "pb-spectrain": dict(
+            schedule="pb", prediction="spectrain", optimizer=_sgd(prediction="linear")
+        ),
+        "pb-spectrain-reuse": dict(
+            schedule="pb", prediction="spectrain_reuse", optimizer=_sgd(prediction="linear")
+        ),
+        "pb-pipemare-t2": dict(
+            schedule="pb", optimizer=_sgd(discrepancy_correction=True), checkpoint="never"
+        ),
+        "pb-pipemare-t1": dict(
+            schedule="pb", optimizer=_sgd(), lr_scheduler=lambda o: eo.PipeMareLR(o, 5)
+        ),
+    }
+    for kw in out.values():
+        kw.setdefault("chunks", M)
+    return out
+
+
+def _train(
+    pipe: Any,
+    steps: int,
+    B: int = 8,
+    shard: Callable[[Any], Any] | None = None,
+    device: str = "cpu",
+) -> list[torch.Tensor]:
+    losses = []
+    for t in range(steps):
+        x, y = batch(t, B)
+        if shard is not None:
+            x, y = shard(x), shard(y)
+        losses.append(pipe.step(x.to(device), y.to(device)).detach().cpu().clone())
+    pipe.flush()
+    return losses
+
+
+def _local(
+    S: int, kw: dict[str, Any], steps: int, B: int = 8, device: str = "cpu"
+) -> tuple[Any, list[torch.Tensor]]:
+    from engine.runtime import Pipeline
+
+    stages = [f().to(device) for f in stage_factories(S)]
+    pipe = Pipeline(stages, loss_fn=nn.functional.mse_loss, **kw)
+    return pipe, _train(pipe, steps, B, device=device)
+
+
+# ---------------------------------------------------------------------- phases
+
+
+def phase_equal(
+    rank: int, S: int, names: list[str] | None, transport: str = "gloo"
+) -> dict[str, Any]:
+    """Every configuration under gloo (or NCCL) vs the local run: weights and losses."""
+    from engine.runtime import Pipeline
+
+    device = "cuda" if transport == "nccl" else "cpu"
+
+    out: dict[str, Any] = {}
+    for name, kw in configs(S).items():
+        if names is not None and name not in names:
+            continue
+        t0 = time.perf_counter()
+        try:
+            pipe = Pipeline(
+                stage_factories(S),
+                loss_fn=nn.functional.mse_loss,
+                transport=transport,
+                timeout=30,
+                **kw,
+            )
+            losses = _train(pipe, STEPS)  # a rank's inputs may live anywhere: NCCL moves them
+            ref, ref_losses = _local(S, kw, STEPS, device=device)
+            s = pipe.layout.stage
+            mine = [p.detach() for p in pipe.stages[0].module.parameters()]
+            theirs = [p.detach() for p in ref.stages[s].module.parameters()]
+            diff = max(float((a - b).abs().max()) for a, b in zip(mine, theirs, strict=True))
+            out[name] = {
+                "weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
+                "max_diff": diff,
+                "losses_equal": all(
+                    torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)
+                ),
+                "updates": pipe.stages[0].updates,
+                "ref_updates": ref.stages[s].updates,
+                "delays": list(pipe.delays),
+                "ref_delays": list(ref.delays),
+                "seconds": time.perf_counter() - t0,
+                # bookkeeping a rank keeps must not grow with the number of steps
+                "leftovers": len(pipe._executor.unit_clock.done)
+                + len(pipe._executor.inputs)
+                + len(pipe._rank.transport._sends),
+            }
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+def phase_data_parallel(rank: int, S: int, R: int) -> dict[str, Any]:
+    """R replicas x S stages vs one replica (local) with the R-times larger batch."""
+    from engine.runtime import Pipeline
+
+    out: dict[str, Any] = {}
+    B, M = 4, 2
+    for name in ("gpipe", "pipedream"):
+        kw = dict(configs(S)[name])
+        kw["chunks"] = M
+        try:
+            pipe = Pipeline(
+                stage_factories(S),
+                loss_fn=nn.functional.mse_loss,
+                transport="gloo",
+                data_parallel=R,
+                timeout=30,
+                **kw,
+            )
+            d = pipe.layout.replica
+            b = B // M
+
+            def shard(t: torch.Tensor, d: int = d, b: int = b) -> torch.Tensor:
+                # replica d gets rows d*b .. (d+1)*b-1 of every micro-batch of the big batch
+                big = t.split(R * b)
+                return torch.cat([mb[d * b : (d + 1) * b] for mb in big])
+
+            losses = _train(pipe, STEPS, B=R * B, shard=shard)
+            ref, ref_losses = _local(S, kw, STEPS, B=R * B)
+            s = pipe.layout.stage
+            mine = [p.detach() for p in pipe.stages[0].module.parameters()]
+            theirs = [p.detach() for p in ref.stages[s].module.parameters()]
+            out[name] = {
+                "max_diff": max(
+                    float((a - b).abs().max()) for a, b in zip(mine, theirs, strict=True)
+                ),
+                "loss_diff": max(
+                    float((a - b).abs()) for a, b in zip(losses, ref_losses, strict=True)
+                ),
+                "moved": max(
+                    float((a - f).abs().max())
+                    for a, f in zip(mine, stage_factories(S)[s]().parameters(), strict=True)
+                ),
+                "replica": d,
+            }
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+def phase_balance(rank: int, S: int) -> dict[str, Any]:
+    """balance="time" under gloo: rank 0 profiles and decides, every rank gets the same layer
+    counts, and training equals the local run with those counts."""
+    from engine.runtime import Pipeline
+
+    def model() -> nn.Sequential:
+        torch.manual_seed(7)
+        return nn.Sequential(
+            nn.Linear(DIM, 64),
+            nn.Tanh(),
+            nn.Linear(64, 64),
+            nn.Tanh(),
+            nn.Linear(64, DIM),
+            nn.Tanh(),
+            nn.Linear(DIM, OUT),
+        )
+
+    x0, _ = batch(0)
+    kw = dict(schedule="1f1b", chunks=4, loss_fn=nn.functional.mse_loss, optimizer=_sgd())
+    pipe = Pipeline(
+        model(), balance="time", num_stages=S, sample=x0[:2], transport="gloo", timeout=30, **kw
+    )
+    losses = _train(pipe, 3)
+    ref = Pipeline(model(), balance=pipe.balance, **kw)
+    ref_losses = _train(ref, 3)
+    s = pipe.layout.stage
+    return {
+        "balance": pipe.balance,
+        "equal": all(
+            torch.equal(a, b)
+            for a, b in zip(
+                pipe.stages[0].module.parameters(), ref.stages[s].module.parameters(), strict=True
+            )
+        ),
+        "losses_equal": all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)),
+    }
+
+
+def phase_handshake_mismatch(rank: int, S: int) -> dict[str, Any]:
+    """Stage 1 expects DIM+1 inputs: every rank raises the same error naming both ranks."""
+    from engine.runtime import Pipeline
+
+    pipe = Pipeline(
+        stage_factories(S, wrong_input_at=1),
+        schedule="gpipe",
+        chunks=4,
+        loss_fn=nn.functional.mse_loss,
+        optimizer=_sgd(),
+        transport="gloo",
+        timeout=20,
+    )
+    before = [p.detach().clone() for p in pipe.stages[0].module.parameters()]
+    x, y = batch(0)
+    try:
+        pipe.step(x, y)
+        return {"error": None}
+    except Exception as exc:
+        after = list(pipe.stages[0].module.parameters())
+        return {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "unchanged": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+        }
+
+
+def phase_shape_change(rank: int, S: int) -> dict[str, Any]:
+    """A later micro-batch of another shape: the sender names both ranks; the others stop
+    within the timeout (terminal phase: the group is unusable afterwards)."""
+    from engine.runtime import Pipeline
+
+    pipe = Pipeline(
+        stage_factories(S),
+        schedule="gpipe",
+        chunks=4,
+        loss_fn=nn.functional.mse_loss,
+        optimizer=_sgd(),
+        transport="gloo",
+        timeout=5,
+    )
+    t0 = time.perf_counter()
+    try:
+        pipe.step(*batch(0))
+        pipe.step(*batch(1, B=12))  # micro-batches of 3 instead of 2
+        return {"type": None}
+    except Exception as exc:
+        return {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "seconds": time.perf_counter() - t0,
+        }
+
+
+def phase_kill(rank: int, S: int, victim: int, timeout: float) -> dict[str, Any]:
+    """``victim`` exits abruptly after 2 steps; survivors must raise naming a peer, in time."""
+    from engine.runtime import Pipeline
+
+    pipe = Pipeline(
+        stage_factories(S),
+        schedule="pb",
+        chunks=4,
+        loss_fn=nn.functional.mse_loss,
+        optimizer=_sgd(),
+        transport="gloo",
+        timeout=timeout,
+    )
+    t0 = time.perf_counter()
+    try:
+        for t in range(50):
+            if t == 2 and rank == victim:
+                os._exit(3)  # a crash: no cleanup, no goodbye
+            t0 = time.perf_counter()
+            pipe.step(*batch(t))
+        return {"type": None}
+    except Exception as exc:
+        return {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "seconds": time.perf_counter() - t0,
+        }
+
+
+def phase_stall(rank: int, S: int, victim: int, timeout: float) -> dict[str, Any]:
+    """``victim`` stops answering (alive, asleep) for longer than the timeout: its neighbours
+    raise after about ``timeout`` seconds naming it (terminal phase)."""
+    from engine.runtime import Pipeline
+
+    pipe = Pipeline(
+        stage_factories(S),
+        schedule="1f1b",
+        chunks=4,
+        loss_fn=nn.functional.mse_loss,
+        optimizer=_sgd(),
+        transport="gloo",
+        timeout=timeout,
+    )
+    t0 = time.perf_counter()
+    try:
+        for t in range(4):
+            if t == 2 and rank == victim:
+                time.sleep(timeout + 4)
+                return {"type": "slept"}
+            t0 = time.perf_counter()
+            pipe.step(*batch(t))
+        return {"type": None}
+    except Exception as exc:
+        return {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "seconds": time.perf_counter() - t0,
+        }
+
+
+# ---------------------------------------------------------------------- spawning
+
+
+def _worker(
+    rank: int, world: int, port: int, phases: list[tuple[str, dict[str, Any]]], outdir: str
+) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
+    results: dict[str, Any] = {}
+    path = os.path.join(outdir, f"rank{rank}.pt")
+    backend = "nccl" if any(kw.get("transport") == "nccl" for _, kw in phases) else "gloo"
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
+        for name, kw in phases:
+            t0 = time.perf_counter()
+            results[name] = globals()[f"phase_{name}"](rank, **kw)
+            results[name + ".seconds"] = time.perf_counter() - t0
+            torch.save(results, path)  # keep what we have if a later phase kills us
+    except Exception:
+        results["fatal"] = traceback.format_exc()
+    torch.save(results, path)
+    os._exit(0)  # skip destroy_process_group: peers may be gone on purpose
+
+
+def spawn(
+    world: int, phases: list[tuple[str, dict[str, Any]]], timeout: float = 240.0
+) -> list[dict[str, Any]]:
+    """Run ``phases`` on ``world`` gloo ranks; return each rank's results (missing: {})."""
+    outdir = tempfile.mkdtemp(prefix="engine-dist-")
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, phases, outdir)) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():  # only our own children, by handle
+            p.kill()
+            p.join(5)
+    out = []
+    for r in range(world):
+        path = os.path.join(outdir, f"rank{r}.pt")
+        out.append(torch.load(path, weights_only=False) if os.path.exists(path) else {})
+    return out

@@ -1,0 +1,151 @@
+"""Multi-process pipelines over gloo: every schedule and mitigation gives the local run's
+weights (and losses) bit for bit with S = 2 and 4 processes; data-parallel replicas equal one
+replica with the larger batch; shape disagreements and dead ranks give clear errors naming
+the ranks, within the timeout, on every survivor.
+
+Cost: one 2-process and two 4-process spawns (module-scoped fixtures), each running many
+configurations; ~40 s in all on 2 cores.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from distributed_support import configs, spawn
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
+]
+
+KILL_TIMEOUT = 8.0
+STALL_TIMEOUT = 4.0
+
+
+@pytest.fixture(scope="module")
+def two() -> list[dict[str, Any]]:
+    return spawn(
+        2,
+        [
+            ("equal", dict(S=2, names=None)),
+            ("balance", dict(S=2)),
+            ("handshake_mismatch", dict(S=2)),
+            ("shape_change", dict(S=2)),  # terminal: breaks the group on purpose
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def four() -> list[dict[str, Any]]:
+    return spawn(
+        4,
+        [
+            ("equal", dict(S=4, names=None)),
+            ("kill", dict(S=4, victim=2, timeout=KILL_TIMEOUT)),  # terminal
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def grid() -> list[dict[str, Any]]:
+    return spawn(
+        4,
+        [
+            ("data_parallel", dict(S=2, R=2)),
+            ("stall", dict(S=4, victim=1, timeout=STALL_TIMEOUT)),  # terminal
+        ],
+    )
+
+
+def _check_equal(results: list[dict[str, Any]], name: str) -> None:
+    for rank, res in enumerate(results):
+        assert "fatal" not in res, res.get("fatal")
+        got = res["equal"][name]
+        assert "error" not in got, f"rank {rank}: {got.get('error')}"
+        assert got["updates"] == got["ref_updates"] > 0
+        assert got["delays"] == got["ref_delays"]
+        assert got["leftovers"] == 0, f"rank {rank} ({name}): state left after flush"
+        assert got["weights_equal"], f"rank {rank} ({name}): max |diff| {got['max_diff']}"
+        assert got["losses_equal"], f"rank {rank} ({name}): losses differ from the local run"
+
+
+@pytest.mark.parametrize("name", sorted(configs(2)))
+def test_gloo_two_ranks_bitwise_equal_local(two: list[dict[str, Any]], name: str) -> None:
+    _check_equal(two, name)
+
+
+@pytest.mark.parametrize("name", sorted(configs(4)))
+def test_gloo_four_ranks_bitwise_equal_local(four: list[dict[str, Any]], name: str) -> None:
+    _check_equal(four, name)
+
+
+def test_automatic_balance_is_decided_once_and_shared(two: list[dict[str, Any]]) -> None:
+    got = [res["balance"] for res in two]
+    assert all("error" not in g for g in got), got
+    assert got[0]["balance"] == got[1]["balance"]
+    assert sum(got[0]["balance"]) == 7 and len(got[0]["balance"]) == 2
+    assert all(g["equal"] and g["losses_equal"] for g in got), got
+
+
+def test_handshake_mismatch_names_both_ranks_on_every_rank(two: list[dict[str, Any]]) -> None:
+    for res in two:
+        got = res["handshake_mismatch"]
+        assert got["type"] == "PipelineInputError", got
+        msg = got["message"]
+        assert "stage 0 (rank 0) outputs shape (2, 6)" in msg, msg
+        assert "stage 1 (rank 1)" in msg and "in_features=7" in msg, msg
+        assert got["unchanged"]
+
+
+def test_later_shape_change_is_a_clear_error(two: list[dict[str, Any]]) -> None:
+    sender = two[0]["shape_change"]
+    assert sender["type"] == "ShapeAgreementError", sender
+    assert "stage 0 (rank 0) produced an activation of (3, 6)" in sender["message"]
+    assert "stage 1 (rank 1) agreed to receive (2, 6)" in sender["message"]
+    receiver = two[1]["shape_change"]
+    assert receiver["type"] == "PeerError", receiver
+    assert "stage 0 (rank 0)" in receiver["message"]
+    assert receiver["seconds"] < 5 + 5
+
+
+def test_killed_rank_makes_every_survivor_fail_in_time(four: list[dict[str, Any]]) -> None:
+    victim = 2
+    assert "kill" not in four[victim] or four[victim]["kill"]["type"] is None  # it never reported
+    for rank in (0, 1, 3):
+        got = four[rank]["kill"]
+        assert got["type"] == "PeerError", (rank, got)
+        assert got["seconds"] < KILL_TIMEOUT + 5, (rank, got)
+        assert "failed: the connection broke" in got["message"], got["message"]
+        assert "The peer rank most likely died" in got["message"]
+        if abs(rank - victim) == 1:  # direct neighbours name the dead rank itself
+            assert f"stage {victim} (rank {victim})" in got["message"], got["message"]
+
+
+def test_stalled_rank_makes_its_neighbours_time_out(grid: list[dict[str, Any]]) -> None:
+    victim = 1
+    assert grid[victim]["stall"]["type"] == "slept"
+    for rank in (0, 2):  # the stalled rank's neighbours wait for it, then give up in time
+        got = grid[rank]["stall"]
+        assert got["type"] == "PeerError", (rank, got)
+        assert (
+            f"with stage {victim} (rank {victim}) failed: no answer within timeout=4s"
+            in got["message"]
+        ), got["message"]
+        assert STALL_TIMEOUT - 0.5 < got["seconds"] < STALL_TIMEOUT + 5, (rank, got)
+    assert grid[3]["stall"]["type"] == "PeerError"  # its neighbour gave up and left
+
+
+@pytest.mark.parametrize("name", ["gpipe", "pipedream"])
+def test_data_parallel_equals_one_replica_with_larger_batch(
+    grid: list[dict[str, Any]], name: str
+) -> None:
+    for rank, res in enumerate(grid):
+        assert "fatal" not in res, res.get("fatal")
+        got = res["data_parallel"][name]
+        assert "error" not in got, f"rank {rank}: {got.get('error')}"
+        assert got["replica"] == rank // 2
+        assert got["moved"] > 1e-3  # training changed the weights
+        assert got["max_diff"] < 1e-5, (rank, got)
+        assert got["loss_diff"] < 1e-5, (rank, got)
