@@ -126,14 +126,7 @@ def test_train_learns_digits_beyond_chance(
         ["--schedule", "pb", "--spike-compensation", "--prediction", "lwp"],
         ["--schedule", "pb", "--pipemare-lr", "--discrepancy-correction"],
         ["--schedule", "2bw", "--chunks", "3"],
-        pytest.param(
-            ["--schedule", "pb", "--prediction", "lwp", "--pipemare-lr"],
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="engine.optim: the first prediction after load uses the current lr_scale, an "
-                "uninterrupted run the cached one of the previous step (PipeMareLR changes it)",
-            ),
-        ),
+        ["--schedule", "pb", "--prediction", "lwp", "--pipemare-lr"],
     ],
     ids=["pb+sc+lwp", "pipemare", "2bw", "lwp+T1"],
 )

@@ -122,3 +122,27 @@ def test_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="warmup_steps=-1 is invalid"):
         eo.PipeMareLR(opt, warmup_steps=-1)
     assert "lr_scale" not in opt.param_groups[0]
+
+
+def test_predictions_after_load_use_the_lr_of_the_last_step() -> None:
+    """LWP with PipeMareLR: the scheduler changes lr_scale after a step, so a prediction
+    recomputed after load_state_dict must extrapolate with the lr the last step used, exactly
+    as the one the step itself wrote (otherwise a resumed run diverges from an uninterrupted one)."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(37))
+    opt = eo.SGD([p], lr=0.1, momentum=0.9, delay=4, prediction="linear")
+    sched = eo.PipeMareLR(opt, warmup_steps=10)
+    for _ in range(3):
+        p.grad = torch.randn(37)
+        opt.step()
+        sched.step()
+    written_by_step = [t.clone() for t in opt.predicted_weights()]
+    other_horizon = [t.clone() for t in opt.predicted_weights(horizon=2)]
+
+    q = nn.Parameter(p.detach().clone())
+    fresh = eo.SGD([q], lr=0.1, momentum=0.9, delay=4, prediction="linear")
+    eo.PipeMareLR(fresh, warmup_steps=10)
+    fresh.load_state_dict(opt.state_dict())
+    assert fresh.effective_lrs() != [fresh.param_groups[0]["prediction_lr"]]  # the scale moved on
+    assert torch.equal(fresh.predicted_weights()[0], written_by_step[0])
+    assert torch.equal(fresh.predicted_weights(horizon=2)[0], other_horizon[0])

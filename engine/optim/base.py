@@ -316,6 +316,11 @@ class DelayOptimizer(Optimizer):
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
+        if group["prediction"] is not None:
+            # Predictions extrapolate with the lr of the step that produced their direction, also
+            # when recomputed later (other horizon, after load_state_dict): a group key, so it
+            # is saved with the state_dict and a resumed run predicts exactly as before.
+            group["prediction_lr"] = self.effective_lr(group)
         ref, fused = self._kernels()
         use_fused = self._use_fused(group, params)
         if self._try_flat_step(index, group, ref, fused, use_fused, grad_scale, found_inf):
@@ -490,8 +495,8 @@ class DelayOptimizer(Optimizer):
         With ``horizon=None`` each group uses its default horizon (``prediction_horizon``, else
         its delay) and the values come from the buffers the last step() wrote (the update
         kernel computes them in the same pass, with that step's lr); other horizons, or a
-        changed group setting, are computed now from the stored direction with the group's
-        current effective lr. A group with ``prediction=None`` yields its live weights (w_hat =
+        changed group setting, are computed now from the stored direction with the same lr,
+        the effective lr of the group's last step (``group["prediction_lr"]``). A group with ``prediction=None`` yields its live weights (w_hat =
         w). The tensors are owned by the optimizer and overwritten by the next step(): clone
         them to keep them.
         """

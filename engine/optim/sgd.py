@@ -158,5 +158,7 @@ class SGD(DelayOptimizer):
 
     def _prediction_direction_and_coeff(self, group: dict[str, Any], p: Tensor, horizon: float) -> tuple[Tensor | None, float]:
         buf = self.state[p].get("momentum_buffer") if p in self.state else None
-        coeff = _functional().prediction_coeff(group["prediction"], self.effective_lr(group), group["momentum"], horizon)
+        coeff = _functional().prediction_coeff(
+            group["prediction"], group.get("prediction_lr", self.effective_lr(group)), group["momentum"], horizon
+        )
         return buf, coeff
