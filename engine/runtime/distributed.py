@@ -193,11 +193,17 @@ class RankRuntime:
             msg[2] = 0.0 if loss is None else 1.0
         if tp.backend == "gloo":
             if last:
+                # the previous step's loss messages have arrived: every rank finished that step
+                # (it waits for the loss) before its forwards of this step, which reached this
+                # rank. Waiting returns at once; gloo's is_completed() cannot tell (it stays
+                # False until wait()), so without it the list grew by S-1 works every step.
+                for work, _out in self._loss_sends:
+                    tp.wait(work, "sending the previous step's loss")
+                self._loss_sends = []
                 for peer in lay.pipeline_ranks[:-1]:
                     out = msg.clone()  # msg is all-reduced below while this may still be sent
                     work = dist.isend(out, peer, group=lay.pipeline_group, tag=LOSS_TAG)
                     self._loss_sends.append((work, out))
-                self._loss_sends = [(w, t) for w, t in self._loss_sends if not w.is_completed()]
             else:
                 self.expect_loss()  # no-op when posted at the start of the step
                 work, self._loss_work = self._loss_work, None

@@ -29,8 +29,10 @@ for every stage stream before it reads losses (:meth:`Executor.join_streams`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import itertools
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -40,6 +42,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from engine.runtime.errors import NonFiniteLossError
+from engine.runtime.probe import profiling
 from engine.runtime.stage import DROPPED, Stage
 from engine.runtime.transport.base import Transport
 from engine.runtime.transport.local import LocalTransport
@@ -49,6 +52,7 @@ from engine.schedule.streams import SYNCHRONOUS, stage_actions
 __all__ = ["Executor", "Clock"]
 
 _COST = {Kind.FORWARD: 1.0, Kind.BACKWARD: 2.0}
+_NO_LABEL = contextlib.nullcontext()
 
 
 class Clock:
@@ -106,19 +110,25 @@ class _Input:
 
 
 class _Stream:
-    """A stage's action stream with one action of look-ahead."""
+    """A stage's action stream with look-ahead (one action to run; more to plan receives)."""
 
     def __init__(self, it: Iterator[Action]) -> None:
         self._it = it
-        self._next: Action | None = None
+        self._ahead: collections.deque[Action] = collections.deque()
 
     def peek(self) -> Action:
-        if self._next is None:
-            self._next = next(self._it)  # streams never end
-        return self._next
+        if not self._ahead:
+            self._ahead.append(next(self._it))  # streams never end
+        return self._ahead[0]
 
     def advance(self) -> None:
-        self._next = None
+        self._ahead.popleft()
+
+    def upcoming(self, limit: int) -> Iterator[Action]:
+        """The next ``limit`` actions after the one being run, without consuming them."""
+        while len(self._ahead) < limit:
+            self._ahead.append(next(self._it))
+        return itertools.islice(self._ahead, limit)
 
 
 class Executor:
@@ -353,6 +363,37 @@ class Executor:
             if error is not None:
                 raise error
 
+    def _blocking_recv(self, channel: str, s: int, i: int) -> Any:
+        """RF/RB under a blocking transport, telling it how far this call certainly receives
+        on the channel (so it may post those receives ahead, see transport/p2p.py): every
+        activation of a fed micro-batch (ranks stop only before an unfed one's forward); while
+        draining every gradient below N; otherwise (an asynchronous step) the gradients whose
+        RB comes before this call's stopping point in the stage's stream."""
+        if channel == "act":
+            certain = min(self.fed, self.N) if self.draining else self.fed
+        elif self.draining:
+            certain = self.N
+        else:
+            certain = self._grads_before_stop(s, i)
+        return self.transport.recv(channel, s, i, certain)
+
+    #: how far ahead in a stream to look for receives to post (actions)
+    LOOKAHEAD = 16
+
+    def _grads_before_stop(self, s: int, i: int) -> int:
+        """1 + the last RB of stage ``s`` among the next actions that this call will run for
+        sure: a blocking rank runs its stream until the forward (or its receive) of a
+        micro-batch not fed yet, and nothing else stops it."""
+        last = i
+        for act in self.streams_[s].upcoming(self.LOOKAHEAD):
+            kind = act.kind
+            if kind is Kind.RECV_ACT or (kind is Kind.FORWARD and s == 0):
+                if act.mb >= self.fed:
+                    break
+            elif kind is Kind.RECV_GRAD:
+                last = act.mb
+        return last + 1
+
     def _input(self, s: int, i: int) -> _Input:
         inp = self.inputs[i]
         inp.readers.discard(s)
@@ -368,15 +409,20 @@ class Executor:
         else:
             self._log(s, act)
         if kind.is_comm:
-            with record_function(f"stage{s}/{kind.value}{self.n_base + i}"):
+            label = (
+                record_function(f"stage{s}/{kind.value}{self.n_base + i}")
+                if profiling()
+                else _NO_LABEL
+            )
+            with label:
                 if kind is Kind.SEND_ACT:
                     self.transport.send("act", s, i, self.outbox.pop(("act", s, i)))
                 elif kind is Kind.SEND_GRAD:
                     self.transport.send("grad", s, i, self.outbox.pop(("grad", s, i)))
                 elif kind is Kind.RECV_ACT:
-                    self.received[(s, i)] = self.transport.recv("act", s, i)
+                    self.received[(s, i)] = self._blocking_recv("act", s, i)
                 else:
-                    self.grads_in[(s, i)] = self.transport.recv("grad", s, i)
+                    self.grads_in[(s, i)] = self._blocking_recv("grad", s, i)
             return None
         stage = self.by_index[s]
         if kind is Kind.UPDATE:

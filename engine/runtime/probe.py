@@ -17,7 +17,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Probe", "current_action", "action_context"]
+__all__ = ["Probe", "current_action", "action_context", "profiling"]
+
+#: True while a torch profiler records. Actions are labelled (record_function) only then: a
+#: label costs a dispatcher round trip on enter and exit even with no profiler attached
+#: (measured ~25 us per action on the 2-core CI box, 4 ranks).
+profiling = torch.autograd._profiler_enabled
 
 _CURRENT: contextvars.ContextVar[tuple[int, int, str] | None] = contextvars.ContextVar(
     "engine_action", default=None

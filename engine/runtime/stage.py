@@ -20,6 +20,7 @@ the autograd facts this relies on):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +31,7 @@ from torch.profiler import record_function
 
 from engine.runtime.optim_bridge import OptimizerBridge
 from engine.runtime.policy import DoubleBuffered, WeightPolicy
-from engine.runtime.probe import action_context
+from engine.runtime.probe import action_context, profiling
 from engine.runtime.stash import ActivationStash, StashEntry
 from engine.runtime.weights import LIVE, make_store
 
@@ -45,6 +46,12 @@ class _Dropped:
 
 
 DROPPED = _Dropped()
+_NO_LABEL = contextlib.nullcontext()
+
+
+def _label(prefix: str, n: int) -> contextlib.AbstractContextManager[Any]:
+    """The profiler label '{prefix}{n}' of an action, only while a profiler records."""
+    return record_function(f"{prefix}{n}") if profiling() else _NO_LABEL
 
 
 class Stage:
@@ -150,7 +157,7 @@ class Stage:
         self, i: int, n: int, x: Tensor, target: Any, scale: float
     ) -> tuple[Tensor, Tensor | None]:
         """F(i): returns (output for the next stage, detached unscaled loss at the last stage)."""
-        with record_function(f"stage{self.index}/F{n}"), action_context(self.index, n, "F"):
+        with _label(f"stage{self.index}/F", n), action_context(self.index, n, "F"):
             t_f = self.policy.forward_version(self, i)
             fbuf = self._forward_buffer(i)
             self.peak_versions = max(self.peak_versions, self.store.versions_held(self.updates))
@@ -191,7 +198,7 @@ class Stage:
     def backward(self, i: int, n: int, grad: Any) -> Any:
         """B(i): accumulates weight gradients; returns the gradient for the previous stage
         (None at stage 0, DROPPED when the micro-batch was skipped)."""
-        with record_function(f"stage{self.index}/B{n}"), action_context(self.index, n, "B"):
+        with _label(f"stage{self.index}/B", n), action_context(self.index, n, "B"):
             entry = self.stash.pop(i)
             t_b = self.updates
             if self.trace:
@@ -256,7 +263,7 @@ class Stage:
         sums to the mean loss; a partial group (flush) or one with skipped micro-batches is
         renormalised by the weight that actually arrived, so no gradient is silently
         dropped or double counted."""
-        with record_function(f"stage{self.index}/U{self.updates}"):
+        with _label(f"stage{self.index}/U", self.updates):
             if isinstance(self.policy, DoubleBuffered):
                 # the next mini-batch's forwards read the version this update replaces: keep it
                 # (one of 2BW's two buffers); older versions are read by no future forward.

@@ -49,9 +49,11 @@ class Transport(ABC):
         """Send ``tensor`` from ``stage`` on ``channel`` (asynchronously where possible)."""
 
     @abstractmethod
-    def recv(self, channel: str, stage: int, mb: int) -> Any | None:
+    def recv(self, channel: str, stage: int, mb: int, certain: int | None = None) -> Any | None:
         """The tensor ``stage`` receives on ``channel`` for micro-batch ``mb``; None when a
-        polling transport has nothing yet."""
+        polling transport has nothing yet. ``certain`` (blocking transports): every micro-batch
+        below it will be received on this channel in the current call, so a transport may post
+        those receives ahead."""
 
     def wait_sends(self) -> None:  # noqa: B027 - optional hook
         """Block until every send issued so far has left (their buffers may then be reused)."""

@@ -42,7 +42,7 @@ class LocalTransport(Transport):
             event.record(self.streams[stage])
         self._box[(channel, stage, mb)] = (tensor, event)
 
-    def recv(self, channel: str, stage: int, mb: int) -> Any | None:
+    def recv(self, channel: str, stage: int, mb: int, certain: int | None = None) -> Any | None:
         src = stage - 1 if channel == "act" else stage + 1
         item = self._box.pop((channel, src, mb), None)
         if item is None:

@@ -11,6 +11,23 @@ driven by the pipeline's handshake): a receiver then allocates its buffers witho
 per-message header, and every later send is checked against the agreement, so a mismatch is
 a :class:`ShapeAgreementError` naming both ranks rather than a garbled tensor.
 
+gloo specifics (measured on 4 ranks time-sharing 2 CPU cores, see bench/README.md):
+
+* gloo's TCP transport is a rendezvous protocol: a send whose receive is not posted yet only
+  announces itself, and the payload leaves later from the *sender's* gloo thread once the
+  receiver's "receive ready" notice comes back. A receive posted before the send arrives lets
+  the sender write the payload at once. So the executor tells :meth:`P2PTransport.recv` how
+  many micro-batches of the channel this call will certainly receive, and the transport keeps
+  up to :attr:`P2PTransport.prepost` receives posted ahead (gloo only: NCCL serialises a
+  rank's P2P operations on its communication stream, where an early receive would hold up the
+  sends queued behind it). Only receives the executor guarantees are posted ahead, so none is
+  left dangling for a later pipeline on the same group to match by mistake.
+* gloo's ``Work.is_completed()`` stays False until ``wait()`` is called, so completion cannot
+  be polled. Sends are forgotten where their completion is implied instead: the activation of
+  micro-batch i has left once the gradient of i came back from that stage (which received the
+  activation before computing it); everything else at :meth:`wait_sends` (the end of a
+  synchronous step, a flush).
+
 NCCL specifics (written for one GPU per rank; not run on CPU-only machines):
 
 * sends and receives are issued with ``torch.distributed.batch_isend_irecv`` on a dedicated
@@ -69,6 +86,9 @@ class P2PTransport(Transport):
     """
 
     blocking = True
+    #: receives of a channel kept posted ahead of the one being waited for (gloo); each holds
+    #: one buffer of the agreed shape
+    prepost = 2
 
     def __init__(
         self,
@@ -90,7 +110,10 @@ class P2PTransport(Transport):
         self.device = device
         self.timeout = float(timeout)
         self._td = datetime.timedelta(seconds=self.timeout)
-        self._sends: list[tuple[Any, Tensor, str]] = []
+        # (channel, micro-batch) -> (work, tensor kept alive, what it was); insertion-ordered
+        self._sends: dict[tuple[str, int], tuple[Any, Tensor, str]] = {}
+        # receives posted ahead (gloo): (channel, micro-batch) -> (work, buffer)
+        self._posted: dict[tuple[str, int], tuple[Any, Tensor]] = {}
         # agreed (shape, dtype) per direction: ("act"|"grad", "send"|"recv")
         self.meta: dict[tuple[str, str], tuple[tuple[int, ...], torch.dtype]] = {}
         self.comm_stream: Any = None
@@ -229,10 +252,20 @@ class P2PTransport(Transport):
             with torch.cuda.stream(self.comm_stream):
                 self.comm_stream.wait_event(ready)
                 (work,) = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer, self.group)])
-        self._sends.append((work, t, f"sending the {channel} of micro-batch {mb}"))
-        self._reap()
+        earlier = self._sends.pop((channel, mb), None)
+        if earlier is not None:  # a send of an earlier segment that nobody waited for
+            self.wait(earlier[0], earlier[2])
+        self._sends[(channel, mb)] = (work, t, f"sending the {channel} of micro-batch {mb}")
+        if self.backend == "nccl":
+            self._reap()
 
-    def recv(self, channel: str, stage: int, mb: int) -> Tensor:
+    def recv(self, channel: str, stage: int, mb: int, certain: int | None = None) -> Tensor:
+        """The tensor of micro-batch ``mb`` on ``channel`` (blocking, at most ``timeout``).
+
+        ``certain``: the executor guarantees that this call receives every micro-batch below
+        it on this channel; under gloo up to :attr:`prepost` of them beyond ``mb`` are posted
+        now, in order, so their senders find the receive waiting (see the module docstring).
+        """
         agreed = self.meta.get((channel, "recv"))
         src = self.peer_stage(channel, "recv")
         if agreed is None:
@@ -240,34 +273,57 @@ class P2PTransport(Transport):
                 f"{self.who(self.stage)} receives on the {channel} channel from {self.who(src)} "
                 "before the shapes were agreed; the pipeline's first step performs the handshake"
             )
-        shape, dtype = agreed
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        posted = self._posted.pop((channel, mb), None)
+        if posted is None:
+            posted = self._post(channel, mb, agreed, src)
+        if certain is not None and self.backend == "gloo":
+            # messages of one (peer, tag) match receives in posting order: post mb+1, mb+2, ...
+            for ahead in range(mb + 1, min(certain, mb + 1 + self.prepost)):
+                if (channel, ahead) not in self._posted:
+                    self._posted[(channel, ahead)] = self._post(channel, ahead, agreed, src)
+        work, buf = posted
         what = (
             f"receiving the {'activation' if channel == 'act' else 'gradient'} of micro-batch {mb}"
         )
-        if self.backend == "gloo":
-            self.wait(dist.irecv(buf, self.ranks[src], group=self.group), what, src)
-        else:
-            with torch.cuda.stream(self.comm_stream):
-                (work,) = dist.batch_isend_irecv(
-                    [dist.P2POp(dist.irecv, buf, self.ranks[src], self.group)]
-                )
-            # called on the compute stream: it waits (on the device) for the transfer
-            self.wait(work, what, src)
+        self.wait(work, what, src)
+        if channel == "grad" and self.backend == "gloo":
+            # the next stage received this micro-batch's activation before computing its
+            # gradient: that send has completed, so waiting on it returns at once
+            sent = self._sends.pop(("act", mb), None)
+            if sent is not None:
+                self.wait(sent[0], sent[2], self.peer_stage("act", "send"))
         return buf
 
+    def _post(
+        self, channel: str, mb: int, agreed: tuple[tuple[int, ...], torch.dtype], src: int
+    ) -> tuple[Any, Tensor]:
+        shape, dtype = agreed
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        if self.backend == "gloo":
+            return dist.irecv(buf, self.ranks[src], group=self.group), buf
+        with torch.cuda.stream(self.comm_stream):
+            (work,) = dist.batch_isend_irecv(
+                [dist.P2POp(dist.irecv, buf, self.ranks[src], self.group)]
+            )
+        # waited on from the compute stream: it waits (on the device) for the transfer
+        return work, buf
+
     def _reap(self) -> None:
-        """Forget sends that completed. Until then the transport holds each sent tensor, so
-        the caching allocator cannot hand its memory to a new tensor while NCCL (on its own
-        stream) or gloo (on its thread) still reads it."""
-        self._sends = [s for s in self._sends if not s[0].is_completed()]
+        """NCCL: forget sends that completed. Until then the transport holds each sent
+        tensor, so the caching allocator cannot hand its memory to a new tensor while NCCL (on
+        its own stream) still reads it. (gloo cannot be polled: see the module docstring.)"""
+        self._sends = {k: s for k, s in self._sends.items() if not s[0].is_completed()}
 
     def wait_sends(self) -> None:
         """gloo: block until every send has left. NCCL: order the current stream after every
         send (device-side); tensors stay referenced until their work reports completion."""
-        for work, _t, what in self._sends:
+        for work, _t, what in self._sends.values():
             self.wait(work, what)
-        self._reap()
+        if self.backend == "gloo":
+            self._sends.clear()  # every one was waited for
+        else:
+            self._reap()
 
     def close(self) -> None:
         self._sends.clear()
+        self._posted.clear()
