@@ -179,6 +179,62 @@ def phase_equal(
     return out
 
 
+def _held(pipe: Any) -> dict[str, int]:
+    """The works a rank holds: sends by channel, receives posted ahead, loss messages."""
+    tp = pipe._rank.transport
+    return {
+        "act_sends": sum(1 for ch, _ in tp._sends if ch == "act"),
+        "grad_sends": sum(1 for ch, _ in tp._sends if ch == "grad"),
+        "posted": len(tp._posted),
+        "loss_sends": len(pipe._rank._loss_sends),
+    }
+
+
+def phase_handles(rank: int, S: int, names: list[str], steps: int) -> dict[str, Any]:
+    """Asynchronous schedules for ``steps`` steps without a flush: the works held after every
+    step (they must not grow with the step count), then a flush and the local run's weights."""
+    from engine.runtime import Pipeline
+
+    out: dict[str, Any] = {}
+    for name in names:
+        kw = configs(S)[name]
+        t0 = time.perf_counter()
+        try:
+            pipe = Pipeline(
+                stage_factories(S),
+                loss_fn=nn.functional.mse_loss,
+                transport="gloo",
+                timeout=30,
+                **kw,
+            )
+            held, losses = [], []
+            for t in range(steps):
+                x, y = batch(t)
+                losses.append(pipe.step(x, y).detach().clone())
+                held.append(_held(pipe))
+            pipe.flush()
+            flushed = _held(pipe)
+            ref, ref_losses = _local(S, kw, steps)
+            s = pipe.layout.stage
+            mine = [p.detach() for p in pipe.stages[0].module.parameters()]
+            theirs = [p.detach() for p in ref.stages[s].module.parameters()]
+            out[name] = {
+                "held": held,
+                "flushed": flushed,
+                "M": pipe.M,
+                "weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
+                "losses_equal": all(
+                    torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)
+                ),
+                "updates": pipe.stages[0].updates,
+                "ref_updates": ref.stages[s].updates,
+                "seconds": time.perf_counter() - t0,
+            }
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
 def phase_data_parallel(rank: int, S: int, R: int) -> dict[str, Any]:
     """R replicas x S stages vs one replica (local) with the R-times larger batch."""
     from engine.runtime import Pipeline

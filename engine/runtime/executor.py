@@ -131,6 +131,40 @@ class _Stream:
         return itertools.islice(self._ahead, limit)
 
 
+class _Upstream:
+    """Stage s-1's action stream, read as far as the activations stage s has received: which
+    gradients stage s-1 has certainly consumed by then.
+
+    Stage s receives the activations in the order stage s-1 sends them (FIFO channel). When
+    the activation of micro-batch m arrives, stage s-1 has run every action before ``SF m`` in
+    its stream, in particular every ``B n`` there, and a backward runs only after its
+    gradient's receive returned. Those gradients (sent by stage s) have left, so their send
+    handles can be released. A receive stage s-1 merely posted ahead is not counted: only
+    ``B`` actions are.
+    """
+
+    def __init__(self, it: Iterator[Action], stage: int) -> None:
+        self._it = it
+        self._stage = stage  # the upstream stage whose stream this reads
+
+    def consumed(self, m: int) -> list[int]:
+        """Micro-batches whose backward stage s-1 ran since the previous ``SF`` up to
+        ``SF m``, which must be the next activation send of the stream."""
+        out: list[int] = []
+        for act in self._it:  # streams never end
+            if act.kind is Kind.BACKWARD:
+                out.append(act.mb)
+            elif act.kind is Kind.SEND_ACT:
+                if act.mb != m:
+                    raise RuntimeError(
+                        f"stage {self._stage + 1} received activation {m} where stage "
+                        f"{self._stage}'s stream sends {act.mb} next; "
+                        "channels are FIFO in stream order"
+                    )
+                return out
+        raise AssertionError("streams never end")
+
+
 class Executor:
     """Execution of one schedule over the stages this process holds.
 
@@ -199,6 +233,7 @@ class Executor:
         self.b_done = dict.fromkeys(self.by_index, 0)
         self.f_done = dict.fromkeys(self.by_index, 0)
         self.streams_: dict[int, _Stream] = {}
+        self.upstream: dict[int, _Upstream] = {}  # stage -> stage s-1's stream (blocking)
         self.losses: list[tuple[int, Tensor, int]] = []
         self.nonfinite: list[int] = []
         if isinstance(self.transport, LocalTransport):
@@ -215,6 +250,15 @@ class Executor:
             )
             for st in self.stages
         }
+        if self.blocking:
+            # sent gradients are released once stage s-1's stream proves them consumed
+            self.upstream = {
+                s: _Upstream(
+                    stage_actions(self.schedule, s - 1, self.S, self.M, self.k, self.order), s - 1
+                )
+                for s in self.by_index
+                if s > 0
+            }
         self.active = True
 
     def feed(
@@ -375,7 +419,11 @@ class Executor:
             certain = self.N
         else:
             certain = self._grads_before_stop(s, i)
-        return self.transport.recv(channel, s, i, certain)
+        got = self.transport.recv(channel, s, i, certain)
+        if channel == "act" and s in self.upstream:
+            # the gradients stage s-1 consumed before sending this activation have left
+            self.transport.release("grad", self.upstream[s].consumed(i))
+        return got
 
     #: how far ahead in a stream to look for receives to post (actions)
     LOOKAHEAD = 16

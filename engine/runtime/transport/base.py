@@ -55,6 +55,10 @@ class Transport(ABC):
         below it will be received on this channel in the current call, so a transport may post
         those receives ahead."""
 
+    def release(self, channel: str, mbs: list[int]) -> None:  # noqa: B027 - optional hook
+        """Forget the sends of micro-batches ``mbs`` on ``channel``: the caller knows from the
+        schedule that the peer has received and consumed them (blocking transports)."""
+
     def wait_sends(self) -> None:  # noqa: B027 - optional hook
         """Block until every send issued so far has left (their buffers may then be reused)."""
 

@@ -23,10 +23,20 @@ gloo specifics (measured on 4 ranks time-sharing 2 CPU cores, see bench/README.m
   sends queued behind it). Only receives the executor guarantees are posted ahead, so none is
   left dangling for a later pipeline on the same group to match by mistake.
 * gloo's ``Work.is_completed()`` stays False until ``wait()`` is called, so completion cannot
-  be polled. Sends are forgotten where their completion is implied instead: the activation of
-  micro-batch i has left once the gradient of i came back from that stage (which received the
-  activation before computing it); everything else at :meth:`wait_sends` (the end of a
-  synchronous step, a flush).
+  be polled. Sends are forgotten where their completion is implied instead, by waiting on
+  them (which then returns at once):
+
+  - the activation of micro-batch i has left once the gradient of i came back from that stage
+    (which received the activation before computing it);
+  - the gradient of micro-batch n has left once this stage received, from the previous stage,
+    the activation of a micro-batch m whose send ``SF m`` comes after ``B n`` in that stage's
+    own action stream: a stream runs in order and ``B n`` runs only after its receive
+    ``RB n`` returned. The executor derives which gradients these are from the schedule IR
+    (the previous stage's stream) and calls :meth:`P2PTransport.release`. Only a *completed*
+    ``B`` counts: a receive the previous stage merely posted ahead proves nothing. Without
+    this rule asynchronous schedules (which never flush between steps) held every sent
+    gradient until the next flush;
+  - everything else at :meth:`wait_sends` (the end of a synchronous step, a flush).
 
 NCCL specifics (written for one GPU per rank; not run on CPU-only machines):
 
@@ -293,6 +303,18 @@ class P2PTransport(Transport):
             if sent is not None:
                 self.wait(sent[0], sent[2], self.peer_stage("act", "send"))
         return buf
+
+    def release(self, channel: str, mbs: list[int]) -> None:
+        """Forget the sends of ``mbs`` on ``channel`` that the caller knows were received and
+        consumed by the peer (gloo: waiting on them returns at once; see the module docstring).
+        Micro-batches without a held send are ignored. NCCL forgets sends by polling instead."""
+        if self.backend != "gloo":
+            return
+        peer = self.peer_stage(channel, "send")
+        for mb in mbs:
+            sent = self._sends.pop((channel, mb), None)
+            if sent is not None:
+                self.wait(sent[0], sent[2], peer)
 
     def _post(
         self, channel: str, mb: int, agreed: tuple[tuple[int, ...], torch.dtype], src: int
