@@ -137,7 +137,7 @@ def run_sweep(device: torch.device, sizes: list[int], dtypes: list[str], kernels
             numel = max(1, size // esize)
             src = torch.randn(numel, device=device).to(dtype)
             dst = torch.empty_like(src)
-            med, p20, p80 = measure(lambda: dst.copy_(src), device, rep_ms=rep_ms)
+            med, p20, p80 = measure(lambda dst=dst, src=src: dst.copy_(src), device, rep_ms=rep_ms)
             copy_gbps = traffic_bytes("copy", numel, esize, esize) / med / 1e6
             rows.append(Row("copy", "torch", dtype_name, size, numel, med, p20, p80, copy_gbps, 100.0, name, **vers))
             del src, dst
@@ -196,7 +196,7 @@ def plot(rows: list[Row], path: Path) -> None:
 
     panels = sorted({(r.kernel, r.dtype) for r in rows if r.kernel != "copy"})
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
-    for ax, (kernel, dtype) in zip(axes[0], panels):
+    for ax, (kernel, dtype) in zip(axes[0], panels, strict=True):
         series = [(r.kernel, r.provider) for r in rows if r.dtype == dtype and r.kernel in (kernel, "copy")]
         for kern, provider in dict.fromkeys(series):
             pts = sorted((r.size_bytes, r.gbps) for r in rows
