@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kernel_tolerances import assert_kernel_close
 
 from engine.optim.functional import prediction_coeff, sgd_update
 from triton_kernels.sgd import fused_sgd_update, launch_sgd
@@ -61,32 +62,6 @@ CASES = {
 }
 
 
-def _close(name, got, ref, dtype, w=None):
-    """Elementwise: fp32 values to ~1e-6 relative; bf16/fp16 values to one ulp of their dtype.
-
-    ``w`` (the reference weights) marks tensors derived from the stored weights (predicted,
-    delta, last_update): a one-ulp flip of a stored weight moves them by an ulp of that
-    weight, not of themselves. A one-ulp flip happens only when the fp32 result sits on a
-    rounding boundary (torch fuses multiply-adds on CPU, the interpreter does not), so for
-    bf16/fp16 at most 1% of the elements may differ beyond fp32 agreement: a systematic
-    error smaller than one ulp (a wrong step size, say) flips far more than that.
-    """
-    got, ref = got.float(), ref.float()
-    diff = (got - ref).abs()
-    tight = 8 * torch.finfo(torch.float32).eps
-    rtol = tight if dtype == torch.float32 else torch.finfo(dtype).eps
-    floor = tight * ref.abs().max().item()
-    w_abs = 2 * w.float().abs() if w is not None else torch.zeros_like(ref)
-    allowed = rtol * (ref.abs() + w_abs) + floor
-    worst = (diff - allowed).argmax()
-    assert (diff <= allowed).all(), (
-        f"{name}: got {got[worst].item()!r}, expected {ref[worst].item()!r} at {worst.item()} "
-        f"(allowed {allowed[worst].item():.3g}, {(diff > allowed).sum().item()} elements off)")
-    if dtype != torch.float32:
-        flipped = (diff > tight * (ref.abs() + w_abs) + floor).sum().item()
-        assert flipped <= max(2, ref.numel() // 100), f"{name}: {flipped} elements one ulp off"
-
-
 def _make(n, dtype, case, seed):
     gen = torch.Generator(device="cpu").manual_seed(seed)
     t = {
@@ -128,7 +103,7 @@ def _run_case(n, dtype, case, block=None, steps=3, grad_dtype=None):
             if r is None:
                 continue
             w = ref["param"] if name in ("predicted", "delta") else None
-            _close(name, fused[name], r, torch.float32 if name == "buf" else dtype, w)
+            assert_kernel_close(name, fused[name], r, torch.float32 if name == "buf" else dtype, w)
             fused[name].copy_(r)
 
 
