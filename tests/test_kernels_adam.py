@@ -15,27 +15,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kernel_tolerances import assert_kernel_close
+from kernel_support import DEVICE, _on_device, assert_kernel_close  # noqa: F401 (autouse fixture)
+from kernel_support import randn as _randn
 
 from engine.optim.functional import adam_update
 from triton_kernels.adam import fused_adam_update, launch_adam
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-@pytest.fixture(autouse=True)
-def _on_device():
-    # CPU: the interpreter runs the kernels on CPU tensors; on a GPU machine the kernels are
-    # compiled and need CUDA tensors, so every tensor a test makes lands on DEVICE
-    if DEVICE.type == "cpu":
-        yield  # the default already; a device mode would slow every torch call
-        return
-    with torch.device(DEVICE):
-        yield
-
-
-def _randn(n, gen):
-    return torch.randn(n, generator=gen, device="cpu").to(DEVICE)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SIZES = [1, 127, 1023]

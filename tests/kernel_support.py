@@ -1,8 +1,26 @@
-"""Per-dtype tolerances shared by the fused-kernel tests (SGD and Adam compare the same way)."""
+"""What the fused-kernel tests share: the device they run on and per-dtype tolerances."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _on_device():
+    # CPU: the interpreter runs the kernels on CPU tensors; on a GPU machine the kernels are
+    # compiled and need CUDA tensors, so every tensor a test makes lands on DEVICE
+    if DEVICE.type == "cpu":
+        yield  # the default already; a device mode would slow every torch call
+        return
+    with torch.device(DEVICE):
+        yield
+
+
+def randn(n, gen):
+    return torch.randn(n, generator=gen, device="cpu").to(DEVICE)
 
 
 def assert_kernel_close(name, got, ref, dtype, w=None):
