@@ -58,6 +58,8 @@ from fractions import Fraction
 import torch
 from torch import Tensor, nn
 
+from engine._checks import check_positive_int
+
 __all__ = [
     "OBJECTIVES",
     "OPTIMIZER_STATE_FACTORS",
@@ -133,14 +135,6 @@ class StageCost:
 # ----------------------------------------------------------------------------- footprint
 
 
-def _check_positive_int(what: str, value: object, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{what} must be >= 1, got {value}; {fix}")
-    return value
-
-
 def _check_schedule(schedule: object, order: str | None) -> str:
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; known schedules: {', '.join(SCHEDULES)}")
@@ -175,8 +169,8 @@ def stage_footprint(
     ========== ============== ========================
     """
     _check_schedule(schedule, order)
-    S = _check_positive_int("stages", stages, "a pipeline needs at least one stage")
-    M = _check_positive_int("chunks", chunks, "a mini-batch needs at least one micro-batch")
+    S = check_positive_int("stages", stages, "a pipeline needs at least one stage")
+    M = check_positive_int("chunks", chunks, "a mini-batch needs at least one micro-batch")
     if schedule == "2bw" and M < S:
         raise ValueError(
             f"schedule '2bw' needs chunks M >= stages S so that two weight versions suffice; "
@@ -468,7 +462,7 @@ def partition(
     """
     layers = _check_costs(costs)
     n = len(layers)
-    S = _check_positive_int("stages", stages, "a pipeline needs at least one stage")
+    S = check_positive_int("stages", stages, "a pipeline needs at least one stage")
     if S > n:
         raise ValueError(
             f"cannot split {n} layer{'s' if n != 1 else ''} into {S} stages; use at most {n} "
@@ -586,7 +580,7 @@ def profile_layers(
         raise ValueError("model is an empty nn.Sequential: there are no layers to profile")
     if not isinstance(sample, Tensor):
         raise TypeError(f"sample must be a tensor (one micro-batch), got {type(sample).__name__}")
-    repeats = _check_positive_int("repeats", repeats, "measure at least once")
+    repeats = check_positive_int("repeats", repeats, "measure at least once")
     dev = torch.device(device) if device is not None else sample.device
     x: Tensor = sample.detach().to(dev)
     x.requires_grad_(sample.requires_grad)
@@ -786,7 +780,7 @@ def balance_model(
             f"unknown balance {balance!r}; use 'time', 'memory' or a list of layer counts"
         )
     # fail on bad arguments before spending time profiling
-    S = _check_positive_int("stages", stages, "a pipeline needs at least one stage")
+    S = check_positive_int("stages", stages, "a pipeline needs at least one stage")
     if S > len(model):
         raise ValueError(
             f"cannot split {len(model)} layers into {S} stages; use at most {len(model)} stages "
