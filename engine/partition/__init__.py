@@ -59,6 +59,7 @@ import torch
 from torch import Tensor, nn
 
 from engine._checks import check_positive_int
+from engine.partition.footprint import SCHEDULES, stage_footprint
 
 __all__ = [
     "OBJECTIVES",
@@ -74,8 +75,6 @@ __all__ = [
     "stage_footprint",
 ]
 
-#: schedules whose per-stage footprint is known (the names of :data:`engine.schedule.SCHEDULES`)
-SCHEDULES: tuple[str, ...] = ("naive", "gpipe", "1f1b", "pipedream", "2bw", "pb")
 OBJECTIVES: tuple[str, ...] = ("time", "memory")
 #: optimizer buffers per parameter element, by name (a number may be given instead)
 OPTIMIZER_STATE_FACTORS: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
@@ -130,69 +129,6 @@ class StageCost:
             f"activations x {self.activations_held} micro-batch"
             f"{'es' if self.activations_held != 1 else ''} = {self.memory_bytes} B"
         )
-
-
-# ----------------------------------------------------------------------------- footprint
-
-
-def _check_schedule(schedule: object, order: str | None) -> str:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; known schedules: {', '.join(SCHEDULES)}")
-    assert isinstance(schedule, str)
-    if order is not None:
-        if schedule != "pb":
-            raise ValueError(
-                f"order={order!r} only applies to schedule 'pb' ('dataflow' or '1f1b'); "
-                f"leave order unset for {schedule!r}"
-            )
-        if order not in ("dataflow", "1f1b"):
-            raise ValueError(f"unknown pb order {order!r}; use 'dataflow' or '1f1b'")
-    return schedule
-
-
-def stage_footprint(
-    schedule: str, stages: int, chunks: int, *, order: str | None = None
-) -> list[tuple[int, int]]:
-    """``(weight versions, micro-batches of activations)`` each stage holds at its peak.
-
-    Steady-state values of ALGORITHMS.md (S stages, stage s, M = ``chunks``):
-
-    ========== ============== ========================
-    schedule   versions       activations held
-    ========== ============== ========================
-    naive      1              1
-    gpipe      1              M
-    1f1b       1              min(M, S-s)
-    pipedream  S-s            S-s (async: never drains)
-    2bw        2              S-s (needs M >= S)
-    pb         1              2(S-1-s)+1 (dataflow), S-s (``order="1f1b"``)
-    ========== ============== ========================
-    """
-    _check_schedule(schedule, order)
-    S = check_positive_int("stages", stages, "a pipeline needs at least one stage")
-    M = check_positive_int("chunks", chunks, "a mini-batch needs at least one micro-batch")
-    if schedule == "2bw" and M < S:
-        raise ValueError(
-            f"schedule '2bw' needs chunks M >= stages S so that two weight versions suffice; "
-            f"got chunks={M} with {S} stages: use chunks >= {S}, or schedule 'pipedream'"
-        )
-    out: list[tuple[int, int]] = []
-    for s in range(S):
-        if schedule == "naive":
-            out.append((1, 1))
-        elif schedule == "gpipe":
-            out.append((1, M))
-        elif schedule == "1f1b":
-            out.append((1, min(M, S - s)))
-        elif schedule == "pipedream":
-            out.append((S - s, S - s))
-        elif schedule == "2bw":
-            out.append((2, S - s))
-        elif order == "1f1b":  # pb in 1F1B order: live weights, async 1F1B in flight
-            out.append((1, S - s))
-        else:  # pb dataflow
-            out.append((1, 2 * (S - 1 - s) + 1))
-    return out
 
 
 # ----------------------------------------------------------------------------- exact costs
