@@ -257,4 +257,3 @@ def _check_balance(balance: object, n: int, *, what: str) -> list[int]:
             f"{'remove' if total > n else 'add'} {abs(total - n)} so that it sums to {n}"
         )
     return bal
-

@@ -86,4 +86,3 @@ def stage_footprint(
         else:  # pb dataflow
             out.append((1, 2 * (S - 1 - s) + 1))
     return out
-

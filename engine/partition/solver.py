@@ -232,4 +232,3 @@ def _infeasible_message(
         fixes.append("use activation checkpointing or smaller micro-batches")
     lines.append("Fix: " + "; or ".join(fixes) + ".")
     return " ".join(lines)
-
