@@ -4,7 +4,7 @@
 // Why flat buffers: an optimizer step over a stage becomes one kernel launch per buffer
 // instead of one per tensor, snapshots of the weights (weight stashing, PipeDream-2BW's
 // shadow copy, predicted weights) become one memcpy, and the whole live buffer can be
-// pinned in L2 with a single access-policy window. The Python layer (engine/arena.py)
+// pinned in L2 with a single access-policy window. The Python layer (engine/arena/)
 // validates input and re-points the modules' parameters at views of these buffers.
 //
 // Layout: parameters are grouped into buckets (one per device, dtype, param group and

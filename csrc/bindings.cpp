@@ -2,7 +2,7 @@
 //
 // The binding is deliberately thin (indices in, tensors out): validation with
 // parameter names, module wiring (`p.data = view`) and error messages that teach the fix
-// live in engine/arena.py, where the names are known.
+// live in the engine/arena/ package, where the names are known.
 #include <torch/extension.h>
 
 #include <sstream>
