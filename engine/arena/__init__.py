@@ -54,6 +54,7 @@ from engine.arena.views import BucketInfo, FlatView, L2Persistence
 from engine.arena.weight_arena import DoubleBuffer, WeightArena
 
 __all__ = [
+    "DEFAULT_ALIGNMENT",
     "ArenaError",
     "BucketInfo",
     "DoubleBuffer",
