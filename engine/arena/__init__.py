@@ -41,6 +41,7 @@ Layout of the package (imports only go down this list, so there are no cycles):
 * ``core``          errors, the compiled core (``engine._C``), alignment checks;
 * ``views``         value types: ``BucketInfo``, ``L2Persistence``, ``FlatView``;
 * ``registry``      which arena owns which parameter; ``flat_buffers_for``;
+* ``l2``            L2 persistence requests over a live buffer;
 * ``weight_arena``  ``WeightArena`` and ``DoubleBuffer``;
 * ``flatten``       ``flatten_``: validation, then one move.
 """

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from engine.arena import l2
 from engine.arena.core import ArenaError, SlotError
 from engine.arena.views import BucketInfo, FlatView, L2Persistence, _rebind
 
@@ -328,7 +329,7 @@ class WeightArena:
             raise SlotError(f"micro-batch ids are ints, got {microbatch!r}")
         return microbatch
 
-    # ---- accounting and L2 ----------------------------------------------------------
+    # ---- accounting and L2 (engine/arena/l2.py) ---------------------------------------
 
     def bytes(self) -> dict[str, Any]:
         """Bytes held: ``live`` weights, ``grad`` buffers, all ``slots``, ``per_slot``
@@ -357,32 +358,8 @@ class WeightArena:
         Reserves min(buffer, ``max_bytes``, device maximum) of L2 device-wide. Returns what
         the device granted; on CPU (or a CPU-only build) ``supported=False`` with the reason.
         """
-        if not 0.0 <= float(hit_ratio) <= 1.0:
-            raise ArenaError(f"hit_ratio must be in [0, 1], got {hit_ratio}")
-        if max_bytes is not None and max_bytes < 0:
-            raise ArenaError(f"max_bytes must be >= 0 (or None for no cap), got {max_bytes}")
-        if not self._buckets:
-            return L2Persistence(False, False, -1, 0, 0, 0, 0, 0.0, f"arena {self.name!r} is empty")
-        if bucket is None:
-            bucket = max(self._buckets, key=lambda b: int(self._core.bucket_nbytes(b.index))).index
-        self._check_bucket(bucket)
-        r = self._core.set_l2_persistence(bucket, self._stream(stream), float(hit_ratio), max_bytes or 0)
-        return L2Persistence(
-            supported=bool(r["supported"]),
-            ok=bool(r["ok"]),
-            bucket=int(r["bucket"]),
-            granted_bytes=int(r["granted_bytes"]),
-            window_bytes=int(r["window_bytes"]),
-            max_persisting_bytes=int(r["max_persisting_bytes"]),
-            max_window_bytes=int(r["max_window_bytes"]),
-            hit_ratio=float(r["hit_ratio"]),
-            reason=str(r["reason"]),
-        )
+        return l2.request(self, bucket, hit_ratio, max_bytes, self._stream(stream))
 
     def clear_l2_persistence(self, *, bucket: int = 0, stream: Any = None) -> None:
         """Remove the window from ``stream`` and give the L2 set-aside back to the device."""
-        if self.device.type != "cuda":
-            raise ArenaError(
-                f"arena {self.name!r} is on {self.device}: there is no L2 window to clear"
-            )
-        self._core.clear_l2_persistence(self._check_bucket(bucket), self._stream(stream))
+        l2.clear(self, bucket, self._stream(stream))
