@@ -326,6 +326,89 @@ def test_rotation_swaps_without_copying() -> None:
     assert arena.slots == [] and arena.bytes()["slots"] == 0
 
 
+# ----------------------------------------------------------------------------- slot pool
+
+
+def padding_mask(arena: WeightArena, bucket: int = 0) -> torch.Tensor:
+    info = arena.buckets[bucket]
+    mask = torch.ones(info.numel, dtype=torch.bool)
+    for off, n in zip(info.offsets, info.numels, strict=True):
+        mask[off : off + n] = False
+    return mask
+
+
+def test_freed_slot_buffers_are_pooled_and_reused() -> None:
+    m = mlp()
+    arena = flatten_(m)
+    per = arena.bytes()["live"]
+    s = arena.snapshot(microbatch=0)
+    first = arena.slot_flat(s).data_ptr()
+    assert arena.release(s, 0) is True
+    b = arena.bytes()
+    assert b["slots"] == 0 and b["per_slot"] == {} and b["pooled"] == per
+    with torch.no_grad():
+        m[0].weight.add_(1.0)
+    t = arena.snapshot()  # served from the pool: the same memory, the current live values
+    assert arena.slot_flat(t).data_ptr() == first
+    assert torch.equal(arena.slot_flat(t), arena.flat_param())
+    b = arena.bytes()
+    assert b["pooled"] == 0 and b["slots"] == per
+    assert b["peak"] == b["live"] + b["grad"] + per  # the pool never counts towards the peak
+    arena.free(t)
+    assert arena.trim_pool() == per
+    assert arena.bytes()["pooled"] == 0 and arena.trim_pool() == 0
+
+
+def test_pool_never_holds_more_than_the_peak() -> None:
+    a = nn.Parameter(torch.randn(5))
+    b = nn.Parameter(torch.randn(3, dtype=torch.float64))
+    c = nn.Parameter(torch.randn(7), requires_grad=False)
+    arena = flatten_([a, b, c])
+    per = arena.bytes()["live"]
+    slots = [arena.snapshot(microbatch=i) for i in range(3)]
+    for i, s in enumerate(slots):
+        arena.release(s, i)
+    by = arena.bytes()
+    assert by["pooled"] == 3 * per and by["slots"] == 0
+    for _ in range(5):  # steady state: two versions at a time, nothing new allocated
+        x, y = arena.snapshot(), arena.new_slot()
+        by = arena.bytes()
+        assert by["pooled"] == per and by["slots"] == 2 * per
+        assert by["live"] + by["grad"] + by["slots"] + by["pooled"] <= by["peak"]
+        for bucket in range(len(arena.buckets)):  # every pooled set fits every bucket
+            assert torch.equal(arena.slot_flat(x, bucket), arena.flat_param(bucket))
+        arena.free(x)
+        arena.free(y)
+    assert arena.bytes()["peak"] == arena.bytes()["live"] + arena.bytes()["grad"] + 3 * per
+    assert arena.trim_pool() == 3 * per
+
+
+def test_new_slot_reuses_without_copy_or_fill_and_keeps_padding_zero() -> None:
+    m = mlp()
+    arena = flatten_(m)
+    mask = padding_mask(arena)
+    fresh = arena.new_slot()  # nothing pooled yet: allocated, zeroed once
+    assert torch.count_nonzero(arena.slot_flat(fresh)[mask]) == 0
+    with torch.no_grad():
+        for v in arena.slot_views(fresh):
+            v.fill_(3.0)
+    ptr = arena.slot_flat(fresh).data_ptr()
+    arena.free(fresh)
+    again = arena.new_slot(microbatch=7)
+    flat = arena.slot_flat(again)
+    assert flat.data_ptr() == ptr and arena.pins(again) == {7: 1}
+    assert torch.equal(flat[~mask], torch.full_like(flat[~mask], 3.0))  # no fill, no copy
+    assert torch.count_nonzero(flat[mask]) == 0
+    assert arena.bytes()["slots"] == arena.bytes()["live"] and arena.bytes()["pooled"] == 0
+    # a snapshot's buffers, pooled and handed out by new_slot, have zero padding too
+    assert arena.release(again, 7)
+    s = arena.snapshot()
+    arena.free(s)
+    u = arena.new_slot()
+    assert torch.equal(arena.slot_flat(u), arena.flat_param())
+    assert torch.count_nonzero(arena.slot_flat(u)[mask]) == 0
+
+
 # ----------------------------------------------------------------------------- flat_buffers_for
 
 

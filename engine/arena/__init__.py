@@ -18,10 +18,13 @@ What changes for the user, and what does not:
   between tensors is zero in the weights, the gradients and every slot, and stays zero under
   elementwise optimizer updates, so kernels may sweep whole buffers.
 * Weight versions (PipeDream's stashed weights, 2BW's shadow copy, predicted weights) are
-  *slots*: whole-arena copies with the same layout. ``snapshot()`` takes one (on CUDA an
-  asynchronous copy on a side stream; readers wait on its event automatically),
-  ``pin``/``release`` reference-count a slot per micro-batch and free it at zero, and
-  ``rotation()`` gives PipeDream-2BW's two-slot double buffer whose swap moves no bytes.
+  *slots*: whole-arena buffers with the same layout. ``snapshot()`` copies live into one
+  (on CUDA an asynchronous copy on a side stream; readers wait on its event
+  automatically), ``new_slot()`` hands one out uninitialised for callers that write it
+  whole, and ``pin``/``release`` reference-count a slot per micro-batch and free it at
+  zero. Freed slots' buffers stay in a per-arena pool for the next slot (steady state
+  allocates nothing; ``trim_pool()`` gives them back, ``bytes()["pooled"]`` counts them).
+* ``rotation()`` gives PipeDream-2BW's two-slot double buffer whose swap moves no bytes.
 * ``torch.optim``'s default ``zero_grad(set_to_none=True)`` drops the gradient views; the
   next backward then allocates fresh gradients. Call ``arena.zero_grad()`` (or
   ``optimizer.zero_grad(set_to_none=False)``) to keep them in the flat buffer, or

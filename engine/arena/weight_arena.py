@@ -79,9 +79,9 @@ class DoubleBuffer:
     def back_views(self) -> list[torch.Tensor]:
         return self._arena.slot_views(self.back)
 
-    def close(self) -> None:
+    def close(self, *, stream: Any = None) -> None:
         """Free both slots (unless micro-batches still pin them; then the last release does)."""
-        self._arena._core.rotation_close(self._id)
+        self._arena._core.rotation_close(self._id, self._arena._stream(stream))
 
 
 class WeightArena:
@@ -214,6 +214,30 @@ class WeightArena:
                 self._core.wait(slot, handle)
         return slot
 
+    def new_slot(self, microbatch: int | None = None, *, stream: Any = None) -> int:
+        """A new slot whose contents are unspecified, for callers that overwrite it whole
+        (an optimizer writing predicted weights into it, a copy the caller makes); no copy,
+        no fill. ``microbatch`` pins it as in :meth:`snapshot`.
+
+        Its buffers come from the pool when a freed slot left some (they then hold that
+        slot's last values), else they are allocated and zeroed once. Either way the
+        padding between tensors is zero, as in every buffer the arena hands out: the arena
+        never writes padding, so keep it that way (write through :meth:`slot_views`, or
+        sweep the flat buffer with elementwise kernels whose inputs have zero padding).
+
+        On CUDA, a pooled buffer's previous users are ordered before ``stream`` (default:
+        the current stream; see :meth:`release`); write the slot on that stream.
+        """
+        mb = None if microbatch is None else self._check_microbatch(microbatch)
+        with self._on_stream(stream) as handle:
+            return int(self._core.new_slot(handle, mb))
+
+    def trim_pool(self) -> int:
+        """Give the pooled buffers of freed slots back to torch's allocator; returns the
+        bytes released. On CUDA the host first waits for the work queued before their
+        release (it may still read them)."""
+        return int(self._core.trim_pool())
+
     def wait_for_snapshots(self, *, stream: Any = None) -> None:
         """Make ``stream`` (default: current) wait for every snapshot copy still reading
         the live weights; call before writing them after ``snapshot(overlap=True)``."""
@@ -263,8 +287,14 @@ class WeightArena:
         self._check_slot(slot)
         self._core.pin(slot, self._check_microbatch(microbatch))
 
-    def release(self, slot: int, microbatch: int) -> bool:
-        """Drop ``microbatch``'s reference; frees the slot at zero. Returns True if freed."""
+    def release(self, slot: int, microbatch: int, *, stream: Any = None) -> bool:
+        """Drop ``microbatch``'s reference; frees the slot at zero. Returns True if freed.
+
+        A freed slot's buffers go to the arena's pool for the next :meth:`snapshot` or
+        :meth:`new_slot` (see :meth:`trim_pool`). On CUDA the host first waits for a copy
+        still writing the slot, then an event is recorded on ``stream`` (default: current):
+        the next user of the buffers waits for the work queued there so far, so release
+        on (or after) the stream that last read the slot."""
         self._check_slot(slot)
         mb = self._check_microbatch(microbatch)
         pins = dict(self._core.pins(slot))
@@ -275,12 +305,13 @@ class WeightArena:
                 f"{mb} (pinned to: {held}); release only what pin() or "
                 "snapshot(microbatch=...) recorded"
             )
-        return bool(self._core.release(slot, mb))
+        return bool(self._core.release(slot, mb, self._stream(stream)))
 
-    def free(self, slot: int) -> None:
-        """Free a slot that no micro-batch pins (e.g. a prediction scratch version)."""
+    def free(self, slot: int, *, stream: Any = None) -> None:
+        """Free a slot that no micro-batch pins (e.g. a prediction scratch version); its
+        buffers go to the pool as in :meth:`release`."""
         self._check_slot(slot)
-        self._core.free_slot(slot)
+        self._core.free_slot(slot, self._stream(stream))
 
     def pins(self, slot: int) -> dict[int, int]:
         """Micro-batch id -> number of pins of ``slot``."""
@@ -333,12 +364,17 @@ class WeightArena:
 
     def bytes(self) -> dict[str, Any]:
         """Bytes held: ``live`` weights, ``grad`` buffers, all ``slots``, ``per_slot``
-        (slot id -> bytes) and the ``peak`` of live + grad + slots so far (padding counted)."""
+        (slot id -> bytes), ``pooled`` (buffers of freed slots kept for reuse, not in
+        ``slots``) and the ``peak`` of live + grad + slots so far (padding counted).
+
+        The pool only grows by freeing a slot and a slot is allocated only when the pool is
+        empty, so live + grad + slots + pooled never exceeds ``peak``."""
         core = self._core
         return {
             "live": int(core.live_bytes),
             "grad": int(core.grad_bytes),
             "slots": int(core.slot_bytes),
+            "pooled": int(core.pooled_bytes),
             "per_slot": {int(k): int(v) for k, v in core.per_slot_bytes().items()},
             "peak": int(core.peak_bytes),
         }
