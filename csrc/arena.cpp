@@ -271,6 +271,26 @@ int64_t Arena::new_slot(int64_t stream, std::optional<int64_t> microbatch) {
   return add_slot(std::move(s), microbatch);
 }
 
+void Arena::swap_live(int64_t slot, int64_t stream) {
+  auto& s = slot_ref(slot);
+#ifdef PE_WITH_CUDA
+  // The slot's buffer becomes live, so the copy into it must be done before `stream` uses
+  // live; the old live buffer becomes the slot's, so a later write to the slot (through
+  // `stream`) must come after the copies still reading it. wait_all covers both (and is
+  // what flat_buffers_for does before an optimizer writes live anyway). The slot's events
+  // described a copy into what is now live, which `stream` has waited for: drop them.
+  wait_all(stream);
+  for (size_t b = 0; b < s.events.size(); ++b) {
+    if (s.events[b] == nullptr) continue;
+    cuda::event_destroy(buckets_[b].device.index(), s.events[b]);
+    s.events[b] = nullptr;
+  }
+#else
+  (void)stream;
+#endif
+  for (size_t b = 0; b < buckets_.size(); ++b) std::swap(buckets_[b].param, s.flats[b]);
+}
+
 void Arena::refresh(int64_t slot, int64_t stream) { copy_into_slot(slot_ref(slot), stream); }
 
 void Arena::wait(int64_t slot, int64_t stream) {

@@ -110,6 +110,12 @@ class Arena {
   // memory zeroed once on allocation so that the padding is zero): no copy, no fill. For
   // callers that overwrite it whole. On CUDA, `stream` waits for the pooled set's release.
   int64_t new_slot(int64_t stream, std::optional<int64_t> microbatch);
+  // Exchanges every bucket's live buffer with the slot's buffer (tensor handles only; no
+  // byte moves). On CUDA `stream` first waits for every pending snapshot copy (the one into
+  // this slot, whose buffer becomes live, and those still reading the old live buffer,
+  // which becomes the slot's); the slot's copy events are then dropped. Pins stay with
+  // the slot id, gradients are untouched. Callers re-point their views of live.
+  void swap_live(int64_t slot, int64_t stream);
   void refresh(int64_t slot, int64_t stream);  // copy live into an existing slot
   void wait(int64_t slot, int64_t stream);     // make `stream` wait for the slot's copy
   void wait_all(int64_t stream);               // ... for every pending copy (before writing live)

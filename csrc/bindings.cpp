@@ -124,6 +124,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("grad_views", &pe::Arena::grad_views, py::arg("bucket"))
       .def("snapshot", &pe::Arena::snapshot, py::arg("stream"), py::arg("microbatch"))
       .def("new_slot", &pe::Arena::new_slot, py::arg("stream"), py::arg("microbatch"))
+      .def("swap_live", &pe::Arena::swap_live, py::arg("slot"), py::arg("stream"))
       .def("refresh", &pe::Arena::refresh, py::arg("slot"), py::arg("stream"))
       .def("wait", &pe::Arena::wait, py::arg("slot"), py::arg("stream"))
       .def("wait_all", &pe::Arena::wait_all, py::arg("stream"))

@@ -24,6 +24,9 @@ What changes for the user, and what does not:
   whole, and ``pin``/``release`` reference-count a slot per micro-batch and free it at
   zero. Freed slots' buffers stay in a per-arena pool for the next slot (steady state
   allocates nothing; ``trim_pool()`` gives them back, ``bytes()["pooled"]`` counts them).
+* ``swap_live(slot)`` exchanges the live buffers with a slot's in O(1) (no bytes move): the
+  parameters then view the other memory, and views taken before the swap (an in-flight
+  graph's saved tensors) keep the old version, now the slot.
 * ``rotation()`` gives PipeDream-2BW's two-slot double buffer whose swap moves no bytes.
 * ``torch.optim``'s default ``zero_grad(set_to_none=True)`` drops the gradient views; the
   next backward then allocates fresh gradients. Call ``arena.zero_grad()`` (or

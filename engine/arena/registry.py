@@ -179,4 +179,25 @@ def register(arena: WeightArena) -> None:
             p._engine_arena = _ArenaLink(arena)  # keeps the arena alive with its params
         if b.ptrs and b.ptrs[0]:
             _BY_PTR.setdefault(b.ptrs[0], []).append((arena_ref, b.index))
-    weakref.finalize(arena, _forget_ptrs, [(b.ptrs[0], b.index) for b in arena._buckets if b.ptrs])
+    # One list, shared by the arena (repoint updates it in place) and its finalizer, so the
+    # finalizer drops the entries under the pointers the buckets have at collection time.
+    arena._ptr_keys = [(b.ptrs[0], b.index) for b in arena._buckets if b.ptrs]
+    weakref.finalize(arena, _forget_ptrs, arena._ptr_keys)
+
+
+def repoint(arena: WeightArena, index: int, old: int, new: int) -> None:
+    """Move bucket ``index`` of ``arena`` from live pointer ``old`` to ``new`` (after
+    ``WeightArena.swap_live``), so that aliases of the new live buffer are found and
+    tensors still viewing the old one (now a slot) are not."""
+    if old:
+        rest = [(r, i) for r, i in _BY_PTR.get(old, []) if not (r() is arena and i == index)]
+        if rest:
+            _BY_PTR[old] = rest
+        else:
+            _BY_PTR.pop(old, None)
+    if new:
+        _BY_PTR.setdefault(new, []).append((weakref.ref(arena), index))
+    keys = arena._ptr_keys
+    for k, (_ptr, i) in enumerate(keys):
+        if i == index:
+            keys[k] = (new, index)

@@ -1,5 +1,5 @@
-"""The :class:`WeightArena` (a stage's buffers, slots, pins, accounting, L2) and the
-:class:`DoubleBuffer` it hands out for PipeDream-2BW.
+"""The :class:`WeightArena` (a stage's buffers, slots, pins, the slot pool, the O(1)
+live/slot swap, accounting, L2) and the :class:`DoubleBuffer` it hands out for 2BW.
 
 Why one file for both: a double buffer is a view of two of the arena's slots and has no
 state of its own beyond an id; it exists only to give 2BW a readable name for front/back.
@@ -16,6 +16,7 @@ import torch
 
 from engine.arena import l2
 from engine.arena.core import ArenaError, SlotError
+from engine.arena.registry import repoint
 from engine.arena.views import BucketInfo, FlatView, L2Persistence, _rebind
 
 
@@ -101,6 +102,8 @@ class WeightArena:
         self.params: list[torch.Tensor] = []
         self.names: list[str] = []
         self._place: list[tuple[int, int]] = []  # arena index -> (bucket, position)
+        self._ptr_keys: list[tuple[int, int]] = []  # registry keys, see registry.register
+        self._using = 0  # depth of use() contexts: swap_live is refused inside them
 
     def __repr__(self) -> str:
         return (
@@ -140,8 +143,15 @@ class WeightArena:
         return self._core.bucket_grad(self._check_bucket(bucket))
 
     def flat_view(self, bucket: int = 0) -> FlatView:
-        """The :class:`FlatView` of a bucket (what :func:`flat_buffers_for` returns)."""
+        """The :class:`FlatView` of a bucket (what :func:`flat_buffers_for` returns). The
+        object stays the same for the arena's life; :meth:`swap_live` updates its
+        ``param`` to the new live buffer."""
         return self._buckets[self._check_bucket(bucket)].flat_view
+
+    def live_views(self) -> list[torch.Tensor]:
+        """The live weights, one view per parameter in arena order (what ``p.data`` is,
+        outside :meth:`use`)."""
+        return [self._buckets[b].live_views[i] for b, i in self._place]
 
     def _check_bucket(self, bucket: int) -> int:
         if not 0 <= bucket < len(self._buckets):
@@ -232,6 +242,60 @@ class WeightArena:
         with self._on_stream(stream) as handle:
             return int(self._core.new_slot(handle, mb))
 
+    def swap_live(self, slot: int, *, stream: Any = None) -> None:
+        """Exchange the live buffers with ``slot``'s buffers in O(1): no bytes move.
+
+        Afterwards every parameter's ``.data`` is a view of the new live memory (the
+        ``nn.Parameter`` objects stay the same; a parameter whose ``.data`` the user had
+        pointed elsewhere is left alone), :meth:`flat_param`, :meth:`flat_view` (the same
+        object, its ``param`` updated) and :func:`flat_buffers_for` describe the new live
+        memory, gradients are untouched, and ``slot`` names the old live memory, with its
+        pins. Byte accounting does not change. Refused inside :meth:`use`.
+
+        Tensors created earlier as views of the old live memory keep pointing at it, so an
+        autograd graph whose saved tensors are *views* of the weights (e.g. ``nn.Linear``
+        saves ``weight.t()``) keeps reading the version it ran on, now the slot. A graph
+        that saved the Parameter *itself* (e.g. convolutions, ``x * w``) reads ``p.data``
+        when its backward runs, i.e. the new live: run such backwards inside
+        ``use(slot)``. In-place writes through a Parameter also bump the autograd version
+        counter its old views share; write live through the flat buffers (as the fused
+        optimizers do) or ``p.data``.
+
+        The use case (PipeDream weight stashing without a copy per micro-batch): a forward
+        runs on live; before the optimizer overwrites live, ``x = new_slot(mb)``, copy
+        live into ``x``, ``swap_live(x)``: the forward's graph keeps the old version (slot
+        ``x``, pinned until its backward) and the optimizer steps the new live copy.
+
+        On CUDA ``stream`` (default: current) first waits on the device for every pending
+        snapshot copy: the one into ``slot`` (its buffer becomes live) and those still
+        reading the old live buffer (it becomes the slot's); the slot's copy events are
+        then dropped. Other streams using live must be ordered after ``stream``. An L2
+        window set by :meth:`set_l2_persistence` stays on the old live address (now the
+        slot): call it again to cover the new live buffer.
+        """
+        self._check_slot(slot)
+        if self._using:
+            raise ArenaError(
+                f"swap_live({slot}) inside arena {self.name!r}'s use(): the parameters point "
+                "at a slot right now and use() would point them back at the old live memory "
+                "on exit; swap outside use()"
+            )
+        with self._on_stream(stream) as handle:
+            self._core.swap_live(slot, handle)
+        with torch.no_grad():
+            for b in self._buckets:
+                live = list(self._core.param_views(b.index))
+                old = b.ptrs
+                new = [v.data_ptr() for v in live] if live[0].device.type != "meta" else [0] * len(live)
+                for p, view, ptr in zip(b.params, live, old, strict=True):
+                    if p.data_ptr() == ptr:
+                        p.data = view
+                b.live_views = live
+                b.ptrs = new
+                b.flat_view.param = self._core.bucket_param(b.index)
+                b.aliases.clear()  # aliases view the old live memory: not this bucket any more
+                repoint(self, b.index, old[0], new[0])
+
     def trim_pool(self) -> int:
         """Give the pooled buffers of freed slots back to torch's allocator; returns the
         bytes released. On CUDA the host first waits for the work queued before their
@@ -268,11 +332,13 @@ class WeightArena:
         ``use(slot)`` too, e.g. ``with arena.use(s): loss.backward()``."""
         views = self.slot_views(slot)
         previous = [p.data for p in self.params]
+        self._using += 1
         try:
             for p, v in zip(self.params, views, strict=False):
                 p.data = v
             yield views
         finally:
+            self._using -= 1
             for p, d in zip(self.params, previous, strict=False):
                 p.data = d
 
