@@ -81,6 +81,12 @@ Arena::~Arena() {
       // Destructors must not throw; at interpreter exit the CUDA runtime may be gone.
     }
   }
+  for (auto& set : pool_) {
+    try {
+      settle_released(set);
+    } catch (...) {
+    }
+  }
 }
 
 int64_t Arena::add_bucket(const std::vector<at::Tensor>& tensors, int64_t group,
@@ -88,7 +94,7 @@ int64_t Arena::add_bucket(const std::vector<at::Tensor>& tensors, int64_t group,
   TORCH_CHECK(!tensors.empty(), "a bucket needs at least one tensor");
   // Existing slots cover only the buckets they were taken with; a bucket added later
   // would leave them incomplete, so all buckets come before the first snapshot.
-  TORCH_CHECK(slots_.empty(), "buckets must be added before the first snapshot");
+  TORCH_CHECK(slots_.empty() && pool_.empty(), "buckets must be added before the first snapshot");
   Bucket bk;
   bk.device = tensors[0].device();
   bk.dtype = tensors[0].scalar_type();
@@ -123,6 +129,7 @@ int64_t Arena::add_bucket(const std::vector<at::Tensor>& tensors, int64_t group,
   }
   if (requires_grad) bk.grad = aligned_zeros(bk.numel, bk.dtype, bk.device, alignment_);
   live_bytes_ += bk.nbytes();
+  set_bytes_ += bk.nbytes();
   if (requires_grad) grad_bytes_ += bk.nbytes();
   buckets_.push_back(std::move(bk));
   track_peak();
@@ -196,18 +203,44 @@ void Arena::copy_into_slot(Slot& s, int64_t stream) {
   }
 }
 
-int64_t Arena::snapshot(int64_t stream, std::optional<int64_t> microbatch) {
-  Slot s;
-  s.flats.reserve(buckets_.size());
-  s.events.assign(buckets_.size(), nullptr);
-  for (const auto& bk : buckets_) {
-    // The copy below covers the whole flat buffer, padding (zero in live) included, so
-    // the slot needs no fill of its own (and on CUDA a fill on the current stream could
-    // race with the side-stream copy).
-    s.flats.push_back(aligned_empty(bk.numel, bk.dtype, bk.device, alignment_));
-    s.nbytes += bk.nbytes();
+std::vector<at::Tensor> Arena::take_buffers(int64_t stream, bool zero_fresh) {
+  (void)stream;
+  if (!pool_.empty()) {
+    PooledSet& set = pool_.back();
+#ifdef PE_WITH_CUDA
+    // Work queued on the releasing stream before the release may still read the buffers:
+    // order the new user (`stream`, and through it the side-stream copy, which waits for
+    // `stream`) after it. Each event is dropped as soon as it is waited on, so a failure
+    // half-way leaves the set in the pool with only the events still to wait for.
+    for (size_t b = 0; b < set.released.size(); ++b) {
+      if (set.released[b] == nullptr) continue;
+      const int dev = buckets_[b].device.index();
+      if (!cuda::event_done(dev, set.released[b])) {
+        cuda::stream_wait_event(dev, as_ptr(stream), set.released[b]);
+      }
+      cuda::event_destroy(dev, set.released[b]);
+      set.released[b] = nullptr;
+    }
+#endif
+    std::vector<at::Tensor> flats = std::move(set.flats);
+    pool_.pop_back();
+    pooled_bytes_ -= set_bytes_;
+    return flats;
   }
-  copy_into_slot(s, stream);
+  std::vector<at::Tensor> flats;
+  flats.reserve(buckets_.size());
+  for (const auto& bk : buckets_) {
+    // zero_fresh: the one fill in a buffer's life, so that its padding is zero for
+    // callers that write only the tensors (new_slot). A snapshot needs none: its copy
+    // covers the whole flat buffer, padding (zero in live) included, and on CUDA a fill
+    // on the current stream could race with the side-stream copy.
+    flats.push_back(zero_fresh ? aligned_zeros(bk.numel, bk.dtype, bk.device, alignment_)
+                               : aligned_empty(bk.numel, bk.dtype, bk.device, alignment_));
+  }
+  return flats;
+}
+
+int64_t Arena::add_slot(Slot&& s, std::optional<int64_t> microbatch) {
   const int64_t id = next_slot_++;
   if (microbatch.has_value()) {
     s.pins[*microbatch] = 1;
@@ -216,6 +249,46 @@ int64_t Arena::snapshot(int64_t stream, std::optional<int64_t> microbatch) {
   slots_.emplace(id, std::move(s));
   track_peak();
   return id;
+}
+
+int64_t Arena::snapshot(int64_t stream, std::optional<int64_t> microbatch) {
+  Slot s;
+  s.flats = take_buffers(stream, /*zero_fresh=*/false);
+  s.events.assign(buckets_.size(), nullptr);
+  s.nbytes = set_bytes_;
+  copy_into_slot(s, stream);
+  return add_slot(std::move(s), microbatch);
+}
+
+int64_t Arena::new_slot(int64_t stream, std::optional<int64_t> microbatch) {
+  // Why the padding of a pooled set is zero without a fill: its buffers were last a
+  // snapshot (a copy of live, whose padding is zero), a new_slot (zeroed when allocated)
+  // or a live buffer handed over by swap_live, and the arena never writes padding.
+  Slot s;
+  s.flats = take_buffers(stream, /*zero_fresh=*/true);
+  s.events.assign(buckets_.size(), nullptr);
+  s.nbytes = set_bytes_;
+  return add_slot(std::move(s), microbatch);
+}
+
+void Arena::swap_live(int64_t slot, int64_t stream) {
+  auto& s = slot_ref(slot);
+#ifdef PE_WITH_CUDA
+  // The slot's buffer becomes live, so the copy into it must be done before `stream` uses
+  // live; the old live buffer becomes the slot's, so a later write to the slot (through
+  // `stream`) must come after the copies still reading it. wait_all covers both (and is
+  // what flat_buffers_for does before an optimizer writes live anyway). The slot's events
+  // described a copy into what is now live, which `stream` has waited for: drop them.
+  wait_all(stream);
+  for (size_t b = 0; b < s.events.size(); ++b) {
+    if (s.events[b] == nullptr) continue;
+    cuda::event_destroy(buckets_[b].device.index(), s.events[b]);
+    s.events[b] = nullptr;
+  }
+#else
+  (void)stream;
+#endif
+  for (size_t b = 0; b < buckets_.size(); ++b) std::swap(buckets_[b].param, s.flats[b]);
 }
 
 void Arena::refresh(int64_t slot, int64_t stream) { copy_into_slot(slot_ref(slot), stream); }
@@ -244,6 +317,20 @@ void Arena::wait_all(int64_t stream) {
   for (auto& kv : slots_) wait(kv.first, stream);
 #else
   (void)stream;
+#endif
+}
+
+void Arena::settle_released(PooledSet& set) {
+#ifdef PE_WITH_CUDA
+  for (size_t b = 0; b < set.released.size(); ++b) {
+    if (set.released[b] == nullptr) continue;
+    const int dev = buckets_[b].device.index();
+    cuda::event_sync(dev, set.released[b]);
+    cuda::event_destroy(dev, set.released[b]);
+    set.released[b] = nullptr;
+  }
+#else
+  (void)set;
 #endif
 }
 
@@ -300,33 +387,65 @@ void Arena::pin(int64_t slot, int64_t microbatch) {
   s.pins[microbatch] += 1;
 }
 
-bool Arena::release(int64_t slot, int64_t microbatch) {
+bool Arena::release(int64_t slot, int64_t microbatch, int64_t stream) {
   auto& s = slot_ref(slot);
   auto it = s.pins.find(microbatch);
   TORCH_CHECK(it != s.pins.end(), "weight slot ", slot, " is not pinned to micro-batch ",
               microbatch);
   if (--it->second == 0) s.pins.erase(it);
   if (s.pins.empty() && s.holders == 0) {
-    erase_slot(slot);
+    erase_slot(slot, stream);
     return true;
   }
   return false;
 }
 
-void Arena::free_slot(int64_t slot) {
+void Arena::free_slot(int64_t slot, int64_t stream) {
   auto& s = slot_ref(slot);
   TORCH_CHECK(s.pins.empty(), "weight slot ", slot, " is still pinned by ", s.pins.size(),
               " micro-batch(es); release them instead");
   TORCH_CHECK(s.holders == 0, "weight slot ", slot,
               " belongs to a double buffer; close the rotation instead");
-  erase_slot(slot);
+  erase_slot(slot, stream);
 }
 
-void Arena::erase_slot(int64_t slot) {
+void Arena::erase_slot(int64_t slot, int64_t stream) {
+  (void)stream;
   auto it = slots_.find(slot);
-  settle(it->second);  // the side stream may still be writing it
-  slot_bytes_ -= it->second.nbytes;
+  Slot& s = it->second;
+  settle(s);  // the side stream may still be writing it
+  PooledSet set;
+  set.released.assign(s.flats.size(), nullptr);
+#ifdef PE_WITH_CUDA
+  for (size_t b = 0; b < s.flats.size(); ++b) {
+    if (!buckets_[b].device.is_cuda()) continue;
+    try {
+      set.released[b] = cuda::record_event(buckets_[b].device.index(), as_ptr(stream));
+    } catch (...) {
+      for (size_t e = 0; e < b; ++e) {
+        if (set.released[e] != nullptr) {
+          cuda::event_destroy(buckets_[e].device.index(), set.released[e]);
+        }
+      }
+      throw;  // the slot stays allocated, unpinned: free() can still drop it
+    }
+  }
+#endif
+  set.flats = std::move(s.flats);
+  slot_bytes_ -= s.nbytes;
+  pooled_bytes_ += s.nbytes;
   slots_.erase(it);
+  pool_.push_back(std::move(set));
+}
+
+int64_t Arena::trim_pool() {
+  const int64_t freed = pooled_bytes_;
+  // Host-wait for the release events: once dropped, the buffers go back to torch's
+  // caching allocator, which may hand them to another stream at once.
+  for (auto& set : pool_) settle_released(set);
+  pool_.clear();
+  pooled_bytes_ = 0;
+  return freed;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -360,13 +479,13 @@ void Arena::rotation_swap(int64_t r) {
   std::swap(it->second.first, it->second.second);  // index swap: no byte moves
 }
 
-void Arena::rotation_close(int64_t r) {
+void Arena::rotation_close(int64_t r, int64_t stream) {
   auto it = rotations_.find(r);
   TORCH_CHECK(it != rotations_.end(), "double buffer ", r, " does not exist (closed?)");
   for (int64_t slot : {it->second.first, it->second.second}) {
     auto& s = slots_.at(slot);
     s.holders -= 1;
-    if (s.holders == 0 && s.pins.empty()) erase_slot(slot);
+    if (s.holders == 0 && s.pins.empty()) erase_slot(slot, stream);
   }
   rotations_.erase(it);
 }

@@ -4,7 +4,7 @@
 // Why flat buffers: an optimizer step over a stage becomes one kernel launch per buffer
 // instead of one per tensor, snapshots of the weights (weight stashing, PipeDream-2BW's
 // shadow copy, predicted weights) become one memcpy, and the whole live buffer can be
-// pinned in L2 with a single access-policy window. The Python layer (engine/arena.py)
+// pinned in L2 with a single access-policy window. The Python layer (engine/arena/)
 // validates input and re-points the modules' parameters at views of these buffers.
 //
 // Layout: parameters are grouped into buckets (one per device, dtype, param group and
@@ -12,6 +12,13 @@
 // (a power of two, 256 by default: full 128-byte cache lines / vector loads for every
 // tensor, and what cudaMalloc itself guarantees). Padding is zero and nothing writes it,
 // so elementwise optimizer kernels may sweep the whole buffer including the gaps.
+//
+// Weight versions are slots: one flat buffer per bucket, same layout as live. A freed
+// slot's buffers go to a per-arena pool and serve the next slot (every slot has the
+// buckets' layout, so any pooled set fits): in steady state a micro-batch's snapshot
+// allocates nothing, and on CPU touches no fresh pages. `trim_pool` gives them back.
+// Since a set is allocated only when the pool is empty, live + grad + slots + pooled never
+// exceeds the peak of live + grad + slots, which is what peak_bytes keeps reporting.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -49,13 +56,21 @@ struct Bucket {
   int64_t nbytes() const { return numel * static_cast<int64_t>(c10::elementSize(dtype)); }
 };
 
-// A saved copy of every bucket's live buffer. Its flat buffers have the buckets' layout.
+// A weight version: one flat buffer per bucket, with the buckets' layout.
 struct Slot {
   std::vector<at::Tensor> flats;  // one per bucket
   std::vector<void*> events;      // CUDA: copy-done event per bucket (nullptr: no copy pending)
   std::map<int64_t, int64_t> pins;  // micro-batch id -> pin count
   int64_t holders = 0;            // rotations (double buffers) holding the slot
   int64_t nbytes = 0;
+};
+
+// The buffers of a freed slot, waiting in the pool for the next slot.
+struct PooledSet {
+  std::vector<at::Tensor> flats;  // one per bucket; contents: whatever the slot last held
+  // CUDA: event per bucket recorded on the releasing stream when the slot was freed; the
+  // next user's stream waits on it (work queued before the release may still read them).
+  std::vector<void*> released;
 };
 
 struct L2Result {
@@ -91,6 +106,16 @@ class Arena {
   // `stream` is the caller's current CUDA stream (cudaStream_t as an integer; 0 is the
   // default stream); ignored for CPU buckets and in CPU-only builds.
   int64_t snapshot(int64_t stream, std::optional<int64_t> microbatch);
+  // A slot whose contents are unspecified (a pooled set as its last slot left it, or fresh
+  // memory zeroed once on allocation so that the padding is zero): no copy, no fill. For
+  // callers that overwrite it whole. On CUDA, `stream` waits for the pooled set's release.
+  int64_t new_slot(int64_t stream, std::optional<int64_t> microbatch);
+  // Exchanges every bucket's live buffer with the slot's buffer (tensor handles only; no
+  // byte moves). On CUDA `stream` first waits for every pending snapshot copy (the one into
+  // this slot, whose buffer becomes live, and those still reading the old live buffer,
+  // which becomes the slot's); the slot's copy events are then dropped. Pins stay with
+  // the slot id, gradients are untouched. Callers re-point their views of live.
+  void swap_live(int64_t slot, int64_t stream);
   void refresh(int64_t slot, int64_t stream);  // copy live into an existing slot
   void wait(int64_t slot, int64_t stream);     // make `stream` wait for the slot's copy
   void wait_all(int64_t stream);               // ... for every pending copy (before writing live)
@@ -103,22 +128,28 @@ class Arena {
   std::map<int64_t, int64_t> pins(int64_t slot) const;
   int64_t refcount(int64_t slot) const;
   void pin(int64_t slot, int64_t microbatch);
-  // Drops one pin; frees the slot when no pin and no rotation holds it. Returns freed.
-  bool release(int64_t slot, int64_t microbatch);
-  void free_slot(int64_t slot);  // drops a slot that is neither pinned nor held
+  // Drops one pin; frees the slot (into the pool) when no pin and no holder is left.
+  // Returns whether it was freed. `stream`: the caller's stream, on which a CUDA release
+  // event is recorded (see PooledSet).
+  bool release(int64_t slot, int64_t microbatch, int64_t stream);
+  void free_slot(int64_t slot, int64_t stream);  // frees a slot that is neither pinned nor held
+  // Drops every pooled set (after host-waiting for their CUDA release events); returns the
+  // bytes given back to torch's allocator.
+  int64_t trim_pool();
 
   // --- double buffering (PipeDream-2BW) ---------------------------------------------
   int64_t rotation_create(int64_t stream);
   int64_t rotation_front(int64_t r) const;
   int64_t rotation_back(int64_t r) const;
   void rotation_swap(int64_t r);
-  void rotation_close(int64_t r);
+  void rotation_close(int64_t r, int64_t stream);
 
   // --- accounting ---------------------------------------------------------------------
   int64_t live_bytes() const { return live_bytes_; }
   int64_t grad_bytes() const { return grad_bytes_; }
   int64_t slot_bytes() const { return slot_bytes_; }
-  int64_t peak_bytes() const { return peak_bytes_; }
+  int64_t pooled_bytes() const { return pooled_bytes_; }  // not part of slot_bytes or peak
+  int64_t peak_bytes() const { return peak_bytes_; }  // max of live + grad + slots
   std::map<int64_t, int64_t> per_slot_bytes() const;
 
   // --- L2 persistence (CUDA) -----------------------------------------------------------
@@ -130,18 +161,24 @@ class Arena {
   const Slot& slot_ref(int64_t slot) const;
   void copy_into_slot(Slot& s, int64_t stream);
   void settle(Slot& s);  // host-wait for pending copies and drop their events
-  void erase_slot(int64_t slot);
+  void settle_released(PooledSet& set);  // host-wait for its release events, drop them
+  std::vector<at::Tensor> take_buffers(int64_t stream, bool zero_fresh);
+  int64_t add_slot(Slot&& s, std::optional<int64_t> microbatch);
+  void erase_slot(int64_t slot, int64_t stream);  // settles, then pools its buffers
   void track_peak();
 
   int64_t alignment_;
   std::vector<Bucket> buckets_;
   std::map<int64_t, Slot> slots_;
+  std::vector<PooledSet> pool_;  // LIFO: the most recently freed set is reused first
   std::map<int64_t, std::pair<int64_t, int64_t>> rotations_;  // id -> (front, back)
   int64_t next_slot_ = 0;
   int64_t next_rotation_ = 0;
+  int64_t set_bytes_ = 0;  // bytes of one slot: the sum of the buckets' nbytes
   int64_t live_bytes_ = 0;
   int64_t grad_bytes_ = 0;
   int64_t slot_bytes_ = 0;
+  int64_t pooled_bytes_ = 0;
   int64_t peak_bytes_ = 0;
 };
 

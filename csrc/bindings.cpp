@@ -2,7 +2,7 @@
 //
 // The binding is deliberately thin (indices in, tensors out): validation with
 // parameter names, module wiring (`p.data = view`) and error messages that teach the fix
-// live in engine/arena.py, where the names are known.
+// live in the engine/arena/ package, where the names are known.
 #include <torch/extension.h>
 
 #include <sstream>
@@ -123,6 +123,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("param_views", &pe::Arena::param_views, py::arg("bucket"))
       .def("grad_views", &pe::Arena::grad_views, py::arg("bucket"))
       .def("snapshot", &pe::Arena::snapshot, py::arg("stream"), py::arg("microbatch"))
+      .def("new_slot", &pe::Arena::new_slot, py::arg("stream"), py::arg("microbatch"))
+      .def("swap_live", &pe::Arena::swap_live, py::arg("slot"), py::arg("stream"))
       .def("refresh", &pe::Arena::refresh, py::arg("slot"), py::arg("stream"))
       .def("wait", &pe::Arena::wait, py::arg("slot"), py::arg("stream"))
       .def("wait_all", &pe::Arena::wait_all, py::arg("stream"))
@@ -135,16 +137,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("pins", &pe::Arena::pins, py::arg("slot"))
       .def("refcount", &pe::Arena::refcount, py::arg("slot"))
       .def("pin", &pe::Arena::pin, py::arg("slot"), py::arg("microbatch"))
-      .def("release", &pe::Arena::release, py::arg("slot"), py::arg("microbatch"))
-      .def("free_slot", &pe::Arena::free_slot, py::arg("slot"))
+      .def("release", &pe::Arena::release, py::arg("slot"), py::arg("microbatch"),
+           py::arg("stream"))
+      .def("free_slot", &pe::Arena::free_slot, py::arg("slot"), py::arg("stream"))
+      .def("trim_pool", &pe::Arena::trim_pool)
       .def("rotation_create", &pe::Arena::rotation_create, py::arg("stream"))
       .def("rotation_front", &pe::Arena::rotation_front, py::arg("rotation"))
       .def("rotation_back", &pe::Arena::rotation_back, py::arg("rotation"))
       .def("rotation_swap", &pe::Arena::rotation_swap, py::arg("rotation"))
-      .def("rotation_close", &pe::Arena::rotation_close, py::arg("rotation"))
+      .def("rotation_close", &pe::Arena::rotation_close, py::arg("rotation"), py::arg("stream"))
       .def_property_readonly("live_bytes", &pe::Arena::live_bytes)
       .def_property_readonly("grad_bytes", &pe::Arena::grad_bytes)
       .def_property_readonly("slot_bytes", &pe::Arena::slot_bytes)
+      .def_property_readonly("pooled_bytes", &pe::Arena::pooled_bytes)
       .def_property_readonly("peak_bytes", &pe::Arena::peak_bytes)
       .def("per_slot_bytes", &pe::Arena::per_slot_bytes)
       .def(

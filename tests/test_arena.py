@@ -326,6 +326,219 @@ def test_rotation_swaps_without_copying() -> None:
     assert arena.slots == [] and arena.bytes()["slots"] == 0
 
 
+# ----------------------------------------------------------------------------- slot pool
+
+
+def padding_mask(arena: WeightArena, bucket: int = 0) -> torch.Tensor:
+    info = arena.buckets[bucket]
+    mask = torch.ones(info.numel, dtype=torch.bool)
+    for off, n in zip(info.offsets, info.numels, strict=True):
+        mask[off : off + n] = False
+    return mask
+
+
+def test_freed_slot_buffers_are_pooled_and_reused() -> None:
+    m = mlp()
+    arena = flatten_(m)
+    per = arena.bytes()["live"]
+    s = arena.snapshot(microbatch=0)
+    first = arena.slot_flat(s).data_ptr()
+    assert arena.release(s, 0) is True
+    b = arena.bytes()
+    assert b["slots"] == 0 and b["per_slot"] == {} and b["pooled"] == per
+    with torch.no_grad():
+        m[0].weight.add_(1.0)
+    t = arena.snapshot()  # served from the pool: the same memory, the current live values
+    assert arena.slot_flat(t).data_ptr() == first
+    assert torch.equal(arena.slot_flat(t), arena.flat_param())
+    b = arena.bytes()
+    assert b["pooled"] == 0 and b["slots"] == per
+    assert b["peak"] == b["live"] + b["grad"] + per  # the pool never counts towards the peak
+    arena.free(t)
+    assert arena.trim_pool() == per
+    assert arena.bytes()["pooled"] == 0 and arena.trim_pool() == 0
+
+
+def test_pool_never_holds_more_than_the_peak() -> None:
+    a = nn.Parameter(torch.randn(5))
+    b = nn.Parameter(torch.randn(3, dtype=torch.float64))
+    c = nn.Parameter(torch.randn(7), requires_grad=False)
+    arena = flatten_([a, b, c])
+    per = arena.bytes()["live"]
+    slots = [arena.snapshot(microbatch=i) for i in range(3)]
+    for i, s in enumerate(slots):
+        arena.release(s, i)
+    by = arena.bytes()
+    assert by["pooled"] == 3 * per and by["slots"] == 0
+    for _ in range(5):  # steady state: two versions at a time, nothing new allocated
+        x, y = arena.snapshot(), arena.new_slot()
+        by = arena.bytes()
+        assert by["pooled"] == per and by["slots"] == 2 * per
+        assert by["live"] + by["grad"] + by["slots"] + by["pooled"] <= by["peak"]
+        for bucket in range(len(arena.buckets)):  # every pooled set fits every bucket
+            assert torch.equal(arena.slot_flat(x, bucket), arena.flat_param(bucket))
+        arena.free(x)
+        arena.free(y)
+    assert arena.bytes()["peak"] == arena.bytes()["live"] + arena.bytes()["grad"] + 3 * per
+    assert arena.trim_pool() == 3 * per
+
+
+def test_new_slot_reuses_without_copy_or_fill_and_keeps_padding_zero() -> None:
+    m = mlp()
+    arena = flatten_(m)
+    mask = padding_mask(arena)
+    fresh = arena.new_slot()  # nothing pooled yet: allocated, zeroed once
+    assert torch.count_nonzero(arena.slot_flat(fresh)[mask]) == 0
+    with torch.no_grad():
+        for v in arena.slot_views(fresh):
+            v.fill_(3.0)
+    ptr = arena.slot_flat(fresh).data_ptr()
+    arena.free(fresh)
+    again = arena.new_slot(microbatch=7)
+    flat = arena.slot_flat(again)
+    assert flat.data_ptr() == ptr and arena.pins(again) == {7: 1}
+    assert torch.equal(flat[~mask], torch.full_like(flat[~mask], 3.0))  # no fill, no copy
+    assert torch.count_nonzero(flat[mask]) == 0
+    assert arena.bytes()["slots"] == arena.bytes()["live"] and arena.bytes()["pooled"] == 0
+    # a snapshot's buffers, pooled and handed out by new_slot, have zero padding too
+    assert arena.release(again, 7)
+    s = arena.snapshot()
+    arena.free(s)
+    u = arena.new_slot()
+    assert torch.equal(arena.slot_flat(u), arena.flat_param())
+    assert torch.count_nonzero(arena.slot_flat(u)[mask]) == 0
+
+
+# ----------------------------------------------------------------------------- swap_live
+
+
+def test_swap_live_exchanges_memory_not_bytes() -> None:
+    m = mlp()
+    arena = flatten_(m)
+    params = list(m.parameters())
+    m(torch.randn(4, 7)).square().sum().backward()
+    grads = [p.grad.clone() for p in params]
+    grad_ptrs = [p.grad.data_ptr() for p in params]
+    old_live = [p.detach().clone() for p in params]
+    old_flat = arena.flat_param().data_ptr()
+    old_ptrs = [p.data_ptr() for p in params]
+    fv = flat_buffers_for(params)
+    assert fv is not None
+    before_view = m[0].weight.detach()[1]  # a view of the old live memory
+    saved_row = before_view.clone()
+
+    s = arena.new_slot(microbatch=0)
+    arena.slot_flat(s).copy_(arena.flat_param() * 2)  # the caller fills the slot
+    slot_flat = arena.slot_flat(s).data_ptr()
+    bytes_before = arena.bytes()
+    arena.swap_live(s)
+
+    assert list(m.parameters()) == params and all(a is b for a, b in zip(m.parameters(), params, strict=True))
+    assert arena.flat_param().data_ptr() == slot_flat  # live is the slot's old memory
+    assert arena.slot_flat(s).data_ptr() == old_flat  # the slot is live's old memory
+    assert [p.data_ptr() - slot_flat for p in params] == [q - old_flat for q in old_ptrs]
+    for p, v, w in zip(params, old_live, arena.slot_views(s), strict=True):
+        assert torch.equal(p.detach(), v * 2) and torch.equal(w, v)
+    assert [p.grad.data_ptr() for p in params] == grad_ptrs  # gradients untouched
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads, strict=True))
+    assert arena.pins(s) == {0: 1} and arena.bytes() == bytes_before
+    assert flat_buffers_for(params) is fv and arena.flat_view(0) is fv
+    assert fv.param.data_ptr() == slot_flat and fv.grads_are_views()
+    assert torch.equal(before_view, saved_row)  # earlier views keep the old version
+    assert torch.count_nonzero(arena.flat_param()[padding_mask(arena)]) == 0
+
+    # writes to live after the swap (flat buffer, p.data) leave the slot alone
+    fv.param.add_(1.0)
+    with torch.no_grad():
+        params[0].data.mul_(0.5)
+    for w, v in zip(arena.slot_views(s), old_live, strict=True):
+        assert torch.equal(w, v)
+    assert torch.equal(before_view, saved_row)
+    # swapping back returns to the original memory
+    arena.swap_live(s)
+    assert arena.flat_param().data_ptr() == old_flat and [p.data_ptr() for p in params] == old_ptrs
+    assert torch.equal(m[0].weight.detach(), old_live[0])
+
+
+def test_swap_live_keeps_an_in_flight_graph_on_its_version() -> None:
+    """The use case: a forward ran on live; the slot takes that memory while the optimizer
+    steps the new live copy; the backward still computes the forward's gradients."""
+    m, ref = mlp(2), mlp(2)
+    arena = flatten_(m)
+    x, y = torch.randn(6, 7), torch.randn(6, 3)
+    nn.functional.mse_loss(ref(x), y).backward()
+    loss = nn.functional.mse_loss(m(x), y)  # nn.Linear saves weight.t(): a view
+    s = arena.new_slot(microbatch=0)
+    arena.slot_flat(s).copy_(arena.flat_param())
+    arena.swap_live(s)
+    fv = flat_buffers_for(arena.params)
+    fv.param.add_(torch.randn_like(fv.param) * (~padding_mask(arena)))  # "optimizer step"
+    arena.zero_grad()
+    loss.backward()
+    for p, q in zip(m.parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=0, atol=0), "backward saw the new weights"
+    assert arena.release(s, 0)
+
+    # a graph that saved the Parameter itself (conv) reads p.data: backward inside use()
+    torch.manual_seed(0)
+    conv, conv_ref = nn.Conv1d(2, 3, 3), nn.Conv1d(2, 3, 3)
+    conv_ref.load_state_dict(conv.state_dict())
+    carena = flatten_(conv)
+    inp = torch.randn(2, 2, 9, requires_grad=True)
+    inp_ref = inp.detach().clone().requires_grad_()
+    conv_ref(inp_ref).square().sum().backward()
+    out = conv(inp).square().sum()
+    c = carena.new_slot(microbatch=0)
+    carena.slot_flat(c).copy_(carena.flat_param())
+    carena.swap_live(c)
+    carena.flat_param().mul_(3.0)
+    with carena.use(c):
+        out.backward()
+    assert torch.equal(inp.grad, inp_ref.grad)
+    assert torch.equal(conv.weight.grad, conv_ref.weight.grad)
+
+
+def test_swap_live_moves_the_alias_lookup_and_every_bucket() -> None:
+    import gc
+
+    from engine.arena import registry
+
+    a = nn.Parameter(torch.randn(5))
+    b = nn.Parameter(torch.randn(3, dtype=torch.float64))
+    c = nn.Parameter(torch.randn(7), requires_grad=False)
+    arena = flatten_([a, b, c])
+    shadows = [nn.Parameter(v) for v in arena.live_views()]
+    assert flat_buffers_for(shadows[:1]) is not None
+    old = [arena.flat_param(i).data_ptr() for i in range(3)]
+    s = arena.snapshot()
+    new = [arena.slot_flat(s, i).data_ptr() for i in range(3)]
+    arena.swap_live(s)
+    assert [arena.flat_param(i).data_ptr() for i in range(3)] == new
+    assert [p.data_ptr() for p in (a, b, c)] == new
+    assert [arena.slot_flat(s, i).data_ptr() for i in range(3)] == old
+    assert flat_buffers_for(shadows[:1]) is None  # they view the slot now
+    fresh = [nn.Parameter(v) for v in arena.live_views()]
+    fv = flat_buffers_for(fresh[1:2])
+    assert fv is not None and fv.param.data_ptr() == new[1] and fv.params[0] is fresh[1]
+    assert all(flat_buffers_for([p]) is not None for p in (a, b, c))
+    assert new[0] in registry._BY_PTR and old[0] not in registry._BY_PTR
+    del a, b, c, shadows, fresh, fv, arena
+    gc.collect()
+    assert new[0] not in registry._BY_PTR  # the finalizer knows the moved pointer
+
+
+def test_swap_live_refuses_bad_slots_and_use() -> None:
+    arena = flatten_(mlp(), name="st")
+    s = arena.snapshot()
+    with arena.use(s), pytest.raises(ArenaError, match="inside arena 'st'.*use"):
+        arena.swap_live(s)
+    arena.free(s)
+    with pytest.raises(SlotError, match="already freed"):
+        arena.swap_live(s)
+    with pytest.raises(SlotError, match="no weight slot 42"):
+        arena.swap_live(42)
+
+
 # ----------------------------------------------------------------------------- flat_buffers_for
 
 
@@ -487,6 +700,35 @@ def test_cuda_async_snapshot_waits_on_its_event() -> None:
     db.refresh_back()
     db.swap()
     assert torch.equal(db.front_views()[0], m[0].weight.detach())
+
+
+@pytest.mark.cuda
+def test_cuda_swap_live_waits_for_the_pending_copy_and_pool_reuse_is_ordered() -> None:
+    torch.manual_seed(0)
+    m = nn.Linear(2048, 2048).cuda()
+    arena = flatten_(m)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        with torch.no_grad():
+            m.weight.mul_(2.0)  # queued work the snapshot must see
+        expected = m.weight.detach().clone()
+        x = arena.snapshot(microbatch=0, overlap=True)  # the copy may still be running
+        old_live = arena.flat_param().data_ptr()
+        arena.swap_live(x, stream=side)  # side waits for the copy: live = its destination
+        live_after = m.weight.detach().clone()
+        arena.flat_param().add_(1.0)  # the optimizer writes the new live memory
+        slot_after = arena.slot_views(x)[0].clone()
+        assert arena.release(x, 0, stream=side)  # pooled, release event on side
+        y = arena.new_slot(stream=side)
+        assert arena.slot_flat(y).data_ptr() == old_live
+        arena.slot_flat(y).copy_(arena.flat_param())
+        got_y = arena.slot_views(y)[0].clone()
+    torch.cuda.synchronize()
+    assert torch.equal(live_after, expected)
+    assert torch.equal(slot_after, expected)
+    assert torch.equal(got_y, expected + 1.0)
+    arena.free(y)
+    assert arena.trim_pool() == arena.bytes()["live"] and arena.bytes()["pooled"] == 0
 
 
 @pytest.mark.cuda

@@ -114,6 +114,18 @@ void* copy_async(int device, void* dst, const void* src, std::size_t bytes,
   return done;
 }
 
+void* record_event(int device, void* stream) {
+  DeviceGuard guard(device);
+  cudaEvent_t event = nullptr;
+  check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
+  cudaError_t err = cudaEventRecord(event, static_cast<cudaStream_t>(stream));
+  if (err != cudaSuccess) {
+    (void)cudaEventDestroy(event);
+    check(err, "cudaEventRecord(release)");
+  }
+  return event;
+}
+
 void stream_wait_event(int device, void* stream, void* event) {
   DeviceGuard guard(device);
   check(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0),

@@ -32,6 +32,11 @@ std::string compiler();
 void* copy_async(int device, void* dst, const void* src, std::size_t bytes,
                  void* producer_stream);
 
+// Records a new event on `stream` (after all work already enqueued there) and returns it;
+// the owner must destroy it. The arena records one when a slot's buffers go back to its
+// pool, so that their next user waits for the work that still read them.
+void* record_event(int device, void* stream);
+
 // Makes `stream` wait (on the device, without blocking the host) for `event`.
 void stream_wait_event(int device, void* stream, void* event);
 // True when the work before `event` has finished (cudaEventQuery).

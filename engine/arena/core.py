@@ -1,0 +1,45 @@
+"""What every part of the arena package shares: its errors, the compiled core, alignment.
+
+Why a module of its own: the value types, the registry, the arena and ``flatten_`` all
+raise the same errors and reach the same extension; keeping those here lets each of them
+import only downwards (core <- views <- registry, l2 <- weight_arena <- flatten), without
+cycles.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+DEFAULT_ALIGNMENT = 256
+
+
+class ArenaError(ValueError):
+    """Input the arena cannot take (raised before any parameter was moved)."""
+
+
+class SlotError(LookupError):
+    """A weight slot that does not exist, was already freed, or is not pinned as claimed."""
+
+
+def _core_module() -> Any:
+    try:
+        from engine import _C
+    except ImportError as exc:  # pragma: no cover - only on a broken install
+        raise ImportError(
+            "engine._C (the compiled weight arena) is not importable: "
+            f"{exc}. Build it with `pip install --no-build-isolation -e .` "
+            "(see docs/building.md)."
+        ) from exc
+    return _C
+
+
+def _check_alignment(alignment: int) -> None:
+    if (
+        isinstance(alignment, bool)
+        or not isinstance(alignment, int)
+        or alignment <= 0
+        or alignment & (alignment - 1)
+    ):
+        raise ArenaError(
+            f"alignment must be a positive power of two in bytes (e.g. 256), got {alignment!r}"
+        )
