@@ -227,15 +227,22 @@ class PairedResult:
         )
 
 
-def _calibrate(fns: dict[str, Callable[[], object]], sync: Callable[[], None], min_time: float) -> int:
-    """Calls per block so that the faster side's block lasts at least ``min_time`` seconds."""
+def _calibrate(
+    fns: dict[str, Callable[[], object]], sync: Callable[[], None], min_time: float, tries: int = 3
+) -> int:
+    """Calls per block so that the faster side's block lasts at least ``min_time`` seconds.
+
+    Each side's call time is the fastest of ``tries`` calls: one call disturbed by another
+    process would otherwise shrink every block of the run.
+    """
     fastest = math.inf
-    for fn in fns.values():
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        fastest = min(fastest, time.perf_counter() - t0)
+    for _ in range(tries):
+        for fn in fns.values():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            fastest = min(fastest, time.perf_counter() - t0)
     return max(1, math.ceil(min_time / max(fastest, 1e-9)))
 
 
