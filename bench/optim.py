@@ -6,6 +6,10 @@ measured in the same run, and the peers are torch.optim's own fast paths (foreac
 fused=True) and the plain foreach composition that computes the same outputs as our fused
 SGD + spike compensation + weight prediction.
 
+Two outputs: ``optim.csv`` (common.Row: bandwidth per provider, for the plot) and
+``optim_ratios.csv`` (bench/harness.py's ratio schema: engine/peer time ratios from
+alternating paired rounds, median and 95 % interval). Speed-up claims come from the latter.
+
 GB/s is effective bandwidth: the minimal bytes each provider's formulation must move
 (reads + writes of weights, gradients, state and outputs in that provider's dtypes) divided
 by its time. "Faster than" claims compare times.
@@ -20,6 +24,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import Row, device_name, format_size, measure, parse_size, versions, write_csv  # noqa: E402
+from harness import RatioRow, paired, summary_line, write_ratio_csv  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 KERNELS = ("sgd", "sgd_sc_pred", "adam")
@@ -127,9 +133,39 @@ def providers(kernel: str) -> tuple[str, ...]:
     return ("engine", "torch_foreach", "torch_fused")
 
 
-def run_sweep(device: torch.device, sizes: list[int], dtypes: list[str], kernels: list[str], rep_ms: int) -> list[Row]:
+@dataclass
+class RatioPlan:
+    """How the paired engine-vs-peer ratios are measured (bench/harness.py)."""
+
+    rounds: int = 15
+    warmup: int = 2
+    inner: int | None = None  # None: calibrate blocks to min_time
+    min_time: float = 0.02
+
+
+def ratio_peer(kernel: str, available: list[str]) -> str:
+    """The peer a ratio is claimed against: the composition for SGD+SC+pred, else torch's
+    fastest path that ran (fused on CUDA, foreach otherwise)."""
+    for peer in ("torch_composition", "torch_fused", "torch_foreach"):
+        if peer in available:
+            return peer
+    raise ValueError(f"{kernel}: no peer among the providers that ran ({available})")
+
+
+def run_sweep(
+    device: torch.device, sizes: list[int], dtypes: list[str], kernels: list[str], rep_ms: int,
+    plan: RatioPlan | None = None,
+) -> tuple[list[Row], list[RatioRow]]:
+    """Bandwidth rows (common.Row, one per provider) and paired ratio rows engine/peer.
+
+    The bandwidth numbers are do_bench medians per provider (L2 flushed between runs on a
+    GPU); every *ratio* comes from alternating paired rounds of engine and peer (no L2 flush
+    there: both sides run back to back on their own buffers), as the project's rule asks.
+    """
+    plan = plan or RatioPlan()
     name, vers = device_name(device), versions()
     rows: list[Row] = []
+    ratios: list[RatioRow] = []
     for dtype_name in dtypes:
         dtype = DTYPES[dtype_name]
         esize = torch.tensor([], dtype=dtype).element_size()
@@ -142,6 +178,7 @@ def run_sweep(device: torch.device, sizes: list[int], dtypes: list[str], kernels
             rows.append(Row("copy", "torch", dtype_name, size, numel, med, p20, p80, copy_gbps, 100.0, name, **vers))
             del src, dst
             for kernel in kernels:
+                fns: dict[str, Callable[[], None]] = {}
                 for provider in providers(kernel):
                     w = torch.randn(numel, device=device).to(dtype)
                     g = (torch.randn(numel, device=device) * 1e-2).to(dtype)
@@ -162,30 +199,32 @@ def run_sweep(device: torch.device, sizes: list[int], dtypes: list[str], kernels
                                     100.0 * gbps / copy_gbps, name, **vers))
                     print(f"{kernel:12s} {provider:18s} {dtype_name:5s} {format_size(size):>7s} "
                           f"{med:9.4f} ms {gbps:8.1f} GB/s {100 * gbps / copy_gbps:6.1f}% of copy", flush=True)
+                    fns[provider] = fn
+                    if provider == "engine":
+                        engine_pct = 100.0 * gbps / copy_gbps
                     del w, g, fn
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-    return rows
+                peer = ratio_peer(kernel, list(fns))
+                res = paired(fns["engine"], fns[peer], rounds=plan.rounds, warmup=plan.warmup,
+                             inner=plan.inner, min_time=plan.min_time, device=device)
+                ratios.append(res.row(
+                    "optim", f"{kernel} {dtype_name} {format_size(size)}", "engine", peer,
+                    extra={"size_bytes": size, "engine_pct_of_copy": engine_pct},
+                ))
+                print(summary_line(ratios[-1]), flush=True)
+                del fns
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows, ratios
 
 
-def summarize(rows: list[Row]) -> list[str]:
-    """The targets of the optimizer issue, as ratios measured in this run."""
-    index = {(r.kernel, r.provider, r.dtype, r.size_bytes): r for r in rows}
-    lines = []
-    for r in rows:
-        if r.provider != "engine":
-            continue
-        key = (r.dtype, r.size_bytes)
-        size = format_size(r.size_bytes)
-        if r.kernel == "sgd_sc_pred":
-            peer = index.get(("sgd_sc_pred", "torch_composition", *key))
-            speedup = f"{peer.median_ms / r.median_ms:.2f}x vs composition" if peer else "no peer"
-            lines.append(f"sgd+SC+pred {r.dtype} {size}: {r.pct_of_copy:.1f}% of copy bandwidth, {speedup}")
-        else:
-            peer = index.get((r.kernel, "torch_fused", *key)) or index.get((r.kernel, "torch_foreach", *key))
-            if peer:
-                lines.append(f"{r.kernel} {r.dtype} {size}: {peer.median_ms / r.median_ms:.2f}x vs {peer.provider}")
-    return lines
+def summarize(rows: list[Row], ratios: list[RatioRow]) -> list[str]:
+    """The targets of the optimizer issue: bandwidth vs copy, and the paired time ratios
+    engine/peer (below 1: the engine is faster)."""
+    lines = [
+        f"sgd+SC+pred {r.dtype} {format_size(r.size_bytes)}: {r.pct_of_copy:.1f}% of copy bandwidth"
+        for r in rows if r.kernel == "sgd_sc_pred" and r.provider == "engine"
+    ]
+    return lines + [summary_line(r) for r in ratios]
 
 
 def plot(rows: list[Row], path: Path) -> None:
@@ -222,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--kernels", default=",".join(KERNELS))
     parser.add_argument("--rep-ms", type=int, default=100, help="timing budget per measurement")
-    parser.add_argument("--smoke", action="store_true", help=f"tiny sizes ({SMOKE_SIZES}) to check the harness")
+    parser.add_argument("--rounds", type=int, default=15, help="paired rounds per engine/peer ratio")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"tiny sizes ({SMOKE_SIZES}), 3 rounds of 1 call: checks the harness")
     args = parser.parse_args(argv)
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -241,13 +282,17 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [parse_size(s) for s in (args.sizes or (SMOKE_SIZES if args.smoke else DEFAULT_SIZES)).split(",")]
 
     device = torch.device(args.device)
-    rows = run_sweep(device, sizes, dtypes, kernels, args.rep_ms if not args.smoke else 10)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds} must be >= 1")
+    plan = RatioPlan(rounds=3, warmup=1, inner=1) if args.smoke else RatioPlan(rounds=args.rounds)
+    rows, ratios = run_sweep(device, sizes, dtypes, kernels, args.rep_ms if not args.smoke else 10, plan)
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, args.out / "optim.csv")
+    write_ratio_csv(ratios, args.out / "optim_ratios.csv")
     plot(rows, args.out / "optim.png")
-    for line in summarize(rows):
+    for line in summarize(rows, ratios):
         print(line)
-    print(f"wrote {args.out / 'optim.csv'} and {args.out / 'optim.png'}")
+    print(f"wrote {args.out / 'optim.csv'}, {args.out / 'optim_ratios.csv'} and {args.out / 'optim.png'}")
     return 0
 
 

@@ -1,5 +1,5 @@
 """End-to-end pipeline throughput over gloo: engine vs torch.distributed.pipelining, and async
-schedules vs GPipe against the theoretical (M+S-1)/M.
+schedules vs GPipe against the theoretical M/(M+S-1).
 
 Run under torchrun, one process per stage (rank 0 writes the results):
 
@@ -10,31 +10,30 @@ Run under torchrun, one process per stage (rank 0 writes the results):
 What is compared, in one run on the same machine, the same model (an MLP cut into S equal
 stages), the same micro-batches and the same optimizer (SGD with momentum):
 
-* ``engine`` ``gpipe`` / ``1f1b`` vs torch's ``ScheduleGPipe`` / ``Schedule1F1B``
-  (``ratio_vs_peer`` = our samples/s over torch's). No activation recomputation on either side.
-* ``engine`` ``pipedream`` / ``2bw`` / ``pb`` vs ``engine`` ``gpipe``: ``ratio_vs_peer`` is the
-  measured speed-up, ``theory_ratio`` = (M+S-1)/M, the bubble GPipe pays per mini-batch when
-  every stage takes the same time and communication is free. Async schedules run T steps
-  without flushing, then one flush (inside the timed window).
+* ``vs_torch``: ``engine`` ``gpipe`` / ``1f1b`` vs torch's ``ScheduleGPipe`` / ``Schedule1F1B``.
+  No activation recomputation on either side.
+* ``async_vs_gpipe``: ``engine`` ``pipedream`` / ``2bw`` / ``pb`` vs ``engine`` ``gpipe``, next
+  to the theoretical time ratio M/(M+S-1) (``extra.theory_ratio``): GPipe's bubble per
+  mini-batch when every stage takes the same time and communication is free. Async schedules
+  run ``--steps`` mini-batches without flushing, then one flush (inside the timed block).
 
-Timing: each configuration runs ``--steps`` mini-batches after ``--warmup``, bracketed by
-barriers; rounds interleave the configurations (so drift hits all alike) and the median round
-is reported. On a machine with fewer cores than processes (the CI box: 2 cores, 4 ranks) the
-ranks time-share the cores, so the measured speed-ups are bounded by the core count, not by
-the schedule; the CSV's ``note`` column says so.
+Timing: every comparison is a paired measurement through bench/harness.py. Inside each rank
+the two providers alternate (AB, BA, ...) round by round; a round times one block of
+``--steps`` mini-batches of each, bracketed by barriers so that a block spans the whole
+pipeline; rank 0 takes the per-round time ratios candidate/peer and reports their median with
+a 95 % bootstrap interval (below 1: the candidate is faster). On a machine with fewer cores
+than processes (the CI box: 2 cores, 4 ranks) the ranks time-share the cores, so the async
+speed-ups are bounded by the core count, not by the schedule; the CSV's ``note`` says so.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import os
-import statistics
 import subprocess
 import sys
-import time
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,33 +42,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import device_name, versions  # noqa: E402
-
-
-@dataclass
-class PipeRow:
-    """One throughput measurement (the pipeline analogue of common.Row)."""
-
-    benchmark: str
-    provider: str
-    schedule: str
-    stages: int
-    chunks: int
-    micro_batch: int
-    width: int
-    steps: int
-    median_step_ms: float
-    min_step_ms: float
-    max_step_ms: float
-    samples_per_s: float
-    peer: str
-    ratio_vs_peer: float
-    theory_ratio: float
-    device: str
-    label: str
-    torch: str
-    engine: str
-    note: str
+from common import device_name  # noqa: E402
+from harness import RatioRow, paired, summary_line, write_ratio_csv  # noqa: E402
 
 
 def stage_module(s: int, width: int, layers: int) -> nn.Module:
@@ -142,41 +116,44 @@ class TorchRunner:
             self.opt.step()
 
 
-def timed(runner: object, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    runner.run(batches)  # type: ignore[attr-defined]
-    dist.barrier()
-    return (time.perf_counter() - t0) / len(batches)
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+Runner = EngineRunner | TorchRunner
 
 
-def plot(rows: list[PipeRow], path: Path, label: str) -> None:
+def block(runner: Runner, batches: Batches) -> Callable[[], None]:
+    """One timed call: ``len(batches)`` mini-batches (and the flush of an engine run)."""
+    return lambda: runner.run(batches)
+
+
+def plot(rows: list[RatioRow], path: Path, title: str) -> None:
+    """Time ratios with their 95 % intervals; theory markers for the async schedules."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    peers = [r for r in rows if r.benchmark == "vs_torch"]
-    names = [f"{r.provider}\n{r.schedule}" for r in peers]
-    ax1.bar(names, [r.samples_per_s for r in peers], color=["C0", "C1"] * (len(peers) // 2))
-    ax1.set_ylabel("samples / s")
-    ax1.set_title("engine vs torch.distributed.pipelining (gloo)")
-    ax1.tick_params(axis="x", labelsize=8)
-    asyn = [r for r in rows if r.benchmark == "async_vs_gpipe"]
-    xs = range(len(asyn))
-    ax2.bar([x - 0.2 for x in xs], [r.ratio_vs_peer for r in asyn], width=0.4, label="measured")
-    ax2.bar([x + 0.2 for x in xs], [r.theory_ratio for r in asyn], width=0.4, label="(M+S-1)/M")
-    ax2.axhline(1.0, color="grey", lw=0.8)
-    ax2.set_xticks(list(xs), [r.schedule for r in asyn])
-    ax2.set_ylabel("throughput / gpipe")
-    ax2.set_title("async schedules vs engine gpipe")
-    ax2.legend(loc="lower right")
-    fig.suptitle(
-        f"S={rows[0].stages}, M={rows[0].chunks}, micro-batch {rows[0].micro_batch}, width {rows[0].width} -- {label}"
-    )
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, bench, heading in (
+        (axes[0], "vs_torch", "engine / torch.distributed.pipelining (gloo)"),
+        (axes[1], "async_vs_gpipe", "async schedules / engine gpipe"),
+    ):
+        sel = [r for r in rows if r.benchmark == bench]
+        xs = list(range(len(sel)))
+        med = [r.median_ratio for r in sel]
+        err = [[r.median_ratio - r.ci_low for r in sel], [r.ci_high - r.median_ratio for r in sel]]
+        ax.bar(xs, med, yerr=err, capsize=4, color="C0", label="measured (95% CI)")
+        if bench == "async_vs_gpipe":
+            theory = [r.extra["theory_ratio"] for r in sel]
+            ax.scatter(xs, theory, color="C3", marker="_", s=400, label="M/(M+S-1)", zorder=3)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(xs, [r.case for r in sel])
+        ax.set_ylabel("time ratio (below 1: candidate faster)")
+        ax.set_title(heading)
+        ax.legend(loc="lower right")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -187,9 +164,9 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=16)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layers", type=int, default=2, help="Linear+ReLU layers per stage")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10, help="mini-batches per timed block")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed blocks of each side first")
+    ap.add_argument("--rounds", type=int, default=15, help="paired rounds per comparison")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument(
         "--label", default="", help="machine label for the CSV/plot, e.g. 'CPU, 2 cores'"
@@ -210,98 +187,48 @@ def main() -> None:
     S, rank = dist.get_world_size(), dist.get_rank()
     M, b = args.chunks, args.micro_batch
     batches = data(args.steps, M * b, args.width)
-    warm = data(args.warmup, M * b, args.width)
 
-    configs: list[tuple[str, str, object]] = [
-        ("engine", "gpipe", EngineRunner("gpipe", S, M, args.width, args.layers, args.timeout)),
-        (
-            "torch.pipelining",
-            "ScheduleGPipe",
-            TorchRunner("ScheduleGPipe", S, M, args.width, args.layers),
-        ),
-        ("engine", "1f1b", EngineRunner("1f1b", S, M, args.width, args.layers, args.timeout)),
-        (
-            "torch.pipelining",
-            "Schedule1F1B",
-            TorchRunner("Schedule1F1B", S, M, args.width, args.layers),
-        ),
-        (
-            "engine",
-            "pipedream",
-            EngineRunner("pipedream", S, M, args.width, args.layers, args.timeout),
-        ),
-        ("engine", "2bw", EngineRunner("2bw", S, M, args.width, args.layers, args.timeout)),
-        ("engine", "pb", EngineRunner("pb", S, M, args.width, args.layers, args.timeout)),
+    def ours(schedule: str) -> EngineRunner:
+        return EngineRunner(schedule, S, M, args.width, args.layers, args.timeout)
+
+    def theirs(schedule: str) -> TorchRunner:
+        return TorchRunner(schedule, S, M, args.width, args.layers)
+
+    gpipe = ours("gpipe")
+    # (benchmark, case, candidate label, candidate, peer label, peer)
+    pairs: list[tuple[str, str, str, Runner, str, Runner]] = [
+        ("vs_torch", "gpipe", "engine gpipe", gpipe, "torch ScheduleGPipe", theirs("ScheduleGPipe")),
+        ("vs_torch", "1f1b", "engine 1f1b", ours("1f1b"), "torch Schedule1F1B", theirs("Schedule1F1B")),
     ]
-    for _, _, runner in configs:
-        runner.run(warm)  # type: ignore[attr-defined]
-    times: dict[str, list[float]] = {f"{p}/{s}": [] for p, s, _ in configs}
-    for _ in range(args.rounds):
-        for p, s, runner in configs:
-            times[f"{p}/{s}"].append(timed(runner, batches))
-    if rank != 0:
-        dist.barrier()
-        dist.destroy_process_group()
-        return
-
-    ver = versions()
+    for s in ("pipedream", "2bw", "pb"):
+        pairs.append(("async_vs_gpipe", s, f"engine {s}", ours(s), "engine gpipe", gpipe))
     cores = os.cpu_count() or 0
     note = (
         f"{S} ranks on {cores} cores: ranks time-share cores, speed-ups are capped near {cores}x"
         if cores < S
         else ""
     )
-    med = {k: statistics.median(v) for k, v in times.items()}
-    rows: list[PipeRow] = []
-
-    def row(bench: str, p: str, s: str, peer: str, theory: float) -> PipeRow:
-        t = med[f"{p}/{s}"]
-        vals = times[f"{p}/{s}"]
-        ratio = med[peer] / t if peer else 1.0
-        return PipeRow(
-            bench,
-            p,
-            s,
-            S,
-            M,
-            b,
-            args.width,
-            args.steps,
-            t * 1e3,
-            min(vals) * 1e3,
-            max(vals) * 1e3,
-            M * b / t,
-            peer,
-            ratio,
-            theory,
-            device_name(torch.device("cpu")),
-            args.label,
-            ver["torch"],
-            ver["engine"],
-            note,
-        )
-
-    for ours, theirs in (("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B")):
-        rows.append(row("vs_torch", "engine", ours, f"torch.pipelining/{theirs}", 1.0))
-        rows.append(row("vs_torch", "torch.pipelining", theirs, "", 1.0))
-    for s in ("pipedream", "2bw", "pb"):
-        rows.append(row("async_vs_gpipe", "engine", s, "engine/gpipe", (M + S - 1) / M))
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    csv_path = args.out / "pipeline_gloo.csv"
-    with csv_path.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=[f.name for f in fields(PipeRow)])
-        w.writeheader()
-        for r in rows:
-            w.writerow(asdict(r))
-    plot(rows, args.out / "pipeline_gloo.png", args.label or device_name(torch.device("cpu")))
-    for r in rows:
-        print(
-            f"{r.benchmark:15s} {r.provider:17s} {r.schedule:14s} {r.median_step_ms:8.2f} ms/step "
-            f"{r.samples_per_s:9.1f} samples/s  ratio {r.ratio_vs_peer:.3f}"
-            + (f" (theory {r.theory_ratio:.3f})" if r.benchmark == "async_vs_gpipe" else "")
-        )
-    print(f"wrote {csv_path} and {args.out / 'pipeline_gloo.png'}")
+    rows: list[RatioRow] = []
+    for bench, case, cand_label, cand, peer_label, peer in pairs:
+        # every rank runs the same rounds in the same order (inner fixed: no per-rank
+        # calibration), so the barriers inside each block line up across ranks
+        res = paired(block(cand, batches), block(peer, batches), rounds=args.rounds,
+                     warmup=args.warmup, inner=1, sync=dist.barrier, units_per_call=args.steps)
+        theory = M / (M + S - 1) if bench == "async_vs_gpipe" else 1.0
+        row = res.row(bench, case, cand_label, peer_label, label=args.label, note=note,
+                      extra={"theory_ratio": theory, "stages": S, "chunks": M,
+                             "micro_batch": b, "width": args.width, "steps": args.steps})
+        rows.append(row)
+        if rank == 0:
+            print(summary_line(row), f"[{row.candidate_ms:.1f} vs {row.peer_ms:.1f} ms/step]"
+                  + (f" theory {theory:.3f}" if bench == "async_vs_gpipe" else ""), flush=True)
+    if rank == 0:
+        csv_path = args.out / "pipeline_gloo.csv"
+        write_ratio_csv(rows, csv_path)
+        title = (f"S={S}, M={M}, micro-batch {b}, width {args.width}, {args.rounds} paired rounds"
+                 f" -- {args.label or device_name(torch.device('cpu'))}")
+        plot(rows, args.out / "pipeline_gloo.png", title)
+        print(f"wrote {csv_path} and {args.out / 'pipeline_gloo.png'}")
     dist.barrier()
     dist.destroy_process_group()
 

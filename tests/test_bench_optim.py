@@ -43,6 +43,14 @@ def test_optim_benchmark_smoke_writes_csv_and_plot(tmp_path: Path) -> None:
         assert ("adam", "engine", dtype) in seen
     assert all(float(r["median_ms"]) > 0 and float(r["gbps"]) > 0 for r in rows)
     assert (tmp_path / "optim.png").stat().st_size > 1000
+    # every speed ratio comes from the paired harness, in its schema
+    harness = _load("harness")
+    ratios = harness.read_ratio_csv(tmp_path / "optim_ratios.csv")
+    expected = {(k, "engine", peer, d) for d in ("fp32", "bf16")
+                for k, peer in (("sgd", "torch_foreach"), ("sgd_sc_pred", "torch_composition"),
+                                ("adam", "torch_foreach"))}
+    assert {(r.case.split()[0], r.candidate, r.peer, r.case.split()[1]) for r in ratios} == expected
+    assert all(r.rounds == 3 and r.ci_low <= r.median_ratio <= r.ci_high for r in ratios)
 
 
 def test_traffic_model_counts_each_stream_once() -> None:
