@@ -405,8 +405,21 @@ void Arena::free_slot(int64_t slot, int64_t stream) {
   TORCH_CHECK(s.pins.empty(), "weight slot ", slot, " is still pinned by ", s.pins.size(),
               " micro-batch(es); release them instead");
   TORCH_CHECK(s.holders == 0, "weight slot ", slot,
-              " belongs to a double buffer; close the rotation instead");
+              " belongs to a double buffer; close the double buffer instead");
   erase_slot(slot, stream);
+}
+
+void Arena::hold(int64_t slot) { slot_ref(slot).holders += 1; }
+
+bool Arena::unhold(int64_t slot, int64_t stream) {
+  auto& s = slot_ref(slot);
+  TORCH_CHECK(s.holders > 0, "weight slot ", slot, " is not held by a double buffer");
+  s.holders -= 1;
+  if (s.holders == 0 && s.pins.empty()) {
+    erase_slot(slot, stream);
+    return true;
+  }
+  return false;
 }
 
 void Arena::erase_slot(int64_t slot, int64_t stream) {
@@ -446,48 +459,6 @@ int64_t Arena::trim_pool() {
   pool_.clear();
   pooled_bytes_ = 0;
   return freed;
-}
-
-// ---------------------------------------------------------------------------------------
-// double buffering
-
-int64_t Arena::rotation_create(int64_t stream) {
-  const int64_t a = snapshot(stream, std::nullopt);
-  const int64_t b = snapshot(stream, std::nullopt);
-  slots_[a].holders += 1;
-  slots_[b].holders += 1;
-  const int64_t id = next_rotation_++;
-  rotations_[id] = {a, b};
-  return id;
-}
-
-int64_t Arena::rotation_front(int64_t r) const {
-  auto it = rotations_.find(r);
-  TORCH_CHECK(it != rotations_.end(), "double buffer ", r, " does not exist (closed?)");
-  return it->second.first;
-}
-
-int64_t Arena::rotation_back(int64_t r) const {
-  auto it = rotations_.find(r);
-  TORCH_CHECK(it != rotations_.end(), "double buffer ", r, " does not exist (closed?)");
-  return it->second.second;
-}
-
-void Arena::rotation_swap(int64_t r) {
-  auto it = rotations_.find(r);
-  TORCH_CHECK(it != rotations_.end(), "double buffer ", r, " does not exist (closed?)");
-  std::swap(it->second.first, it->second.second);  // index swap: no byte moves
-}
-
-void Arena::rotation_close(int64_t r, int64_t stream) {
-  auto it = rotations_.find(r);
-  TORCH_CHECK(it != rotations_.end(), "double buffer ", r, " does not exist (closed?)");
-  for (int64_t slot : {it->second.first, it->second.second}) {
-    auto& s = slots_.at(slot);
-    s.holders -= 1;
-    if (s.holders == 0 && s.pins.empty()) erase_slot(slot, stream);
-  }
-  rotations_.erase(it);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ struct Slot {
   std::vector<at::Tensor> flats;  // one per bucket
   std::vector<void*> events;      // CUDA: copy-done event per bucket (nullptr: no copy pending)
   std::map<int64_t, int64_t> pins;  // micro-batch id -> pin count
-  int64_t holders = 0;            // rotations (double buffers) holding the slot
+  int64_t holders = 0;            // double buffers holding the slot (hold/unhold)
   int64_t nbytes = 0;
 };
 
@@ -133,16 +133,13 @@ class Arena {
   // event is recorded (see PooledSet).
   bool release(int64_t slot, int64_t microbatch, int64_t stream);
   void free_slot(int64_t slot, int64_t stream);  // frees a slot that is neither pinned nor held
+  // A double buffer's claim on its back slot: a held slot survives its last release, and
+  // free_slot refuses it. unhold frees it when no pin is left; returns whether it did.
+  void hold(int64_t slot);
+  bool unhold(int64_t slot, int64_t stream);
   // Drops every pooled set (after host-waiting for their CUDA release events); returns the
   // bytes given back to torch's allocator.
   int64_t trim_pool();
-
-  // --- double buffering (PipeDream-2BW) ---------------------------------------------
-  int64_t rotation_create(int64_t stream);
-  int64_t rotation_front(int64_t r) const;
-  int64_t rotation_back(int64_t r) const;
-  void rotation_swap(int64_t r);
-  void rotation_close(int64_t r, int64_t stream);
 
   // --- accounting ---------------------------------------------------------------------
   int64_t live_bytes() const { return live_bytes_; }
@@ -171,9 +168,7 @@ class Arena {
   std::vector<Bucket> buckets_;
   std::map<int64_t, Slot> slots_;
   std::vector<PooledSet> pool_;  // LIFO: the most recently freed set is reused first
-  std::map<int64_t, std::pair<int64_t, int64_t>> rotations_;  // id -> (front, back)
   int64_t next_slot_ = 0;
-  int64_t next_rotation_ = 0;
   int64_t set_bytes_ = 0;  // bytes of one slot: the sum of the buckets' nbytes
   int64_t live_bytes_ = 0;
   int64_t grad_bytes_ = 0;

@@ -301,31 +301,6 @@ def test_release_of_unknown_or_freed_slot_is_a_clear_error() -> None:
         arena.free(unpinned)
 
 
-def test_rotation_swaps_without_copying() -> None:
-    m = mlp()
-    arena = flatten_(m)
-    db = arena.rotation()
-    front, back = db.front, db.back
-    front_ptrs = [v.data_ptr() for v in db.front_views()]
-    back_ptrs = [v.data_ptr() for v in db.back_views()]
-    with torch.no_grad():
-        m[0].weight.fill_(0.5)
-    db.refresh_back()
-    assert torch.equal(db.back_views()[0], torch.full_like(m[0].weight, 0.5))
-    assert not torch.equal(db.front_views()[0], db.back_views()[0])
-    bytes_before = arena.bytes()["slots"]
-    db.swap()
-    assert (db.front, db.back) == (back, front)
-    assert [v.data_ptr() for v in db.front_views()] == back_ptrs
-    assert [v.data_ptr() for v in db.back_views()] == front_ptrs
-    assert torch.equal(db.front_views()[0], torch.full_like(m[0].weight, 0.5))
-    assert arena.bytes()["slots"] == bytes_before  # nothing allocated or copied
-    with pytest.raises(RuntimeError, match="double buffer"):
-        arena.free(db.front)
-    db.close()
-    assert arena.slots == [] and arena.bytes()["slots"] == 0
-
-
 # ----------------------------------------------------------------------------- slot pool
 
 
@@ -539,6 +514,72 @@ def test_swap_live_refuses_bad_slots_and_use() -> None:
         arena.swap_live(42)
 
 
+# ----------------------------------------------------------------------------- double buffer
+
+
+def test_double_buffer_is_live_plus_one_slot_and_swap_moves_no_bytes() -> None:
+    m = mlp()
+    arena = flatten_(m)
+    per = arena.bytes()["live"]
+    params = list(m.parameters())
+    db = arena.rotation()
+    assert arena.slots == [db.back] and arena.bytes()["slots"] == per  # one slot, not two
+    assert torch.equal(arena.slot_flat(db.back), arena.flat_param())  # starts as a copy
+    assert [v.data_ptr() for v in db.front_views()] == [p.data_ptr() for p in params]
+
+    with torch.no_grad():
+        m[0].weight.fill_(0.5)
+    db.refresh_back()  # back = 0.5
+    with torch.no_grad():
+        m[0].weight.fill_(0.7)  # live = 0.7
+    live_ptr, back_ptr = arena.flat_param().data_ptr(), arena.slot_flat(db.back).data_ptr()
+    param_offsets = [p.data_ptr() - live_ptr for p in params]
+    in_flight = m[0].weight.detach()  # what a forward's graph would have saved a view of
+    db.swap()
+    # the memories traded places: a byte copy would have left every pointer where it was
+    assert arena.flat_param().data_ptr() == back_ptr
+    assert arena.slot_flat(db.back).data_ptr() == live_ptr
+    assert [p.data_ptr() - back_ptr for p in params] == param_offsets
+    assert torch.equal(m[0].weight, torch.full_like(m[0].weight, 0.5))
+    assert torch.equal(db.back_views()[0], torch.full_like(m[0].weight, 0.7))
+    assert torch.equal(in_flight, torch.full_like(in_flight, 0.7))
+    assert [v.data_ptr() for v in db.front_views()] == [p.data_ptr() for p in params]
+    fv = flat_buffers_for(params)
+    assert fv is not None and fv.param.data_ptr() == back_ptr
+    assert arena.bytes()["slots"] == per and arena.bytes()["pooled"] == 0  # nothing allocated
+    db.swap()
+    assert arena.flat_param().data_ptr() == live_ptr
+    assert torch.equal(m[0].weight, torch.full_like(m[0].weight, 0.7))
+
+
+def test_double_buffer_holds_its_back_slot_until_closed() -> None:
+    arena = flatten_(mlp())
+    per = arena.bytes()["live"]
+    db = arena.rotation()
+    back = db.back
+    with pytest.raises(RuntimeError, match="double buffer"):
+        arena.free(back)
+    arena.pin(back, 3)
+    assert arena.refcount(back) == 2
+    with pytest.raises(SlotError, match="pinned by micro-batch.*3"):
+        db.refresh_back()  # micro-batch 3 still reads it
+    db.swap()  # pins stay with the slot id
+    assert arena.pins(back) == {3: 1}
+    assert arena.release(back, 3) is False  # held: the last release does not free it
+    assert back in arena.slots
+    arena.pin(back, 4)
+    db.close()  # pinned: the last release frees it
+    assert back in arena.slots
+    with pytest.raises(SlotError, match="closed"):
+        db.swap()
+    assert arena.release(back, 4) is True
+    assert arena.slots == [] and arena.bytes()["slots"] == 0 and arena.bytes()["pooled"] == per
+    db.close()  # twice is a no-op
+    db2 = arena.rotation()
+    db2.close()
+    assert arena.slots == [] and arena.bytes()["pooled"] == per
+
+
 # ----------------------------------------------------------------------------- flat_buffers_for
 
 
@@ -696,10 +737,22 @@ def test_cuda_async_snapshot_waits_on_its_event() -> None:
     y_slot.sum().backward()
     assert arena.flat_grad().abs().sum().item() > 0
     assert arena.release(s, 0) and arena.bytes()["slots"] == 0
+    # a double buffer swapped right after an overlapped refresh: the stream waits for it
     db = arena.rotation()
-    db.refresh_back()
+    with torch.no_grad():
+        m[0].weight.add_(1.0)
+    expected = m[0].weight.detach().clone()
+    in_flight = m[0].weight.detach()
+    back_ptr = arena.slot_flat(db.back).data_ptr()
+    db.refresh_back(overlap=True)
     db.swap()
-    assert torch.equal(db.front_views()[0], m[0].weight.detach())
+    arena.flat_param().mul_(0.0)  # an "optimizer step" on the new live memory
+    assert m[0].weight.data_ptr() - arena.flat_param().data_ptr() == 0
+    assert arena.flat_param().data_ptr() == back_ptr
+    torch.cuda.synchronize()
+    assert torch.equal(db.back_views()[0], expected) and torch.equal(in_flight, expected)
+    assert torch.count_nonzero(m[0].weight) == 0
+    db.close()
 
 
 @pytest.mark.cuda

@@ -26,8 +26,8 @@ What changes for the user, and what does not:
   allocates nothing; ``trim_pool()`` gives them back, ``bytes()["pooled"]`` counts them).
 * ``swap_live(slot)`` exchanges the live buffers with a slot's in O(1) (no bytes move): the
   parameters then view the other memory, and views taken before the swap (an in-flight
-  graph's saved tensors) keep the old version, now the slot.
-* ``rotation()`` gives PipeDream-2BW's two-slot double buffer whose swap moves no bytes.
+  graph's saved tensors) keep the old version, now the slot. ``rotation()`` builds
+  PipeDream-2BW's double buffer on it: front = live, back = one slot.
 * ``torch.optim``'s default ``zero_grad(set_to_none=True)`` drops the gradient views; the
   next backward then allocates fresh gradients. Call ``arena.zero_grad()`` (or
   ``optimizer.zero_grad(set_to_none=False)``) to keep them in the flat buffer, or
@@ -47,18 +47,20 @@ Layout of the package (imports only go down this list, so there are no cycles):
 * ``core``          errors, the compiled core (``engine._C``), alignment checks;
 * ``views``         value types: ``BucketInfo``, ``L2Persistence``, ``FlatView``;
 * ``registry``      which arena owns which parameter; ``flat_buffers_for``;
+* ``double_buffer`` ``DoubleBuffer`` (2BW: live + one slot, swapped by ``swap_live``);
 * ``l2``            L2 persistence requests over a live buffer;
-* ``weight_arena``  ``WeightArena`` and ``DoubleBuffer``;
+* ``weight_arena``  ``WeightArena``: buffers, slots, pool, swap, accounting;
 * ``flatten``       ``flatten_``: validation, then one move.
 """
 
 from __future__ import annotations
 
 from engine.arena.core import DEFAULT_ALIGNMENT, ArenaError, SlotError
+from engine.arena.double_buffer import DoubleBuffer
 from engine.arena.flatten import flatten_
 from engine.arena.registry import flat_buffers_for
 from engine.arena.views import BucketInfo, FlatView, L2Persistence
-from engine.arena.weight_arena import DoubleBuffer, WeightArena
+from engine.arena.weight_arena import WeightArena
 
 __all__ = [
     "DEFAULT_ALIGNMENT",

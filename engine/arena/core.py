@@ -2,8 +2,8 @@
 
 Why a module of its own: the value types, the registry, the arena and ``flatten_`` all
 raise the same errors and reach the same extension; keeping those here lets each of them
-import only downwards (core <- views <- registry, l2 <- weight_arena <- flatten), without
-cycles.
+import only downwards (core <- views <- registry, double_buffer, l2 <- weight_arena <-
+flatten), without cycles.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""The :class:`WeightArena` (a stage's buffers, slots, pins, the slot pool, the O(1)
-live/slot swap, accounting, L2) and the :class:`DoubleBuffer` it hands out for 2BW.
+"""The :class:`WeightArena`: a stage's flat buffers, weight-version slots, pins, the slot
+pool, the O(1) live/slot swap, byte accounting and L2 windows.
 
-Why one file for both: a double buffer is a view of two of the arena's slots and has no
-state of its own beyond an id; it exists only to give 2BW a readable name for front/back.
+Why the Python object keeps its own per-bucket state (``_Bucket``) next to the C++ core:
+the core knows buffers and offsets, but only Python knows the ``nn.Parameter`` objects
+whose ``.data`` must follow the live buffer, the names errors are phrased in, and the
+cached :class:`FlatView` that optimizers receive every step.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from engine.arena import l2
 from engine.arena.core import ArenaError, SlotError
+from engine.arena.double_buffer import DoubleBuffer
 from engine.arena.registry import repoint
 from engine.arena.views import BucketInfo, FlatView, L2Persistence, _rebind
 
@@ -36,53 +39,6 @@ class _Bucket:
     grad_ptrs: list[int]
     flat_view: FlatView
     aliases: dict[tuple[int, ...], FlatView] = field(default_factory=dict)
-
-
-class DoubleBuffer:
-    """Two weight slots for PipeDream-2BW: ``front`` serves forwards/backwards in flight,
-    ``back`` receives the next version; ``swap()`` exchanges the slot ids (no bytes move).
-
-    Typical use: ``db.refresh_back()`` after an update copies the live weights into the
-    back slot; ``db.swap()`` at a version boundary; ``with arena.use(db.front): ...``.
-    """
-
-    def __init__(self, arena: WeightArena, rotation: int) -> None:
-        self._arena = arena
-        self._id = rotation
-
-    @property
-    def front(self) -> int:
-        """Slot id of the version in use."""
-        return int(self._arena._core.rotation_front(self._id))
-
-    @property
-    def back(self) -> int:
-        """Slot id of the version being prepared."""
-        return int(self._arena._core.rotation_back(self._id))
-
-    def swap(self) -> None:
-        """Exchange front and back by index; the slots' buffers stay where they are."""
-        self._arena._core.rotation_swap(self._id)
-
-    def refresh_back(self, *, stream: Any = None, overlap: bool = False) -> None:
-        """Copy the live weights into the back slot (on CUDA on the side stream, with the
-        same ``overlap`` contract as :meth:`WeightArena.snapshot`)."""
-        arena = self._arena
-        back = self.back
-        with arena._on_stream(stream) as handle:
-            arena._core.refresh(back, handle)
-            if not overlap and arena.device.type == "cuda":
-                arena._core.wait(back, handle)
-
-    def front_views(self) -> list[torch.Tensor]:
-        return self._arena.slot_views(self.front)
-
-    def back_views(self) -> list[torch.Tensor]:
-        return self._arena.slot_views(self.back)
-
-    def close(self, *, stream: Any = None) -> None:
-        """Free both slots (unless micro-batches still pin them; then the last release does)."""
-        self._arena._core.rotation_close(self._id, self._arena._stream(stream))
 
 
 class WeightArena:
@@ -395,14 +351,11 @@ class WeightArena:
         return [int(s) for s in self._core.slot_ids()]
 
     def rotation(self, *, stream: Any = None) -> DoubleBuffer:
-        """A two-slot double buffer (PipeDream-2BW), both slots initialised to the live
-        weights."""
-        with self._on_stream(stream) as handle:
-            rotation = int(self._core.rotation_create(handle))
-            if self.device.type == "cuda":
-                self._core.wait(self._core.rotation_front(rotation), handle)
-                self._core.wait(self._core.rotation_back(rotation), handle)
-        return DoubleBuffer(self, rotation)
+        """A double buffer for PipeDream-2BW: front = the live weights, back = a new slot
+        holding a copy of them (one snapshot). See :class:`DoubleBuffer` for the costs."""
+        back = self.snapshot(stream=stream)
+        self._core.hold(back)
+        return DoubleBuffer(self, back)
 
     def _check_slot(self, slot: int) -> None:
         if isinstance(slot, bool) or not isinstance(slot, int):
@@ -459,6 +412,8 @@ class WeightArena:
         ``bucket`` defaults to the largest bucket (a stream has one access-policy window).
         Reserves min(buffer, ``max_bytes``, device maximum) of L2 device-wide. Returns what
         the device granted; on CPU (or a CPU-only build) ``supported=False`` with the reason.
+        The window covers the live buffer's address at the time of the call; after
+        :meth:`swap_live` call it again.
         """
         return l2.request(self, bucket, hit_ratio, max_bytes, self._stream(stream))
 
