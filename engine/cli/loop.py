@@ -95,21 +95,21 @@ def _steps_per_epoch(cfg: TrainConfig, n_train: int) -> int:
 def build_pipeline(
     cfg: TrainConfig, num_features: int, num_classes: int, updates_per_epoch: int
 ) -> tuple[Any, list[Any], _AccuracyLoss]:
-    """(pipeline, stage modules, loss) for ``cfg``; the stage modules stay usable for eval."""
+    """(pipeline, stage modules, loss) for ``cfg``; the stage modules stay usable for eval.
+
+    The stages come from ``engine.partition.split_sequential``, so they keep the model's layer
+    names: stage 1's first tensor is ``"2.…"`` at 16 layers in 8 stages, not ``"0.…"``, and a
+    checkpoint's keys are the whole model's.
+    """
     import torch
 
     import engine
     from engine.models import even_balance, residual_mlp
+    from engine.partition import split_sequential
 
     torch.manual_seed(cfg.seed)
     seq = residual_mlp(num_features, num_classes, cfg.layers, cfg.width).to(cfg.device)
-    balance = even_balance(cfg.layers, cfg.stages)
-    layers = list(seq.children())
-    modules: list[torch.nn.Module] = []
-    i = 0
-    for b in balance:
-        modules.append(torch.nn.Sequential(*layers[i : i + b]))
-        i += b
+    modules = split_sequential(seq, even_balance(cfg.layers, cfg.stages))
     lr, momentum = cfg.effective_hparams()
     opt_kwargs: dict[str, Any] = {
         "spike_compensation": cfg.spike_compensation,
