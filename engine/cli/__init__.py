@@ -2,8 +2,9 @@
 
 Why one module per subcommand: each owns its options (``add_arguments``) and its entry point
 (``run``), so ``engine/__main__.py`` only wires them together and a subcommand can be read,
-tested and imported (``compare`` reuses ``train``'s training loop) on its own. Heavy imports
-(torch, matplotlib, scikit-learn) happen inside ``run`` so ``python -m engine --help`` is fast.
+tested and imported on its own (``compare`` reuses ``train``'s options and its loop, which
+live in ``config``, ``loop`` and ``runlog`` beside ``train``). Heavy imports (torch,
+matplotlib, scikit-learn) happen inside ``run`` so ``python -m engine --help`` is fast.
 
 Errors the user can fix raise :class:`CLIError`; ``__main__`` prints them as one line on
 stderr and exits with status 2, argparse's convention for bad usage.

@@ -14,7 +14,7 @@ methods (the "no batches" setting) and M = S micro-batches per update for the sy
 ones and 2BW. Hyper-parameters come from one reference (lr_ref = 0.03, m_ref = 0.9 at
 B_ref = 32 samples per update, the best of lr in {0.03, 0.1, 0.3} for plain synchronous SGD)
 scaled to each method's samples per update B: m = m_ref ** (B / B_ref) and
-lr = lr_ref * (B / B_ref) * (1 - m) / (1 - m_ref) (see ``engine.cli.train`` for why the extra
+lr = lr_ref * (B / B_ref) * (1 - m) / (1 - m_ref) (see ``engine.cli.config`` for why the extra
 factor: it is ALGORITHMS.md's linear rule for PyTorch's undampened momentum; ``--scaling
 linear`` gives the literal rule), so every method has the same momentum time constant and the
 same total step per sample. Nothing is tuned per method. The default run takes about four
@@ -42,13 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.cli import CLIError
-from engine.cli.train import (
-    TrainConfig,
-    TrainResult,
-    add_hparam_arguments,
-    add_model_arguments,
-    train,
-)
+from engine.cli.config import TrainConfig
+from engine.cli.loop import TrainResult, train
+from engine.cli.train import add_hparam_arguments, add_model_arguments
 
 __all__ = ["METHODS", "Method", "add_arguments", "run", "method_config", "summarize"]
 
@@ -446,7 +442,7 @@ def write_summary(path: Path, rows: list[dict[str, Any]]) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from engine.cli.train import check_config, config_from_args
+    from engine.cli.config import check_config, config_from_args
 
     t_start = time.perf_counter()
     methods = _parse_methods(args.methods)

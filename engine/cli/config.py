@@ -1,0 +1,154 @@
+"""The training configuration: ``TrainConfig``, its hyper-parameter scaling rule, and its checks.
+
+Why a dataclass of plain values: a run is exactly repeatable and resumable only if everything
+that determines it is one record, saved next to the checkpoint (``runlog``) and compared on
+``--resume``; ``compare`` derives each method's record from one base with ``replace``.
+
+Hyper-parameters: ``--lr`` and ``--momentum`` are reference values for ``--ref-batch`` B_ref
+samples per update (default 0.03 and 0.9 at B_ref = 32, the best of lr in {0.03, 0.1, 0.3}
+for plain synchronous SGD on digits over 3 epochs) rescaled to this run's samples per update
+B. The momentum follows Kosson et al.'s rule m = m_ref ** (B / B_ref) (the time constant in
+samples stays fixed). For the learning rate, ``--scaling linear`` is the rule as ALGORITHMS.md
+writes it, lr = lr_ref * B / B_ref; but with PyTorch's undampened momentum (v = m v + g,
+which the engine uses) and mean-reduced losses, a sample's gradient then moves the weights by
+lr / (B (1 - m)) in total, which grows like B_ref / B as B shrinks (32x at B = 1), and
+synchronous SGD at B = 1 diverges on digits with it (measured). The default
+``--scaling per-sample`` multiplies that lr by (1 - m) / (1 - m_ref), which keeps each
+sample's total contribution fixed: it is the linear rule written for the dampened (EMA)
+momentum convention, translated to PyTorch's. ``--no-scaling`` uses --lr/--momentum as given.
+
+Only the standard library is imported at module level, so ``python -m engine --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+from engine.cli import CLIError
+
+__all__ = ["SCHEDULES", "PREDICTIONS", "TrainConfig", "config_from_args", "check_config"]
+
+SCHEDULES = ("naive", "gpipe", "1f1b", "pipedream", "2bw", "pb")
+PREDICTIONS = ("lwp", "spectrain", "spectrain_reuse")
+
+
+@dataclass
+class TrainConfig:
+    """Everything that determines a training run (saved next to the checkpoint)."""
+
+    dataset: str = "digits"
+    schedule: str = "pb"
+    stages: int = 8
+    layers: int = 16
+    width: int = 64
+    chunks: int = 8
+    batch_size: int = 1
+    update_size: int | None = None
+    order: str | None = None
+    optimizer: str = "sgd"
+    lr: float = 0.03
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    ref_batch: int | None = 32
+    scaling: str = "per-sample"
+    spike_compensation: bool = False
+    prediction: str | None = None
+    prediction_mode: str = "linear"
+    pipemare_lr: bool = False
+    pipemare_warmup: int | None = None
+    discrepancy_correction: bool = False
+    correction_decay: float = 0.1
+    checkpoint: str = "never"
+    epochs: int = 3
+    evals_per_epoch: int = 4
+    seed: int = 0
+    device: str = "cpu"
+    threads: int = 1
+    out: str = "out/train"
+    resume: bool = False
+    progress: bool = True
+
+    # ------------------------------------------------------------ derived quantities
+
+    def samples_per_update(self) -> int:
+        """B: samples whose gradients one optimizer step applies."""
+        if self.schedule in ("naive", "gpipe", "1f1b", "2bw"):
+            k = self.chunks
+        else:
+            k = self.update_size or 1
+        return k * self.batch_size
+
+    def effective_hparams(self) -> tuple[float, float]:
+        """(lr, momentum) after the scaling rule when ``ref_batch`` is set."""
+        if self.ref_batch is None:
+            return self.lr, self.momentum
+        ratio = self.samples_per_update() / self.ref_batch
+        m = self.momentum**ratio
+        lr = self.lr * ratio
+        if self.scaling == "per-sample" and self.momentum > 0:
+            # PyTorch's undampened momentum: a sample's gradient moves w by lr / (B (1 - m)) in
+            # total; keep that fixed (equivalently, the rule in the dampened EMA convention).
+            lr *= (1 - m) / (1 - self.momentum)
+        return lr, m
+
+    def label(self) -> str:
+        parts = [self.schedule]
+        if self.spike_compensation:
+            parts.append("SC")
+        if self.prediction:
+            parts.append(self.prediction.upper() if self.prediction == "lwp" else self.prediction)
+        if self.pipemare_lr:
+            parts.append("T1")
+        if self.discrepancy_correction:
+            parts.append("T2")
+        return "+".join(parts)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig of parsed options; other attributes (compare's own options) are ignored."""
+    names = {f for f in TrainConfig.__dataclass_fields__}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Reject bad settings with a message that names the option and the fix (before any work)."""
+    from engine.data import DATASETS
+    from engine.models import ModelError, even_balance
+
+    if cfg.dataset not in DATASETS:
+        raise CLIError(f"unknown dataset {cfg.dataset!r}; choose one of {', '.join(DATASETS)}")
+    if cfg.schedule not in SCHEDULES:
+        raise CLIError(f"unknown schedule {cfg.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    try:
+        even_balance(cfg.layers, cfg.stages)
+    except ModelError as exc:
+        raise CLIError(str(exc)) from None
+    if cfg.device not in ("cpu", "cuda") and not cfg.device.startswith("cuda:"):
+        raise CLIError(f"--device {cfg.device!r}; use cpu or cuda")
+    if cfg.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CLIError(
+                f"--device {cfg.device} but no CUDA GPU is visible to torch; use --device cpu"
+            )
+    if not cfg.lr > 0 or not math.isfinite(cfg.lr):
+        raise CLIError(f"--lr {cfg.lr} must be a positive number")
+    if not 0 <= cfg.momentum < 1:
+        raise CLIError(f"--momentum {cfg.momentum} must lie in [0, 1)")
+    if cfg.schedule != "pb":
+        for flag, on in (
+            ("--prediction", cfg.prediction is not None),
+            ("--discrepancy-correction", cfg.discrepancy_correction),
+            ("--order", cfg.order is not None),
+        ):
+            if on:
+                raise CLIError(
+                    f"{flag} applies to --schedule pb only (got --schedule {cfg.schedule})"
+                )
+    if cfg.pipemare_warmup is not None and cfg.pipemare_warmup < 0:
+        raise CLIError(f"--pipemare-warmup {cfg.pipemare_warmup} must be >= 0")
+    if cfg.prediction is not None and cfg.momentum == 0 and cfg.optimizer == "sgd":
+        raise CLIError("--prediction extrapolates the momentum buffer; it needs --momentum > 0")

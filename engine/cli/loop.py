@@ -1,0 +1,369 @@
+"""The training loop behind ``train`` and ``compare``: build the pipeline, train, evaluate.
+
+Why it looks like this: training is epoch-structured. Every epoch ends with ``pipe.flush()``
+(asynchronous schedules drain, so the weights are well defined), a test evaluation, a
+checkpoint (``engine.save``) and the metrics CSV (``runlog``). Because the data order of an
+epoch depends only on (seed, epoch) and the checkpoint restores every weight, optimizer and
+scheduler state, a run resumed with ``--resume`` produces the same weights and metrics as an
+uninterrupted one. ``compare`` calls :func:`train` once per method in one process, so what
+the loop adds around ``pipe.step`` is paid by every run.
+
+torch and the engine are imported inside the functions: ``python -m engine --help`` imports
+this module and must stay fast.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.cli import CLIError
+from engine.cli.config import TrainConfig, check_config
+from engine.cli.runlog import (
+    CHECKPOINT_FILE,
+    METRICS_FILE,
+    read_metrics,
+    read_state,
+    resume_key,
+    write_metrics,
+    write_state,
+)
+
+__all__ = ["TrainResult", "train", "build_pipeline", "evaluate", "activation_bytes"]
+
+
+@dataclass
+class TrainResult:
+    """What a finished (or diverged) run reports back to ``compare``."""
+
+    config: TrainConfig
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    final_test_acc: float = float("nan")
+    final_test_loss: float = float("nan")
+    samples_per_s: float = float("nan")
+    train_seconds: float = 0.0
+    stats: dict[str, Any] = field(default_factory=dict)
+    diverged: str | None = None
+    stage_param_bytes: list[int] = field(default_factory=list)
+    stage_activation_bytes: list[int] = field(default_factory=list)
+    lr: float = float("nan")
+    momentum: float = float("nan")
+
+
+class _AccuracyLoss:
+    """Cross-entropy that also counts correct predictions of the training forwards.
+
+    ``Pipeline.step`` returns only the loss; the last stage's logits reach us through the loss
+    function, so counting here gives the training accuracy of exactly the micro-batches trained
+    on. Calls without grad (the pipeline's one-off shape check) are not counted.
+
+    The count is taken lazily: a counted call keeps its (detached) logits and targets, and
+    :meth:`take` compares them all at once. Counting in every call meant three small tensor
+    ops and a host sync (``int``) per micro-batch, which on CPU cost several times the
+    cross-entropy itself and on a GPU waits for the device once per micro-batch. What is kept
+    is a few numbers per sample, for at most one metric row's samples.
+    """
+
+    def __init__(self) -> None:
+        import torch
+
+        self._torch = torch
+        self._logits: list[Any] = []
+        self._targets: list[Any] = []
+
+    def __call__(self, out: Any, target: Any) -> Any:
+        torch = self._torch
+        if torch.is_grad_enabled():
+            self._logits.append(out.detach())
+            self._targets.append(target)
+        return torch.nn.functional.cross_entropy(out, target)
+
+    def take(self) -> float:
+        """Training accuracy of the counted calls since the last ``take``; NaN if none."""
+        if not self._targets:
+            return float("nan")
+        torch = self._torch
+        target = torch.cat(self._targets)
+        # int() waits for the comparison, so the kept tensors are read before they are released
+        correct = int((torch.cat(self._logits).argmax(dim=1) == target).sum())
+        seen = target.numel()
+        self._logits.clear()
+        self._targets.clear()
+        return correct / seen if seen else float("nan")
+
+
+def _steps_per_epoch(cfg: TrainConfig, n_train: int) -> int:
+    per_step = cfg.chunks * cfg.batch_size
+    steps = n_train // per_step
+    if steps < 1:
+        raise CLIError(
+            f"one step needs --chunks x --batch-size = {per_step} samples but the training set has "
+            f"{n_train}; lower --chunks or --batch-size"
+        )
+    return steps
+
+
+def build_pipeline(
+    cfg: TrainConfig, num_features: int, num_classes: int, updates_per_epoch: int
+) -> tuple[Any, list[Any], _AccuracyLoss]:
+    """(pipeline, stage modules, loss) for ``cfg``; the stage modules stay usable for eval.
+
+    The stages come from ``engine.partition.split_sequential``, so they keep the model's layer
+    names: stage 1's first tensor is ``"2.…"`` at 16 layers in 8 stages, not ``"0.…"``, and a
+    checkpoint's keys are the whole model's.
+    """
+    import torch
+
+    import engine
+    from engine.models import even_balance, residual_mlp
+    from engine.partition import split_sequential
+
+    torch.manual_seed(cfg.seed)
+    seq = residual_mlp(num_features, num_classes, cfg.layers, cfg.width).to(cfg.device)
+    modules = split_sequential(seq, even_balance(cfg.layers, cfg.stages))
+    lr, momentum = cfg.effective_hparams()
+    opt_kwargs: dict[str, Any] = {
+        "spike_compensation": cfg.spike_compensation,
+        "prediction": cfg.prediction_mode if cfg.prediction else None,
+        "discrepancy_correction": cfg.discrepancy_correction,
+        "correction_decay": cfg.correction_decay,
+        "weight_decay": cfg.weight_decay,
+    }
+
+    def make_optimizer(params: list[Any]) -> torch.optim.Optimizer:
+        if cfg.optimizer == "adam":
+            return engine.optim.Adam(params, lr=lr, betas=(momentum, 0.999), **opt_kwargs)
+        return engine.optim.SGD(params, lr=lr, momentum=momentum, **opt_kwargs)
+
+    scheduler = None
+    if cfg.pipemare_lr:
+        warm = cfg.pipemare_warmup if cfg.pipemare_warmup is not None else updates_per_epoch
+
+        def scheduler(o: torch.optim.Optimizer) -> Any:
+            return engine.optim.PipeMareLR(o, warm)
+
+    loss = _AccuracyLoss()
+    pipe = engine.Pipeline(
+        modules,
+        schedule=cfg.schedule,
+        chunks=cfg.chunks,
+        loss_fn=loss,
+        optimizer=make_optimizer,
+        checkpoint=cfg.checkpoint,
+        update_size=cfg.update_size if cfg.schedule in ("pb", "pipedream") else None,
+        order=cfg.order,
+        prediction=cfg.prediction,
+        discrepancy_correction=cfg.discrepancy_correction or None,
+        correction_decay=cfg.correction_decay,
+        lr_scheduler=scheduler,
+    )
+    return pipe, modules, loss
+
+
+def activation_bytes(modules: list[Any], x: Any) -> list[int]:
+    """Bytes one micro-batch ``x`` leaves stashed at each stage between its F and its B.
+
+    Measured, not modelled: the stage input (the pipeline stashes it) plus every tensor autograd
+    saves for the backward (via ``saved_tensors_hooks``), parameters excluded (they are weight
+    memory). With activation recomputation only the input would stay; the CLI's default
+    ``--checkpoint never`` keeps everything, which is what this counts.
+    """
+    import torch
+
+    out = []
+    h = x
+    for m in modules:
+        params = {p.data_ptr() for p in m.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(
+            t: torch.Tensor, params: set[int] = params, saved: dict[int, int] = saved
+        ) -> torch.Tensor:
+            if t.data_ptr() not in params:
+                saved[t.data_ptr()] = t.numel() * t.element_size()
+            return t
+
+        inp = h.detach().requires_grad_(True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            h = m(inp)
+        saved.pop(inp.data_ptr(), None)
+        out.append(inp.numel() * inp.element_size() + sum(saved.values()))
+        h = h.detach()
+    return out
+
+
+def evaluate(modules: list[Any], x: Any, y: Any) -> tuple[float, float]:
+    """(mean cross-entropy, accuracy) of the stages run in sequence on (x, y), no grad."""
+    import torch
+
+    modes = [m.training for m in modules]
+    try:
+        with torch.no_grad():
+            h = x
+            for m in modules:
+                m.eval()
+                h = m(h)
+            loss = float(torch.nn.functional.cross_entropy(h, y))
+            acc = float((h.argmax(dim=1) == y).float().mean())
+    finally:
+        for m, t in zip(modules, modes, strict=True):
+            m.train(t)
+    return loss, acc
+
+
+# ------------------------------------------------------------------ the loop
+
+
+def train(
+    cfg: TrainConfig, *, save: bool = True, desc: str | None = None, position: int | None = None
+) -> TrainResult:
+    """Run ``cfg`` to ``cfg.epochs`` epochs; with ``save`` write checkpoint, state and CSV to ``cfg.out``.
+
+    A non-finite loss ends the run early with ``result.diverged`` set (no exception), so that
+    a comparison records the divergence instead of aborting.
+    """
+    import torch
+    from tqdm import tqdm
+
+    import engine
+    from engine.data import epoch_order, load_dataset
+
+    check_config(cfg)
+    torch.set_num_threads(cfg.threads)
+    data = load_dataset(cfg.dataset).to(cfg.device)
+    steps_per_epoch = _steps_per_epoch(cfg, len(data.train_y))
+    mbs_per_epoch = steps_per_epoch * cfg.chunks
+    updates_per_epoch = max(1, mbs_per_epoch * cfg.batch_size // cfg.samples_per_update())
+    try:
+        pipe, modules, loss_fn = build_pipeline(
+            cfg, data.num_features, data.num_classes, updates_per_epoch
+        )
+    except ValueError as exc:  # PipelineConfigError: an invalid option combination
+        raise CLIError(str(exc)) from None
+    lr, momentum = cfg.effective_hparams()
+    result = TrainResult(cfg, lr=lr, momentum=momentum)
+    result.stage_param_bytes = [
+        sum(p.numel() * p.element_size() for p in m.parameters()) for m in modules
+    ]
+    result.stage_activation_bytes = activation_bytes(modules, data.train_x[: cfg.batch_size])
+    out = Path(cfg.out)
+    start_epoch = 0
+    samples = 0
+    train_seconds = 0.0
+    if cfg.resume:
+        state = read_state(out, cfg)
+        try:
+            engine.load(pipe, out / CHECKPOINT_FILE)
+        except ValueError as exc:
+            raise CLIError(f"--resume: {exc}") from None
+        start_epoch = int(state["epoch"])
+        samples = int(state["samples"])
+        train_seconds = float(state["train_seconds"])
+        if (out / METRICS_FILE).exists():
+            result.rows = [r for r in read_metrics(out / METRICS_FILE) if r["epoch"] <= start_epoch]
+    if save:
+        out.mkdir(parents=True, exist_ok=True)
+
+    per_step = cfg.chunks * cfg.batch_size
+    evals = min(cfg.evals_per_epoch, steps_per_epoch)
+    log_steps = {round((i + 1) * steps_per_epoch / evals) - 1 for i in range(evals)}
+    n_train = len(data.train_y)
+    stats_mark = None
+    bar = tqdm(
+        total=cfg.epochs * steps_per_epoch * per_step,
+        initial=start_epoch * steps_per_epoch * per_step,
+        desc=desc or cfg.label(),
+        unit="sample",
+        disable=not cfg.progress,
+        leave=position is None,
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )
+    loss_sum, loss_n = 0.0, 0
+    try:
+        for epoch in range(start_epoch, cfg.epochs):
+            order = epoch_order(n_train, cfg.seed, epoch).to(data.train_x.device)
+            t0 = time.perf_counter()
+            seg_samples = 0
+            for step in range(steps_per_epoch):
+                idx = order[step * per_step : (step + 1) * per_step]
+                try:
+                    loss = pipe.step(data.train_x[idx], data.train_y[idx])
+                except FloatingPointError as exc:  # NonFiniteLossError
+                    result.diverged = f"epoch {epoch + 1} step {step + 1}: {exc}"
+                    raise
+                lv = float(loss)
+                if not math.isfinite(lv):
+                    result.diverged = f"epoch {epoch + 1} step {step + 1}: loss {lv}"
+                    raise FloatingPointError(result.diverged)
+                loss_sum += lv * per_step
+                loss_n += per_step
+                samples += per_step
+                seg_samples += per_step
+                bar.update(per_step)
+                last = step == steps_per_epoch - 1
+                if step in log_steps:
+                    if last:
+                        pipe.flush()
+                    seg_t = time.perf_counter() - t0
+                    train_seconds += seg_t
+                    test_loss, test_acc = evaluate(modules, data.test_x, data.test_y)
+                    st = pipe.stats()
+                    row = {
+                        "epoch": epoch + 1,
+                        "step": epoch * steps_per_epoch + step + 1,
+                        "samples": samples,
+                        "updates": max(st["updates"]),
+                        "train_loss": loss_sum / max(loss_n, 1),
+                        "train_acc": loss_fn.take(),
+                        "test_loss": test_loss,
+                        "test_acc": test_acc,
+                        "samples_per_s": seg_samples / seg_t if seg_t > 0 else float("nan"),
+                        "elapsed_s": train_seconds,
+                    }
+                    result.rows.append(row)
+                    loss_sum, loss_n, seg_samples = 0.0, 0, 0
+                    bar.set_postfix(
+                        loss=f"{row['train_loss']:.3f}",
+                        acc=f"{row['train_acc']:.3f}",
+                        test=f"{test_acc:.3f}",
+                        sps=f"{row['samples_per_s']:.0f}",
+                    )
+                    t0 = time.perf_counter()
+            if save:
+                engine.save(pipe, out / CHECKPOINT_FILE)
+                write_metrics(out / METRICS_FILE, result.rows)
+                state = {
+                    "config": resume_key(cfg),
+                    "epoch": epoch + 1,
+                    "samples": samples,
+                    "train_seconds": train_seconds,
+                    "lr": lr,
+                    "momentum": momentum,
+                }
+                write_state(out, state)
+            stats_mark = pipe.stats()
+    except FloatingPointError as exc:
+        result.diverged = result.diverged or str(exc)
+    finally:
+        bar.close()
+    if result.rows:
+        result.final_test_acc = result.rows[-1]["test_acc"]
+        result.final_test_loss = result.rows[-1]["test_loss"]
+    result.train_seconds = train_seconds
+    result.samples_per_s = samples / train_seconds if train_seconds > 0 else float("nan")
+    result.stats = stats_mark if stats_mark is not None else _safe_stats(pipe)
+    if save and result.rows:
+        write_metrics(out / METRICS_FILE, result.rows)
+    return result
+
+
+def _safe_stats(pipe: Any) -> dict[str, Any]:
+    try:
+        return pipe.stats()
+    except Exception:  # stats of a pipeline that diverged mid-flight are best-effort
+        return {}
