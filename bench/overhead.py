@@ -89,7 +89,7 @@ def pb_batch1_pipeline(stages: list[nn.Module]) -> engine.Pipeline:
         optimizer=lambda p: engine.optim.SGD(
             p, lr=PB1_LR, momentum=MOMENTUM, spike_compensation=True, prediction="linear"
         ),
-        checkpoint="never", prediction="lwp",
+        checkpoint="never", weight_prediction="lwp",
     )
 
 

@@ -19,13 +19,24 @@ from engine._version import __version__
 _LAZY: dict[str, str] = {
     "WeightArena": "engine.arena",
     "flatten_": "engine.arena",
-    "Pipeline": "engine.runtime",
-    "save": "engine.checkpoint",
-    "load": "engine.checkpoint",
+    "Pipeline": "engine.runtime.pipeline",
+    "save": "engine.serialization",
+    "load": "engine.serialization",
     "optim": "engine.optim",
     "schedule": "engine.schedule",
     "partition": "engine.partition",
-    "info": "engine.info",
+    "testing": "engine.testing",
+    # every public exception, from the leaf module engine.errors
+    "ArenaError": "engine.errors",
+    "CheckpointError": "engine.errors",
+    "NonFiniteLossError": "engine.errors",
+    "NotFlushedError": "engine.errors",
+    "PeerError": "engine.errors",
+    "PipelineConfigError": "engine.errors",
+    "PipelineInputError": "engine.errors",
+    "ScheduleError": "engine.errors",
+    "ShapeAgreementError": "engine.errors",
+    "SlotError": "engine.errors",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -84,10 +84,10 @@ def configs(S: int) -> dict[str, dict[str, Any]]:
         "pb-lwp": dict(schedule="pb", optimizer=_sgd(prediction="linear"), checkpoint="never"),
         "pb-lwp-momentum": dict(schedule="pb", optimizer=_sgd(prediction="momentum")),
         "pb-spectrain": dict(
-            schedule="pb", prediction="spectrain", optimizer=_sgd(prediction="linear")
+            schedule="pb", weight_prediction="spectrain", optimizer=_sgd(prediction="linear")
         ),
         "pb-spectrain-reuse": dict(
-            schedule="pb", prediction="spectrain_reuse", optimizer=_sgd(prediction="linear")
+            schedule="pb", weight_prediction="spectrain_reuse", optimizer=_sgd(prediction="linear")
         ),
         "pb-pipemare-t2": dict(
             schedule="pb", optimizer=_sgd(discrepancy_correction=True), checkpoint="never"
@@ -121,7 +121,7 @@ def _train(
 def _local(
     S: int, kw: dict[str, Any], steps: int, B: int = 8, device: str = "cpu"
 ) -> tuple[Any, list[torch.Tensor]]:
-    from engine.runtime import Pipeline
+    from engine import Pipeline
 
     stages = [f().to(device) for f in stage_factories(S)]
     pipe = Pipeline(stages, loss_fn=nn.functional.mse_loss, **kw)
@@ -135,7 +135,7 @@ def phase_equal(
     rank: int, S: int, names: list[str] | None, transport: str = "gloo"
 ) -> dict[str, Any]:
     """Every configuration under gloo (or NCCL) vs the local run: weights and losses."""
-    from engine.runtime import Pipeline
+    from engine import Pipeline
 
     device = "cuda" if transport == "nccl" else "cpu"
 
@@ -170,8 +170,7 @@ def phase_equal(
                 "ref_delays": list(ref.delays),
                 "seconds": time.perf_counter() - t0,
                 # bookkeeping a rank keeps must not grow with the number of steps
-                "leftovers": len(pipe._executor.unit_clock.done)
-                + len(pipe._executor.inputs)
+                "leftovers": len(pipe._executor.inputs)
                 + len(pipe._rank.transport._sends),
             }
         except Exception:
@@ -193,7 +192,7 @@ def _held(pipe: Any) -> dict[str, int]:
 def phase_handles(rank: int, S: int, names: list[str], steps: int) -> dict[str, Any]:
     """Asynchronous schedules for ``steps`` steps without a flush: the works held after every
     step (they must not grow with the step count), then a flush and the local run's weights."""
-    from engine.runtime import Pipeline
+    from engine import Pipeline
 
     out: dict[str, Any] = {}
     for name in names:
@@ -221,7 +220,7 @@ def phase_handles(rank: int, S: int, names: list[str], steps: int) -> dict[str, 
             out[name] = {
                 "held": held,
                 "flushed": flushed,
-                "M": pipe.M,
+                "M": pipe.chunks,
                 "weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
                 "losses_equal": all(
                     torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)
@@ -237,7 +236,7 @@ def phase_handles(rank: int, S: int, names: list[str], steps: int) -> dict[str, 
 
 def phase_data_parallel(rank: int, S: int, R: int) -> dict[str, Any]:
     """R replicas x S stages vs one replica (local) with the R-times larger batch."""
-    from engine.runtime import Pipeline
+    from engine import Pipeline
 
     out: dict[str, Any] = {}
     B, M = 4, 2
@@ -287,7 +286,7 @@ def phase_data_parallel(rank: int, S: int, R: int) -> dict[str, Any]:
 def phase_balance(rank: int, S: int) -> dict[str, Any]:
     """balance="time" under gloo: rank 0 profiles and decides, every rank gets the same layer
     counts, and training equals the local run with those counts."""
-    from engine.runtime import Pipeline
+    from engine import Pipeline
 
     def model() -> nn.Sequential:
         torch.manual_seed(7)
@@ -324,7 +323,7 @@ def phase_balance(rank: int, S: int) -> dict[str, Any]:
 
 def phase_handshake_mismatch(rank: int, S: int) -> dict[str, Any]:
     """Stage 1 expects DIM+1 inputs: every rank raises the same error naming both ranks."""
-    from engine.runtime import Pipeline
+    from engine import Pipeline
 
     pipe = Pipeline(
         stage_factories(S, wrong_input_at=1),
@@ -352,7 +351,7 @@ def phase_handshake_mismatch(rank: int, S: int) -> dict[str, Any]:
 def phase_shape_change(rank: int, S: int) -> dict[str, Any]:
     """A later micro-batch of another shape: the sender names both ranks; the others stop
     within the timeout (terminal phase: the group is unusable afterwards)."""
-    from engine.runtime import Pipeline
+    from engine import Pipeline
 
     pipe = Pipeline(
         stage_factories(S),
@@ -378,7 +377,7 @@ def phase_shape_change(rank: int, S: int) -> dict[str, Any]:
 
 def phase_kill(rank: int, S: int, victim: int, timeout: float) -> dict[str, Any]:
     """``victim`` exits abruptly after 2 steps; survivors must raise naming a peer, in time."""
-    from engine.runtime import Pipeline
+    from engine import Pipeline
 
     pipe = Pipeline(
         stage_factories(S),
@@ -408,7 +407,7 @@ def phase_kill(rank: int, S: int, victim: int, timeout: float) -> dict[str, Any]
 def phase_stall(rank: int, S: int, victim: int, timeout: float) -> dict[str, Any]:
     """``victim`` stops answering (alive, asleep) for longer than the timeout: its neighbours
     raise after about ``timeout`` seconds naming it (terminal phase)."""
-    from engine.runtime import Pipeline
+    from engine import Pipeline
 
     pipe = Pipeline(
         stage_factories(S),

@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from engine.checkpoint import load, save
-from engine.runtime import CheckpointError, NotFlushedError, Pipeline
+from engine import Pipeline
+from engine.errors import CheckpointError, NotFlushedError
+from engine.serialization import load, save
 
 optim = pytest.importorskip("engine.optim")
 
@@ -25,7 +26,7 @@ CONFIGS = {
     "pb": dict(schedule="pb"),
     "pb-1f1b-k2": dict(schedule="pb", order="1f1b", update_size=2),
     "pb-lwp": dict(schedule="pb", opt=dict(prediction="linear")),
-    "pb-spectrain": dict(schedule="pb", prediction="spectrain", opt=dict(prediction="linear")),
+    "pb-spectrain": dict(schedule="pb", weight_prediction="spectrain", opt=dict(prediction="linear")),
     "pb-t2": dict(schedule="pb", opt=dict(discrepancy_correction=True)),
     "pb-sc-pipemarelr": dict(schedule="pb", opt=dict(spike_compensation=True), sched=True),
 }

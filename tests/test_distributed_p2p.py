@@ -43,7 +43,7 @@ def _counts(pipe: Any) -> dict[str, int]:
 
 
 def _run(rank: int) -> dict[str, Any]:
-    from engine.runtime import Pipeline
+    from engine import Pipeline
 
     out: dict[str, Any] = {}
     for name in ("gpipe", "1f1b-adam", "pb"):
@@ -60,7 +60,7 @@ def _run(rank: int) -> dict[str, Any]:
             pipe.step(x, y)
             per_step.append(_counts(pipe))
         pipe.flush()
-        out[name] = {"steps": per_step, "flushed": _counts(pipe), "M": pipe.M}
+        out[name] = {"steps": per_step, "flushed": _counts(pipe), "M": pipe.chunks}
     return out
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from engine.runtime import Pipeline
+from engine import Pipeline
 
 
 def _stages(S: int, d: int = 4, seed: int = 0) -> list[nn.Module]:

@@ -14,7 +14,7 @@ import torch
 from test_runtime_support import probe_stages, reads
 from torch import nn
 
-from engine.runtime import Pipeline
+from engine import Pipeline
 
 pytestmark = pytest.mark.cuda
 
@@ -26,8 +26,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "2bw": dict(schedule="2bw"),
     "pb": dict(schedule="pb", checkpoint="never"),
     "pb-1f1b-k2": dict(schedule="pb", order="1f1b", update_size=2),
-    "pb-lwp": dict(schedule="pb", prediction="lwp"),
-    "pb-spectrain": dict(schedule="pb", prediction="spectrain"),
+    "pb-lwp": dict(schedule="pb", weight_prediction="lwp"),
+    "pb-spectrain": dict(schedule="pb", weight_prediction="spectrain"),
     "pb-t2": dict(schedule="pb", discrepancy_correction=True, checkpoint="never"),
 }
 
@@ -61,7 +61,7 @@ def _run(name: str, device: str, S: int = 4, M: int = 4, steps: int = 6):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_gpu_streams_keep_the_cpu_semantics(name: str) -> None:
     gpu, gprobes, glosses = _run(name, "cuda")
-    assert gpu._executor.streams is not None and len(gpu._executor.streams) == gpu.S
+    assert gpu._executor.streams is not None and len(gpu._executor.streams) == gpu.num_stages
     cpu, cprobes, closses = _run(name, "cpu")
     for s in range(cpu.S):
         assert gpu.stages[s].records == cpu.stages[s].records, f"stage {s}: versions differ"

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.runtime import Pipeline, PipelineConfigError
+from engine import Pipeline
+from engine.errors import PipelineConfigError
 
 
 def _factories(S: int):
@@ -87,5 +88,5 @@ def test_local_pipeline_refuses_whole_pipeline_checkpoints_only_when_distributed
         loss_fn=nn.functional.mse_loss,
         optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
     )
-    assert pipe.layout is None and not pipe.distributed
+    assert pipe.layout is None and not pipe.config.distributed
     assert "stages" in pipe.state_dict()

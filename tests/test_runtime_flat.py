@@ -1,9 +1,9 @@
-"""A flattened stage is updated with one optimizer call per arena bucket, and the result equals
-the per-tensor path bit for bit (CPU, reference path).
+"""A stage's optimizer steps the arena's flat buffers: one update call per bucket, the buckets
+follow the optimizer's param groups, and the result equals the per-tensor path bit for bit
+(CPU, reference path).
 
-The pipeline hands its stage optimizers *shadow* Parameters that share the arena's live
-storage (so an update never bumps the module Parameters' autograd version counters);
-``engine.arena.flat_buffers_for`` recognises them by storage.
+The runtime hands each stage optimizer its flat buffers explicitly
+(``DelayOptimizer.bind_flat``): no registry lookups, no gradient copies per step.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import engine.optim as eo
+from engine import Pipeline
 from engine.arena import flat_buffers_for
-from engine.runtime import Pipeline
 
 pytest.importorskip("engine._C")
 
@@ -26,18 +26,14 @@ def _stages() -> list[nn.Module]:
     return [nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 5)) for _ in range(S)]
 
 
-def _run(schedule: str, weights: str, opt, steps: int = 4, **kw):
+def _run(schedule: str, opt, *, flat: bool = True, steps: int = 4, **kw):
     pipe = Pipeline(
-        _stages(),
-        schedule=schedule,
-        chunks=M,
-        loss_fn=nn.functional.mse_loss,
-        optimizer=opt,
-        weights=weights,
-        **kw,
+        _stages(), schedule=schedule, chunks=M, loss_fn=nn.functional.mse_loss, optimizer=opt, **kw
     )
     calls = [0] * S
     for st in pipe.stages:
+        if not flat:
+            st.optimizer.bind_flat([])  # unbound: the per-tensor path
         orig = st.optimizer._call_update
 
         def counted(*a, _s=st.index, _orig=orig, **k):
@@ -61,10 +57,10 @@ OPTS = {
 
 
 @pytest.mark.parametrize("opt", sorted(OPTS))
-@pytest.mark.parametrize("schedule", ["gpipe", "pipedream", "pb"])
+@pytest.mark.parametrize("schedule", ["gpipe", "pipedream", "2bw", "pb"])
 def test_one_call_per_bucket_and_bitwise_equal(schedule: str, opt: str) -> None:
-    pipe, calls, flat = _run(schedule, "arena", OPTS[opt])
-    _, calls_t, per_tensor = _run(schedule, "torch", OPTS[opt])
+    pipe, calls, flat = _run(schedule, OPTS[opt])
+    _, calls_t, per_tensor = _run(schedule, OPTS[opt], flat=False)
     updates = [st.updates for st in pipe.stages]
     # one bucket per stage (one dtype, one group): one update call per optimizer step
     for st in pipe.stages:
@@ -76,17 +72,34 @@ def test_one_call_per_bucket_and_bitwise_equal(schedule: str, opt: str) -> None:
         assert torch.equal(a, b)
 
 
-def test_flat_buffers_for_accepts_storage_aliases_only() -> None:
-    pipe, _, _ = _run("gpipe", "arena", OPTS["sgd"], steps=1)
+def test_param_groups_become_buckets() -> None:
+    """No weight decay on biases: two groups, two buckets, two calls per update."""
+
+    def opt(params):
+        decay = [p for p in params if p.dim() > 1]
+        rest = [p for p in params if p.dim() <= 1]
+        return eo.AdamW(
+            [{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-2, fused=False
+        )
+
+    pipe, calls, flat = _run("1f1b", opt)
+    _, calls_t, per_tensor = _run("1f1b", opt, flat=False)
+    for st in pipe.stages:
+        assert len(st.store.arena.buckets) == 2
+        assert [b.group for b in st.store.arena.buckets] == [0, 1]
+    assert calls == [2 * st.updates for st in pipe.stages]
+    for a, b in zip(flat, per_tensor, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_flat_buffers_are_handed_over_not_looked_up() -> None:
+    pipe, _, _ = _run("gpipe", OPTS["sgd"], steps=1)
     st = pipe.stages[0]
-    shadow = st.shadow
-    fv = flat_buffers_for(shadow)
-    assert fv is not None and fv.params == tuple(shadow)
-    assert fv.param.data_ptr() == st.store.arena.flat_param(0).data_ptr()
-    assert flat_buffers_for(shadow) is fv  # cached per tuple of tensors
-    assert flat_buffers_for(shadow[:2]) is None  # a subset
-    assert flat_buffers_for(shadow[::-1]) is None  # another order
-    clones = [nn.Parameter(p.detach().clone()) for p in shadow]
-    assert flat_buffers_for(clones) is None  # same values, other storage
-    wrong_shape = [nn.Parameter(shadow[0].detach().view(-1))] + shadow[1:]
-    assert flat_buffers_for(wrong_shape) is None
+    (binding,) = st.optimizer._bindings[0]
+    assert binding.view is st.store.arena.flat_view(0)
+    assert binding.params == tuple(st.store.shadow)
+    assert flat_buffers_for(st.store.shadow) is None  # no storage-alias registry any more
+    # gradients live in the flat buffer for the stage's life (no copy, no allocation)
+    grads = [p.grad for p in st.module.parameters()]
+    flat_grad = st.store.arena.flat_grad(0)
+    assert all(g.untyped_storage().data_ptr() == flat_grad.untyped_storage().data_ptr() for g in grads)

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from torch import nn
 
-import engine.runtime.executor as executor_mod
 import engine.runtime.stage as stage_mod
 from engine import Pipeline
 
@@ -35,7 +34,6 @@ def test_no_record_function_without_a_profiler(monkeypatch: Any) -> None:
         return real(name)
 
     monkeypatch.setattr(stage_mod, "record_function", counting)
-    monkeypatch.setattr(executor_mod, "record_function", counting)
     pipe = _pipe()
     pipe.step(torch.randn(4, 4), torch.randn(4, 2))
     assert calls == []

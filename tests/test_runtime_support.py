@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.runtime import Pipeline, Probe
+from engine import Pipeline
+from engine.testing import Probe
 
 D = 3
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.runtime import Pipeline
+from engine import Pipeline
 
 CASES = [(S, M) for S in (1, 2, 3, 4) for M in sorted({1, S, 2 * S + 1})]
 
@@ -167,9 +167,9 @@ def test_automatic_balance() -> None:
         loss_fn=nn.functional.mse_loss,
         optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
     )
-    assert pipe.S == 2 and sum(len(st.module) for st in pipe.stages) == 5
+    assert pipe.num_stages == 2 and sum(len(st.module) for st in pipe.stages) == 5
     pipe.step(torch.randn(4, 4), torch.randn(4, 1))
-    from engine.runtime import PipelineConfigError
+    from engine.errors import PipelineConfigError
 
     with pytest.raises(PipelineConfigError, match="num_stages=S and sample="):
         Pipeline(

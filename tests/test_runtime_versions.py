@@ -46,7 +46,7 @@ def expected(
 
 def run(S: int, M: int, schedule: str, opt, steps: int | None = None, **kw):
     pipe, probes, hist = make_pipe(S, schedule, M, opt, **kw)
-    k = pipe.k
+    k = pipe.update_size
     steps = steps or max(3, math.ceil((2 * S + 2 * k + 1) / M))
     g = torch.Generator().manual_seed(5)
     for _ in range(steps):
@@ -56,7 +56,7 @@ def run(S: int, M: int, schedule: str, opt, steps: int | None = None, **kw):
 
 
 def check_versions(pipe, got, hist, N, schedule, order=None, f_value=None, b_value=None) -> None:
-    S, M, k = pipe.S, pipe.M, pipe.k
+    S, M, k = pipe.num_stages, pipe.chunks, pipe.update_size
     for s in range(S):
         for n in range(N):
             tF, tB, upd = expected(schedule, order, S, M, k, s, n)
@@ -167,7 +167,7 @@ def test_lwp(S: int, M: int, mode: str) -> None:
     pipe, got, hist, N = run(
         S, M, "pb", lambda p: optim.SGD(p, lr=LR, momentum=MOM, prediction=mode), checkpoint=ck
     )
-    assert pipe.prediction == "lwp"
+    assert pipe.weight_prediction == "lwp"
     D = pipe.delays
     assert [st.optimizer.param_groups[0]["delay"] for st in pipe.stages] == D
     check_versions(pipe, got, hist, N, "pb", f_value=lambda s, t: _pred(hist, s, t, D[s], mode))
@@ -182,7 +182,7 @@ def test_spectrain(S: int, M: int, variant: str) -> None:
         M,
         "pb",
         lambda p: optim.SGD(p, lr=LR, momentum=MOM, prediction="linear"),
-        prediction=variant,
+        weight_prediction=variant,
         checkpoint=ck,
     )
 
@@ -248,7 +248,7 @@ def test_t2_runtime_fallback_equals_engine_optimizer() -> None:
 
 def test_lwp_runtime_fallback_equals_engine_optimizer() -> None:
     a, *_ = run(3, 3, "pb", lambda p: optim.SGD(p, lr=LR, momentum=MOM, prediction="linear"))
-    b, *_ = run(3, 3, "pb", lambda p: SGD(p, lr=LR, momentum=MOM), prediction="lwp")
+    b, *_ = run(3, 3, "pb", lambda p: SGD(p, lr=LR, momentum=MOM), weight_prediction="lwp")
     for sa, sb in zip(a.stages, b.stages, strict=False):
         for pa, pb_ in zip(sa.module.parameters(), sb.module.parameters(), strict=False):
             torch.testing.assert_close(pa, pb_, rtol=1e-5, atol=1e-6)
@@ -341,4 +341,4 @@ def test_versions_with_flushes_anywhere(schedule, S, M, k, plan, checkpoint) -> 
                 assert torch.equal(wf, hist.w[s][base + tF])
                 want_b = hist.w[s][base + (tF if schedule in ("pipedream", "2bw") else tB)]
                 torch.testing.assert_close(wb, want_b, rtol=0, atol=0)
-        assert all(len(stage.stash) == 0 and stage.store.slots == [] for stage in pipe.stages)
+        assert all(len(stage.stash) == 0 and stage.store.versions_held == 1 for stage in pipe.stages)

@@ -97,7 +97,7 @@ def test_one_f_one_b_warm_up() -> None:
         (
             dict(name="2bw", stages=4, chunks=3),
             ValueError,
-            r"2bw needs chunks M >= stages S, got M=3 < S=4.*chunks >= 4.*pipedream",
+            r"2bw needs chunks >= stages \(M >= S\), got M=3 < S=4.*chunks >= 4.*pipedream",
         ),
         (dict(name="gpipe", stages=0, chunks=3), ValueError, "stages must be >= 1, got 0"),
         (dict(name="gpipe", stages=2, chunks=0), ValueError, "chunks must be >= 1, got 0"),

@@ -10,8 +10,8 @@ cached :class:`FlatView` that optimizers receive every step.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +19,6 @@ import torch
 from engine.arena import l2
 from engine.arena.core import ArenaError, SlotError
 from engine.arena.double_buffer import DoubleBuffer
-from engine.arena.registry import repoint
 from engine.arena.views import BucketInfo, FlatView, L2Persistence, _rebind
 
 
@@ -38,7 +37,6 @@ class _Bucket:
     ptrs: list[int]
     grad_ptrs: list[int]
     flat_view: FlatView
-    aliases: dict[tuple[int, ...], FlatView] = field(default_factory=dict)
 
 
 class WeightArena:
@@ -58,7 +56,7 @@ class WeightArena:
         self.params: list[torch.Tensor] = []
         self.names: list[str] = []
         self._place: list[tuple[int, int]] = []  # arena index -> (bucket, position)
-        self._ptr_keys: list[tuple[int, int]] = []  # registry keys, see registry.register
+        self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, position)
         self._using = 0  # depth of use() contexts: swap_live is refused inside them
 
     def __repr__(self) -> str:
@@ -103,6 +101,27 @@ class WeightArena:
         object stays the same for the arena's life; :meth:`swap_live` updates its
         ``param`` to the new live buffer."""
         return self._buckets[self._check_bucket(bucket)].flat_view
+
+    def flat_view_for(self, params: Sequence[torch.Tensor]) -> FlatView | None:
+        """The :class:`FlatView` of the bucket whose parameters are exactly ``params`` (the
+        same objects, in bucket order, each still viewing the live buffer), else None. On
+        CUDA the current stream first waits for snapshot copies still reading live (the
+        caller is about to write it)."""
+        if not params:
+            return None
+        where = self._where.get(id(params[0]))
+        if where is None:
+            return None
+        bucket = self._buckets[where[0]]
+        members = bucket.params
+        if len(params) != len(members):
+            return None
+        for p, q, ptr in zip(params, members, bucket.ptrs, strict=True):
+            if p is not q or p.data_ptr() != ptr:
+                return None
+        if bucket.device.type == "cuda":
+            self._core.wait_all(self._stream(None))
+        return bucket.flat_view
 
     def live_views(self) -> list[torch.Tensor]:
         """The live weights, one view per parameter in arena order (what ``p.data`` is,
@@ -249,8 +268,6 @@ class WeightArena:
                 b.live_views = live
                 b.ptrs = new
                 b.flat_view.param = self._core.bucket_param(b.index)
-                b.aliases.clear()  # aliases view the old live memory: not this bucket any more
-                repoint(self, b.index, old[0], new[0])
 
     def trim_pool(self) -> int:
         """Give the pooled buffers of freed slots back to torch's allocator; returns the

@@ -156,7 +156,7 @@ def build_pipeline(
         checkpoint=cfg.checkpoint,
         update_size=cfg.update_size if cfg.schedule in ("pb", "pipedream") else None,
         order=cfg.order,
-        prediction=cfg.prediction,
+        weight_prediction=cfg.prediction,
         discrepancy_correction=cfg.discrepancy_correction or None,
         correction_decay=cfg.correction_decay,
         lr_scheduler=scheduler,

@@ -161,9 +161,10 @@ class _AdamBase(DelayOptimizer):
             return float(horizon)
         return _functional().prediction_coeff("momentum", 1.0, group["betas"][0], horizon)
 
-    def _prediction_direction_and_coeff(self, group: dict[str, Any], p: Tensor, horizon: float) -> tuple[Tensor | None, float]:
-        last = self.state[p].get("last_update") if p in self.state else None
-        return last, self._adam_horizon(group, horizon)
+    _direction_key = "last_update"
+
+    def _prediction_coeff(self, group: dict[str, Any], horizon: float) -> float:
+        return self._adam_horizon(group, horizon)
 
 
 class Adam(_AdamBase):

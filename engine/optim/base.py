@@ -1,22 +1,20 @@
-"""Shared machinery of the delay-aware optimizers: options, validation, dispatch, state.
+"""Shared machinery of the delay-aware optimizers: validation, dispatch, flat buffers, state.
 
 Every engine optimizer is a ``torch.optim.Optimizer`` subclass whose update rule lives in two
 interchangeable places: ``engine.optim.functional`` (plain torch, in place, the readable
 reference that equals torch.optim bit for bit with the extra options off) and
-``triton_kernels`` (fused Triton kernels with the same signatures). This module decides, per
-param group and step, which of the two runs and over what tensors:
+``triton_kernels`` (fused Triton kernels with the same signatures; chosen in
+:mod:`engine.optim.dispatch`). This module decides, per param group and step, which of the
+two runs and over what tensors:
 
 * ``fused=None`` runs Triton when the group's tensors live on CUDA and the reference path
   otherwise; ``fused=True`` always runs Triton (on CPU through ``TRITON_INTERPRET=1``);
   ``fused=False`` always runs the reference path.
-* When a group's params are exactly one bucket of the C++ weight arena
-  (``engine.arena.flat_buffers_for``), the update is ONE call over the flat buffer with flat
-  state buffers; each param's state entry is a view into the flat state, so ``state_dict``
-  keeps torch's per-param layout. Otherwise there is one call per tensor.
-
-Delay-related options (``delay``, ``spike_compensation``, ``prediction``,
-``prediction_horizon``, ``discrepancy_correction``, ``correction_decay``) are per-param-group
-defaults like ``lr``, because the pipeline sets each stage's delay on its group.
+* A group whose parameters are bound to flat buffers (:mod:`engine.optim.flat`: handed over
+  by the pipeline runtime, or found through ``engine.flatten_``'s arena link) is updated with
+  ONE call per flat buffer, with flat state buffers; each param's state entry is a view into
+  the flat state, so ``state_dict`` keeps torch's per-param layout. Otherwise there is one
+  call per tensor.
 
 Learning-rate rescaling (PipeMare T1, see ``lr_scheduler.PipeMareLR``) is a per-group
 multiplier ``group["lr_scale"]`` applied at step time: the update uses
@@ -26,11 +24,7 @@ lets PipeMareLR chain with StepLR/OneCycleLR, which own ``group["lr"]``.
 
 from __future__ import annotations
 
-import math
-import numbers
 import os
-import sys
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,36 +32,28 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["DelayOptimizer", "PREDICTION_MODES"]
+from engine.optim import functional
+from engine.optim.computed import ComputedWeights
+from engine.optim.dispatch import kernels, use_fused
+from engine.optim.flat import FlatBinding, arena_binding
+from engine.optim.options import (
+    DELAY_DEFAULTS,
+    PREDICTION_MODES,
+    check_delay_options,
+    is_real_number,
+)
 
-#: Valid values of the ``prediction`` option (public API, see ALGORITHMS.md).
-PREDICTION_MODES: tuple[str, ...] = ("linear", "momentum")
+__all__ = ["DelayOptimizer", "PREDICTION_MODES", "DELAY_DEFAULTS"]
 
-# Options every engine optimizer understands, with their defaults.
-DELAY_DEFAULTS: dict[str, Any] = {
-    "delay": 0,
-    "spike_compensation": False,
-    "prediction": None,
-    "prediction_horizon": None,
-    "discrepancy_correction": False,
-    "correction_decay": 0.1,
-    "fused": None,
-}
+# kept for the subclasses' imports
+_is_real_number = is_real_number
 
 
 def _functional() -> Any:
-    """The reference math layer; imported on first use so that ``import engine.optim`` never
-    depends on it being importable (it is plain torch, but keeps start-up cheap)."""
-    from engine.optim import functional
-
     return functional
 
 
-def _is_real_number(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-class DelayOptimizer(Optimizer):
+class DelayOptimizer(ComputedWeights, Optimizer):
     """Base class of ``engine.optim.SGD``, ``Adam`` and ``AdamW``.
 
     Subclasses provide the family name (``"sgd"`` / ``"adam"``), the per-param state keys a
@@ -82,7 +68,7 @@ class DelayOptimizer(Optimizer):
     # update when found_inf != 0, on the device, without a host sync.
     _step_supports_amp_scaling = True
 
-    _family: str = ""  # "sgd" or "adam": picks triton_kernels.<family>
+    _family: str = ""  # "sgd" or "adam": picks the update functions
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         # Check the defaults before torch stores anything, so a bad keyword fails with the
@@ -90,8 +76,11 @@ class DelayOptimizer(Optimizer):
         self._check_options(defaults, where="")
         self._predicted: dict[Tensor, Tensor] = {}
         self._predicted_setting: dict[Tensor, tuple[Any, ...]] = {}
-        self._flat_cache: dict[int, dict[str, Tensor]] = {}
-        self._arena_warned = False
+        self._bindings: dict[int, list[FlatBinding]] = {}  # group -> explicit bindings
+        self._bind_order: list[tuple[int, FlatBinding]] = []
+        self._auto: dict[int, tuple[tuple[int, ...], list[FlatBinding]]] = {}
+        self._checked: dict[int, tuple[int, ...]] = {}  # group -> param ids validated
+        self.last_step_predicted = False
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ validation
@@ -99,61 +88,7 @@ class DelayOptimizer(Optimizer):
     def _check_options(self, group: dict[str, Any], where: str) -> None:
         """Raise a ValueError naming the option, its value and ``where`` (the group) if any
         option of ``group`` is out of range. Subclasses extend it with their own options."""
-        lr = group["lr"]
-        if isinstance(lr, Tensor):
-            if lr.numel() != 1:
-                raise ValueError(f"{where}lr must be a float or a 1-element tensor, got shape {tuple(lr.shape)}")
-            lr_value = float(lr.detach())
-        elif _is_real_number(lr):
-            lr_value = float(lr)
-        else:
-            raise TypeError(f"{where}lr must be a float, got {type(lr).__name__} {lr!r}")
-        if not lr_value >= 0.0:
-            raise ValueError(f"{where}lr={lr!r} is invalid: the learning rate must be >= 0")
-        scale = group.get("lr_scale", 1.0)
-        if not (_is_real_number(scale) and scale >= 0.0):
-            raise ValueError(f"{where}lr_scale={scale!r} is invalid: it must be a float >= 0 (PipeMareLR sets it)")
-        wd = group["weight_decay"]
-        if not (_is_real_number(wd) and wd >= 0.0):
-            raise ValueError(f"{where}weight_decay={wd!r} is invalid: it must be a float >= 0")
-        delay = group["delay"]
-        if not isinstance(delay, numbers.Integral) or isinstance(delay, bool):
-            raise TypeError(
-                f"{where}delay={delay!r} is invalid: the delay is a whole number of updates (an int >= 0)"
-            )
-        if delay < 0:
-            raise ValueError(
-                f"{where}delay={delay!r} is invalid: the delay counts updates applied between a forward "
-                "and the update of its gradient, so it must be >= 0"
-            )
-        mode = group["prediction"]
-        if mode is not None and mode not in PREDICTION_MODES:
-            raise ValueError(
-                f"{where}prediction={mode!r} is not a prediction mode; valid values are None, "
-                + ", ".join(repr(m) for m in PREDICTION_MODES)
-            )
-        horizon = group["prediction_horizon"]
-        if horizon is not None and not (_is_real_number(horizon) and horizon >= 0 and math.isfinite(horizon)):
-            raise ValueError(
-                f"{where}prediction_horizon={horizon!r} is invalid: use None (the group's delay) or a number >= 0"
-            )
-        if mode == "momentum" and horizon is not None and int(horizon) != horizon:
-            raise ValueError(
-                f"{where}prediction_horizon={horizon!r} is invalid for prediction='momentum': it "
-                "sums m + m^2 + ... + m^H, so H must be a whole number (or use 'linear')"
-            )
-        decay = group["correction_decay"]
-        if not (_is_real_number(decay) and 0.0 < decay < 1.0):
-            raise ValueError(
-                f"{where}correction_decay={decay!r} is invalid: PipeMare's D_decay must lie in (0, 1) "
-                "(gamma = D_decay ** (1 / delay))"
-            )
-        fused = group["fused"]
-        if fused not in (None, True, False):
-            raise ValueError(f"{where}fused={fused!r} is invalid: use None (auto), True or False")
-        for name in ("maximize", "spike_compensation", "discrepancy_correction"):
-            if not isinstance(group[name], bool):
-                raise TypeError(f"{where}{name}={group[name]!r} is invalid: it must be True or False")
+        check_delay_options(group, where)
 
     def _check_group(self, group: dict[str, Any], index: int) -> None:
         """Options plus the checks that need the group's tensors."""
@@ -194,12 +129,23 @@ class DelayOptimizer(Optimizer):
         merged = {**self.defaults, **param_group, "params": tensors}
         self._check_group(merged, len(getattr(self, "param_groups", [])))
         super().add_param_group(param_group)
+        if hasattr(self, "_checked"):
+            self._checked.clear()
+            self._auto.clear()
 
     def _check_before_step(self) -> None:
         """All checks of a step, run for every group before any group is updated so that a
-        bad group (or sparse gradient) never leaves the optimizer half-stepped."""
+        bad group (or sparse gradient) never leaves the optimizer half-stepped. The
+        per-parameter checks run again only when a group's parameters change."""
         for i, group in enumerate(self.param_groups):
-            self._check_group(group, i)
+            ids = tuple(map(id, group["params"]))
+            if self._checked.get(i) != ids:
+                self._check_group(group, i)
+                self._checked[i] = ids
+            else:
+                self._check_options(group, f"param_groups[{i}]: ")
+            if i in self._bindings:
+                continue  # bound buckets hold dense flat gradients by construction
             for j, p in enumerate(group["params"]):
                 if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError(
@@ -262,9 +208,53 @@ class DelayOptimizer(Optimizer):
         """Run ``fn`` (reference or fused update) over one tensor or one flat buffer."""
         raise NotImplementedError
 
-    def _prediction_direction_and_coeff(self, group: dict[str, Any], p: Tensor, horizon: float) -> tuple[Tensor | None, float]:
-        """Direction and coefficient with w_hat = w - coeff * direction (None: no direction yet)."""
-        raise NotImplementedError
+    # ------------------------------------------------------------------ flat buffers
+
+    def bind_flat(self, bindings: Sequence[FlatBinding]) -> None:
+        """Update the tensors of each binding with one call over its flat buffers.
+
+        Every binding's ``params`` must be tensors of one param group of this optimizer, in
+        the flat buffer's order. Called by the pipeline runtime once per stage; validated
+        here, so that a step never needs to look anything up."""
+        where: dict[int, int] = {}
+        for g, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                where[id(p)] = g
+        grouped: dict[int, list[FlatBinding]] = {}
+        order: list[tuple[int, FlatBinding]] = []
+        for k, b in enumerate(bindings):
+            b.check()
+            gs = {where.get(id(p)) for p in b.params}
+            if None in gs or len(gs) != 1:
+                raise ValueError(
+                    f"flat binding {k} holds tensors of {'no' if None in gs else 'several'} "
+                    "param group(s) of this optimizer; a binding must hold tensors of exactly "
+                    "one group"
+                )
+            g = gs.pop()
+            assert g is not None
+            b.grad_views = tuple(b.view._grad_views) if b.view.grad is not None else ()
+            b.state = {}
+            b.initialized = False
+            grouped.setdefault(g, []).append(b)
+            order.append((g, b))
+        self._bindings = grouped
+        self._bind_order = order
+        self._auto.clear()
+
+    def _group_bindings(self, index: int, group: dict[str, Any]) -> list[FlatBinding]:
+        explicit = self._bindings.get(index)
+        if explicit is not None:
+            return explicit
+        params = group["params"]
+        ids = tuple(map(id, params))
+        cached = self._auto.get(index)
+        if cached is not None and cached[0] == ids:
+            return cached[1]
+        found = arena_binding(list(params))
+        result = [found] if found is not None else []
+        self._auto[index] = (ids, result)
+        return result
 
     # ------------------------------------------------------------------ step
 
@@ -294,38 +284,38 @@ class DelayOptimizer(Optimizer):
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
         self._check_before_step()
+        wrote = True
         for index, group in enumerate(self.param_groups):
-            self._step_group(index, group, grad_scale, found_inf)
+            wrote &= self._step_group(index, group, grad_scale, found_inf)
+        self.last_step_predicted = wrote
         return loss
-
-    def _use_fused(self, group: dict[str, Any], tensors: Sequence[Tensor]) -> bool:
-        fused = group["fused"]
-        if fused is None:
-            return len(tensors) > 0 and all(t.device.type == "cuda" for t in tensors)
-        return bool(fused)
-
-    def _kernels(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        """(reference, fused) update functions of this family; the fused one is imported on
-        first use so CPU-only users never import Triton."""
-        ref = getattr(_functional(), f"{self._family}_update")
-        return ref, _FusedLoader(self._family)
 
     def _step_group(
         self, index: int, group: dict[str, Any], grad_scale: Tensor | None, found_inf: Tensor | None
-    ) -> None:
+    ) -> bool:
+        """Update one group; returns False when a binding with a ``predicted`` buffer was not
+        stepped as a whole (so that buffer was not written)."""
         params = [p for p in group["params"] if p.grad is not None]
+        bindings = self._group_bindings(index, group)
         if not params:
-            return
+            return all(b.predicted is None for b in bindings)
         if group["prediction"] is not None:
             # Predictions extrapolate with the lr of the step that produced their direction, also
             # when recomputed later (other horizon, after load_state_dict): a group key, so it
             # is saved with the state_dict and a resumed run predicts exactly as before.
             group["prediction_lr"] = self.effective_lr(group)
-        ref, fused = self._kernels()
-        use_fused = self._use_fused(group, params)
-        if self._try_flat_step(index, group, ref, fused, use_fused, grad_scale, found_inf):
-            return
+        ref, fused = kernels(self._family)
+        fuse = use_fused(group, params)
+        done: set[int] = set()
+        wrote = True
+        for b in bindings:
+            if self._flat_step(group, b, ref, fused, fuse, grad_scale, found_inf):
+                done.update(map(id, b.params))
+            elif b.predicted is not None:
+                wrote = False
         for p in params:
+            if id(p) in done:
+                continue
             state = self.state[p]
             init = self._ensure_state(group, p, state)
             predicted = self._predicted_buffer(group, p, p)
@@ -334,10 +324,11 @@ class DelayOptimizer(Optimizer):
             # count must still advance, as torch's does).
             tensors = {k: state[k] for k in self._state_keys(group)}
             contiguous = p.is_contiguous() and p.grad.is_contiguous() and all(t.is_contiguous() for t in tensors.values())
-            fn = fused if (use_fused and p.numel() > 0 and contiguous) else ref
+            fn = fused if (fuse and p.numel() > 0 and contiguous) else ref
             if "step" in state:
                 tensors["step"] = state["step"]
             self._call_update(fn, group, p, p.grad, tensors, init, predicted, grad_scale, found_inf)
+        return wrote
 
     def _new_state_tensor(self, p: Tensor) -> Tensor:
         """Zero state shaped like ``p``. State is fp32 whatever the param dtype (the math
@@ -349,92 +340,85 @@ class DelayOptimizer(Optimizer):
         (SGD then initialises its momentum buffer to g', as torch does)."""
         raise NotImplementedError
 
-    def _predicted_buffer(self, group: dict[str, Any], p: Tensor, like: Tensor) -> Tensor | None:
-        """The buffer the update writes w_hat into (default horizon), or None."""
-        if group["prediction"] is None:
-            self._predicted.pop(p, None)
-            return None
-        buf = self._predicted.get(p)
-        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype or buf.device != like.device:
-            buf = torch.empty_like(like, memory_format=torch.contiguous_format)
-            self._predicted[p] = buf
-        self._predicted_setting[p] = (group["prediction"], self._horizon(group))
-        return buf
+    # ------------------------------------------------------------------ flat path
 
-    # ------------------------------------------------------------------ flat (arena) path
-
-    def _flat_view(self, group: dict[str, Any]) -> Any | None:
-        """The arena's FlatView of this group, or None. Consulted only when the user already
-        imported engine.arena (plain models never load the extension); any failure of the
-        extension falls back to the per-tensor path with one warning, never breaks a step."""
-        arena = sys.modules.get("engine.arena")
-        if arena is None:
-            return None
-        try:
-            return arena.flat_buffers_for(group["params"])
-        except Exception as exc:  # noqa: BLE001 - a broken extension must not break the drop-in
-            if not self._arena_warned:
-                self._arena_warned = True
-                warnings.warn(
-                    f"engine.arena.flat_buffers_for failed ({type(exc).__name__}: {exc}); "
-                    "updating tensor by tensor instead",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-            return None
-
-    def _try_flat_step(
+    def _flat_step(
         self,
-        index: int,
         group: dict[str, Any],
+        b: FlatBinding,
         ref: Callable[..., Any],
         fused: Callable[..., Any],
-        use_fused: bool,
+        fuse: bool,
         grad_scale: Tensor | None,
         found_inf: Tensor | None,
     ) -> bool:
-        """One update over the group's flat buffer; False when the group does not qualify.
+        """One update over a binding's flat buffers; False when it does not qualify.
 
-        It qualifies when its params are one arena bucket, every param has a grad (torch skips
-        params without grads; the flat update would move them through weight decay and
-        momentum), and all params are at the same point of their life (all fresh or all
-        stepped), since one call has one ``init_momentum`` flag and one step count.
+        It qualifies when every tensor of the binding has a gradient in the flat gradient
+        buffer (torch skips tensors without grads; the flat update would move them through
+        weight decay and momentum) and all of them are at the same point of their life (all
+        fresh or all stepped), since one call has one ``init_momentum`` flag and one step
+        count. Once a binding has been stepped whole, only the gradient check runs per step.
         """
-        params = group["params"]
-        if not params or any(p.grad is None for p in params):
+        view = b.view
+        if view.grad is None:
             return False
-        fv = self._flat_view(group)
-        if fv is None:
-            return False
-        fresh = [self._is_fresh(group, self.state[p]) for p in params]
-        if any(fresh) and not all(fresh):
-            return False
-        if not fv.grads_are_views():
-            fv.rebind_grads()
-        if fv.grad is None:
-            return False
-        step = self._flat_step_tensor(group, params) if self._family == "adam" else None
-        if self._family == "adam" and step is None:
-            return False
-        init = all(fresh)
-        flat = self._flat_state(index, group, fv, params)
-        if step is not None:
+        params = b.params
+        for p in params:
+            if p.grad is None:
+                return False
+        if not b.grads_in_buffer():
+            b.rebind_grads()
+        if b.initialized:
+            init = False
+        else:
+            fresh = [self._is_fresh(group, self.state[p]) for p in params]
+            if any(fresh) and not all(fresh):
+                return False
+            init = all(fresh)
+        flat = self._binding_state(group, b)
+        if self._family == "adam":
+            step = flat.get("step") if b.initialized else self._flat_step_tensor(group, list(params))
+            if step is None:
+                return False
             flat["step"] = step
         predicted = None
         if group["prediction"] is not None:
-            predicted = flat.setdefault("predicted", torch.zeros_like(fv.param))
-            if predicted.shape != fv.param.shape or predicted.dtype != fv.param.dtype:
-                predicted = flat["predicted"] = torch.zeros_like(fv.param)
-            setting = (group["prediction"], self._horizon(group))
-            for p, off, n in zip(params, fv.offsets, fv.numels, strict=True):
-                self._predicted[p] = predicted[off : off + n].view_as(p)
-                self._predicted_setting[p] = setting
-        fn = fused if use_fused and fv.param.numel() > 0 else ref
+            predicted = b.predicted
+            if predicted is None:
+                predicted = flat.get("predicted")
+                if predicted is None or predicted.shape != view.param.shape:
+                    predicted = torch.empty_like(view.param)
+                    flat["predicted"] = predicted
+            if b.state.get("_pred_target") is not predicted:
+                setting = (group["prediction"], self._horizon(group))
+                for p, off, n in zip(params, view.offsets, view.numels, strict=True):
+                    self._predicted[p] = predicted[off : off + n].view_as(p)
+                    self._predicted_setting[p] = setting
+                b.state["_pred_target"] = predicted
+        fn = fused if fuse and view.param.numel() > 0 else ref
         tensors = {k: flat[k] for k in self._state_keys(group)}
-        if step is not None:
-            tensors["step"] = step
-        self._call_update(fn, group, fv.param, fv.grad, tensors, init, predicted, grad_scale, found_inf)
+        if "step" in flat:
+            tensors["step"] = flat["step"]
+        self._call_update(fn, group, view.param, view.grad, tensors, init, predicted, grad_scale, found_inf)
+        b.initialized = True
         return True
+
+    def _binding_state(self, group: dict[str, Any], b: FlatBinding) -> dict[str, Tensor]:
+        """Flat state buffers of a binding, created once (each param's state entry becomes a
+        view into them; existing values are copied in)."""
+        flat = b.state
+        for key in self._state_keys(group):
+            if key in flat:
+                continue
+            buf, views = b.view.make_state(dtype=torch.float32)
+            for p, view in zip(b.params, views, strict=True):
+                old = self.state[p].get(key)
+                if old is not None:
+                    view.copy_(old)
+                self.state[p][key] = view
+            flat[key] = buf
+        return flat
 
     def _is_fresh(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
         """True when the param has not been stepped yet (its state would be created now)."""
@@ -443,7 +427,7 @@ class DelayOptimizer(Optimizer):
     def _flat_step_tensor(self, group: dict[str, Any], params: list[Tensor]) -> Tensor | None:
         """Adam's step count shared by every param of a flat bucket (one object, so the one
         in-place increment of the flat update advances every param's ``state['step']``)."""
-        steps = [self.state[p].get("step") for p in params]
+        steps = [self.state[p].get("step") for p in params]  # once per binding
         if all(s is None for s in steps):
             shared = torch.zeros((), dtype=torch.float32, device=params[0].device)
         elif any(s is None for s in steps):
@@ -461,88 +445,18 @@ class DelayOptimizer(Optimizer):
             self.state[p]["step"] = shared
         return shared
 
-    def _flat_state(self, index: int, group: dict[str, Any], fv: Any, params: list[Tensor]) -> dict[str, Tensor]:
-        """Flat state buffers of a bucket, re-created when a param's state entry is not (or no
-        longer, e.g. after load_state_dict) the view into them that the flat update writes."""
-        cache = self._flat_cache.setdefault(index, {})
-        for key in self._state_keys(group):
-            flat = cache.get(key)
-            ok = flat is not None and flat.shape == fv.param.shape and flat.dtype == torch.float32
-            if ok:
-                base = flat.data_ptr()
-                size = flat.element_size()
-                for p, off in zip(params, fv.offsets, strict=True):
-                    t = self.state[p].get(key)
-                    if t is None or t.data_ptr() != base + off * size or t.shape != p.shape or not t.is_contiguous():
-                        ok = False
-                        break
-            if ok:
-                continue
-            flat, views = fv.make_state(dtype=torch.float32)
-            for p, view in zip(params, views, strict=True):
-                old = self.state[p].get(key)
-                if old is not None:
-                    view.copy_(old)
-                self.state[p][key] = view
-            cache[key] = flat
-        return cache
-
-    # ------------------------------------------------------------------ predicted / backward
-
-    def predicted_weights(self, horizon: float | None = None) -> list[Tensor]:
-        """w_hat for every parameter that requires grad, in param_groups order.
-
-        With ``horizon=None`` each group uses its default horizon (``prediction_horizon``, else
-        its delay) and the values come from the buffers the last step() wrote (the update
-        kernel computes them in the same pass, with that step's lr); other horizons, or a
-        changed group setting, are computed now from the stored direction with the same lr,
-        the effective lr of the group's last step (``group["prediction_lr"]``). A group with ``prediction=None`` yields its live weights (w_hat =
-        w). The tensors are owned by the optimizer and overwritten by the next step(): clone
-        them to keep them.
-        """
-        if horizon is not None and not (_is_real_number(horizon) and horizon >= 0):
-            raise ValueError(f"horizon={horizon!r} is invalid: use None (each group's default) or a number >= 0")
-        out: list[Tensor] = []
-        for group in self.param_groups:
-            mode = group["prediction"]
-            h = self._horizon(group) if horizon is None else horizon
-            for p in group["params"]:
-                if not p.requires_grad:
-                    continue
-                if mode is None:
-                    out.append(p.detach())
-                    continue
-                cached = self._predicted.get(p)
-                if horizon is None and cached is not None and self._predicted_setting.get(p) == (mode, h):
-                    out.append(cached)
-                    continue
-                direction, coeff = self._prediction_direction_and_coeff(group, p, h)
-                if direction is None:
-                    out.append(p.detach().clone())
-                else:
-                    out.append(_functional().predict(p.detach(), direction, coeff))
-        return out
-
-    def backward_weights(self) -> list[Tensor]:
-        """PipeMare T2's backward weights w - tau_s * delta for every parameter that requires
-        grad, in param_groups order. Groups without correction (or with delay 0) yield their
-        live weights (a detached view)."""
-        out: list[Tensor] = []
-        for group in self.param_groups:
-            gamma = self._correction_gamma(group)
-            for p in group["params"]:
-                if not p.requires_grad:
-                    continue
-                delta = self.state[p].get("delta") if p in self.state else None
-                if gamma is None or delta is None:
-                    out.append(p.detach())
-                else:
-                    # fp32 math (delta is fp32), rounded once to the param dtype
-                    w = torch.add(p.detach().float(), delta, alpha=-group["delay"])
-                    out.append(w if w.dtype == p.dtype else w.to(p.dtype))
-        return out
-
     # ------------------------------------------------------------------ state_dict
+
+    def _forget_flat_state(self) -> None:
+        """The per-param state was replaced: flat state buffers are re-created (from the new
+        values) at the next step, predictions recomputed."""
+        for bindings in self._bindings.values():
+            for b in bindings:
+                b.state = {}
+                b.initialized = False
+        self._auto.clear()
+        self._predicted.clear()
+        self._predicted_setting.clear()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load_state_dict; also forgets flat buffers and cached predictions, which
@@ -554,9 +468,7 @@ class DelayOptimizer(Optimizer):
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
         self._restore_state_dtypes(state_dict)
-        self._flat_cache.clear()
-        self._predicted.clear()
-        self._predicted_setting.clear()
+        self._forget_flat_state()
 
     def _restore_state_dtypes(self, state_dict: dict[str, Any]) -> None:
         """Undo torch's cast of state to the param dtype: torch.optim.Optimizer.load_state_dict
@@ -583,36 +495,11 @@ class DelayOptimizer(Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_predicted", {})
         self.__dict__.setdefault("_predicted_setting", {})
-        self.__dict__.setdefault("_flat_cache", {})
-        self.__dict__.setdefault("_arena_warned", False)
+        self.__dict__.setdefault("_bindings", {})
+        self.__dict__.setdefault("_bind_order", [])
+        self.__dict__.setdefault("_auto", {})
+        self.__dict__.setdefault("_checked", {})
+        self.__dict__.setdefault("last_step_predicted", False)
         for group in self.param_groups:
             for key, value in DELAY_DEFAULTS.items():
                 group.setdefault(key, value)
-
-
-class _FusedLoader:
-    """Callable that imports ``triton_kernels.<family>`` on its first call.
-
-    Importing Triton costs seconds and needs TRITON_INTERPRET on CPU, so CPU users of the
-    reference path never pay for it.
-    """
-
-    _cache: dict[str, Callable[..., Any]] = {}
-
-    def __init__(self, family: str) -> None:
-        self.family = family
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        fn = self._cache.get(self.family)
-        if fn is None:
-            try:
-                module = __import__(f"triton_kernels.{self.family}", fromlist=["_"])
-            except ImportError as exc:
-                raise RuntimeError(
-                    f"fused update needs triton_kernels.{self.family} and triton ({exc}); "
-                    "install triton==3.6.0 or pass fused=False"
-                ) from exc
-            fn = getattr(module, f"fused_{self.family}_update")
-            self._cache[self.family] = fn
-        return fn(*args, **kwargs)
-

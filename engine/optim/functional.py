@@ -33,6 +33,7 @@ __all__ = [
     "sgd_update",
     "adam_update",
     "predict",
+    "predict_into",
     "validate_sgd_args",
     "validate_adam_args",
 ]
@@ -178,6 +179,15 @@ def predict(param: Tensor, direction: Tensor, coeff: float) -> Tensor:
     return out if out.dtype == param.dtype else out.to(param.dtype)
 
 
+def predict_into(out: Tensor, param: Tensor, direction: Tensor, coeff: float) -> None:
+    """:func:`predict` written into ``out`` (the param's dtype and shape), without a
+    temporary when everything is fp32 (the same single add, so bit-identical)."""
+    if param.dtype == direction.dtype == out.dtype == torch.float32:
+        torch.add(param, direction, alpha=-coeff, out=out)
+    else:
+        out.copy_(predict(param, direction, coeff))
+
+
 # --------------------------------------------------------------------------- SGD
 
 
@@ -256,7 +266,7 @@ def sgd_update(
         w = _as_f32(param)  # derived buffers use the stored (rounded) weights
 
     if predicted is not None:
-        predicted.copy_(predict(param, direction, predict_coeff))
+        predict_into(predicted, param, direction, predict_coeff)
     if delta is not None:
         delta.mul_(delta_gamma).add_(w.sub(w_old), alpha=1 - delta_gamma)
 
@@ -363,6 +373,6 @@ def adam_update(
         if last_update is not None:
             last_update.copy_(applied)
         if predicted is not None:
-            predicted.copy_(predict(param, applied, predict_horizon))
+            predict_into(predicted, param, applied, predict_horizon)
     if delta is not None:
         delta.mul_(delta_gamma).add_(w.sub(w_old), alpha=1 - delta_gamma)

@@ -156,9 +156,12 @@ class SGD(DelayOptimizer):
             found_inf=found_inf,
         )
 
-    def _prediction_direction_and_coeff(self, group: dict[str, Any], p: Tensor, horizon: float) -> tuple[Tensor | None, float]:
-        buf = self.state[p].get("momentum_buffer") if p in self.state else None
-        coeff = _functional().prediction_coeff(
-            group["prediction"], group.get("prediction_lr", self.effective_lr(group)), group["momentum"], horizon
+    _direction_key = "momentum_buffer"
+
+    def _prediction_coeff(self, group: dict[str, Any], horizon: float) -> float:
+        return _functional().prediction_coeff(
+            group["prediction"],
+            group.get("prediction_lr", self.effective_lr(group)),
+            group["momentum"],
+            horizon,
         )
-        return buf, coeff

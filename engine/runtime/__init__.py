@@ -1,37 +1,32 @@
-"""Pipeline runtime: stages, weight versions, activation stash, executor, ``Pipeline``.
+"""Pipeline runtime: compiled step programs run over stages, weight stores and transports.
 
-Files, one concept each: ``plan`` (schedule names; the action streams themselves and the
-delays come from ``engine.schedule``), ``weights`` (live weights + version slots), ``policy``
-(which weights F and B read), ``optim_bridge`` (what the runtime asks of a stage optimizer),
-``stash`` (activations between F and B), ``stage`` (F/B/U on one stage), ``executor`` (runs
-the schedule IR's streams over a transport, and the clock), ``transport/`` (local mailboxes
-with optional CUDA streams, gloo/NCCL point-to-point, the replica x stage layout),
-``distributed`` (handshake, loss sharing, data-parallel all-reduce of one rank),
-``pipeline`` (the user-facing ``Pipeline``), ``probe`` (instrumentation layer for tests),
-``errors``.
+Files, one concept each: ``config`` (option validation and resolution), ``build`` (stage
+modules, weight stores, optimizers), ``program`` (a schedule's steps compiled once),
+``executor`` (runs step programs: the step protocol, exceptions, the clock), ``stage``
+(F/B/U on one stage), ``weight_store`` (live weights, retired versions, the transient),
+``saved_weights`` (which weights autograd's saved tensors read at the backward), ``policy``
+(which weights F and B read), ``optim_bridge`` (what the runtime asks of a stage
+optimizer), ``stash`` (activations between F and B), ``streams`` (CUDA streams and their
+CPU stand-in), ``inputs`` (micro-batch split and the dry-run check), ``clock`` (bubble
+fractions), ``labels`` (profiler labels, the current action), ``state`` (state dicts),
+``distributed`` (handshake, loss sharing, data-parallel all-reduce), ``transport/`` (local
+hand-offs, gloo/NCCL point-to-point, the replica x stage layout), ``pipeline`` (the facade).
 """
 
 from __future__ import annotations
 
-from engine.runtime.errors import (
-    CheckpointError,
-    NonFiniteLossError,
-    NotFlushedError,
-    PipelineConfigError,
-    PipelineInputError,
-)
-from engine.runtime.pipeline import Pipeline
-from engine.runtime.probe import Probe
-from engine.runtime.transport.base import PeerError, ShapeAgreementError
+import importlib
+from typing import Any
 
-__all__ = [
-    "Pipeline",
-    "Probe",
-    "PeerError",
-    "ShapeAgreementError",
-    "CheckpointError",
-    "NonFiniteLossError",
-    "NotFlushedError",
-    "PipelineConfigError",
-    "PipelineInputError",
-]
+_LAZY = {"Pipeline": "engine.runtime.pipeline"}
+
+__all__ = ["Pipeline"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine.runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

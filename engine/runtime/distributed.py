@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from engine.runtime.errors import PipelineInputError
+from engine.errors import PipelineInputError
+from engine.runtime.inputs import describe, first_layer_expectation
 from engine.runtime.transport.layout import Layout
 from engine.runtime.transport.p2p import P2PTransport
 
@@ -114,8 +114,6 @@ class RankRuntime:
         loss_fn: Callable[[Tensor, Any], Tensor] | None,
     ) -> tuple[Tensor | None, str]:
         """Run the stage in eval mode without grad on ``inp`` (RNG and modes restored)."""
-        from engine.runtime.pipeline import _describe, _first_layer_expectation
-
         lay, tp = self.layout, self.transport
         s = lay.stage
         modes = [m.training for m in module.modules()]
@@ -128,13 +126,13 @@ class RankRuntime:
                 except Exception as exc:  # a wiring error: teach the fix, naming both ranks
                     if s == 0:
                         return None, (
-                            f"{tp.who(0)} ({_describe(module)}) cannot run on an input micro-batch "
-                            f"of shape {tuple(inp.shape)}{_first_layer_expectation(module)}: {exc}"
+                            f"{tp.who(0)} ({describe(module)}) cannot run on an input micro-batch "
+                            f"of shape {tuple(inp.shape)}{first_layer_expectation(module)}: {exc}"
                         )
                     return None, (
                         f"{tp.who(s - 1)} outputs shape {tuple(inp.shape)} but {tp.who(s)} "
-                        f"({_describe(module)}) cannot take it as input"
-                        f"{_first_layer_expectation(module)}: {exc}. Make stage {s - 1}'s output "
+                        f"({describe(module)}) cannot take it as input"
+                        f"{first_layer_expectation(module)}: {exc}. Make stage {s - 1}'s output "
                         f"match stage {s}'s input (layer sizes or balance)."
                     )
                 if not isinstance(out, Tensor):
@@ -234,29 +232,19 @@ class RankRuntime:
 
     # ------------------------------------------------------------------ data parallel
 
-    def reduce_gradients(self, params: list[nn.Parameter]) -> None:
-        """Mean of the gradients over this stage's replicas (one all-reduce per dtype).
-
-        Parameters without a gradient are skipped; every replica runs the same model, so they
-        agree on which those are."""
+    def reduce_gradients(self, flats: list[Tensor]) -> None:
+        """Mean of the stage's flat gradient buffers over its replicas: one all-reduce per
+        buffer, in place (no flatten/unflatten copies). Every replica runs the same model, so
+        they agree on the buffers and on which parameters received gradients."""
         lay = self.layout
         if lay.replicas == 1:
             return
-        grads = [p.grad for p in params if p.grad is not None]
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for dtype in sorted(by_dtype, key=str):
-            group = by_dtype[dtype]
-            flat = _flatten_dense_tensors(group)
+        for flat in flats:
             self.transport.wait(
                 dist.all_reduce(flat, group=lay.dp_group, async_op=True),
                 f"all-reducing stage {lay.stage}'s gradients over {lay.replicas} replicas",
             )
             flat.div_(lay.replicas)
-            with torch.no_grad():
-                for g, r in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
-                    g.copy_(r)
 
 
 def broadcast_balance(compute: Callable[[], list[int]], timeout: float) -> list[int]:

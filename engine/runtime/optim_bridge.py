@@ -1,25 +1,41 @@
 """What the runtime asks of a stage optimizer, for engine.optim and plain torch.optim alike.
 
-Why a bridge: the mitigations are options of the stage optimizers (engine.optim's
-``delay``, ``prediction``, ``discrepancy_correction``), but users may also hand the pipeline a
-plain ``torch.optim`` optimizer. For those, weight prediction is computed here from SGD's
-momentum buffer and PipeMare's delta is tracked here, with the formulas of ALGORITHMS.md.
-All lists are in *module parameter order* (the stage's WeightStore order), whatever order the
-optimizer's param groups use.
+Why a bridge: the mitigations are options of the stage optimizers (engine.optim's ``delay``,
+``prediction``, ``discrepancy_correction``), but users may also hand the pipeline a plain
+``torch.optim`` optimizer. The runtime needs three things from either:
+
+* ``step``: one update over the stage's flat gradient buffers. An engine optimizer is handed
+  its flat buffers explicitly once (:meth:`engine.optim.DelayOptimizer.bind_flat`: one fused
+  launch per bucket, no registry lookups, no gradient copies) and, when a forward reads the
+  prediction, writes the predicted weights straight into the stage's transient buffer in the
+  same pass. Parameters that took no part in this update's backwards are hidden from the
+  optimizer (``.grad`` None) exactly as torch.optim skips them.
+* ``write_prediction`` / ``write_backward_weights``: the predicted or PipeMare-corrected
+  weights written into a buffer of the weight store, when the step did not already.
+* the delay D_s, written into every param group.
+
+For plain torch optimizers the prediction is computed here from SGD's momentum buffer and
+PipeMare's delta is tracked here, with the formulas of ALGORITHMS.md. Lists are in the
+weight store's parameter order (the order the optimizer factory received the parameters).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+from engine.optim.flat import FlatBinding
+
+if TYPE_CHECKING:
+    from engine.runtime.weight_store import WeightStore
 
 __all__ = ["OptimizerBridge"]
 
 
 def _is_engine_optimizer(opt: Any) -> bool:
-    return hasattr(opt, "predicted_weights") and hasattr(opt, "backward_weights")
+    return hasattr(opt, "bind_flat") and hasattr(opt, "predict_into")
 
 
 class OptimizerBridge:
@@ -28,19 +44,17 @@ class OptimizerBridge:
     def __init__(self, optimizer: torch.optim.Optimizer, shadow: list[torch.nn.Parameter]) -> None:
         self.opt = optimizer
         self.shadow = shadow
-        index = {id(p): i for i, p in enumerate(shadow)}
-        self.order: list[int] = []  # optimizer (requires-grad) order -> module index
+        self._index = {id(p): i for i, p in enumerate(shadow)}
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if id(p) not in index:
+                if id(p) not in self._index:
                     raise ValueError(
                         "the stage optimizer holds a tensor that is not one of the parameters the "
                         "pipeline passed to the optimizer factory; build it from the params argument "
                         "(e.g. optimizer=lambda params: engine.optim.SGD(params, lr=0.1))"
                     )
-                if p.requires_grad:
-                    self.order.append(index[id(p)])
         self.is_engine = _is_engine_optimizer(optimizer)
+        self._bindings: list[FlatBinding | None] = []  # per arena bucket
         self._delta: list[Tensor] | None = None  # fallback T2 delta (torch.optim only)
         self._fallback_t2 = False
         self._decay = 0.1
@@ -62,6 +76,10 @@ class OptimizerBridge:
             raise ValueError(f"param groups of one stage disagree on {key!r}: {sorted(values)}")
         return self.opt.param_groups[0].get(key) if self.opt.param_groups else None
 
+    def set_group_option(self, key: str, value: Any) -> None:
+        for group in self.opt.param_groups:
+            group[key] = value
+
     def enable_fallback_correction(self, decay: float) -> None:
         """Track PipeMare's delta here (the optimizer does not keep one)."""
         self._fallback_t2 = True
@@ -71,44 +89,66 @@ class OptimizerBridge:
     def keeps_delta(self) -> bool:
         return self.is_engine and bool(self.group_option("discrepancy_correction"))
 
-    # ------------------------------------------------------------------ weights
+    @property
+    def predicts(self) -> bool:
+        return self.is_engine and self.group_option("prediction") is not None
 
-    def _to_module_order(self, values: list[Tensor]) -> list[Tensor]:
-        out: list[Tensor] = [p.detach() for p in self.shadow]
-        for i, v in zip(self.order, values, strict=True):
-            out[i] = v
-        return out
+    # ------------------------------------------------------------------ binding
 
-    def predicted(self, horizon: float | None, mode: str = "linear") -> list[Tensor]:
-        """w_hat = w - lr * H * v (``linear``) or w - lr * (m + ... + m^H) * v (``momentum``)."""
-        if self.is_engine:
-            return self._to_module_order(self.opt.predicted_weights(horizon=horizon))
-        h = float(self.delay if horizon is None else horizon)
-        out: list[Tensor] = []
-        for p in self.shadow:
-            group = next(g for g in self.opt.param_groups if any(q is p for q in g["params"]))
-            buf = self.opt.state.get(p, {}).get("momentum_buffer")
-            if buf is None or h == 0:
-                out.append(p.detach().clone())
+    def bind(self, store: WeightStore) -> None:
+        """Hand an engine optimizer the arena's flat buffers of every trainable bucket."""
+        arena = store.arena
+        self._bindings = []
+        if arena is None:
+            return
+        where = {id(p): i for i, p in enumerate(store.params)}
+        for b, info in enumerate(arena.buckets):
+            if not info.requires_grad:
+                self._bindings.append(None)
                 continue
-            m = float(group.get("momentum", 0.0))
-            coeff = h if mode == "linear" else sum(m**j for j in range(1, int(h) + 1))
-            lr = float(group["lr"]) * float(group.get("lr_scale", 1.0))
-            out.append(p.detach() - lr * coeff * buf)
-        return out
-
-    def backward_weights(self) -> list[Tensor]:
-        """PipeMare T2's w - tau_s * delta (live weights where no delta is kept)."""
-        if self.is_engine and self.keeps_delta:
-            return self._to_module_order(self.opt.backward_weights())
-        if self._delta is None:
-            return [p.detach() for p in self.shadow]
-        return [p.detach() - self.delay * d for p, d in zip(self.shadow, self._delta, strict=False)]
+            view = arena.flat_view(b)
+            members = tuple(self.shadow[where[id(p)]] for p in view.params)
+            self._bindings.append(FlatBinding(view=view, params=members))
+        if self.is_engine:
+            self.opt.bind_flat([x for x in self._bindings if x is not None])
 
     # ------------------------------------------------------------------ update
 
-    def step(self) -> None:
-        """One optimizer step (plus the fallback delta update when the runtime tracks it)."""
+    def step(self, store: WeightStore, prediction_key: Any) -> Any:
+        """One optimizer step; returns ``prediction_key`` when the step wrote that prediction
+        into the store's transient (so the next forward reads it without recomputing)."""
+        unused = store.unused_params()
+        saved = [(self.shadow[i], self.shadow[i].grad) for i in unused]
+        for sp, _g in saved:
+            sp.grad = None
+        try:
+            if not self.is_engine:
+                self._torch_step()
+                return None
+            want = prediction_key is not None and self.predicts
+            if want:
+                outs = store.transient_flats()
+                for b, binding in enumerate(self._bindings):
+                    if binding is not None:
+                        binding.predicted = outs[b]
+            else:
+                for binding in self._bindings:
+                    if binding is not None:
+                        binding.predicted = None
+            self.opt.step()
+            if want and self.opt.last_step_predicted:
+                outs = store.transient_flats()
+                lives = store.live_flats()
+                for b, binding in enumerate(self._bindings):
+                    if binding is None:  # frozen weights: the prediction is the weights
+                        outs[b].copy_(lives[b])
+                return prediction_key
+            return None
+        finally:
+            for sp, g in saved:
+                sp.grad = g
+
+    def _torch_step(self) -> None:
         if not self._fallback_t2 or self.delay == 0:
             self.opt.step()
             return
@@ -118,8 +158,55 @@ class OptimizerBridge:
         if self._delta is None:
             self._delta = [torch.zeros_like(b) for b in before]
         with torch.no_grad():
-            for d, b, p in zip(self._delta, before, self.shadow, strict=False):
+            for d, b, p in zip(self._delta, before, self.shadow, strict=True):
                 d.mul_(gamma).add_(p.detach() - b, alpha=1.0 - gamma)
+
+    # ------------------------------------------------------------------ computed weights
+
+    def write_prediction(self, horizon: float | None, store: WeightStore, buf: int) -> None:
+        """w_hat into buffer ``buf``: the optimizer's prediction with ``horizon`` (None: its
+        default), or for torch.optim SGD w - lr * H * v (``momentum`` mode: m + ... + m^H)."""
+        if self.is_engine:
+            outs = store.flats(buf)
+            lives = store.live_flats()
+            bound = [outs[b] for b, x in enumerate(self._bindings) if x is not None]
+            self.opt.predict_into(horizon, bound)
+            for b, binding in enumerate(self._bindings):
+                if binding is None:
+                    outs[b].copy_(lives[b])
+            return
+        h = float(self.delay if horizon is None else horizon)
+        for p, out in zip(self.shadow, store.views(buf), strict=True):
+            group = next(g for g in self.opt.param_groups if any(q is p for q in g["params"]))
+            mom = self.opt.state.get(p, {}).get("momentum_buffer")
+            if mom is None or h == 0:
+                out.copy_(p.detach())
+                continue
+            m = float(group.get("momentum", 0.0))
+            coeff = h if group.get("prediction", "linear") != "momentum" else sum(
+                m**j for j in range(1, int(h) + 1)
+            )
+            lr = float(group["lr"]) * float(group.get("lr_scale", 1.0))
+            torch.add(p.detach(), mom, alpha=-lr * coeff, out=out)
+
+    def write_backward_weights(self, store: WeightStore, buf: int) -> None:
+        """PipeMare T2's w - tau_s * delta into buffer ``buf`` (live weights where no delta)."""
+        if self.is_engine and self.keeps_delta:
+            outs = store.flats(buf)
+            lives = store.live_flats()
+            bound = [outs[b] for b, x in enumerate(self._bindings) if x is not None]
+            self.opt.backward_weights_into(bound)
+            for b, binding in enumerate(self._bindings):
+                if binding is None:
+                    outs[b].copy_(lives[b])
+            return
+        views = store.views(buf)
+        if self._delta is None:
+            for p, out in zip(self.shadow, views, strict=True):
+                out.copy_(p.detach())
+            return
+        for p, d, out in zip(self.shadow, self._delta, views, strict=True):
+            torch.add(p.detach(), d, alpha=-float(self.delay), out=out)
 
     # ------------------------------------------------------------------ state
 

@@ -17,18 +17,17 @@ __all__ = ["StashEntry", "ActivationStash"]
 
 @dataclasses.dataclass
 class StashEntry:
-    """What B(i) needs: the stage input, the forward's output (or the scaled loss at the last
-    stage) when the graph is kept, the weight buffer F ran on, and the RNG state for exact
-    recomputation."""
+    """What B(i) needs: the stage input (a leaf the input gradient lands in), the forward's
+    output (or scaled loss at the last stage) whose graph the backward runs, the weight
+    version the forward pinned (None when it read live or transient weights), the update
+    count the forward read, the loss scale, and whether the micro-batch was dropped."""
 
     i: int
-    x: Tensor
+    x: Any
     out: Tensor | None
-    fbuf: int
+    pin: Any
     t_f: int
     scale: float
-    target: Any = None
-    rng: Any = None  # (cpu state, cuda device or None, cuda state or None)
     dropped: bool = False
 
 
@@ -43,10 +42,14 @@ class ActivationStash:
         if entry.i in self._entries:
             raise RuntimeError(f"micro-batch {entry.i} is already stashed")
         self._entries[entry.i] = entry
-        self.peak = max(self.peak, len(self._entries))
+        if len(self._entries) > self.peak:
+            self.peak = len(self._entries)
 
     def pop(self, i: int) -> StashEntry:
         return self._entries.pop(i)
+
+    def get(self, i: int) -> StashEntry | None:
+        return self._entries.get(i)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from engine.schedule.catalog import family
 from engine.schedule.ir import Kind, Schedule
 from engine.schedule.simulate import Costs, Timeline
 from engine.schedule.validate import validate
@@ -119,8 +120,7 @@ def steady_steps(name: str, stages: int, chunks: int, update_size: int | None = 
     that, rounded up to whole mini-batches with k | T*M (the generators require it), leaves
     a steady window at least as long as the fill.
     """
-    per_minibatch = name in ("naive", "gpipe", "1f1b", "2bw")
-    k = chunks if (update_size is None and per_minibatch) else (update_size or 1)
+    k = update_size if update_size is not None else family(name).default_update_size(chunks)
     target = 2 * (2 * stages + 2 * k + chunks)
     T = max(1, -(-target // chunks))
     while (T * chunks) % k:

@@ -21,22 +21,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from engine._checks import check_positive_int
+from engine.schedule.catalog import SCHEDULES, family
 from engine.schedule.ir import Action, Kind, Schedule
 from engine.schedule.simulate import UNIT_COSTS, simulate
-from engine.schedule.streams import ORDERS, SYNCHRONOUS, WEIGHTS, stage_ticks, truncate_ticks
+from engine.schedule.streams import stage_ticks, truncate_ticks
 
-__all__ = ["SCHEDULES", "ORDERS", "WEIGHTS", "SYNCHRONOUS", "generate"]
-
-
-SCHEDULES: tuple[str, ...] = ("naive", "gpipe", "1f1b", "pipedream", "2bw", "pb")
-
-
-def _check_int(what: str, value: object, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{what} must be >= 1, got {value}; {fix}")
-    return value
+__all__ = ["SCHEDULES", "generate"]
 
 
 def _unit_ticks(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
@@ -85,42 +76,18 @@ def generate(
             divide T*M so the final drain applies a full update.
         order: only for pb: ``"dataflow"`` (default; Kosson et al.'s ticks) or ``"1f1b"``.
     """
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; known schedules: {', '.join(SCHEDULES)}")
-    S = _check_int("stages", stages, "a pipeline needs at least one stage")
-    M = _check_int("chunks", chunks, "a mini-batch needs at least one micro-batch")
-    T = _check_int("steps", steps, "cover at least one mini-batch")
+    fam = family(name)
+    S = check_positive_int("stages", stages, "a pipeline needs at least one stage")
+    M = check_positive_int("chunks", chunks, "a mini-batch needs at least one micro-batch")
+    T = check_positive_int("steps", steps, "cover at least one mini-batch")
     N = M * T
-    if order is None:
-        order = ORDERS[name][0]
-    if order not in ORDERS[name]:
-        raise ValueError(
-            f"schedule {name!r} runs in order {' or '.join(map(repr, ORDERS[name]))}, not "
-            f"{order!r}; leave order unset"
-            + (" (only pb chooses between 'dataflow' and '1f1b')" if name != "pb" else "")
-        )
-    per_minibatch = name in SYNCHRONOUS or name == "2bw"
-    if update_size is None:
-        k = M if per_minibatch else 1
-    else:
-        k = _check_int("update_size", update_size, "an update applies at least one gradient")
-        if per_minibatch and k != M:
-            raise ValueError(
-                f"{name!r} updates once per mini-batch, so update_size must equal chunks "
-                f"(M={M}), got {k}; drop update_size or use 'pipedream'/'pb' for other sizes"
-            )
+    order = fam.check_order(order)
+    k = fam.check(S, M, update_size)
     if N % k:
         raise ValueError(
             f"update_size k={k} must divide the number of micro-batches steps*chunks = {N} so "
             f"every gradient is applied by a full update; choose k among "
             f"{[d for d in range(1, N + 1) if N % d == 0]} or change steps"
-        )
-    if name == "2bw" and M < S:
-        raise ValueError(
-            f"2bw needs chunks M >= stages S, got M={M} < S={S}: with fewer micro-batches per "
-            f"mini-batch than stages, a forward would need a weight version that is not yet "
-            f"produced and two versions would not suffice. Use chunks >= {S}, or schedule "
-            f"'pipedream' (weight stashing) for small M"
         )
 
     # the finite schedule is the open-ended stream of every stage cut at N micro-batches
@@ -138,7 +105,7 @@ def generate(
         steps=T,
         update_size=k,
         order=order,
-        weights=WEIGHTS[name],
+        weights=fam.weights,
         actions=tuple(tuple(a) for a in actions),
         ticks=None if ticks is None else tuple(tuple(t) for t in ticks),
     )

@@ -157,12 +157,27 @@ class Action:
         return self.mbs[0]
 
     def __str__(self) -> str:
-        from engine.schedule.text import format_action
-
         return format_action(self)
 
     def __repr__(self) -> str:
         return f"Action({str(self)!r})"
+
+
+def _format_mbs(mbs: tuple[int, ...]) -> str:
+    runs: list[tuple[int, int]] = []
+    for m in mbs:
+        if runs and m == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], m)
+        else:
+            runs.append((m, m))
+    return "+".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def format_action(action: Action) -> str:
+    """The text token of one action, e.g. ``F3``, ``RB2``, ``U0-3``."""
+    if action.kind is Kind.UPDATE:
+        return "U" + _format_mbs(action.mbs)
+    return f"{action.kind.value}{action.mb}"
 
 
 Stage = tuple[Action, ...]
@@ -240,8 +255,3 @@ class Schedule:
         """Stage ``stage``'s actions, optionally only those of the given kinds."""
         acts = self.actions[stage]
         return list(acts) if kinds is None else [a for a in acts if a.kind in kinds]
-
-    def __str__(self) -> str:
-        from engine.schedule.text import format_schedule
-
-        return format_schedule(self)

@@ -22,38 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from engine.schedule.catalog import family
 from engine.schedule.ir import Action, Kind
 
-__all__ = [
-    "stage_actions",
-    "stage_ticks",
-    "truncate",
-    "truncate_ticks",
-    "SYNCHRONOUS",
-    "ORDERS",
-    "WEIGHTS",
-]
-
-SYNCHRONOUS: frozenset[str] = frozenset({"naive", "gpipe", "1f1b"})
-
-#: order each schedule runs in; pb also accepts "1f1b"
-ORDERS: dict[str, tuple[str, ...]] = {
-    "naive": ("naive",),
-    "gpipe": ("fill-drain",),
-    "1f1b": ("1f1b",),
-    "pipedream": ("1f1b",),
-    "2bw": ("1f1b",),
-    "pb": ("dataflow", "1f1b"),
-}
-
-WEIGHTS: dict[str, str] = {
-    "naive": "live",
-    "gpipe": "live",
-    "1f1b": "live",
-    "pipedream": "stash",
-    "2bw": "2bw",
-    "pb": "live",
-}
+__all__ = ["stage_actions", "stage_ticks", "truncate", "truncate_ticks"]
 
 
 def _with_comms(stage: int, S: int, a: Action) -> Iterator[Action]:
@@ -85,7 +57,7 @@ def _compute(name: str, order: str, s: int, S: int, M: int) -> Iterator[tuple[Ac
             if b >= 0:
                 yield Action.backward(b), t
             t += 1
-    if name in SYNCHRONOUS:
+    if family(name).synchronous:
         j = 0
         while True:  # mini-batch j covers micro-batches j*M .. (j+1)*M-1
             base = j * M
@@ -119,29 +91,15 @@ def _compute(name: str, order: str, s: int, S: int, M: int) -> Iterator[tuple[Ac
         j += 1
 
 
-def _check(name: str, stage: int, stages: int, chunks: int, k: int, order: str) -> None:
-    if name not in ORDERS:
-        raise ValueError(f"unknown schedule {name!r}; known schedules: {', '.join(ORDERS)}")
-    if order not in ORDERS[name]:
-        raise ValueError(
-            f"schedule {name!r} runs in order {' or '.join(map(repr, ORDERS[name]))}, not {order!r}"
-        )
-    if not 0 <= stage < stages:
-        raise ValueError(f"stage {stage} does not exist in a pipeline of {stages} stages")
-    if chunks < 1 or k < 1:
-        raise ValueError(f"chunks and update_size must be >= 1, got M={chunks}, k={k}")
-    if (name in SYNCHRONOUS or name == "2bw") and k != chunks:
-        raise ValueError(f"{name!r} updates once per mini-batch: update_size must equal chunks")
-
-
 def _stream(
     name: str, stage: int, stages: int, chunks: int, update_size: int | None, order: str | None
 ) -> Iterator[tuple[Action, int]]:
     """(action, tick) pairs; tick is the dataflow tick, or -1 outside the dataflow order."""
-    order = order or ORDERS.get(name, ("?",))[0]
-    per_minibatch = name in SYNCHRONOUS or name == "2bw"
-    k = update_size if update_size is not None else (chunks if per_minibatch else 1)
-    _check(name, stage, stages, chunks, k, order)
+    fam = family(name)
+    order = fam.check_order(order)
+    k = fam.check(stages, chunks, update_size, check_chunks=False)
+    if not (isinstance(stage, int) and 0 <= stage < stages):
+        raise ValueError(f"stage {stage} does not exist in a pipeline of {stages} stages")
     done: list[int] = []
     for a, tick in _compute(name, order, stage, stages, chunks):
         for c in _with_comms(stage, stages, a):

@@ -34,27 +34,10 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from engine.schedule.ir import Action, Kind, Schedule
+from engine.schedule.ir import Action, Kind, Schedule, format_action
 
 _TOKEN = re.compile(r"^(SF|RF|SB|RB|F|B|U)([0-9][0-9+\-]*)$")
 _HEADER_KEYS = ("stages", "chunks", "steps", "update_size", "order", "weights", "ticks")
-
-
-def _format_mbs(mbs: tuple[int, ...]) -> str:
-    runs: list[tuple[int, int]] = []
-    for m in mbs:
-        if runs and m == runs[-1][1] + 1:
-            runs[-1] = (runs[-1][0], m)
-        else:
-            runs.append((m, m))
-    return "+".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
-
-
-def format_action(action: Action) -> str:
-    """The text token of one action, e.g. ``F3``, ``RB2``, ``U0-3``."""
-    if action.kind is Kind.UPDATE:
-        return "U" + _format_mbs(action.mbs)
-    return f"{action.kind.value}{action.mb}"
 
 
 def parse_action(token: str) -> Action:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from engine.schedule.catalog import FAMILIES
 from engine.schedule.errors import ScheduleError
 from engine.schedule.ir import Action, Kind, Schedule
 from engine.schedule.simulate import Costs, Timeline, remote_dependency, simulate
@@ -39,17 +40,12 @@ from engine.schedule.versions import stage_versions
 
 
 def activation_bound(schedule: Schedule, stage: int) -> int | None:
-    """ALGORITHMS.md's bound on micro-batches whose activations ``stage`` holds, or None."""
-    S, s, name = schedule.stages, stage, schedule.name
-    if name == "naive":
-        return 1
-    if name == "gpipe":
-        return schedule.chunks
-    if name in ("1f1b", "pipedream", "2bw") or (name == "pb" and schedule.order == "1f1b"):
-        return S - s
-    if name == "pb":
-        return 2 * (S - 1 - s) + 1
-    return None
+    """ALGORITHMS.md's bound on micro-batches whose activations ``stage`` holds, or None for a
+    schedule that is not a built-in family (give ``activation_bounds`` to check it)."""
+    fam = FAMILIES.get(schedule.name)
+    if fam is None or schedule.order not in fam.orders:
+        return None
+    return fam.activation_bound(schedule.stages, stage, schedule.chunks, schedule.order)
 
 
 def _static_stage(schedule: Schedule, s: int) -> None:

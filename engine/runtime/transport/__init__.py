@@ -1,22 +1,21 @@
-"""Transports: how activations and gradients travel between stages.
+"""Transports: how activations and gradients travel between stages in different processes.
 
-``local`` (every stage in this process; optionally one CUDA stream per stage), ``gloo``
-(one process per stage, CPU tensors) and ``nccl`` (one process per stage and GPU). All run
-the same schedule IR actions through the :class:`Transport` interface; ``layout`` maps
-processes to (replica, stage) and builds the process groups.
+``gloo`` (one process per stage, CPU tensors) and ``nccl`` (one process per stage and GPU)
+run each rank's list of the compiled step programs through the :class:`Transport`
+interface; ``layout`` maps processes to (replica, stage) and builds the process groups. In
+one process there is no transport: the executor hands tensors between stages directly (with
+CUDA events between per-stage streams, see ``engine.runtime.streams``).
 """
 
 from __future__ import annotations
 
 from engine.runtime.transport.base import CHANNELS, PeerError, ShapeAgreementError, Transport
 from engine.runtime.transport.layout import Layout, init_distributed, make_layout
-from engine.runtime.transport.local import LocalTransport
 from engine.runtime.transport.p2p import P2PTransport
 
 __all__ = [
     "CHANNELS",
     "Layout",
-    "LocalTransport",
     "P2PTransport",
     "PeerError",
     "ShapeAgreementError",

@@ -1,19 +1,12 @@
-"""The interface every transport implements: move one activation or gradient between stages.
+"""The interface every multi-process transport implements: move one activation or gradient.
 
-Why one small interface: the executor runs the schedule IR's action streams
-(:func:`engine.schedule.stage_actions`) unchanged whatever carries the tensors. ``SF(n)``
-becomes ``send("act", s, n, y)``, ``RF(n)`` becomes ``recv("act", s, n)``, ``SB``/``RB`` the
-same on the ``"grad"`` channel. Channels are FIFO per (channel, sender): a stream sends and
-receives in micro-batch order, so transports may match messages by order.
-
-Two execution models share it:
-
-* polling (``blocking = False``, the in-process "local" transport): every stage lives in
-  this process; ``recv`` returns None when the message is not there yet and the executor
-  moves on to another stage.
-* blocking (``blocking = True``, gloo/NCCL): one stage per process; ``recv`` waits for the
-  peer, at most ``timeout`` seconds, and raises :class:`PeerError` naming the peer when it
-  died or hangs.
+Why one small interface: a rank runs its stage's list of the compiled step programs
+(:mod:`engine.runtime.program`) whatever carries the tensors. ``SF(n)`` becomes
+``send("act", s, n, y)``, ``RF(n)`` becomes ``recv("act", s, n)``, ``SB``/``RB`` the same on
+the ``"grad"`` channel. Channels are FIFO per (channel, sender): a stream sends and receives
+in micro-batch order, so transports may match messages by order. ``recv`` blocks until the
+peer's message arrives, at most ``timeout`` seconds, and raises :class:`PeerError` naming the
+peer when it died or hangs.
 """
 
 from __future__ import annotations
@@ -23,25 +16,19 @@ from typing import Any
 
 from torch import Tensor
 
+from engine.errors import PeerError, ShapeAgreementError
+
 __all__ = ["Transport", "PeerError", "ShapeAgreementError", "CHANNELS"]
 
 #: "act": stage s -> s+1 (forward activations); "grad": stage s -> s-1 (input gradients)
 CHANNELS = ("act", "grad")
 
 
-class PeerError(RuntimeError):
-    """A peer stage did not deliver (died, timed out, or the connection broke)."""
-
-
-class ShapeAgreementError(ValueError):
-    """A tensor sent between two stages does not match the shape/dtype agreed at the handshake."""
-
-
 class Transport(ABC):
     """Moves tensors between neighbouring stages; see the module docstring."""
 
-    #: True when ``recv`` blocks until the message arrives (one stage per process)
-    blocking: bool = False
+    #: ``recv`` blocks until the message arrives (one stage per process)
+    blocking: bool = True
     name: str = "?"
 
     @abstractmethod
@@ -50,10 +37,9 @@ class Transport(ABC):
 
     @abstractmethod
     def recv(self, channel: str, stage: int, mb: int, certain: int | None = None) -> Any | None:
-        """The tensor ``stage`` receives on ``channel`` for micro-batch ``mb``; None when a
-        polling transport has nothing yet. ``certain`` (blocking transports): every micro-batch
-        below it will be received on this channel in the current call, so a transport may post
-        those receives ahead."""
+        """The tensor ``stage`` receives on ``channel`` for micro-batch ``mb``. ``certain``:
+        every micro-batch below it will be received on this channel in the current call, so a
+        transport may post those receives ahead."""
 
     def release(self, channel: str, mbs: list[int]) -> None:  # noqa: B027 - optional hook
         """Forget the sends of micro-batches ``mbs`` on ``channel``: the caller knows from the

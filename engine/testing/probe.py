@@ -3,44 +3,20 @@
 ``Probe`` is a layer with a weight vector (y = x * weight, elementwise) whose autograd
 Function records, for the action the runtime is executing (stage, global micro-batch id,
 kind), a copy of the weight it read: in forward the value it multiplied by, in backward the
-value of the *saved leaf parameter* at B time (saved by reference, so this is exactly what
-the backward computed with). Tests compare these with the version history of ALGORITHMS.md.
+value of the *saved* weight at B time (exactly what the backward computed with). Tests
+compare these with the version history of ALGORITHMS.md.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Probe", "current_action", "action_context", "profiling"]
+from engine.runtime import labels
 
-#: True while a torch profiler records. Actions are labelled (record_function) only then: a
-#: label costs a dispatcher round trip on enter and exit even with no profiler attached
-#: (measured ~25 us per action on the 2-core CI box, 4 ranks).
-profiling = torch.autograd._profiler_enabled
-
-_CURRENT: contextvars.ContextVar[tuple[int, int, str] | None] = contextvars.ContextVar(
-    "engine_action", default=None
-)
-
-
-def current_action() -> tuple[int, int, str] | None:
-    """(stage, micro-batch id, kind) of the action being run, or None outside a pipeline."""
-    return _CURRENT.get()
-
-
-@contextlib.contextmanager
-def action_context(stage: int, microbatch: int, kind: str) -> Iterator[None]:
-    token = _CURRENT.set((stage, microbatch, kind))
-    try:
-        yield
-    finally:
-        _CURRENT.reset(token)
+__all__ = ["Probe"]
 
 
 class _ProbeFn(torch.autograd.Function):
@@ -69,7 +45,7 @@ class Probe(nn.Module):
         self.log: list[dict[str, Any]] = []
 
     def _record(self, kind: str, weight: Tensor) -> None:
-        cur = current_action()
+        cur = labels.CURRENT
         if cur is None:
             return
         stage, mb, action = cur

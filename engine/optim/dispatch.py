@@ -1,0 +1,58 @@
+"""Which implementation runs an update: the plain-torch reference or the fused Triton kernel.
+
+The one module of ``engine.optim`` that names ``triton_kernels``. The fused kernels are
+imported on first use: importing Triton costs seconds and, on CPU, needs
+``TRITON_INTERPRET=1``, so users of the reference path never pay for it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["kernels", "use_fused"]
+
+_FUSED: dict[str, Callable[..., Any]] = {}
+
+
+def _fused(family: str) -> Callable[..., Any]:
+    fn = _FUSED.get(family)
+    if fn is None:
+        try:
+            module = importlib.import_module(f"triton_kernels.{family}")
+        except ImportError as exc:
+            raise RuntimeError(
+                f"fused update needs triton_kernels.{family} and triton ({exc}); "
+                "install triton==3.6.0 or pass fused=False"
+            ) from exc
+        fn = getattr(module, f"fused_{family}_update")
+        _FUSED[family] = fn
+    return fn
+
+
+class _Fused:
+    """Calls ``triton_kernels.<family>.fused_<family>_update``, imported on first call."""
+
+    def __init__(self, family: str) -> None:
+        self.family = family
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _fused(self.family)(*args, **kwargs)
+
+
+def kernels(family: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(reference, fused) update functions of ``family`` ("sgd" or "adam")."""
+    from engine.optim import functional
+
+    return getattr(functional, f"{family}_update"), _Fused(family)
+
+
+def use_fused(group: dict[str, Any], tensors: Sequence[Tensor]) -> bool:
+    """``fused=None``: Triton when every tensor is on CUDA; True/False force it."""
+    fused = group["fused"]
+    if fused is None:
+        return len(tensors) > 0 and all(t.device.type == "cuda" for t in tensors)
+    return bool(fused)

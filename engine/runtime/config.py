@@ -1,0 +1,221 @@
+"""Pipeline options: validated once, before any weight exists, into one frozen config.
+
+Why a module: ``Pipeline(...)`` takes many keywords, and every invalid value or combination
+must fail here with a message naming the option and the fix -- not later inside a step. The
+schedule itself is resolved by :func:`engine.schedule.spec.resolve_schedule`; the weight
+mitigations are resolved against the stage optimizers once they exist
+(:func:`resolve_mitigations`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import PipelineConfigError
+from engine.schedule.spec import ScheduleSpec
+
+__all__ = [
+    "CHECKPOINT_MODES",
+    "WEIGHT_PREDICTIONS",
+    "TRANSPORTS",
+    "PipelineConfig",
+    "check_options",
+    "resolve_mitigations",
+]
+
+CHECKPOINT_MODES = ("never", "except_last", "always")
+WEIGHT_PREDICTIONS = ("lwp", "spectrain", "spectrain_reuse")
+TRANSPORTS = ("local", "gloo", "nccl")
+NONFINITE = ("raise", "skip")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The validated options that do not depend on the stages (see ``Pipeline``)."""
+
+    transport: str
+    checkpoint: str
+    on_nonfinite: str
+    data_parallel: int
+    timeout: float
+    cuda_streams: bool | None
+    trace: bool
+    correction_decay: float
+
+    @property
+    def distributed(self) -> bool:
+        return self.transport != "local"
+
+    def recompute(self, stage: int, num_stages: int) -> bool:
+        """Whether ``stage`` recomputes its forward in the backward."""
+        if self.checkpoint == "always":
+            return True
+        return self.checkpoint == "except_last" and stage < num_stages - 1
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...], what: str) -> str:
+    if value not in choices:
+        raise PipelineConfigError(
+            f"{name}={value!r} is not valid; {what}: {', '.join(repr(c) for c in choices)}"
+        )
+    assert isinstance(value, str)
+    return value
+
+
+def check_options(
+    *,
+    transport: object,
+    checkpoint: object,
+    on_nonfinite: object,
+    data_parallel: object,
+    timeout: object,
+    cuda_streams: object,
+    trace: object,
+    correction_decay: object,
+    loss_fn: object,
+    optimizer: object,
+    lr_scheduler: object,
+    synchronous_hint: bool | None,
+    schedule_name: str = "",
+) -> PipelineConfig:
+    """Validate the stage-independent options (``synchronous_hint``: whether the schedule
+    name is a synchronous family, None when not known yet)."""
+    if transport not in TRANSPORTS:
+        raise PipelineConfigError(
+            f"transport={transport!r} is not available; use 'local' (one process, exact "
+            "simulation of every schedule), 'gloo' (CPU, one process per stage) or 'nccl' "
+            "(GPU, one process per stage)"
+        )
+    _choice("checkpoint", checkpoint, CHECKPOINT_MODES, "activation recomputation is one of")
+    _choice("on_nonfinite", on_nonfinite, NONFINITE, "choose")
+    if not isinstance(data_parallel, int) or isinstance(data_parallel, bool) or data_parallel < 1:
+        raise PipelineConfigError(f"data_parallel={data_parallel!r} must be an int >= 1")
+    distributed = transport != "local"
+    if data_parallel > 1 and not distributed:
+        raise PipelineConfigError(
+            f"data_parallel={data_parallel} needs one process per (replica, stage): use "
+            "transport='gloo' or 'nccl' under torchrun"
+        )
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise PipelineConfigError(f"timeout={timeout!r} must be a positive number of seconds")
+    if distributed and on_nonfinite == "skip" and synchronous_hint is False:
+        raise PipelineConfigError(
+            f"on_nonfinite='skip' with schedule={schedule_name!r} and transport={transport!r}: "
+            "dropping one micro-batch at every stage of an asynchronous pipeline needs all "
+            "stages in one process. Use on_nonfinite='raise' (every rank raises at the end of "
+            "the step) or transport='local'."
+        )
+    if cuda_streams not in (None, True, False):
+        raise PipelineConfigError(f"cuda_streams={cuda_streams!r} must be None, True or False")
+    if cuda_streams and distributed:
+        raise PipelineConfigError(
+            "cuda_streams is for the local transport; under NCCL each rank has one compute "
+            "stream and the transport its communication stream"
+        )
+    if not isinstance(trace, bool):
+        raise PipelineConfigError(f"trace={trace!r} must be True or False")
+    if (
+        isinstance(correction_decay, bool)
+        or not isinstance(correction_decay, (int, float))
+        or not 0.0 < correction_decay < 1.0
+    ):
+        raise PipelineConfigError(
+            f"correction_decay={correction_decay!r} must lie in (0, 1) (PipeMare's D_decay)"
+        )
+    for name, fn in (("loss_fn", loss_fn), ("optimizer", optimizer)):
+        if not callable(fn):
+            raise PipelineConfigError(
+                f"{name} must be callable, got {type(fn).__name__}"
+                + (
+                    "; pass a factory, e.g. optimizer=lambda params: engine.optim.SGD(params, lr=0.1)"
+                    if name == "optimizer"
+                    else ""
+                )
+            )
+    if lr_scheduler is not None and not callable(lr_scheduler):
+        raise PipelineConfigError(
+            "lr_scheduler must be a callable optimizer -> scheduler, e.g. "
+            "lambda opt: engine.optim.PipeMareLR(opt, 100)"
+        )
+    return PipelineConfig(
+        transport=str(transport),
+        checkpoint=str(checkpoint),
+        on_nonfinite=str(on_nonfinite),
+        data_parallel=int(data_parallel),
+        timeout=float(timeout),
+        cuda_streams=cuda_streams,  # type: ignore[arg-type]
+        trace=bool(trace),
+        correction_decay=float(correction_decay),
+    )
+
+
+def resolve_mitigations(
+    spec: ScheduleSpec,
+    bridges: list[Any],
+    weight_prediction: str | None,
+    discrepancy_correction: bool | None,
+    warn: Callable[[str], None] | None = None,
+) -> tuple[str | None, bool]:
+    """(weight prediction, discrepancy correction) for ``spec`` given the stage optimizers
+    (their ``bridge``); the optimizer options are the source of truth, the pipeline options
+    select which weights F and B read or switch on the runtime's fallback for plain
+    torch.optim optimizers."""
+    if weight_prediction is not None and weight_prediction not in WEIGHT_PREDICTIONS:
+        raise PipelineConfigError(
+            f"weight_prediction={weight_prediction!r}; choose None or one of "
+            f"{', '.join(WEIGHT_PREDICTIONS)}"
+        )
+    opt_prediction = None
+    opt_correction = False
+    for s, bridge in enumerate(bridges):
+        if bridge is None or bridge.opt is None:
+            continue
+        try:
+            pmode = bridge.group_option("prediction")
+            corr = bridge.group_option("discrepancy_correction")
+        except ValueError as exc:
+            raise PipelineConfigError(f"stage {s}: {exc}") from None
+        opt_prediction = opt_prediction or pmode
+        opt_correction = opt_correction or bool(corr)
+    live_async = spec.weights == "live" and not spec.synchronous
+    if weight_prediction is None and opt_prediction is not None and live_async:
+        weight_prediction = "lwp"
+    if (weight_prediction is not None or opt_prediction is not None) and not live_async:
+        why = "has no delay" if spec.synchronous else "already uses stashed weights"
+        raise PipelineConfigError(
+            "weight prediction (LWP/SpecTrain) mitigates the live-weight staleness of "
+            f"asynchronous schedules such as 'pb'; {spec.describe()} {why}. Use schedule='pb' "
+            "or drop the prediction option (pipeline and optimizer)."
+        )
+    engine_opts = [b for b in bridges if b is not None and b.opt is not None and b.is_engine]
+    if weight_prediction is not None and engine_opts and opt_prediction is None:
+        raise PipelineConfigError(
+            f"weight_prediction={weight_prediction!r} needs the stage optimizer to predict: "
+            "build it with prediction='linear' (or 'momentum'), e.g. "
+            "engine.optim.SGD(p, lr, momentum=0.9, prediction='linear')"
+        )
+    if weight_prediction in ("spectrain", "spectrain_reuse") and opt_prediction == "momentum":
+        raise PipelineConfigError(
+            f"weight_prediction={weight_prediction!r} is SpecTrain's linear extrapolation "
+            "(s * lr * v); the stage optimizers use prediction='momentum'. Build them with "
+            "prediction='linear', or use weight_prediction='lwp' to keep the momentum form."
+        )
+    correction = opt_correction if discrepancy_correction is None else bool(discrepancy_correction)
+    if correction and not live_async:
+        raise PipelineConfigError(
+            "discrepancy_correction (PipeMare T2) corrects the live weights of asynchronous "
+            f"schedules such as 'pb'; it is invalid with {spec.describe()}"
+        )
+    if correction and weight_prediction is not None:
+        raise PipelineConfigError(
+            "combine at most one backward-weight mitigation: discrepancy_correction (PipeMare "
+            f"T2) and weight_prediction={weight_prediction!r} both redefine the weights B reads"
+        )
+    if correction and not opt_correction and engine_opts:
+        raise PipelineConfigError(
+            "discrepancy_correction=True: build the engine optimizer with "
+            "discrepancy_correction=True (it keeps PipeMare's delta)"
+        )
+    return weight_prediction, correction

@@ -1,0 +1,142 @@
+"""Inputs of a step: the split into micro-batches and the dry-run check before anything runs.
+
+Why a dry run: a wiring mistake (stage 1 expects 32 features, stage 0 outputs 16; targets of
+the wrong dtype for the loss; inputs on the wrong device) would otherwise fail in the middle
+of a step, after some stages ran. One micro-batch is pushed through every stage in eval mode
+without autograd (no weight, buffer or RNG state changes), and any failure is reported naming
+both stages and the shapes. The check runs once per *key* -- everything that can change the
+outcome: shape, dtype and device of the inputs and of the targets -- so a later batch on
+another device or with float targets is checked again instead of failing mid-step.
+
+``describe`` and ``first_layer_expectation`` are shared with the multi-process handshake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from engine.errors import PipelineInputError
+
+__all__ = ["split", "input_key", "dry_run", "describe", "first_layer_expectation"]
+
+
+def describe(module: nn.Module) -> str:
+    return type(module).__name__
+
+
+def first_layer_expectation(module: nn.Module) -> str:
+    """' (its first layer Linear expects in_features=8)' when the first leaf says so."""
+    for name, sub in module.named_modules():
+        for attr in ("in_features", "in_channels", "num_features", "normalized_shape", "embedding_dim"):
+            if hasattr(sub, attr) and not list(sub.children()):
+                return (
+                    f" (its first layer {name or type(sub).__name__} ({type(sub).__name__}) "
+                    f"expects {attr}={getattr(sub, attr)})"
+                )
+    return ""
+
+
+def split(inputs: Any, targets: Any, chunks: int) -> tuple[list[Tensor], list[Any], list[int]]:
+    """``chunks`` equal micro-batches of ``inputs`` (and ``targets``) along dim 0, and their
+    sample counts."""
+    if not isinstance(inputs, Tensor):
+        raise PipelineInputError(
+            f"inputs must be a tensor with the batch on dim 0, got {type(inputs).__name__}"
+        )
+    if inputs.dim() == 0:
+        raise PipelineInputError("inputs is a scalar; it needs a batch dimension (dim 0)")
+    B = int(inputs.shape[0])
+    if isinstance(targets, Tensor) and (targets.dim() == 0 or int(targets.shape[0]) != B):
+        raise PipelineInputError(
+            f"targets have shape {tuple(targets.shape)} but inputs have {B} samples; dim 0 must match"
+        )
+    if B == 0:
+        raise PipelineInputError("the batch is empty (0 samples); pass at least chunks samples")
+    if B % chunks != 0:
+        divisors = [d for d in range(1, B + 1) if B % d == 0]
+        raise PipelineInputError(
+            f"a batch of {B} samples cannot be split into chunks={chunks} equal micro-batches; use "
+            f"a batch size divisible by {chunks} (e.g. {max(chunks, B - B % chunks)} or "
+            f"{B + chunks - B % chunks}), or chunks in {divisors}"
+        )
+    b = B // chunks
+    xs = list(inputs.split(b))
+    ts = list(targets.split(b)) if isinstance(targets, Tensor) else [targets] * chunks
+    return xs, ts, [b] * chunks
+
+
+def _key_of(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return ("T", tuple(value.shape[1:]), value.dtype, value.device)
+    return ("V", type(value).__name__)
+
+
+def input_key(x: Any, target: Any) -> tuple[Any, Any]:
+    """What the dry-run result depends on: per-sample shape, dtype and device of both."""
+    return (_key_of(x), _key_of(target))
+
+
+def dry_run(
+    modules: Sequence[nn.Module],
+    x: Any,
+    target: Any,
+    loss_fn: Callable[[Tensor, Any], Tensor],
+) -> None:
+    """Run one micro-batch through ``modules`` (stage 0 first) in eval mode without grad and
+    check the loss; raise PipelineInputError naming the stage(s) on failure. Training modes
+    and the CPU (and CUDA) RNG state are restored."""
+    modes = [[m.training for m in mod.modules()] for mod in modules]
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        for mod in modules:
+            mod.eval()
+        h = x
+        with torch.no_grad():
+            for s, mod in enumerate(modules):
+                try:
+                    out = mod(h)
+                except Exception as exc:  # a wiring error: teach the fix
+                    shape = tuple(h.shape) if isinstance(h, Tensor) else type(h).__name__
+                    if s == 0:
+                        raise PipelineInputError(
+                            f"stage 0 ({describe(mod)}) cannot run on an input micro-batch of "
+                            f"shape {shape}{first_layer_expectation(mod)}: {exc}"
+                        ) from exc
+                    raise PipelineInputError(
+                        f"stage {s - 1} outputs shape {shape} but stage {s} ({describe(mod)}) "
+                        f"cannot take it as input{first_layer_expectation(mod)}: {exc}. Make stage "
+                        f"{s - 1}'s output match stage {s}'s input (layer sizes or balance)."
+                    ) from exc
+                if not isinstance(out, Tensor):
+                    raise PipelineInputError(
+                        f"stage {s} returned {type(out).__name__}; each stage must return one tensor"
+                    )
+                h = out
+            try:
+                loss = loss_fn(h, target)
+            except Exception as exc:
+                tshape = tuple(target.shape) if isinstance(target, Tensor) else target
+                raise PipelineInputError(
+                    f"loss_fn cannot compare the last stage's output of shape {tuple(h.shape)} "
+                    f"with targets {tshape!r}"
+                    + (f" ({target.dtype} on {target.device})" if isinstance(target, Tensor) else "")
+                    + f": {exc}"
+                ) from exc
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                got = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+                raise PipelineInputError(
+                    "loss_fn must return a scalar tensor (the mean over the micro-batch's "
+                    f"samples), got {got}"
+                )
+    finally:
+        for mod, flags in zip(modules, modes, strict=True):
+            for m, flag in zip(mod.modules(), flags, strict=True):
+                m.training = flag
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng)

@@ -1,0 +1,297 @@
+"""One stage per process (gloo/NCCL): building a rank's stage and running its step programs.
+
+Why a module of its own: under ``torchrun`` a process builds only its own stage (from a
+factory, so no process materialises the whole model), runs only its stage's list of each
+compiled step program -- sends and receives through the blocking point-to-point transport --
+and meets the other ranks for three things (:mod:`engine.runtime.distributed`): the shape
+handshake at the first step, the step's loss (sent by the last stage to every rank of its
+replica), and the data-parallel all-reduce of the flat gradient buffers.
+
+A synchronous step runs the stage's forwards, backwards and communication, then the loss
+check (on every rank, from the shared loss message), then its update; an asynchronous step
+runs the whole list. The weights after any number of steps equal the local run's bit for bit
+on CPU: every rank executes exactly its stage's actions of the same compiled programs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from engine.errors import NonFiniteLossError, PipelineConfigError, PipelineInputError
+from engine.runtime import inputs as _inputs
+from engine.runtime.build import build_module, build_store, resolve_stage_specs
+from engine.runtime.executor import Executor, StepResult
+from engine.runtime.program import RB, RF, SB, SF, F, StepProgram, U
+from engine.runtime.stage import DROPPED
+from engine.runtime.streams import StageStreams
+
+if TYPE_CHECKING:
+    from engine.runtime.pipeline import Pipeline
+
+__all__ = ["build_distributed", "RankExecutor", "rank_step"]
+
+
+def build_distributed(
+    pipe: Pipeline,
+    stages: Any,
+    schedule: Any,
+    chunks: int | None,
+    loss_fn: Callable[[Tensor, Any], Tensor],
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    update_size: int | None,
+    order: str | None,
+    balance: Any,
+    weight_prediction: str | None,
+    discrepancy_correction: bool | None,
+    lr_scheduler: Any,
+    num_stages: int | None,
+    sample: Tensor | None,
+    memory_cap_bytes: float | None,
+) -> None:
+    """The distributed half of ``Pipeline.__init__``."""
+    from engine.runtime.distributed import RankRuntime, broadcast_balance
+    from engine.runtime.transport.layout import init_distributed, make_layout
+    from engine.runtime.transport.p2p import P2PTransport
+
+    cfg = pipe.config
+    try:
+        init_distributed(cfg.transport, cfg.timeout)
+    except ValueError as exc:
+        raise PipelineConfigError(str(exc)) from None
+    if isinstance(balance, str):
+        from engine.runtime.balance import auto_balance
+
+        args = (stages, balance, schedule, chunks, order, num_stages, sample, memory_cap_bytes)
+        try:
+            balance = broadcast_balance(lambda: auto_balance(*args), cfg.timeout)
+        except ValueError as exc:
+            raise PipelineConfigError(str(exc)) from exc
+    specs = resolve_stage_specs(stages, balance)
+    pipe.balance = list(balance) if balance is not None else None
+    spec = pipe._resolve(schedule, len(specs), chunks, update_size, order)
+    try:
+        layout = make_layout(spec.stages, cfg.data_parallel)
+    except ValueError as exc:
+        raise PipelineConfigError(str(exc)) from None
+    s = layout.stage
+    module = build_module(specs[s], s)
+    device = torch.device("cpu")
+    if cfg.transport == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+        module.to(device)
+    elif any(p.is_cuda for p in module.parameters()):
+        raise PipelineConfigError(
+            f"stage {s} has CUDA parameters but transport='gloo' carries CPU tensors; "
+            "use transport='nccl' (one GPU per rank) or keep the model on CPU"
+        )
+    built = [build_store(module, s, optimizer)]
+    pipe.device = device
+    pipe.layout = layout
+    tp = P2PTransport(
+        cfg.transport, s, list(layout.pipeline_ranks), layout.pipeline_group, device, cfg.timeout
+    )
+    pipe._rank = RankRuntime(layout, tp, cfg.timeout)
+    streams = StageStreams([s], None)
+    pipe._finish(
+        spec, [module], built, [s], loss_fn, weight_prediction, discrepancy_correction,
+        lr_scheduler, streams=streams,
+    )
+    st = pipe.stages[0]
+    st.grad_hook = pipe._rank.reduce_gradients
+    pipe._executor = RankExecutor(
+        spec, pipe.stages, on_nonfinite=cfg.on_nonfinite, streams=streams, rank=pipe._rank
+    )
+    pipe.replicas = cfg.data_parallel
+
+
+class RankExecutor(Executor):
+    """The executor of one rank: its stage's op list with blocking communication."""
+
+    def __init__(self, *args: Any, rank: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rank = rank
+        self.transport = rank.transport
+        self.stage = self.stages[0]
+        self.s = self.stage.index
+        self.immediate_nonfinite = False  # checked once per step, on every rank
+
+    # ------------------------------------------------------------------ running
+
+    def _ops(self, prog: StepProgram, start: int, base: int, skip_updates: bool) -> None:
+        s, st, tp = self.s, self.stage, self.transport
+        ops = prog.stages[s]
+        releases = prog.releases[s]
+        certain = prog.certain[s]
+        hook = self.action_hook
+        for pc in range(start, len(ops)):
+            self._pc = pc
+            op, rel = ops[pc]
+            if op == U:
+                if not skip_updates:
+                    if hook is not None:
+                        hook(s, "U", self.n_base + base + rel[-1])
+                    st.update()
+                continue
+            i = base + rel
+            if op == RF:
+                self.acts[(s, i)] = (tp.recv("act", s, i, base + certain[pc]), None)
+                got = releases.get(pc)
+                if got:
+                    tp.release("grad", [base + m for m in got])
+            elif op == RB:
+                self.grads[(s, i)] = (tp.recv("grad", s, i, base + certain[pc]), None)
+            elif op == SF:
+                tp.send("act", s, i, self._outbox.pop(("act", i)))
+            elif op == SB:
+                tp.send("grad", s, i, self._outbox.pop(("grad", i)))
+            else:
+                if hook is not None:
+                    hook(s, "F" if op == F else "B", self.n_base + i)
+                if op == F:
+                    self._rank_forward(st, i)
+                else:
+                    self._rank_backward(st, i)
+
+    def _rank_forward(self, st: Any, i: int) -> None:
+        s = st.index
+        last = st.is_last
+        inp = self._input(i) if (s == 0 or last) else None
+        if s == 0:
+            x = inp.x  # type: ignore[union-attr]
+        else:
+            x, _ = self.acts.pop((s, i))
+        target = inp.target if (last and inp is not None) else None
+        n = self.n_base + i
+        out, loss = st.forward(i, n, x, target, self.scale)
+        if not last:
+            self._outbox[("act", i)] = out
+        elif loss is not None and inp is not None:
+            self.losses.append((n, loss, inp.samples))
+
+    def _rank_backward(self, st: Any, i: int) -> None:
+        s = st.index
+        grad = None
+        if not st.is_last:
+            grad, _ = self.grads.pop((s, i))
+        gin = st.backward(i, self.n_base + i, grad)
+        if s > 0:
+            if gin is None or gin is DROPPED:
+                raise PipelineInputError(
+                    f"stage {s} has no gradient to send back for micro-batch {self.n_base + i}: "
+                    "under gloo/NCCL the tensors between stages must carry gradients"
+                )
+            self._outbox[("grad", i)] = gin
+
+    # ------------------------------------------------------------------ the step protocol
+
+    def run_step(self, xs: list[Any], targets: list[Any], samples: list[int]) -> StepResult:
+        self._outbox: dict[tuple[str, int], Any] = getattr(self, "_outbox", {})
+        if not self.active:
+            self._open_segment()
+        j = self.j
+        prog = self.compiler.step(j)
+        base = j * self.M
+        first = len(self.losses)
+        self._feed_rank(xs, targets, samples, base)
+        self.rank.expect_loss()
+        self.j += 1
+        self._ops(prog, 0, base, skip_updates=self.sync)
+        if self.sync:  # an asynchronous step's last sends are received in the next step
+            self.transport.wait_sends()
+        result = self._take_losses(first, base, base + self.M)
+        loss, nonfinite = self.rank.share_loss(result.loss, result.nonfinite)
+        self.steps += 1
+        if self.sync:
+            st = self.stage
+            if nonfinite and self.on_nonfinite == "raise":
+                self.dropped += nonfinite
+                st.forget_pending()
+                st.reset_in_flight()
+                self.j -= 1
+                raise NonFiniteLossError(
+                    f"{nonfinite} micro-batch(es) of this step gave a non-finite loss (seen by "
+                    "the last stage); the step was rolled back on every rank: no weight or "
+                    "optimizer state changed. Lower the learning rate, check the inputs, or "
+                    "pass on_nonfinite='skip'."
+                )
+            if nonfinite:
+                self.dropped += nonfinite
+                st.forget_pending()
+                self.skipped_steps += 1
+            else:
+                for _s, _mbs in prog.commit:
+                    if _s == self.s:
+                        st.update()
+            st.reset_in_flight()
+        elif nonfinite:
+            raise NonFiniteLossError(
+                f"{nonfinite} micro-batch(es) gave a non-finite loss at the last stage of an "
+                f"asynchronous {self.spec.describe()} pipeline under a multi-process transport; "
+                "their gradients were not dropped (that needs every stage in one process) and "
+                "already entered updates. Reload the last checkpoint and lower the learning rate."
+            )
+        if prog.ends_segment:
+            self._close_segment()
+        return StepResult(loss)
+
+    def _feed_rank(self, xs: list[Any], targets: list[Any], samples: list[int], base: int) -> None:
+        first, last = self.s == 0, self.s == self.S - 1
+        if not (first or last):
+            return
+        readers = (1 if first else 0) + (1 if last else 0)
+        from engine.runtime.executor import _Input
+
+        for i, (x, t, b) in enumerate(zip(xs, targets, samples, strict=True)):
+            self.inputs[base + i] = _Input(x, t, b, readers)
+
+    def drain(self) -> Tensor | None:
+        if self.sync or not self.active:
+            return None
+        first = len(self.losses)
+        prog = self.compiler.drain(self.j)
+        self._ops(prog, 0, self.j * self.M, skip_updates=False)
+        self.transport.wait_sends()
+        self._close_segment()
+        return self._take_losses(first).loss
+
+
+def rank_step(pipe: Pipeline, inputs: Any, targets: Any) -> Tensor:
+    """``Pipeline.step`` on one rank: split what this rank reads, handshake once, run."""
+    lay = pipe.layout
+    s, S, M = lay.stage, lay.stages, pipe.spec.chunks
+    first, last = s == 0, s == S - 1
+    if pipe.device.type == "cuda":  # NCCL: the data a rank reads goes to its GPU
+        if isinstance(inputs, Tensor):
+            inputs = inputs.to(pipe.device, non_blocking=True)
+        if isinstance(targets, Tensor):
+            targets = targets.to(pipe.device, non_blocking=True)
+    if first and not isinstance(inputs, Tensor):
+        raise PipelineInputError(
+            f"rank {lay.rank} runs stage 0 and needs the inputs: pass a tensor with the batch "
+            f"on dim 0, got {type(inputs).__name__}"
+        )
+    if first:
+        xs, ts, sizes = _inputs.split(inputs, targets if last else None, M)
+        if not last:
+            ts = [None] * M
+    elif last:
+        ref = targets if isinstance(targets, Tensor) else inputs
+        if not isinstance(ref, Tensor):
+            raise PipelineInputError(
+                f"rank {lay.rank} runs the last stage and needs the targets (a tensor with the "
+                "batch on dim 0) to compute the loss"
+            )
+        _, ts, sizes = _inputs.split(ref, targets, M)
+        xs = [None] * M
+    else:
+        xs, ts, sizes = [None] * M, [None] * M, [1] * M
+    rk = pipe._rank
+    if not rk.handshaken:
+        st = pipe.stages[0]
+        rk.handshake(st.module, xs[0], ts[0], st.loss_fn)
+    result = pipe._executor.run_step(xs, ts, sizes)
+    return result.loss if result.loss is not None else torch.tensor(float("nan"))

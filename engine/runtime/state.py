@@ -1,0 +1,175 @@
+"""Pipeline state dicts: everything needed to resume bit-identically.
+
+Why separate from the file format (:mod:`engine.serialization`): this module knows what a
+pipeline's state *is* -- per stage the module's tensors, optimizer and scheduler state, the
+update count and runtime-owned state (PipeMare's fallback delta), plus step counters and the
+RNG -- and validates a state completely against a pipeline before anything changes. The file
+format only knows nested dicts of tensors.
+
+Only a flushed pipeline has a well-defined state (no activations or gradients in flight), so
+both directions require one and say so otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from engine.errors import CheckpointError, PipelineConfigError
+
+if TYPE_CHECKING:
+    from engine.runtime.pipeline import Pipeline
+
+__all__ = ["FORMAT", "pipeline_state_dict", "load_pipeline_state_dict"]
+
+FORMAT = "engine.pipeline/1"
+
+
+def _config(pipe: Pipeline) -> dict[str, Any]:
+    return {
+        "schedule": pipe.spec.name,
+        "stages": pipe.spec.stages,
+        "chunks": pipe.spec.chunks,
+        "update_size": pipe.spec.update_size,
+        "order": pipe.spec.order,
+        "prediction": pipe.weight_prediction,
+        "discrepancy_correction": pipe.discrepancy_correction,
+    }
+
+
+def _require_local(pipe: Pipeline, what: str) -> None:
+    if pipe.config.distributed:
+        raise PipelineConfigError(
+            f"{what} of a transport={pipe.transport!r} pipeline: each rank holds only its stage "
+            f"(stage {pipe.layout.stage}), and the whole-pipeline checkpoint format needs all "
+            "of them in one process. Save per rank with "
+            "torch.save(pipe.stages[0].module.state_dict(), f'stage{pipe.layout.stage}.pt') "
+            "after pipe.flush(), or train with transport='local' to use engine.save."
+        )
+
+
+def pipeline_state_dict(pipe: Pipeline) -> dict[str, Any]:
+    """Everything needed to resume: per stage the module's tensors, optimizer and scheduler
+    state, update count and runtime-owned state; plus counters and the torch RNG state."""
+    _require_local(pipe, "state_dict()")
+    pipe.require_flushed("state_dict()")
+    stages = []
+    for st in pipe.stages:
+        stages.append(
+            {
+                "module": {k: v.detach().clone() for k, v in st.module.state_dict().items()},
+                "optimizer": st.optimizer.state_dict() if st.bridge is not None else None,
+                "scheduler": st.scheduler.state_dict() if st.scheduler is not None else None,
+                "updates": st.updates,
+                "delay": pipe.delays[st.index],
+                "extra": (
+                    {k: v.clone() for k, v in st.bridge.extra_state().items()}
+                    if st.bridge is not None
+                    else {}
+                ),
+            }
+        )
+    ex = pipe._executor
+    return {
+        "format": FORMAT,
+        "config": _config(pipe),
+        "steps": ex.steps,
+        "skipped_steps": ex.skipped_steps,
+        "microbatches": ex.n_base + ex.j * pipe.spec.chunks,
+        "stages": stages,
+        "rng": torch.get_rng_state(),
+    }
+
+
+def _fail(msg: str) -> CheckpointError:
+    return CheckpointError(msg + " -- nothing was loaded")
+
+
+def _check(pipe: Pipeline, state: Any) -> None:
+    """Validate ``state`` against ``pipe`` completely, so that loading changes nothing on error."""
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        got = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise _fail(f"not a pipeline state (format {got!r}, expected {FORMAT!r})")
+    cfg = state.get("config", {})
+    mine = _config(pipe)
+    diff = [
+        f"{k}: checkpoint {cfg.get(k)!r} vs pipeline {v!r}" for k, v in mine.items() if cfg.get(k) != v
+    ]
+    if diff:
+        raise _fail(
+            "checkpoint was written by a differently configured pipeline (" + "; ".join(diff) + ")"
+        )
+    stages = state.get("stages")
+    if not isinstance(stages, list) or len(stages) != pipe.num_stages:
+        n = len(stages) if isinstance(stages, list) else "?"
+        raise _fail(f"checkpoint has {n} stages, pipeline {pipe.num_stages}")
+    for st, sd in zip(pipe.stages, stages, strict=True):
+        where = f"stage {st.index}"
+        own = st.module.state_dict()
+        theirs = sd.get("module", {})
+        if set(own) != set(theirs):
+            missing = sorted(set(own) - set(theirs))
+            extra = sorted(set(theirs) - set(own))
+            raise _fail(f"{where}: module tensors differ (missing {missing}, unexpected {extra})")
+        for key, t in own.items():
+            o = theirs[key]
+            if not isinstance(o, Tensor) or o.shape != t.shape or o.dtype != t.dtype:
+                got = (tuple(o.shape), o.dtype) if isinstance(o, Tensor) else type(o).__name__
+                raise _fail(
+                    f"{where}: {key} is {got} in the checkpoint, {(tuple(t.shape), t.dtype)} in the pipeline"
+                )
+        osd = sd.get("optimizer")
+        if (osd is None) != (st.bridge is None):
+            raise _fail(f"{where}: optimizer state does not match (a stage without parameters?)")
+        if st.bridge is not None:
+            groups = st.optimizer.param_groups
+            sgroups = osd.get("param_groups", []) if isinstance(osd, dict) else []
+            if len(groups) != len(sgroups) or any(
+                len(g["params"]) != len(h.get("params", []))
+                for g, h in zip(groups, sgroups, strict=False)
+            ):
+                raise _fail(f"{where}: optimizer param groups do not match the pipeline's")
+        if (sd.get("scheduler") is None) != (st.scheduler is None):
+            has = "has" if sd.get("scheduler") is not None else "has no"
+            mine_has = "has" if st.scheduler is not None else "has no"
+            raise _fail(f"{where}: checkpoint {has} LR scheduler state, the pipeline {mine_has} scheduler")
+        if sd.get("delay") != pipe.delays[st.index]:
+            raise _fail(
+                f"{where}: delay {sd.get('delay')} in the checkpoint, {pipe.delays[st.index]} "
+                "derived by the pipeline"
+            )
+        if not isinstance(sd.get("updates"), int):
+            raise _fail(f"{where}: update count missing")
+    rng = state.get("rng")
+    if rng is not None and (not isinstance(rng, Tensor) or rng.dtype != torch.uint8):
+        raise _fail("rng state must be a uint8 tensor")
+
+
+def load_pipeline_state_dict(pipe: Pipeline, state: dict[str, Any]) -> None:
+    """Load ``pipeline_state_dict`` output into a flushed pipeline of the same configuration."""
+    _require_local(pipe, "load_state_dict()")
+    pipe.require_flushed("load_state_dict()")
+    _check(pipe, state)
+    for st, sd in zip(pipe.stages, state["stages"], strict=True):
+        with torch.no_grad():
+            st.module.load_state_dict(sd["module"])  # copies into the live buffer in place
+        if st.bridge is not None:
+            st.optimizer.load_state_dict(sd["optimizer"])
+            st.bridge.load_extra_state(sd.get("extra", {}))
+        if st.scheduler is not None:
+            st.scheduler.load_state_dict(sd["scheduler"])
+        st.updates = sd["updates"]
+        st.store.version = st.updates
+        st.segment_updates = st.updates
+        st.reset_in_flight()
+        st.store.invalidate_transient()
+    ex = pipe._executor
+    ex.steps = int(state["steps"])
+    ex.skipped_steps = int(state.get("skipped_steps", 0))
+    ex.n_base = int(state.get("microbatches", 0))
+    ex.j = 0
+    ex.active = False
+    if state.get("rng") is not None:
+        torch.set_rng_state(state["rng"])

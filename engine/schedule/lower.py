@@ -1,0 +1,92 @@
+"""Lowering: turn a compute-only program into one every transport can execute.
+
+Why: a hand-written program is easiest to write and read in the compact form
+``s0: F0 F1 B0 B1 U0-1`` (torch.distributed.pipelining calls this the compute-only IR and
+adds the communication in a pass, too). Multi-process transports need the sends and receives
+spelled out, and the runtime's step compiler reads them to know where a stage waits for a
+neighbour. :func:`add_comms` inserts them exactly as the built-in generators place them
+(``RF`` before a forward on s > 0, ``SF`` after it on s < S-1, ``RB`` before a backward on
+s < S-1, ``SB`` after it on s > 0), so a lowered hand-written twin of a built-in schedule is
+*equal* to the generated one.
+
+:func:`flushes_every_minibatch` decides whether a program is synchronous, from its actions
+alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from engine.schedule.ir import Action, Kind, Schedule
+
+__all__ = ["add_comms", "flushes_every_minibatch"]
+
+
+def _wrapped(stage: int, S: int, a: Action) -> list[Action]:
+    if a.kind is Kind.FORWARD:
+        out = [Action.recv_act(a.mb)] if stage > 0 else []
+        out.append(a)
+        if stage < S - 1:
+            out.append(Action.send_act(a.mb))
+        return out
+    if a.kind is Kind.BACKWARD:
+        out = [Action.recv_grad(a.mb)] if stage < S - 1 else []
+        out.append(a)
+        if stage > 0:
+            out.append(Action.send_grad(a.mb))
+        return out
+    return [a]
+
+
+def add_comms(program: Schedule) -> Schedule:
+    """``program`` with sends and receives around every forward and backward; returned
+    unchanged when it already has communication actions. Ticks are kept (a receive shares
+    the tick of the compute after it, a send that of the compute before it)."""
+    if program.has_comms:
+        return program
+    S = program.stages
+    actions: list[tuple[Action, ...]] = []
+    ticks: list[tuple[int, ...]] | None = [] if program.ticks is not None else None
+    for s, acts in enumerate(program.actions):
+        out: list[Action] = []
+        tks: list[int] = []
+        for i, a in enumerate(acts):
+            wrapped = _wrapped(s, S, a)
+            out.extend(wrapped)
+            if program.ticks is not None:
+                tks.extend([program.ticks[s][i]] * len(wrapped))
+        actions.append(tuple(out))
+        if ticks is not None:
+            ticks.append(tuple(tks))
+    return replace(
+        program,
+        actions=tuple(actions),
+        ticks=None if ticks is None else tuple(ticks),
+    )
+
+
+def flushes_every_minibatch(program: Schedule) -> bool:
+    """True when every stage runs mini-batch after mini-batch: its list splits into
+    ``steps`` consecutive blocks, block j touching only micro-batches jM .. (j+1)M-1 and
+    applying all of their gradients before block j+1 starts. Such a program has no
+    staleness (every delay is 0) and the pipeline runs it step by step with rollback."""
+    M = program.chunks
+    for acts in program.actions:
+        block = 0
+        pending: set[int] = set()
+        for a in acts:
+            mbs = a.mbs
+            j = mbs[0] // M
+            if any(m // M != j for m in mbs):
+                return False
+            if j != block:
+                if j != block + 1 or pending:
+                    return False
+                block = j
+            if a.kind is Kind.BACKWARD:
+                pending.add(a.mb)
+            elif a.kind is Kind.UPDATE:
+                pending.difference_update(mbs)
+        if pending:
+            return False
+    return True
