@@ -176,6 +176,7 @@ def launch_adam(
     delta_gamma: float = 0.0,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
+    validate: bool = True,
     block: int | None = None,
     device_step: bool | None = None,
 ) -> None:
@@ -184,10 +185,11 @@ def launch_adam(
     ``device_step=None`` picks the device path when ``step`` is on the param's device;
     tests force ``False`` to cover the host path on CPU.
     """
-    validate_adam_args(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step,
-                       amsgrad=amsgrad, sc_delay=sc_delay, last_update=last_update,
-                       predicted=predicted, delta=delta, grad_scale=grad_scale,
-                       found_inf=found_inf)
+    if validate:  # the optimizers validate once per layout and pass validate=False
+        validate_adam_args(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step,
+                           amsgrad=amsgrad, sc_delay=sc_delay, last_update=last_update,
+                           predicted=predicted, delta=delta, grad_scale=grad_scale,
+                           found_inf=found_inf)
     if step.device != param.device and step.device.type != "cpu":
         raise ValueError(f"step is on {step.device}; it must be on the CPU or on the param's "
                          f"device {param.device}")
@@ -270,6 +272,7 @@ def fused_adam_update(
     delta_gamma: float = 0.0,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
+    validate: bool = True,
 ) -> None:
     """Fused equivalent of ``engine.optim.functional.adam_update`` (same signature and
     semantics); all tensors must be contiguous and on one device (``step`` may be a CPU
@@ -279,5 +282,5 @@ def fused_adam_update(
                 decoupled=decoupled, amsgrad=amsgrad, maximize=maximize, sc_delay=sc_delay,
                 last_update=last_update, predicted=predicted,
                 predict_horizon=predict_horizon, delta=delta, delta_gamma=delta_gamma,
-                grad_scale=grad_scale, found_inf=found_inf)
+                grad_scale=grad_scale, found_inf=found_inf, validate=validate)
 

@@ -117,13 +117,15 @@ def launch_sgd(
     delta_gamma: float = 0.0,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
+    validate: bool = True,
     block: int | None = None,
 ) -> None:
     """:func:`fused_sgd_update` with an explicit block size (tests use small blocks to run
     several program instances under the interpreter)."""
-    validate_sgd_args(param, grad, momentum_buffer, momentum=momentum, dampening=dampening,
-                      sc_delay=sc_delay, predicted=predicted, delta=delta,
-                      grad_scale=grad_scale, found_inf=found_inf)
+    if validate:  # the optimizers validate once per layout and pass validate=False
+        validate_sgd_args(param, grad, momentum_buffer, momentum=momentum,
+                          dampening=dampening, sc_delay=sc_delay, predicted=predicted,
+                          delta=delta, grad_scale=grad_scale, found_inf=found_inf)
     use_momentum = momentum != 0
     check_launchable({"param": param, "grad": grad,
                       "momentum_buffer": momentum_buffer if use_momentum else None,
@@ -175,6 +177,7 @@ def fused_sgd_update(
     delta_gamma: float = 0.0,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
+    validate: bool = True,
 ) -> None:
     """Fused equivalent of ``engine.optim.functional.sgd_update`` (same signature and
     semantics); all tensors must be contiguous and on one device."""
@@ -182,4 +185,4 @@ def fused_sgd_update(
                weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
                init_momentum=init_momentum, sc_delay=sc_delay, predicted=predicted,
                predict_coeff=predict_coeff, delta=delta, delta_gamma=delta_gamma,
-               grad_scale=grad_scale, found_inf=found_inf)
+               grad_scale=grad_scale, found_inf=found_inf, validate=validate)

@@ -152,6 +152,7 @@ class _AdamBase(DelayOptimizer):
             delta_gamma=gamma if gamma is not None else 0.0,
             grad_scale=grad_scale,
             found_inf=found_inf,
+            validate=False,
         )
 
     @staticmethod

@@ -47,6 +47,15 @@ __all__ = ["DelayOptimizer", "PREDICTION_MODES", "DELAY_DEFAULTS"]
 
 # kept for the subclasses' imports
 _is_real_number = is_real_number
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _option_key(group: dict[str, Any]) -> tuple[Any, ...]:
+    """The group's option values, comparable with ==, to tell whether they changed (tensors
+    by identity: comparing their values would need a host read)."""
+    return tuple(
+        id(v) if isinstance(v, Tensor) else v for k, v in group.items() if k != "params"
+    )
 
 
 def _functional() -> Any:
@@ -81,6 +90,8 @@ class DelayOptimizer(ComputedWeights, Optimizer):
         self._auto: dict[int, tuple[tuple[int, ...], list[FlatBinding]]] = {}
         self._checked: dict[int, tuple[int, ...]] = {}  # group -> param ids validated
         self.last_step_predicted = False
+        self._kernel_pair = kernels(self._family)
+        self._fuse_cache: dict[int, tuple[Any, ...]] = {}
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ validation
@@ -99,6 +110,10 @@ class DelayOptimizer(ComputedWeights, Optimizer):
                 raise ValueError(
                     f"{where}params[{j}] is complex ({p.dtype}); engine optimizers support real "
                     "params only: pass torch.view_as_real(param) views instead"
+                )
+            if p.dtype not in _PARAM_DTYPES:
+                raise TypeError(
+                    f"{where}params[{j}] is {p.dtype}; param must be float32, bfloat16 or float16"
                 )
         if group["fused"] is True and any(p.device.type == "cpu" for p in group["params"]):
             if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
@@ -135,19 +150,27 @@ class DelayOptimizer(ComputedWeights, Optimizer):
 
     def _check_before_step(self) -> None:
         """All checks of a step, run for every group before any group is updated so that a
-        bad group (or sparse gradient) never leaves the optimizer half-stepped. The
-        per-parameter checks run again only when a group's parameters change."""
+        bad group (or sparse gradient) never leaves the optimizer half-stepped.
+
+        Validation happens once per layout: the per-parameter checks run again only when a
+        group's parameter list changes, the option checks only when an option's value does
+        (an lr scheduler changes ``lr``: then the options are checked again)."""
+        checked = self._checked
         for i, group in enumerate(self.param_groups):
-            ids = tuple(map(id, group["params"]))
-            if self._checked.get(i) != ids:
+            params = group["params"]
+            pkey = (id(params), len(params))
+            okey = _option_key(group)
+            seen = checked.get(i)
+            if seen is None or seen[0] != pkey:
                 self._check_group(group, i)
-                self._checked[i] = ids
-            else:
+            elif seen[1] != okey:
                 self._check_options(group, f"param_groups[{i}]: ")
+            checked[i] = (pkey, okey)
             if i in self._bindings:
                 continue  # bound buckets hold dense flat gradients by construction
-            for j, p in enumerate(group["params"]):
-                if p.grad is not None and p.grad.is_sparse:
+            for j, p in enumerate(params):
+                g = p.grad
+                if g is not None and g.is_sparse:
                     raise RuntimeError(
                         f"param_groups[{i}]['params'][{j}] has a sparse gradient; "
                         f"{type(self).__name__} updates dense tensors only (use "
@@ -242,6 +265,16 @@ class DelayOptimizer(ComputedWeights, Optimizer):
         self._bind_order = order
         self._auto.clear()
 
+    def _fused_choice(self, index: int, group: dict[str, Any], params: list[Tensor]) -> bool:
+        """``use_fused`` for the group, recomputed only when its option or tensors change."""
+        key = (group["fused"], id(group["params"]), len(params), params[0].device)
+        cached = self._fuse_cache.get(index)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        choice = use_fused(group, params)
+        self._fuse_cache[index] = (key, choice)
+        return choice
+
     def _group_bindings(self, index: int, group: dict[str, Any]) -> list[FlatBinding]:
         explicit = self._bindings.get(index)
         if explicit is not None:
@@ -304,8 +337,8 @@ class DelayOptimizer(ComputedWeights, Optimizer):
             # when recomputed later (other horizon, after load_state_dict): a group key, so it
             # is saved with the state_dict and a resumed run predicts exactly as before.
             group["prediction_lr"] = self.effective_lr(group)
-        ref, fused = kernels(self._family)
-        fuse = use_fused(group, params)
+        ref, fused = self._kernel_pair
+        fuse = self._fused_choice(index, group, params)
         done: set[int] = set()
         wrote = True
         for b in bindings:
@@ -500,6 +533,8 @@ class DelayOptimizer(ComputedWeights, Optimizer):
         self.__dict__.setdefault("_auto", {})
         self.__dict__.setdefault("_checked", {})
         self.__dict__.setdefault("last_step_predicted", False)
+        self.__dict__.setdefault("_kernel_pair", kernels(self._family))
+        self.__dict__.setdefault("_fuse_cache", {})
         for group in self.param_groups:
             for key, value in DELAY_DEFAULTS.items():
                 group.setdefault(key, value)

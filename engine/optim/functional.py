@@ -210,6 +210,7 @@ def sgd_update(
     delta_gamma: float = 0.0,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
+    validate: bool = True,
 ) -> None:
     """One momentum-SGD step in place, torch.optim.SGD's op order (ALGORITHMS.md).
 
@@ -226,9 +227,10 @@ def sgd_update(
     Optional outputs: ``predicted = w_new - predict_coeff * v_new`` (``v_new = g'`` without
     momentum) in the param's dtype; ``delta = gamma * delta + (1 - gamma) * (w_new - w_old)``.
     """
-    validate_sgd_args(param, grad, momentum_buffer, momentum=momentum, dampening=dampening,
-                      sc_delay=sc_delay, predicted=predicted, delta=delta,
-                      grad_scale=grad_scale, found_inf=found_inf)
+    if validate:  # the optimizers validate once per layout and pass validate=False
+        validate_sgd_args(param, grad, momentum_buffer, momentum=momentum,
+                          dampening=dampening, sc_delay=sc_delay, predicted=predicted,
+                          delta=delta, grad_scale=grad_scale, found_inf=found_inf)
     if _skip(found_inf):
         return
     w = _as_f32(param)  # fp32 params: the param itself, updated in place like torch
@@ -298,6 +300,7 @@ def adam_update(
     delta_gamma: float = 0.0,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
+    validate: bool = True,
 ) -> None:
     """One Adam (``decoupled=False``) or AdamW (``decoupled=True``) step in place.
 
@@ -320,10 +323,11 @@ def adam_update(
       can be made later with ``predict(param, last_update, H)``. Under AdamW the applied
       step includes the decoupled decay.
     """
-    validate_adam_args(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step,
-                       amsgrad=amsgrad, sc_delay=sc_delay, last_update=last_update,
-                       predicted=predicted, delta=delta, grad_scale=grad_scale,
-                       found_inf=found_inf)
+    if validate:  # the optimizers validate once per layout and pass validate=False
+        validate_adam_args(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step,
+                           amsgrad=amsgrad, sc_delay=sc_delay, last_update=last_update,
+                           predicted=predicted, delta=delta, grad_scale=grad_scale,
+                           found_inf=found_inf)
     if _skip(found_inf):
         return
     w = _as_f32(param)

@@ -154,6 +154,7 @@ class SGD(DelayOptimizer):
             delta_gamma=gamma if gamma is not None else 0.0,
             grad_scale=grad_scale,
             found_inf=found_inf,
+            validate=False,
         )
 
     _direction_key = "momentum_buffer"

@@ -48,8 +48,9 @@ import torch
 from torch import Tensor
 
 from engine.errors import NonFiniteLossError
+from engine.runtime import labels
 from engine.runtime.clock import Clock
-from engine.runtime.program import OP_NAMES, B, F, StepCompiler, StepProgram, U
+from engine.runtime.program import BB, OP_NAMES, B, F, StepCompiler, StepProgram, U
 from engine.runtime.rollback import BufferTracker, RollbackPoint
 from engine.runtime.stage import DROPPED, Stage
 from engine.runtime.streams import StageStreams
@@ -59,6 +60,7 @@ from engine.schedule.spec import ScheduleSpec
 __all__ = ["Executor", "StepResult"]
 
 _KINDS = {F: Kind.FORWARD, B: Kind.BACKWARD}
+_NO_ACTIVE: dict[int, tuple[int, str]] = {}
 
 
 @dataclasses.dataclass
@@ -150,6 +152,8 @@ class Executor:
         #: micro-batch); synchronous ones check the step's losses before its update phase
         self.immediate_nonfinite = not self.sync
         self.clock = Clock(self.S)
+        #: synchronous steps chain the stages' graphs (one process holds every stage)
+        self.chain_sync = len(stages) == spec.stages
         self.tracker = BufferTracker([st.module for st in stages])
         self.interrupts = _Interrupts()
         #: testing hook, called before every action as hook(stage, kind, micro-batch id);
@@ -218,7 +222,7 @@ class Executor:
 
     def run_step(self, xs: list[Any], targets: list[Any], samples: list[int]) -> StepResult:
         """One mini-batch (module docstring)."""
-        with self.interrupts.deferred():
+        with self.interrupts.deferred(), torch.enable_grad():
             if self.tail is not None:
                 self._run_tail()
             if not self.active:
@@ -244,7 +248,7 @@ class Executor:
         """Finish every fed micro-batch and apply every pending gradient (``flush()``)."""
         if self.sync or not self.active:
             return None
-        with self.interrupts.deferred():
+        with self.interrupts.deferred(), torch.enable_grad():
             first_loss = len(self.losses)
             if self.tail is not None:
                 draining = self.tail[0].kind == "drain"
@@ -287,6 +291,7 @@ class Executor:
     def _loop(self, ins: tuple[tuple[int, int, Any], ...], start: int, base: int) -> None:
         by_index = self.by_index
         streams = self.streams
+        cuda = streams.cuda
         clock = self.clock
         interrupts = self.interrupts
         hook = self.action_hook
@@ -299,6 +304,19 @@ class Executor:
             op, s, rel = ins[pc]
             if interrupts.pending:
                 interrupts.check()
+            if op == BB:
+                if hook is not None:
+                    for s2, r2 in rel:
+                        hook(s2, "B", n_base + base + r2)
+                self._in_action = True
+                if log is not None:
+                    log.extend((s2, self._action(B, r2, base)) for s2, r2 in rel)
+                t0 = perf()
+                self._backward_batch(rel, base)
+                share = (perf() - t0) / len(rel)
+                for s2, r2 in rel:
+                    clock.record(s2, B, n_base + base + r2, share)
+                continue
             if hook is not None:
                 hook(s, OP_NAMES[op], n_base + base + (rel if op != U else rel[-1]))
             st = by_index[s]
@@ -306,17 +324,19 @@ class Executor:
             if log is not None:
                 log.append((s, self._action(op, rel, base)))
             if op == U:
-                with streams.on(s):
+                if cuda:
+                    with streams.on(s):
+                        st.update()
+                else:
                     st.update()
                 continue
             i = base + rel
             t0 = perf()
-            with streams.on(s):
-                if op == F:
-                    bad = self._forward(st, i)
-                else:
-                    self._backward(st, i)
-                    bad = False
+            if cuda:
+                with streams.on(s):
+                    bad = self._forward(st, i) if op == F else self._backward(st, i)
+            else:
+                bad = self._forward(st, i) if op == F else self._backward(st, i)
             clock.record(s, op, n_base + i, perf() - t0)
             if bad:
                 self._in_action = False
@@ -355,16 +375,84 @@ class Executor:
         self._drop_everywhere(i)
         return self.on_nonfinite == "raise"
 
-    def _backward(self, st: Stage, i: int) -> None:
+    def _backward(self, st: Stage, i: int) -> bool:
         s = st.index
+        n = self.n_base + i
+        if st.chain:  # the last stage's backward runs every stage's (module docstring)
+            if st.is_last:
+                labels.ACTIVE = {x: (n, "B") for x in self.by_index}
+            try:
+                st.backward(i, n, None)
+            finally:
+                labels.ACTIVE = _NO_ACTIVE
+            return False
         if st.is_last:
             grad = None
         else:
             grad, ev = self.grads.pop((s, i))
             self.streams.wait(s, ev, grad)
-        gin = st.backward(i, self.n_base + i, grad)
+        gin = st.backward(i, n, grad)
         if s > 0:
             self.grads[(s - 1, i)] = (gin, self.streams.record(s) if gin is not DROPPED else None)
+        return False
+
+    def _backward_batch(self, items: tuple[tuple[int, int], ...], base: int) -> None:
+        """Several stages' backwards (different stages, independent) in one autograd call;
+        while profiling each runs on its own so every one keeps its profiler label."""
+        if labels.profiling() or self.streams.cuda:
+            for s, rel in items:
+                st = self.by_index[s]
+                if self.streams.cuda:
+                    with self.streams.on(s):
+                        self._backward(st, base + rel)
+                else:
+                    self._backward(st, base + rel)
+            return
+        jobs = []
+        upstream: list[tuple[Stage, int, Any]] = []
+        n_base = self.n_base
+        active = {}
+        try:
+            for s, rel in items:
+                st = self.by_index[s]
+                i = base + rel
+                grad = None if st.is_last else self.grads.pop((s, i))[0]
+                job = st.begin_backward(i, n_base + i, grad)
+                if job is None or job is DROPPED:
+                    upstream.append((st, i, job))
+                else:
+                    jobs.append(job)
+                    active[s] = (n_base + i, "B")
+            labels.ACTIVE = active
+            try:
+                Stage.run_backward(jobs[0].stage, jobs) if jobs else None
+            finally:
+                labels.ACTIVE = _NO_ACTIVE
+                for job in jobs:
+                    job.stage.end_backward(job)
+        except BaseException:
+            self._batch_failed(items, base)
+            raise
+        for job in jobs:
+            upstream.append((job.stage, job.i, job.stage.finish_backward(job)))
+        for st, i, gin in upstream:
+            if st.index > 0:
+                self.grads[(st.index - 1, i)] = (gin, None)
+
+    def _batch_failed(self, items: tuple[tuple[int, int], ...], base: int) -> None:
+        """A batched backward raised: every micro-batch in it is dropped at its stage."""
+        for s, rel in items:
+            st = self.by_index[s]
+            i = base + rel
+            if st.stash.get(i) is not None:  # its backward had not begun
+                st.stash.pop(i)
+                st.pending += 1
+                st.pending_mbs.append(self.n_base + i)
+                self.grads.pop((s, i), None)
+            st.discard_gradients()
+            if s > 0:
+                self.grads[(s - 1, i)] = (DROPPED, None)
+            self.dropped += 1
 
     def _drop_everywhere(self, i: int) -> None:
         """Micro-batch i contributes no gradient at any stage (a non-finite loss)."""
@@ -377,6 +465,9 @@ class Executor:
     def _action_failed(self, action: tuple[int, int, Any], base: int, exc: BaseException) -> None:
         """An exception raised inside F/B/U (asynchronous step): drop what it touched."""
         op, s, rel = action
+        if op == BB:  # _backward_batch already dropped every micro-batch in the batch
+            self._note(exc, (B, rel[0][0], rel[0][1]), base, "backward failed")
+            return
         st = self.by_index[s]
         if op == U:
             self._note(exc, action, base, "update skipped")
@@ -402,6 +493,8 @@ class Executor:
             where = "at the end of its step"
         else:
             op, s, rel = action
+            if op == BB:
+                op, (s, rel) = B, rel[0]
             n = self.n_base + base + (rel if op != U else rel[-1])
             where = (
                 f"at stage {s}, update {self.by_index[s].updates}"
@@ -462,6 +555,12 @@ class Executor:
         first_loss: int,
     ) -> StepResult:
         point = RollbackPoint(self.tracker, self._cuda_devices())
+        # one autograd call per micro-batch through every stage (no update happens inside a
+        # synchronous step, so chaining the stages' graphs computes exactly what per-stage
+        # backwards compute); while profiling, per-stage backwards keep their labels
+        chain = self.chain_sync and not labels.profiling()
+        for st in self.stages:
+            st.chain = chain
         try:
             self._feed(xs, targets, samples, base)
             self._loop(prog.local, 0, base)

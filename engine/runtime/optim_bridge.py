@@ -24,9 +24,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.optim.optimizer as _torch_optimizer
 from torch import Tensor
 
 from engine.optim.flat import FlatBinding
+from engine.runtime import labels
 
 if TYPE_CHECKING:
     from engine.runtime.weight_store import WeightStore
@@ -102,12 +104,13 @@ class OptimizerBridge:
         if arena is None:
             return
         where = {id(p): i for i, p in enumerate(store.params)}
+        stepped = {id(p) for g in self.opt.param_groups for p in g["params"]}
         for b, info in enumerate(arena.buckets):
-            if not info.requires_grad:
-                self._bindings.append(None)
-                continue
             view = arena.flat_view(b)
             members = tuple(self.shadow[where[id(p)]] for p in view.params)
+            if not info.requires_grad or not all(id(m) in stepped for m in members):
+                self._bindings.append(None)  # frozen, or not given to the optimizer
+                continue
             self._bindings.append(FlatBinding(view=view, params=members))
         if self.is_engine:
             self.opt.bind_flat([x for x in self._bindings if x is not None])
@@ -125,17 +128,16 @@ class OptimizerBridge:
             if not self.is_engine:
                 self._torch_step()
                 return None
-            want = prediction_key is not None and self.predicts
-            if want:
-                outs = store.transient_flats()
-                for b, binding in enumerate(self._bindings):
-                    if binding is not None:
-                        binding.predicted = outs[b]
-            else:
-                for binding in self._bindings:
-                    if binding is not None:
-                        binding.predicted = None
-            self.opt.step()
+            want = (
+                prediction_key is not None
+                and self.opt.param_groups[0].get("prediction") is not None
+                and self._default_horizon(prediction_key)
+            )
+            outs = store.transient_flats() if want else None
+            for b, binding in enumerate(self._bindings):
+                if binding is not None:
+                    binding.predicted = outs[b] if outs is not None else None
+            self._step()
             if want and self.opt.last_step_predicted:
                 outs = store.transient_flats()
                 lives = store.live_flats()
@@ -148,12 +150,39 @@ class OptimizerBridge:
             for sp, g in saved:
                 sp.grad = g
 
+    def _default_horizon(self, key: Any) -> bool:
+        """Whether the fused step's prediction (the optimizer's default horizon) is ``key``."""
+        horizon = key[1]
+        if horizon is None:
+            return True
+        g = self.opt.param_groups[0]
+        h = g.get("prediction_horizon")
+        return float(g["delay"] if h is None else h) == float(horizon)
+
+    def _step(self) -> None:
+        """``opt.step()``; without step hooks and with no profiler recording, the step
+        function itself, skipping torch's per-call profiler label and hook machinery (the
+        label alone costs a dispatcher round trip per update)."""
+        opt = self.opt
+        raw = getattr(type(opt).step, "__wrapped__", None)
+        if (
+            raw is None
+            or labels.profiling()
+            or opt._optimizer_step_pre_hooks
+            or opt._optimizer_step_post_hooks
+            or _torch_optimizer._global_optimizer_pre_hooks
+            or _torch_optimizer._global_optimizer_post_hooks
+        ):
+            opt.step()
+        else:
+            raw(opt)
+
     def _torch_step(self) -> None:
         if not self._fallback_t2 or self.delay == 0:
-            self.opt.step()
+            self._step()
             return
         before = [p.detach().clone() for p in self.shadow]
-        self.opt.step()
+        self._step()
         gamma = self._decay ** (1.0 / self.delay)
         if self._delta is None:
             self._delta = [torch.zeros_like(b) for b in before]

@@ -118,6 +118,7 @@ class RankExecutor(Executor):
         self.stage = self.stages[0]
         self.s = self.stage.index
         self.immediate_nonfinite = False  # checked once per step, on every rank
+        self.chain_sync = False
 
     # ------------------------------------------------------------------ running
 

@@ -48,7 +48,7 @@ from engine.runtime.stash import ActivationStash, StashEntry
 from engine.runtime.weight_store import LIVE as LIVE_BUFFER
 from engine.runtime.weight_store import WeightStore
 
-__all__ = ["Stage", "DROPPED"]
+__all__ = ["Stage", "DROPPED", "BackwardJob"]
 
 
 class _Dropped:
@@ -60,6 +60,21 @@ class _Dropped:
 
 DROPPED = _Dropped()
 _NULL = contextlib.nullcontext()
+
+
+class BackwardJob:
+    """One stage's backward of one micro-batch, between :meth:`Stage.begin_backward` and
+    :meth:`Stage.finish_backward` (several can share one autograd call)."""
+
+    __slots__ = ("stage", "i", "n", "entry", "grad", "buf")
+
+    def __init__(self, stage: Stage, i: int, n: int, entry: StashEntry, grad: Any, buf: int) -> None:
+        self.stage = stage
+        self.i = i
+        self.n = n
+        self.entry = entry
+        self.grad = grad
+        self.buf = buf
 
 
 class Stage:
@@ -102,6 +117,9 @@ class Stage:
         self.trace = trace
         self.records: dict[int, dict[str, Any]] = {}
         self._t_f: dict[int, int] = {}
+        #: chained (synchronous steps in one process): stage inputs keep the previous stage's
+        #: graph and the last stage's backward runs every stage's (set by the executor)
+        self.chain = False
         self._saved = SavedWeights(store) if policy.remaps_saved_weights and not recompute else None
         self._transient_fill = self._make_transient_fill()
 
@@ -162,19 +180,23 @@ class Stage:
         else:
             pin = store.pin_version(want, i)
             buf = store.resolve(pin)
-        needs_grad = self.index > 0 and isinstance(x, Tensor) and x.is_floating_point()
-        xin = x.detach().requires_grad_(needs_grad) if isinstance(x, Tensor) else x
+        if self.chain or not isinstance(x, Tensor):
+            xin = x  # chained: the previous stage's output, graph attached
+        else:
+            xin = x.detach().requires_grad_(self.index > 0 and x.is_floating_point())
         loss: Tensor | None = None
         ok = False
         try:
-            with torch.enable_grad(), store.use(buf):
+            with store.use(buf) if buf != store.active else _NULL:
                 if self.recompute:
                     out = torch.utils.checkpoint.checkpoint(
                         self._run, xin, target, use_reentrant=False, preserve_rng_state=True
                     )
-                else:
-                    with self._saved.packing(buf) if self._saved is not None else _NULL:
+                elif self._saved is not None:
+                    with self._saved.packing(buf):
                         out = self._run(xin, target)
+                else:
+                    out = self._run(xin, target)
             if self.is_last:
                 loss = out
                 keep: Tensor = out * scale
@@ -190,9 +212,9 @@ class Stage:
         if self.trace:
             self.records[n] = {"t_F": t_f}
         assert loss is None or isinstance(loss, Tensor)
-        return (out.detach() if not self.is_last else None), (
-            loss.detach() if loss is not None else None
-        )
+        if self.is_last:
+            return None, loss.detach() if loss is not None else None
+        return (out if self.chain else out.detach()), None
 
     def _run(self, x: Any, target: Any) -> Tensor:
         out = self.module(x)
@@ -228,35 +250,72 @@ class Stage:
                 labels.CURRENT = None
 
     def _backward(self, i: int, n: int, grad: Any) -> Any:
+        job = self.begin_backward(i, n, grad)
+        if job is None or isinstance(job, _Dropped):
+            return job
+        try:
+            self.run_backward([job])
+        finally:
+            self.end_backward(job)
+        return self.finish_backward(job)
+
+    def begin_backward(self, i: int, n: int, grad: Any) -> BackwardJob | _Dropped | None:
+        """B(i) up to the autograd call: bookkeeping and the buffer the backward must read.
+        Returns the job to run (:meth:`run_backward`), DROPPED (pass it upstream) or None
+        (nothing to run: stage 0 of a dropped micro-batch, or a chained stage whose backward
+        runs inside the last stage's)."""
         entry = self.stash.pop(i)
-        store = self.store
         if self.trace:
             self.records.setdefault(n, {})["t_B"] = self.updates
         self.pending += 1
         self.pending_mbs.append(n)
         if entry.dropped or grad is DROPPED:
             if entry.pin is not None:
-                store.release(entry.pin, i)
+                self.store.release(entry.pin, i)
             return DROPPED if self.index > 0 else None
+        if self.chain and not self.is_last:
+            self.pending_weight += entry.scale  # ran in the last stage's backward
+            return None
         want = self.policy.backward(self)
         if want is LIVE:
             buf = LIVE_BUFFER
         elif want is PINNED:
-            buf = store.resolve(entry.pin) if entry.pin is not None else LIVE_BUFFER
+            buf = self.store.resolve(entry.pin) if entry.pin is not None else LIVE_BUFFER
         else:
             assert isinstance(want, Transient)
             buf = self._transient(want)
-        try:
-            with store.use(buf), self._saved.unpacking(buf) if self._saved is not None else _NULL:
-                out = entry.out
-                if out is not None and out.requires_grad and (self.is_last or grad is not None):
-                    torch.autograd.backward(out, None if self.is_last else grad)
-        finally:
-            if entry.pin is not None:
-                store.release(entry.pin, i)
-        self.pending_weight += entry.scale
-        xin = entry.x
-        if self.index == 0 or not isinstance(xin, Tensor) or not xin.requires_grad:
+        return BackwardJob(self, i, n, entry, grad, buf)
+
+    def run_backward(self, jobs: list[BackwardJob]) -> None:
+        """One autograd call for ``jobs`` of *different* stages (disjoint parameters, so the
+        result equals running them one by one), each under its own weight buffer."""
+        roots: list[Tensor] = []
+        grads: list[Any] = []
+        with contextlib.ExitStack() as stack:
+            for job in jobs:
+                st = job.stage
+                out = job.entry.out
+                if out is None or not out.requires_grad or (not st.is_last and job.grad is None):
+                    continue
+                if job.buf != st.store.active:
+                    stack.enter_context(st.store.use(job.buf))
+                if st._saved is not None:
+                    stack.enter_context(st._saved.unpacking(job.buf))
+                roots.append(out)
+                grads.append(None if st.is_last else job.grad)
+            if roots:
+                torch.autograd.backward(roots, grads)
+
+    def end_backward(self, job: BackwardJob) -> None:
+        """Release what the job pinned (also when its backward raised)."""
+        if job.entry.pin is not None:
+            self.store.release(job.entry.pin, job.i)
+
+    def finish_backward(self, job: BackwardJob) -> Any:
+        """The gradient for the previous stage (None at stage 0)."""
+        self.pending_weight += job.entry.scale
+        xin = job.entry.x
+        if self.chain or self.index == 0 or not isinstance(xin, Tensor) or not xin.requires_grad:
             return None
         return xin.grad if xin.grad is not None else torch.zeros_like(xin)
 

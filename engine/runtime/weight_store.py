@@ -39,6 +39,8 @@ __all__ = ["LIVE", "WeightStore"]
 
 LIVE = -1
 
+_NONE: list[int] = []
+
 #: a pin handle: ("v", version) for a kept weight version, ("t", slot) for a pinned transient
 Pin = tuple[str, int]
 
@@ -77,6 +79,15 @@ class WeightStore:
         self._held: int | None = None  # 2BW: version future forwards read
         self._transient: int | None = None
         self._transient_key: Any = None
+        self.nbuckets = 0 if arena is None else len(arena.buckets)
+        self._live_flats: list[Tensor] = (
+            [] if arena is None else [arena.flat_param(b) for b in range(self.nbuckets)]
+        )
+        self._grad_flats: list[Tensor] = []
+        for b in range(self.nbuckets):
+            g = arena.flat_grad(b)
+            if g is not None:
+                self._grad_flats.append(g)
         self._views: dict[int, list[Tensor]] = {LIVE: [p.data for p in params]}
         self._flats: dict[int, list[Tensor]] = {}
         self._active = LIVE
@@ -86,14 +97,10 @@ class WeightStore:
 
     # ------------------------------------------------------------------ buffers
 
-    @property
-    def nbuckets(self) -> int:
-        return 0 if self.arena is None else len(self.arena.buckets)
-
     def flats(self, buf: int) -> list[Tensor]:
         """The flat tensors of buffer ``buf``, one per arena bucket."""
         if buf == LIVE:
-            return [self.arena.flat_param(b) for b in range(self.nbuckets)]
+            return self._live_flats
         flats = self._flats.get(buf)
         if flats is None:
             flats = [self.arena.slot_flat(buf, b) for b in range(self.nbuckets)]
@@ -101,18 +108,12 @@ class WeightStore:
         return flats
 
     def live_flats(self) -> list[Tensor]:
-        return self.flats(LIVE)
+        return self._live_flats
 
     def grad_flats(self) -> list[Tensor]:
-        """Flat gradient buffers of the buckets that hold gradients."""
-        if self.arena is None:
-            return []
-        out = []
-        for b in range(self.nbuckets):
-            g = self.arena.flat_grad(b)
-            if g is not None:
-                out.append(g)
-        return out
+        """Flat gradient buffers of the buckets that hold gradients (fixed for the stage's
+        life: gradients never move)."""
+        return self._grad_flats
 
     def views(self, buf: int) -> list[Tensor]:
         v = self._views.get(buf)
@@ -120,6 +121,11 @@ class WeightStore:
             v = self.arena.slot_views(buf)
             self._views[buf] = v
         return v
+
+    @property
+    def active(self) -> int:
+        """The buffer the parameters point at right now."""
+        return self._active
 
     @contextlib.contextmanager
     def use(self, buf: int) -> Iterator[None]:
@@ -243,6 +249,7 @@ class WeightStore:
         self._views[slot] = old_views
         self._flats.pop(slot, None)
         self._views[LIVE] = [p.data for p in self.params]
+        self._live_flats = [arena.flat_param(b) for b in range(self.nbuckets)]
         for sp, p in zip(self.shadow, self.params, strict=True):
             sp.data = p.data
         self._slots[slot] = {"version": self.version, "pins": self._live_pins, "held": keep_live}
@@ -300,11 +307,11 @@ class WeightStore:
         """Indices of trainable parameters that received no gradient since the last update
         (the optimizer must skip them, as torch.optim skips a ``.grad`` of None). Also puts
         back a gradient view a user replaced (e.g. ``module.zero_grad()`` set it to None)."""
-        for p, g in zip(self.params, self._grad_views, strict=True):
+        for p, g in zip(self.params, self._grad_views):  # noqa: B905 - same length
             if p.grad is not g:
                 self._rebind_grad(p, g)
         if 0 not in self._used:
-            return []
+            return _NONE
         return [i for i, u in enumerate(self._used) if not u]
 
     @staticmethod

@@ -43,12 +43,20 @@ class Probe(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.full((dim,), float(init)))
         self.log: list[dict[str, Any]] = []
+        self._stage: int | None = None
 
     def _record(self, kind: str, weight: Tensor) -> None:
         cur = labels.CURRENT
-        if cur is None:
+        active = labels.ACTIVE.get(self._stage) if self._stage is not None else None
+        if active is not None:  # one autograd call running several stages' backwards
+            stage = self._stage
+            mb, action = active
+        elif cur is not None:
+            stage, mb, action = cur
+            if action == "F":
+                self._stage = stage  # a probe belongs to the stage whose forward runs it
+        else:
             return
-        stage, mb, action = cur
         if kind == "F" and action == "B":
             kind = "R"  # forward re-run inside a backward: recomputation
         self.log.append({"stage": stage, "mb": mb, "kind": kind, "value": weight.detach().clone()})
