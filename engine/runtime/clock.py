@@ -6,7 +6,7 @@ with each action's measured wall time. Both are a discrete-event replay of the e
 actions: an action starts when its stage is free and its producer (the previous stage's
 forward, the next stage's backward) has finished. Doing that replay per action on the hot
 path cost ~12 % of a small model's step; here the executor only appends (stage, kind,
-micro-batch, seconds) to a log, and the replay runs in batches (every few thousand actions,
+micro-batch, seconds) to a preallocated log, and the replay runs in batches (every few thousand actions,
 and when ``stats()`` asks).
 
 Inputs count as available at once, so pauses between ``step()`` calls never show up as
@@ -64,21 +64,28 @@ class Clock:
         self.reset()
 
     def reset(self) -> None:
-        self.log: list[tuple[int, int, int, float]] = []
+        # a preallocated log: appending to a growing list would take new memory (and a page
+        # fault now and then) in steady state
+        self._log: list[tuple[int, int, int, float] | None] = [None] * _BATCH
+        self._k = 0
         self._unit = _Replay(self.num_stages)
         self._wall = _Replay(self.num_stages)
 
     def record(self, stage: int, op: int, n: int, seconds: float) -> None:
-        self.log.append((stage, op, n, seconds))
-        if len(self.log) >= _BATCH:
+        self._log[self._k] = (stage, op, n, seconds)
+        self._k += 1
+        if self._k == _BATCH:
             self._replay()
 
     def _replay(self) -> None:
         unit, wall = self._unit, self._wall
-        for s, op, n, sec in self.log:
+        log = self._log
+        for k in range(self._k):
+            s, op, n, sec = log[k]  # type: ignore[misc]
             unit.add(s, op, n, _UNIT[op])
             wall.add(s, op, n, sec)
-        self.log = []
+            log[k] = None
+        self._k = 0
 
     def barrier(self) -> None:
         """A flush: later actions start after everything so far."""

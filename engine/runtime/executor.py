@@ -37,11 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,10 +47,13 @@ from torch import Tensor
 from engine.errors import NonFiniteLossError
 from engine.runtime import labels
 from engine.runtime.clock import Clock
+from engine.runtime.failures import FailureHandling
+from engine.runtime.interrupts import Interrupts
 from engine.runtime.program import BB, OP_NAMES, B, F, StepCompiler, StepProgram, U
-from engine.runtime.rollback import BufferTracker, RollbackPoint
+from engine.runtime.rollback import BufferTracker
 from engine.runtime.stage import DROPPED, Stage
 from engine.runtime.streams import StageStreams
+from engine.runtime.sync_step import SynchronousSteps
 from engine.schedule.ir import Action, Kind
 from engine.schedule.spec import ScheduleSpec
 
@@ -81,45 +81,7 @@ class StepResult:
     bad: list[int] = dataclasses.field(default_factory=list)  # global ids of non-finite ones
 
 
-class _Interrupts:
-    """Defers Ctrl-C to the executor's next action boundary (main thread only); a second
-    Ctrl-C while one is pending interrupts at once."""
-
-    def __init__(self) -> None:
-        self.pending = False
-
-    @contextmanager
-    def deferred(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        try:
-            previous = signal.getsignal(signal.SIGINT)
-        except ValueError:  # pragma: no cover - no signals here
-            yield
-            return
-        if previous is not signal.default_int_handler:
-            yield  # someone else handles SIGINT: leave it to them
-            return
-
-        def handler(signum: int, frame: Any) -> None:
-            if self.pending:
-                raise KeyboardInterrupt
-            self.pending = True
-
-        signal.signal(signal.SIGINT, handler)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
-
-    def check(self) -> None:
-        if self.pending:
-            self.pending = False
-            raise KeyboardInterrupt
-
-
-class Executor:
+class Executor(SynchronousSteps, FailureHandling):
     """Execution of one schedule over the stages this process holds (module docstring).
 
     Args:
@@ -155,7 +117,7 @@ class Executor:
         #: synchronous steps chain the stages' graphs (one process holds every stage)
         self.chain_sync = len(stages) == spec.stages
         self.tracker = BufferTracker([st.module for st in stages])
-        self.interrupts = _Interrupts()
+        self.interrupts = Interrupts()
         #: testing hook, called before every action as hook(stage, kind, micro-batch id);
         #: an exception it raises is an exception "between actions" (engine.testing.faults)
         self.action_hook: Callable[[int, str, int], None] | None = None
@@ -237,9 +199,9 @@ class Executor:
                 self._feed(xs, targets, samples, base)
                 self.j += 1
                 self._run(prog, 0, base)
+                result = self._take_losses(first_loss, base, base + self.M)
                 if prog.ends_segment:
                     self._close_segment()
-                result = self._take_losses(first_loss, base, base + self.M)
             self.steps += 1
             self.interrupts.check()
             return result
@@ -536,122 +498,6 @@ class Executor:
             f"{which} gave a non-finite loss; {what} Lower the learning rate, check the inputs, "
             "or pass on_nonfinite='skip'."
         )
-
-    # ------------------------------------------------------------------ synchronous steps
-
-    def _cuda_devices(self) -> list[int]:
-        if not self.streams.cuda:
-            return []
-        dev = self.streams.device
-        return [dev.index if dev is not None and dev.index is not None else torch.cuda.current_device()]
-
-    def _sync_step(
-        self,
-        prog: StepProgram,
-        base: int,
-        xs: list[Any],
-        targets: list[Any],
-        samples: list[int],
-        first_loss: int,
-    ) -> StepResult:
-        point = RollbackPoint(self.tracker, self._cuda_devices())
-        # one autograd call per micro-batch through every stage (no update happens inside a
-        # synchronous step, so chaining the stages' graphs computes exactly what per-stage
-        # backwards compute); while profiling, per-stage backwards keep their labels
-        chain = self.chain_sync and not labels.profiling()
-        for st in self.stages:
-            st.chain = chain
-        try:
-            self._feed(xs, targets, samples, base)
-            self._loop(prog.local, 0, base)
-            result = self._take_losses(first_loss, base, base + self.M)
-            skip = self._check_losses(result)
-            if not skip:
-                self._commit_hooks(prog, base)
-        except BaseException as exc:
-            at = prog.local[self._pc] if self._pc < len(prog.local) else None
-            self._rollback(point)
-            self._note(exc, at, base, "rolled back")
-            raise
-        if skip:
-            for st in self.stages:
-                st.forget_pending()
-            self.skipped_steps += 1
-        else:
-            self._commit(prog)
-        point.commit()
-        self.j += 1
-        if prog.ends_segment:
-            self._close_segment()
-        else:
-            for st in self.stages:
-                st.reset_in_flight()
-        self.clock.barrier()
-        return result
-
-    def _check_losses(self, result: StepResult) -> bool:
-        """The hook before a synchronous update: True to skip the step (non-finite losses
-        with on_nonfinite="skip"); raises NonFiniteLossError with "raise"."""
-        if result.nonfinite == 0:
-            return False
-        self.dropped += result.nonfinite
-        if self.on_nonfinite == "raise":
-            raise self._nonfinite_error(result.bad)
-        return True
-
-    def _commit_hooks(self, prog: StepProgram, base: int) -> None:
-        """Everything that may refuse the update phase runs before any stage updates."""
-        hook = self.action_hook
-        if hook is None:
-            return
-        for s, mbs in prog.commit:
-            self._pc = len(prog.local)
-            hook(s, "U", self.n_base + base + mbs[-1])
-
-    def _commit(self, prog: StepProgram) -> None:
-        """The update phase of a synchronous step: every stage, Ctrl-C deferred till the end.
-        An optimizer that raises skips its own stage's update; the others still update, and
-        the first error is raised afterwards (nothing is left half-applied)."""
-        first: BaseException | None = None
-        base = self.j * self.M
-        for s, mbs in prog.commit:
-            st = self.by_index[s]
-            if self.log is not None:
-                self.log.append((s, self._action(U, mbs, base)))
-            try:
-                with self.streams.on(s):
-                    st.update()
-            except Exception as exc:  # noqa: BLE001 - re-raised below, after the other stages
-                if first is None:
-                    first = exc
-                    if hasattr(exc, "add_note"):
-                        exc.add_note(
-                            f"engine.Pipeline: stage {s}'s optimizer raised during the update "
-                            "phase: that stage's update was skipped (its gradients discarded), "
-                            "every other stage updated. The pipeline is consistent."
-                        )
-        if first is not None:
-            raise first
-
-    def _rollback(self, point: RollbackPoint) -> None:
-        self.streams.join()
-        for st in self.stages:
-            st.forget_pending()
-            st.reset_in_flight()
-        self.inputs.clear()
-        self.acts.clear()
-        self.grads.clear()
-        self.losses = []
-        lost = point.restore()
-        if lost:
-            import warnings
-
-            warnings.warn(
-                f"rolling back a failed step could not restore buffers {lost}: they were "
-                "modified in place for the first time; they keep the failed step's values",
-                RuntimeWarning,
-                stacklevel=4,
-            )
 
     # ------------------------------------------------------------------ losses
 

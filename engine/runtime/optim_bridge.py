@@ -82,6 +82,12 @@ class OptimizerBridge:
         for group in self.opt.param_groups:
             group[key] = value
 
+    def default_horizon(self) -> float:
+        """The prediction horizon of a request without one: the optimizer's
+        ``prediction_horizon``, else the stage's delay."""
+        h = self.opt.param_groups[0].get("prediction_horizon") if self.opt.param_groups else None
+        return float(self.delay if h is None else h)
+
     def enable_fallback_correction(self, decay: float) -> None:
         """Track PipeMare's delta here (the optimizer does not keep one)."""
         self._fallback_t2 = True

@@ -21,11 +21,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from engine.errors import NotFlushedError, PipelineConfigError
+from engine.errors import NotFlushedError, PipelineConfigError, ScheduleError
 from engine.runtime import inputs as _inputs
 from engine.runtime.build import build_module, build_store, resolve_stage_specs
 from engine.runtime.config import PipelineConfig, check_options, resolve_mitigations
 from engine.runtime.executor import Executor
+from engine.runtime.host_memory import keep_freed_host_memory
 from engine.runtime.policy import SpecTrain, make_policy
 from engine.runtime.stage import Stage
 from engine.runtime.streams import StageStreams
@@ -176,6 +177,8 @@ class Pipeline:
             return resolve_schedule(
                 schedule, stages=S, chunks=chunks, update_size=update_size, order=order
             )
+        except ScheduleError:
+            raise  # a broken program: the error names the stage, the action and the rule
         except (ValueError, TypeError) as exc:
             raise PipelineConfigError(str(exc)) from None
 
@@ -231,6 +234,8 @@ class Pipeline:
         if not hasattr(self, "layout"):
             self.layout = None
             self.replicas = 1
+        if any(d.type == "cpu" for d in devices) or not devices:
+            keep_freed_host_memory()
         if streams is None:
             streams = self._make_streams(stages, cfg.cuda_streams)
         self._streams = streams

@@ -8,9 +8,9 @@ buffers such as BatchNorm's running statistics.
 
 RNG states are cheap to save (a few KB per device). Buffers could be large (a causal mask), so
 only buffers that a forward has been seen to modify are copied at the start of a step: a
-buffer's autograd version counter tells whether it was written in place, and its identity
-whether the module replaced it. Until the first step has shown which buffers change, every
-buffer is copied; a buffer first modified by a failing step is restored from that copy.
+buffer changed if its value, its autograd version counter or its identity (the module
+replaced it) changed. Until the first step has shown which buffers change, every buffer is
+copied; a buffer first modified by a failing step is restored from that copy.
 """
 
 from __future__ import annotations
@@ -47,11 +47,18 @@ class BufferTracker:
         return out
 
     def learn(self, captured: list[tuple[int, Tensor, int, Tensor | None]]) -> None:
-        """After a step: remember which buffers it modified (they are copied from now on)."""
+        """After a step: remember which buffers it modified (they are copied from now on).
+        A kernel may write a buffer without bumping its version counter (BatchNorm's running
+        statistics), so buffers that were copied are also compared by value."""
         changed = set() if self._mutable is None else set(self._mutable)
-        for k, t, version, _copy in captured:
+        for k, t, version, copy in captured:
             mod, name = self._slots[k]
-            if getattr(mod, name) is not t or t._version != version:
+            now = getattr(mod, name)
+            if (
+                now is not t
+                or t._version != version
+                or (copy is not None and not torch.equal(copy, t))
+            ):
                 changed.add(k)
         self._mutable = changed
 
@@ -64,13 +71,12 @@ class BufferTracker:
                 mod, name = self._slots[k]
                 if getattr(mod, name) is not t:
                     setattr(mod, name, t)
-                if t._version != version:
-                    if copy is not None:
-                        t.copy_(copy)
-                    else:
-                        lost.append(name)
-                        if self._mutable is not None:
-                            self._mutable.add(k)
+                if copy is not None:
+                    t.copy_(copy)
+                elif t._version != version:
+                    lost.append(name)
+                    if self._mutable is not None:
+                        self._mutable.add(k)
         return lost
 
 

@@ -120,8 +120,15 @@ class Stage:
         #: chained (synchronous steps in one process): stage inputs keep the previous stage's
         #: graph and the last stage's backward runs every stage's (set by the executor)
         self.chain = False
-        self._saved = SavedWeights(store) if policy.remaps_saved_weights and not recompute else None
+        remap = policy.remaps_saved_weights and not recompute and not self._all_live()
+        self._saved = SavedWeights(store) if remap else None
         self._transient_fill = self._make_transient_fill()
+
+    def _all_live(self) -> bool:
+        """Whether forward and backward both read the live weights at this stage (a
+        mitigation with nothing to do, e.g. at the last stage, whose delay is 0)."""
+        reqs = [self.policy.forward(self), self.policy.backward(self)]
+        return all(r is LIVE or (isinstance(r, Transient) and self._trivial(r)) for r in reqs)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -141,8 +148,21 @@ class Stage:
         return {"predict": predict, "correct": correct}
 
     def _transient(self, req: Transient) -> int:
+        """The transient buffer holding ``req``'s values now; the live buffer itself when
+        they equal the live weights (a zero horizon, no delay to correct for)."""
+        if self._trivial(req):
+            return LIVE_BUFFER
         key = req.key()
         return self.store.transient(key, self.updates, self._transient_fill[req.kind](req))
+
+    def _trivial(self, req: Transient) -> bool:
+        bridge = self.bridge
+        if bridge is None:
+            return True
+        if req.kind == "correct":
+            return bridge.delay == 0
+        horizon = req.horizon if req.horizon is not None else bridge.default_horizon()
+        return horizon == 0
 
     # ------------------------------------------------------------------ forward
 
@@ -175,8 +195,8 @@ class Stage:
             buf = LIVE_BUFFER
         elif isinstance(want, Transient):
             buf = self._transient(want)
-            if policy.pins_forward:
-                pin = store.pin_transient(i)
+            if policy.pins_forward:  # SpecTrain's reuse: B reads exactly what F read
+                pin = store.pin_transient(i) if buf != LIVE_BUFFER else store.pin_version(self.updates, i)
         else:
             pin = store.pin_version(want, i)
             buf = store.resolve(pin)
@@ -341,7 +361,10 @@ class Stage:
                     store.scale_grads(expected_weight / w)
                 if self.grad_hook is not None:
                     self.grad_hook(store.grad_flats())
-                written = self.bridge.step(store, self.policy.prediction_key(self))
+                key = policy.prediction_key(self)
+                if key is not None and self._trivial(Transient(*key)):
+                    key = None  # the forward reads the live weights: nothing to predict
+                written = self.bridge.step(store, key)
                 if self.scheduler is not None:
                     self.scheduler.step()
             else:

@@ -1,0 +1,140 @@
+"""What an exception inside an asynchronous step leaves behind, and how it is explained.
+
+Why a module: the executor's promise (an exception anywhere inside ``step()``/``flush()``
+leaves every stage consistent) is carried out here for the asynchronous case -- what an
+exception raised inside a forward, a backward, a batch of backwards or an update drops -- and
+every exception gets a note saying where it happened and what the pipeline did about it
+(see the executor's module docstring for the rules).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from engine.errors import NonFiniteLossError
+from engine.runtime.program import BB, OP_NAMES, B, F, U
+from engine.runtime.stage import DROPPED
+
+if TYPE_CHECKING:
+    from engine.runtime.stage import Stage
+
+__all__ = ["FailureHandling"]
+
+_NOTES = {
+    "rolled back": "the step was rolled back: no weight, gradient, optimizer state, RNG state "
+    "or module buffer changed; the same step can be retried.",
+    "paused": "the pipeline paused before this action; the next step() or flush() continues "
+    "exactly where it stopped.",
+    "dropped": "this micro-batch was dropped at every stage (its gradient is never applied; "
+    "its update group is renormalised over the rest), and the rest of the step runs at the "
+    "next step() or flush().",
+    "backward failed": "this micro-batch was dropped, and the gradients this stage had "
+    "accumulated for its current update were discarded (a partial backward cannot be "
+    "undone); the rest of the step runs at the next step() or flush().",
+    "update skipped": "this stage's update was skipped (its gradients discarded); the rest of "
+    "the step runs at the next step() or flush().",
+}
+
+
+class FailureHandling:
+    """Mixin of :class:`~engine.runtime.executor.Executor` (uses its stages and mailboxes)."""
+
+    by_index: dict[int, Stage]
+    n_base: int
+    sync: bool
+    scale: float
+    dropped: int
+    acts: dict[tuple[int, int], tuple[Any, Any]]
+    grads: dict[tuple[int, int], tuple[Any, Any]]
+
+    def _batch_failed(self, items: tuple[tuple[int, int], ...], base: int) -> None:
+        """A batched backward raised: every micro-batch in it is dropped at its stage."""
+        for s, rel in items:
+            st = self.by_index[s]
+            i = base + rel
+            if st.stash.get(i) is not None:  # its backward had not begun
+                st.stash.pop(i)
+                st.pending += 1
+                st.pending_mbs.append(self.n_base + i)
+                self.grads.pop((s, i), None)
+            st.discard_gradients()
+            if s > 0:
+                self.grads[(s - 1, i)] = (DROPPED, None)
+            self.dropped += 1
+
+    # ------------------------------------------------------------------ failures
+
+    def _action_failed(self, action: tuple[int, int, Any], base: int, exc: BaseException) -> None:
+        """An exception raised inside F/B/U (asynchronous step): drop what it touched."""
+        op, s, rel = action
+        if op == BB:  # _backward_batch already dropped every micro-batch in the batch
+            self._note(exc, (B, rel[0][0], rel[0][1]), base, "backward failed")
+            return
+        st = self.by_index[s]
+        if op == U:
+            self._note(exc, action, base, "update skipped")
+            return
+        i = base + rel
+        if op == F:
+            st.drop_forward(i, self.n_base + i, self.scale)
+            if not st.is_last:
+                self.acts[(s + 1, i)] = (DROPPED, None)
+            self.dropped += 1
+            self._note(exc, action, base, "dropped")
+        else:
+            st.discard_gradients()
+            if s > 0:
+                self.grads[(s - 1, i)] = (DROPPED, None)
+            self.dropped += 1
+            self._note(exc, action, base, "backward failed")
+
+    def _note(self, exc: BaseException, action: Any, base: int, what: str) -> None:
+        if not hasattr(exc, "add_note"):
+            return  # Python < 3.11
+        if action is None:
+            where = "at the end of its step"
+        else:
+            op, s, rel = action
+            if op == BB:
+                op, (s, rel) = B, rel[0]
+            n = self.n_base + base + (rel if op != U else rel[-1])
+            where = (
+                f"at stage {s}, update {self.by_index[s].updates}"
+                if op == U
+                else f"at stage {s}, {OP_NAMES[op]} of micro-batch {n}"
+            )
+        consistent = (
+            "The pipeline is consistent: flush(), save (after the flush), load and further "
+            "step() calls work."
+        )
+        text = {
+            "rolled back": "the step was rolled back: no weight, gradient, optimizer state, "
+            "RNG state or module buffer changed; the same step can be retried.",
+            "paused": "the pipeline paused before this action; the next step() or flush() "
+            "continues exactly where it stopped.",
+            "dropped": "this micro-batch was dropped at every stage (its gradient is never "
+            "applied; its update group is renormalised over the rest), and the rest of the "
+            "step runs at the next step() or flush().",
+            "backward failed": "this micro-batch was dropped, and the gradients this stage had "
+            "accumulated for its current update were discarded (a partial backward cannot be "
+            "undone); the rest of the step runs at the next step() or flush().",
+            "update skipped": "this stage's update was skipped (its gradients discarded); the "
+            "rest of the step runs at the next step() or flush().",
+        }[what]
+        exc.add_note(f"engine.Pipeline: {type(exc).__name__} {where}: {text} {consistent}")
+
+    def _nonfinite_error(self, bad: list[int]) -> NonFiniteLossError:
+        if self.sync:
+            what = "the step was rolled back: no weight or optimizer state changed."
+        else:
+            what = (
+                "it was dropped at every stage (zero gradient); earlier updates stand, and the "
+                "rest of the step runs at the next step() or flush()."
+            )
+        which = (
+            f"micro-batch {bad[0]}" if len(bad) == 1 else f"micro-batches {', '.join(map(str, bad))}"
+        )
+        return NonFiniteLossError(
+            f"{which} gave a non-finite loss; {what} Lower the learning rate, check the inputs, "
+            "or pass on_nonfinite='skip'."
+        )

@@ -1,0 +1,160 @@
+"""A synchronous step: run, check the losses, then update every stage at once -- or roll back.
+
+Why a module: a synchronous step's promise is all-or-nothing. Before its update phase,
+whatever raises -- a Ctrl-C, a stage's forward, a bad target, the non-finite loss check --
+rolls the step back: gradients are zeroed, nothing in flight is kept, and the RNG states and
+module buffers are restored (:mod:`engine.runtime.rollback`), so the step can be retried as if
+it never happened. The update phase runs every stage's update together after the loss
+check, with Ctrl-C deferred until it is over.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.runtime import labels
+from engine.runtime.program import StepProgram, U
+from engine.runtime.rollback import BufferTracker, RollbackPoint
+
+if TYPE_CHECKING:
+    from engine.runtime.executor import StepResult
+    from engine.runtime.stage import Stage
+    from engine.runtime.streams import StageStreams
+
+__all__ = ["SynchronousSteps"]
+
+
+class SynchronousSteps:
+    """Mixin of :class:`~engine.runtime.executor.Executor` (uses its loop and stages)."""
+
+    stages: list[Stage]
+    by_index: dict[int, Stage]
+    streams: StageStreams
+    tracker: BufferTracker
+    chain_sync: bool
+    n_base: int
+    j: int
+    M: int
+    log: Any
+    action_hook: Any
+    on_nonfinite: str
+    dropped: int
+    skipped_steps: int
+
+    # ------------------------------------------------------------------ synchronous steps
+
+    def _cuda_devices(self) -> list[int]:
+        if not self.streams.cuda:
+            return []
+        dev = self.streams.device
+        return [dev.index if dev is not None and dev.index is not None else torch.cuda.current_device()]
+
+    def _sync_step(
+        self,
+        prog: StepProgram,
+        base: int,
+        xs: list[Any],
+        targets: list[Any],
+        samples: list[int],
+        first_loss: int,
+    ) -> StepResult:
+        point = RollbackPoint(self.tracker, self._cuda_devices())
+        # one autograd call per micro-batch through every stage (no update happens inside a
+        # synchronous step, so chaining the stages' graphs computes exactly what per-stage
+        # backwards compute); while profiling, per-stage backwards keep their labels
+        chain = self.chain_sync and not labels.profiling()
+        for st in self.stages:
+            st.chain = chain
+        try:
+            self._feed(xs, targets, samples, base)
+            self._loop(prog.local, 0, base)
+            result = self._take_losses(first_loss, base, base + self.M)
+            skip = self._check_losses(result)
+            if not skip:
+                self._commit_hooks(prog, base)
+        except BaseException as exc:
+            at = prog.local[self._pc] if self._pc < len(prog.local) else None
+            self._rollback(point)
+            self._note(exc, at, base, "rolled back")
+            raise
+        if skip:
+            for st in self.stages:
+                st.forget_pending()
+            self.skipped_steps += 1
+        else:
+            self._commit(prog)
+        point.commit()
+        self.j += 1
+        if prog.ends_segment:
+            self._close_segment()
+        else:
+            for st in self.stages:
+                st.reset_in_flight()
+        self.clock.barrier()
+        return result
+
+    def _check_losses(self, result: StepResult) -> bool:
+        """The hook before a synchronous update: True to skip the step (non-finite losses
+        with on_nonfinite="skip"); raises NonFiniteLossError with "raise"."""
+        if result.nonfinite == 0:
+            return False
+        self.dropped += result.nonfinite
+        if self.on_nonfinite == "raise":
+            raise self._nonfinite_error(result.bad)
+        return True
+
+    def _commit_hooks(self, prog: StepProgram, base: int) -> None:
+        """Everything that may refuse the update phase runs before any stage updates."""
+        hook = self.action_hook
+        if hook is None:
+            return
+        for s, mbs in prog.commit:
+            self._pc = len(prog.local)
+            hook(s, "U", self.n_base + base + mbs[-1])
+
+    def _commit(self, prog: StepProgram) -> None:
+        """The update phase of a synchronous step: every stage, Ctrl-C deferred till the end.
+        An optimizer that raises skips its own stage's update; the others still update, and
+        the first error is raised afterwards (nothing is left half-applied)."""
+        first: BaseException | None = None
+        base = self.j * self.M
+        for s, mbs in prog.commit:
+            st = self.by_index[s]
+            if self.log is not None:
+                self.log.append((s, self._action(U, mbs, base)))
+            try:
+                with self.streams.on(s):
+                    st.update()
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the other stages
+                if first is None:
+                    first = exc
+                    if hasattr(exc, "add_note"):
+                        exc.add_note(
+                            f"engine.Pipeline: stage {s}'s optimizer raised during the update "
+                            "phase: that stage's update was skipped (its gradients discarded), "
+                            "every other stage updated. The pipeline is consistent."
+                        )
+        if first is not None:
+            raise first
+
+    def _rollback(self, point: RollbackPoint) -> None:
+        self.streams.join()
+        for st in self.stages:
+            st.forget_pending()
+            st.reset_in_flight()
+        self.inputs.clear()
+        self.acts.clear()
+        self.grads.clear()
+        self.losses = []
+        lost = point.restore()
+        if lost:
+            import warnings
+
+            warnings.warn(
+                f"rolling back a failed step could not restore buffers {lost}: they were "
+                "modified in place for the first time; they keep the failed step's values",
+                RuntimeWarning,
+                stacklevel=4,
+            )
