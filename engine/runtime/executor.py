@@ -134,6 +134,9 @@ class Executor(SynchronousSteps, FailureHandling):
         self.tail: tuple[StepProgram, int, int] | None = None
         #: when a list: every F/B/U executed, as (stage, Action with global micro-batch ids)
         self.log: list[tuple[int, Action]] | None = None
+        #: when a list (CUDA streams): (stage, kind, micro-batch, start, end) timing events
+        #: recorded on the stage's stream around every forward and backward
+        self.cuda_events: list[tuple[int, str, int, Any, Any]] | None = None
         self._pc = 0
         self._in_action = False
 
@@ -296,7 +299,15 @@ class Executor(SynchronousSteps, FailureHandling):
             t0 = perf()
             if cuda:
                 with streams.on(s):
+                    events = self.cuda_events
+                    if events is not None:
+                        start = torch.cuda.Event(enable_timing=True)
+                        start.record()
                     bad = self._forward(st, i) if op == F else self._backward(st, i)
+                    if events is not None:
+                        end = torch.cuda.Event(enable_timing=True)
+                        end.record()
+                        events.append((s, OP_NAMES[op], n_base + i, start, end))
             else:
                 bad = self._forward(st, i) if op == F else self._backward(st, i)
             clock.record(s, op, n_base + i, perf() - t0)
@@ -520,6 +531,7 @@ class Executor(SynchronousSteps, FailureHandling):
         else:
             value = (sum(loss.double() * b for _, loss, b in losses) / total).float()
         bad: list[int] = []
-        if not self.immediate_nonfinite:
+        # one host read for the step; a non-finite mean means some loss is not finite
+        if not self.immediate_nonfinite and not math.isfinite(float(value)):
             bad = [n for n, loss, _ in losses if not bool(torch.isfinite(loss).all())]
         return StepResult(value, len(bad), bad)

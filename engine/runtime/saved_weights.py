@@ -54,9 +54,7 @@ class SavedWeights:
         self._ranges: list[tuple[int, int, int, torch.dtype]] = []  # (lo, hi, itemsize, dtype)
         self._targets: list[Tensor] = []
 
-    def _pack(self, t: Tensor) -> Any:
-        if t.numel() == 0:
-            return t
+    def _pack_any(self, t: Tensor) -> Any:
         p = t.data_ptr()
         for b, (lo, hi, item, dtype) in enumerate(self._ranges):
             if lo <= p < hi and t.dtype == dtype:
@@ -76,7 +74,17 @@ class SavedWeights:
             (f.data_ptr(), f.data_ptr() + f.numel() * f.element_size(), f.element_size(), f.dtype)
             for f in self.store.flats(buf)
         ]
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+        pack = self._pack_any
+        if len(self._ranges) == 1:  # the common case, without a loop (called per saved tensor)
+            lo, hi, item, dtype = self._ranges[0]
+
+            def pack(t: Tensor) -> Any:
+                p = t.data_ptr()
+                if lo <= p < hi and t.dtype == dtype:
+                    return _Marker(0, (p - lo) // item, t.size(), t.stride())
+                return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             yield
 
     @contextlib.contextmanager

@@ -28,8 +28,7 @@ Buffer ids: ``LIVE`` (-1) is the live buffer; ids >= 0 are arena slots.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,6 +42,34 @@ _NONE: list[int] = []
 
 #: a pin handle: ("v", version) for a kept weight version, ("t", slot) for a pinned transient
 Pin = tuple[str, int]
+
+
+class _Use:
+    """The context manager of :meth:`WeightStore.use` (a class: it runs around most actions)."""
+
+    __slots__ = ("store", "buf", "previous")
+
+    def __init__(self, store: WeightStore, buf: int) -> None:
+        self.store = store
+        self.buf = buf
+        self.previous = -2
+
+    def __enter__(self) -> None:
+        store = self.store
+        if self.buf == store._active:
+            return
+        self.previous = store._active
+        for p, v in zip(store.params, store.views(self.buf)):  # noqa: B905 - same length
+            p.data = v
+        store._active = self.buf
+
+    def __exit__(self, *exc: object) -> None:
+        if self.previous == -2:
+            return
+        store = self.store
+        for p, v in zip(store.params, store.views(self.previous)):  # noqa: B905 - same length
+            p.data = v
+        store._active = self.previous
 
 
 class WeightStore:
@@ -127,23 +154,10 @@ class WeightStore:
         """The buffer the parameters point at right now."""
         return self._active
 
-    @contextlib.contextmanager
-    def use(self, buf: int) -> Iterator[None]:
-        """Point every parameter's ``.data`` at buffer ``buf`` for the block (LIVE: no-op)."""
-        if buf == self._active:
-            yield
-            return
-        previous = self._active
-        params = self.params
-        for p, v in zip(params, self.views(buf), strict=True):
-            p.data = v
-        self._active = buf
-        try:
-            yield
-        finally:
-            for p, v in zip(params, self.views(previous), strict=True):
-                p.data = v
-            self._active = previous
+    def use(self, buf: int) -> _Use:
+        """Point every parameter's ``.data`` at buffer ``buf`` for the block (the buffer in
+        use already: no-op)."""
+        return _Use(self, buf)
 
     # ------------------------------------------------------------------ kept versions
 
