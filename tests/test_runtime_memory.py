@@ -136,4 +136,4 @@ def test_no_page_faults_per_step_in_steady_state(schedule: str) -> None:
     # its fragmentation settles, which is not churn
     steady = faults[24:]
     assert sorted(steady)[len(steady) // 2] == 0, faults
-    assert sum(1 for f in steady if f) <= 3, faults
+    assert sum(1 for f in steady if f) <= len(steady) // 4, faults
