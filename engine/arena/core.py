@@ -10,15 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.errors import ArenaError
+
 DEFAULT_ALIGNMENT = 256
 
-
-class ArenaError(ValueError):
-    """Input the arena cannot take (raised before any parameter was moved)."""
-
-
-class SlotError(LookupError):
-    """A weight slot that does not exist, was already freed, or is not pinned as claimed."""
 
 
 def _core_module() -> Any:
