@@ -334,7 +334,7 @@ def test_partition_errors_teach_the_fix():
         partition(costs, 2, chunks=1, objective="speed")
     with pytest.raises(ValueError, match="unknown schedule 'zb'; known schedules: naive, gpipe"):
         partition(costs, 2, chunks=1, schedule="zb")
-    with pytest.raises(ValueError, match="2bw.*use chunks >= 3"):
+    with pytest.raises(ValueError, match="2bw.*[Uu]se chunks >= 3"):
         partition(costs, 3, chunks=2, schedule="2bw")
     with pytest.raises(ValueError, match="order='1f1b' only applies to schedule 'pb'"):
         partition(costs, 2, chunks=1, schedule="gpipe", order="1f1b")

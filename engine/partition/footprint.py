@@ -20,27 +20,9 @@ and versions in flight even with M = 1); the synchronous ones flush every mini-b
 
 from __future__ import annotations
 
-from engine._checks import check_positive_int
+from engine.schedule.catalog import SCHEDULES, family
 
 __all__ = ["SCHEDULES", "stage_footprint"]
-
-#: schedules whose per-stage footprint is known (the names of :data:`engine.schedule.SCHEDULES`)
-SCHEDULES: tuple[str, ...] = ("naive", "gpipe", "1f1b", "pipedream", "2bw", "pb")
-
-
-def _check_schedule(schedule: object, order: str | None) -> str:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; known schedules: {', '.join(SCHEDULES)}")
-    assert isinstance(schedule, str)
-    if order is not None:
-        if schedule != "pb":
-            raise ValueError(
-                f"order={order!r} only applies to schedule 'pb' ('dataflow' or '1f1b'); "
-                f"leave order unset for {schedule!r}"
-            )
-        if order not in ("dataflow", "1f1b"):
-            raise ValueError(f"unknown pb order {order!r}; use 'dataflow' or '1f1b'")
-    return schedule
 
 
 def stage_footprint(
@@ -48,7 +30,8 @@ def stage_footprint(
 ) -> list[tuple[int, int]]:
     """``(weight versions, micro-batches of activations)`` each stage holds at its peak.
 
-    Steady-state values of ALGORITHMS.md (S stages, stage s, M = ``chunks``):
+    Steady-state values of ALGORITHMS.md (S stages, stage s, M = ``chunks``), read from the
+    schedule catalog (:mod:`engine.schedule.catalog`), the one place that states them:
 
     ========== ============== ========================
     schedule   versions       activations held
@@ -61,28 +44,10 @@ def stage_footprint(
     pb         1              2(S-1-s)+1 (dataflow), S-s (``order="1f1b"``)
     ========== ============== ========================
     """
-    _check_schedule(schedule, order)
-    S = check_positive_int("stages", stages, "a pipeline needs at least one stage")
-    M = check_positive_int("chunks", chunks, "a mini-batch needs at least one micro-batch")
-    if schedule == "2bw" and M < S:
-        raise ValueError(
-            f"schedule '2bw' needs chunks M >= stages S so that two weight versions suffice; "
-            f"got chunks={M} with {S} stages: use chunks >= {S}, or schedule 'pipedream'"
-        )
-    out: list[tuple[int, int]] = []
-    for s in range(S):
-        if schedule == "naive":
-            out.append((1, 1))
-        elif schedule == "gpipe":
-            out.append((1, M))
-        elif schedule == "1f1b":
-            out.append((1, min(M, S - s)))
-        elif schedule == "pipedream":
-            out.append((S - s, S - s))
-        elif schedule == "2bw":
-            out.append((2, S - s))
-        elif order == "1f1b":  # pb in 1F1B order: live weights, async 1F1B in flight
-            out.append((1, S - s))
-        else:  # pb dataflow
-            out.append((1, 2 * (S - 1 - s) + 1))
-    return out
+    fam = family(schedule)
+    order = fam.check_order(order)
+    fam.check(stages, chunks, None)
+    return [
+        (fam.weight_versions(stages, s), fam.activation_bound(stages, s, chunks, order))
+        for s in range(stages)
+    ]

@@ -77,6 +77,8 @@ class Family:
             return chunks
         if order == "dataflow":
             return 2 * (S - 1 - s) + 1
+        if self.synchronous:  # a flushed mini-batch never has more than M in flight
+            return min(chunks, S - s)
         return S - s
 
     def weight_versions(self, stages: int, stage: int) -> int:
