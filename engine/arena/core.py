@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.errors import ArenaError
+from engine.errors import ArenaError, SlotError
+
+__all__ = ["ArenaError", "SlotError", "DEFAULT_ALIGNMENT"]
 
 DEFAULT_ALIGNMENT = 256
-
 
 
 def _core_module() -> Any:
