@@ -336,7 +336,7 @@ def test_partition_errors_teach_the_fix():
         partition(costs, 2, chunks=1, schedule="zb")
     with pytest.raises(ValueError, match="2bw.*[Uu]se chunks >= 3"):
         partition(costs, 3, chunks=2, schedule="2bw")
-    with pytest.raises(ValueError, match="order='1f1b' only applies to schedule 'pb'"):
+    with pytest.raises(ValueError, match="runs in order 'fill-drain', not '1f1b'; leave order unset"):
         partition(costs, 2, chunks=1, schedule="gpipe", order="1f1b")
     with pytest.raises(ValueError, match="chunks must be >= 1"):
         partition(costs, 2, chunks=0)
