@@ -407,3 +407,21 @@ def test_errors_name_the_tensor():
         adam_update(w, torch.randn(10), torch.zeros(10), torch.zeros(10), None,
                     step=torch.tensor(0), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                     weight_decay=0.0, decoupled=False, amsgrad=False, maximize=False)
+
+
+@pytest.mark.parametrize("delay", [0, 1, 3])
+def test_spike_compensation_keeps_the_total_contribution_with_dampening(delay: int) -> None:
+    """ALGORITHMS.md: a gradient's total contribution over time is lr (1 - d) / (1 - m) with
+    and without spike compensation; the spike term carries the (1 - d) that makes it so."""
+    m, d, lr = 0.8, 0.3, 0.1
+    w = torch.zeros(4)
+    buf = torch.zeros(4)
+    g = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    sgd_update(w, torch.zeros(4), buf, lr=lr, momentum=m, dampening=d,
+               weight_decay=0.0, nesterov=False, maximize=False, init_momentum=True,
+               sc_delay=delay, validate=False)
+    for t in range(400):
+        sgd_update(w, g if t == 0 else torch.zeros(4), buf, lr=lr,
+                   momentum=m, dampening=d, weight_decay=0.0, nesterov=False, maximize=False,
+                   init_momentum=False, sc_delay=delay, validate=False)
+    torch.testing.assert_close(w, -lr * (1 - d) / (1 - m) * g, rtol=1e-5, atol=1e-6)

@@ -73,7 +73,7 @@ def test_spike_compensation_without_momentum_is_plain_sgd(delay: int) -> None:
 
 
 def slow_sgd_sc(ws: list[torch.Tensor], grads_of, steps: int, lr: float, m: float, d: float, wd: float, D: int) -> list[torch.Tensor]:
-    """SC_D straight from ALGORITHMS.md in float64: v = m v + (1-d) g'; w -= lr (a v + b g')."""
+    """SC_D straight from ALGORITHMS.md in float64: v = m v + (1-d) g'; w -= lr (a v + b (1-d) g')."""
     ws = [w.double().clone() for w in ws]
     vs = [None] * len(ws)
     a, b = m**D, (1 - m**D) / (1 - m)
@@ -82,7 +82,7 @@ def slow_sgd_sc(ws: list[torch.Tensor], grads_of, steps: int, lr: float, m: floa
         for i, (w, g) in enumerate(zip(ws, gs, strict=True)):
             g = g.double() + wd * w
             vs[i] = g.clone() if vs[i] is None else m * vs[i] + (1 - d) * g
-            w -= lr * (a * vs[i] + b * g)
+            w -= lr * (a * vs[i] + b * (1 - d) * g)
     return ws
 
 

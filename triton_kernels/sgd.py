@@ -135,6 +135,7 @@ def launch_sgd(
         return
     sc = use_momentum and sc_delay > 0
     sc_a, sc_b = spike_coeffs(momentum, sc_delay) if sc else (0.0, 0.0)
+    sc_b *= 1 - dampening  # the spike term's (1 - d), as the reference (ALGORITHMS.md)
     block = block or default_block()
     sgd_kernel[grid_for(n, block)](
         param, grad, placeholder(momentum_buffer if use_momentum else None, param),

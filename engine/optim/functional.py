@@ -252,7 +252,10 @@ def sgd_update(
             buf.mul_(momentum).add_(g, alpha=1 - dampening)
         if sc_delay > 0:
             a, b = spike_coeffs(momentum, sc_delay)
-            upd = g.mul(b).add(buf, alpha=a)  # D = 1: b == 1.0, identical to nesterov below
+            # (1 - d) on the spike term keeps a gradient's total contribution that of
+            # undelayed SGD with dampening (ALGORITHMS.md); D = 1, d = 0: b == 1.0, identical
+            # to nesterov below
+            upd = g.mul(b * (1 - dampening)).add(buf, alpha=a)
         elif nesterov:
             upd = g.add(buf, alpha=momentum)
         else:
