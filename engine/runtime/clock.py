@@ -24,36 +24,72 @@ _BATCH = 8192
 
 
 class _Replay:
+    """Both replays (unit costs and wall time) in one pass: per action one call, one dict
+    lookup, instead of one per cost model (the sync steps' flush replays every step)."""
+
     def __init__(self, S: int) -> None:
         self.S = S
-        self.free = [0.0] * S
-        self.busy = [0.0] * S
-        self.done: dict[tuple[int, int, int], float] = {}
-        self.start: float | None = None
-        self.end = 0.0
-        self.barrier = 0.0
+        self.free_u = [0.0] * S
+        self.free_w = [0.0] * S
+        self.busy_u = [0.0] * S
+        self.busy_w = [0.0] * S
+        self.done: dict[tuple[int, int, int], tuple[float, float]] = {}
+        self.start: tuple[float, float] | None = None
+        self.end_u = 0.0
+        self.end_w = 0.0
+        self.barrier_u = 0.0
+        self.barrier_w = 0.0
 
-    def add(self, s: int, op: int, n: int, cost: float) -> None:
-        dep = 0.0
-        if op == _F and s > 0:
-            dep = self.done.pop((s - 1, _F, n), 0.0)
-        elif op == _B and s < self.S - 1:
-            dep = self.done.pop((s + 1, _B, n), 0.0)
-        begin = max(self.free[s], dep, self.barrier)
+    def run(self, log: list[tuple[int, int, int, float] | None], k: int) -> None:
+        S = self.S
+        free_u, free_w, done = self.free_u, self.free_w, self.done
+        bu, bw = self.barrier_u, self.barrier_w
+        end_u, end_w = self.end_u, self.end_w
+        busy_u, busy_w = self.busy_u, self.busy_w
+        for j in range(k):
+            s, op, n, sec = log[j]  # type: ignore[misc]
+            log[j] = None
+            cost = _UNIT[op]
+            dep: tuple[float, float] | None = None
+            if op == _F:
+                if s > 0:
+                    dep = done.pop((s - 1, _F, n), None)
+            elif s < S - 1:
+                dep = done.pop((s + 1, _B, n), None)
+            a, b = free_u[s], free_w[s]
+            if a < bu:
+                a = bu
+            if b < bw:
+                b = bw
+            if dep is not None:
+                if dep[0] > a:
+                    a = dep[0]
+                if dep[1] > b:
+                    b = dep[1]
+            if self.start is None:
+                self.start = (a, b)
+            a += cost
+            b += sec
+            free_u[s] = a
+            free_w[s] = b
+            busy_u[s] += cost
+            busy_w[s] += sec
+            if a > end_u:
+                end_u = a
+            if b > end_w:
+                end_w = b
+            if (op == _F and s + 1 < S) or (op == _B and s > 0):
+                done[(s, op, n)] = (a, b)
+        self.end_u, self.end_w = end_u, end_w
+
+    def bubbles(self) -> tuple[float, float]:
         if self.start is None:
-            self.start = begin
-        finish = begin + cost
-        self.free[s] = finish
-        self.busy[s] += cost
-        if finish > self.end:
-            self.end = finish
-        if (op == _F and s + 1 < self.S) or (op == _B and s > 0):
-            self.done[(s, op, n)] = finish
-
-    def bubble(self) -> float:
-        if self.start is None or self.end <= self.start:
-            return 0.0
-        return 1.0 - sum(self.busy) / (self.S * (self.end - self.start))
+            return 0.0, 0.0
+        out = []
+        for begin, end, busy in ((self.start[0], self.end_u, self.busy_u),
+                                 (self.start[1], self.end_w, self.busy_w)):
+            out.append(0.0 if end <= begin else 1.0 - sum(busy) / (self.S * (end - begin)))
+        return out[0], out[1]
 
 
 class Clock:
@@ -68,8 +104,7 @@ class Clock:
         # fault now and then) in steady state
         self._log: list[tuple[int, int, int, float] | None] = [None] * _BATCH
         self._k = 0
-        self._unit = _Replay(self.num_stages)
-        self._wall = _Replay(self.num_stages)
+        self._replayed = _Replay(self.num_stages)
 
     def record(self, stage: int, op: int, n: int, seconds: float) -> None:
         self._log[self._k] = (stage, op, n, seconds)
@@ -78,22 +113,16 @@ class Clock:
             self._replay()
 
     def _replay(self) -> None:
-        unit, wall = self._unit, self._wall
-        log = self._log
-        for k in range(self._k):
-            s, op, n, sec = log[k]  # type: ignore[misc]
-            unit.add(s, op, n, _UNIT[op])
-            wall.add(s, op, n, sec)
-            log[k] = None
+        self._replayed.run(self._log, self._k)
         self._k = 0
 
     def barrier(self) -> None:
         """A flush: later actions start after everything so far."""
         self._replay()
-        self._unit.barrier = self._unit.end
-        self._wall.barrier = self._wall.end
+        r = self._replayed
+        r.barrier_u, r.barrier_w = r.end_u, r.end_w
 
     def bubble(self) -> tuple[float, float]:
         """(unit-cost, wall-time) bubble fractions of everything recorded since the reset."""
         self._replay()
-        return self._unit.bubble(), self._wall.bubble()
+        return self._replayed.bubbles()
