@@ -8,7 +8,6 @@ a --quick subprocess run.
 from __future__ import annotations
 
 import csv
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,21 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from bench_support import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 
-
-def _load(name: str):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-harness = _load("harness")
+harness = load_bench("harness")
 
 
 def _synthetic(true_ratio: float, rounds: int, seed: int, noise: float = 0.08):
@@ -164,7 +154,7 @@ def test_read_ratio_csv_names_a_foreign_schema(tmp_path: Path) -> None:
 
 def test_pb_tick_loop_matches_the_engine_bitwise() -> None:
     """The pb peer's claim to do the engine's work, checked the way overhead.py checks it."""
-    overhead = _load("overhead")
+    overhead = load_bench("overhead")
     assert overhead.tiny_case("pb").check() == "bitwise equal"
 
 

@@ -7,28 +7,16 @@ the CSV has the shared schema and the plot is written.
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-def _load(name: str):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from bench_support import load_bench
 
 
 @pytest.mark.slow
 def test_optim_benchmark_smoke_writes_csv_and_plot(tmp_path: Path) -> None:
-    bench = _load("optim")
-    common = _load("common")
+    bench = load_bench("optim")
+    common = load_bench("common")
     assert bench.main(["--device", "cpu", "--smoke", "--dtypes", "fp32,bf16", "--out", str(tmp_path)]) == 0
     with (tmp_path / "optim.csv").open() as handle:
         rows = list(csv.DictReader(handle))
@@ -44,7 +32,7 @@ def test_optim_benchmark_smoke_writes_csv_and_plot(tmp_path: Path) -> None:
     assert all(float(r["median_ms"]) > 0 and float(r["gbps"]) > 0 for r in rows)
     assert (tmp_path / "optim.png").stat().st_size > 1000
     # every speed ratio comes from the paired harness, in its schema
-    harness = _load("harness")
+    harness = load_bench("harness")
     ratios = harness.read_ratio_csv(tmp_path / "optim_ratios.csv")
     expected = {(k, "engine", peer, d) for d in ("fp32", "bf16")
                 for k, peer in (("sgd", "torch_foreach"), ("sgd_sc_pred", "torch_composition"),
@@ -54,7 +42,7 @@ def test_optim_benchmark_smoke_writes_csv_and_plot(tmp_path: Path) -> None:
 
 
 def test_traffic_model_counts_each_stream_once() -> None:
-    bench = _load("optim")
+    bench = load_bench("optim")
     n = 1000
     assert bench.traffic_bytes("copy", n, 4, 4) == 8 * n
     assert bench.traffic_bytes("sgd", n, 2, 4) == n * (3 * 2 + 2 * 4)
@@ -71,7 +59,7 @@ def test_composition_peer_computes_what_the_fused_kernel_computes() -> None:
 
     from engine.optim.functional import prediction_coeff, sgd_update
 
-    bench = _load("optim")
+    bench = load_bench("optim")
     torch.manual_seed(0)
     w = torch.randn(1000)
     g = torch.randn(1000) * 1e-2

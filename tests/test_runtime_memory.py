@@ -92,6 +92,19 @@ def test_live_weight_methods_never_copy_weights() -> None:
         assert all(stage.store.retirements == 0 for stage in pipe.stages), name
 
 
+def test_reset_stats_restarts_the_peaks_from_what_is_held_now() -> None:
+    pipe = _run("pipedream", "never")
+    pipe.flush()  # nothing in flight: one version, no stashed activation
+    before = pipe.stats()
+    assert before["weight_versions"] == [S - s for s in range(S)]
+    assert before["bubble_fraction"] > 0
+    pipe.reset_stats()
+    after = pipe.stats()
+    assert after["weight_versions"] == [1] * S
+    assert after["weight_buffers"] == [1] * S
+    assert after["bubble_fraction"] == 0.0
+
+
 _FAULTS = """
 import resource, sys, torch
 from torch import nn

@@ -44,7 +44,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.errors import NonFiniteLossError
 from engine.runtime import labels
 from engine.runtime.clock import Clock
 from engine.runtime.failures import FailureHandling
@@ -324,17 +323,25 @@ class Executor(SynchronousSteps, FailureHandling):
             return Action.update([g + m for m in rel])
         return Action(_KINDS[op], (g + rel,))
 
+    def _forward_inputs(self, st: Stage, i: int) -> tuple[Any, Any, Any, _Input | None]:
+        """What F(i) at ``st`` reads: (x, x's ready event, target, the step's input record);
+        x is the mini-batch's at stage 0, else the previous stage's output from the mailbox."""
+        s = st.index
+        inp = self._input(i) if (s == 0 or st.is_last) else None
+        if s == 0:
+            x, ev = inp.x, None  # type: ignore[union-attr]
+        else:
+            x, ev = self.acts.pop((s, i))
+        target = inp.target if (st.is_last and inp is not None) else None
+        return x, ev, target, inp
+
     def _forward(self, st: Stage, i: int) -> bool:
         """F(i) on ``st``; True when its loss is non-finite and that must raise now."""
         s = st.index
         last = st.is_last
-        inp = self._input(i) if (s == 0 or last) else None
-        if s == 0:
-            x = inp.x  # type: ignore[union-attr]
-        else:
-            x, ev = self.acts.pop((s, i))
+        x, ev, target, inp = self._forward_inputs(st, i)
+        if s > 0:
             self.streams.wait(s, ev, x)
-        target = inp.target if (last and inp is not None) else None
         n = self.n_base + i
         out, loss = st.forward(i, n, x, target, self.scale)
         if not last:
@@ -412,103 +419,11 @@ class Executor(SynchronousSteps, FailureHandling):
             if st.index > 0:
                 self.grads[(st.index - 1, i)] = (gin, None)
 
-    def _batch_failed(self, items: tuple[tuple[int, int], ...], base: int) -> None:
-        """A batched backward raised: every micro-batch in it is dropped at its stage."""
-        for s, rel in items:
-            st = self.by_index[s]
-            i = base + rel
-            if st.stash.get(i) is not None:  # its backward had not begun
-                st.stash.pop(i)
-                st.pending += 1
-                st.pending_mbs.append(self.n_base + i)
-                self.grads.pop((s, i), None)
-            st.discard_gradients()
-            if s > 0:
-                self.grads[(s - 1, i)] = (DROPPED, None)
-            self.dropped += 1
-
     def _drop_everywhere(self, i: int) -> None:
         """Micro-batch i contributes no gradient at any stage (a non-finite loss)."""
         self.dropped += 1
         for st in self.stages:
             st.drop(i)
-
-    # ------------------------------------------------------------------ failures
-
-    def _action_failed(self, action: tuple[int, int, Any], base: int, exc: BaseException) -> None:
-        """An exception raised inside F/B/U (asynchronous step): drop what it touched."""
-        op, s, rel = action
-        if op == BB:  # _backward_batch already dropped every micro-batch in the batch
-            self._note(exc, (B, rel[0][0], rel[0][1]), base, "backward failed")
-            return
-        st = self.by_index[s]
-        if op == U:
-            self._note(exc, action, base, "update skipped")
-            return
-        i = base + rel
-        if op == F:
-            st.drop_forward(i, self.n_base + i, self.scale)
-            if not st.is_last:
-                self.acts[(s + 1, i)] = (DROPPED, None)
-            self.dropped += 1
-            self._note(exc, action, base, "dropped")
-        else:
-            st.discard_gradients()
-            if s > 0:
-                self.grads[(s - 1, i)] = (DROPPED, None)
-            self.dropped += 1
-            self._note(exc, action, base, "backward failed")
-
-    def _note(self, exc: BaseException, action: Any, base: int, what: str) -> None:
-        if not hasattr(exc, "add_note"):
-            return  # Python < 3.11
-        if action is None:
-            where = "at the end of its step"
-        else:
-            op, s, rel = action
-            if op == BB:
-                op, (s, rel) = B, rel[0]
-            n = self.n_base + base + (rel if op != U else rel[-1])
-            where = (
-                f"at stage {s}, update {self.by_index[s].updates}"
-                if op == U
-                else f"at stage {s}, {OP_NAMES[op]} of micro-batch {n}"
-            )
-        consistent = (
-            "The pipeline is consistent: flush(), save (after the flush), load and further "
-            "step() calls work."
-        )
-        text = {
-            "rolled back": "the step was rolled back: no weight, gradient, optimizer state, "
-            "RNG state or module buffer changed; the same step can be retried.",
-            "paused": "the pipeline paused before this action; the next step() or flush() "
-            "continues exactly where it stopped.",
-            "dropped": "this micro-batch was dropped at every stage (its gradient is never "
-            "applied; its update group is renormalised over the rest), and the rest of the "
-            "step runs at the next step() or flush().",
-            "backward failed": "this micro-batch was dropped, and the gradients this stage had "
-            "accumulated for its current update were discarded (a partial backward cannot be "
-            "undone); the rest of the step runs at the next step() or flush().",
-            "update skipped": "this stage's update was skipped (its gradients discarded); the "
-            "rest of the step runs at the next step() or flush().",
-        }[what]
-        exc.add_note(f"engine.Pipeline: {type(exc).__name__} {where}: {text} {consistent}")
-
-    def _nonfinite_error(self, bad: list[int]) -> NonFiniteLossError:
-        if self.sync:
-            what = "the step was rolled back: no weight or optimizer state changed."
-        else:
-            what = (
-                "it was dropped at every stage (zero gradient); earlier updates stand, and the "
-                "rest of the step runs at the next step() or flush()."
-            )
-        which = (
-            f"micro-batch {bad[0]}" if len(bad) == 1 else f"micro-batches {', '.join(map(str, bad))}"
-        )
-        return NonFiniteLossError(
-            f"{which} gave a non-finite loss; {what} Lower the learning rate, check the inputs, "
-            "or pass on_nonfinite='skip'."
-        )
 
     # ------------------------------------------------------------------ losses
 

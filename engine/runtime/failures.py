@@ -57,10 +57,15 @@ class FailureHandling:
                 st.pending += 1
                 st.pending_mbs.append(self.n_base + i)
                 self.grads.pop((s, i), None)
-            st.discard_gradients()
-            if s > 0:
-                self.grads[(s - 1, i)] = (DROPPED, None)
-            self.dropped += 1
+            self._backward_dropped(st, i)
+
+    def _backward_dropped(self, st: Stage, i: int) -> None:
+        """Micro-batch i's backward at ``st`` failed: its update group loses the gradients
+        accumulated so far, and the stage before sees the micro-batch as dropped."""
+        st.discard_gradients()
+        if st.index > 0:
+            self.grads[(st.index - 1, i)] = (DROPPED, None)
+        self.dropped += 1
 
     # ------------------------------------------------------------------ failures
 
@@ -82,10 +87,7 @@ class FailureHandling:
             self.dropped += 1
             self._note(exc, action, base, "dropped")
         else:
-            st.discard_gradients()
-            if s > 0:
-                self.grads[(s - 1, i)] = (DROPPED, None)
-            self.dropped += 1
+            self._backward_dropped(st, i)
             self._note(exc, action, base, "backward failed")
 
     def _note(self, exc: BaseException, action: Any, base: int, what: str) -> None:
@@ -107,20 +109,7 @@ class FailureHandling:
             "The pipeline is consistent: flush(), save (after the flush), load and further "
             "step() calls work."
         )
-        text = {
-            "rolled back": "the step was rolled back: no weight, gradient, optimizer state, "
-            "RNG state or module buffer changed; the same step can be retried.",
-            "paused": "the pipeline paused before this action; the next step() or flush() "
-            "continues exactly where it stopped.",
-            "dropped": "this micro-batch was dropped at every stage (its gradient is never "
-            "applied; its update group is renormalised over the rest), and the rest of the "
-            "step runs at the next step() or flush().",
-            "backward failed": "this micro-batch was dropped, and the gradients this stage had "
-            "accumulated for its current update were discarded (a partial backward cannot be "
-            "undone); the rest of the step runs at the next step() or flush().",
-            "update skipped": "this stage's update was skipped (its gradients discarded); the "
-            "rest of the step runs at the next step() or flush().",
-        }[what]
+        text = _NOTES[what]
         exc.add_note(f"engine.Pipeline: {type(exc).__name__} {where}: {text} {consistent}")
 
     def _nonfinite_error(self, bad: list[int]) -> NonFiniteLossError:

@@ -151,15 +151,19 @@ def _rounds(
             done += len(ready)
             progressed = True
         if not progressed:
-            stuck = "; ".join(
-                f"stage {s} waits at {acts[s][pos[s]]}" for s in range(S) if pos[s] < len(acts[s])
-            )
-            raise ScheduleError(
-                f"{spec.describe()} cannot run step by step: within one step no stage can "
-                f"proceed ({stuck}); each step must be able to finish on the micro-batches "
-                "fed so far"
-            )
+            raise _stuck(spec, acts, pos)
     return out
+
+
+def _stuck(spec: ScheduleSpec, acts: list[list[Action]], pos: list[int]) -> ScheduleError:
+    """The error for a step in which no stage can proceed."""
+    stuck = "; ".join(
+        f"stage {s} waits at {acts[s][pos[s]]}" for s in range(len(acts)) if pos[s] < len(acts[s])
+    )
+    return ScheduleError(
+        f"{spec.describe()} cannot run step by step: within one step no stage can proceed "
+        f"({stuck}); each step must be able to finish on the micro-batches fed so far"
+    )
 
 
 class _Walker:
@@ -295,14 +299,7 @@ def _merge(
             if best is None or (start, s) < best:
                 best = (start, s)
         if best is None:
-            stuck = "; ".join(
-                f"stage {s} waits at {acts[s][pos[s]]}" for s in range(S) if pos[s] < len(acts[s])
-            )
-            raise ScheduleError(
-                f"{spec.describe()} cannot run step by step: within one step no stage can "
-                f"proceed ({stuck}); each step must be able to finish on the micro-batches "
-                "fed so far"
-            )
+            raise _stuck(spec, acts, pos)
         start, s = best
         a = acts[s][pos[s]]
         op = _OP[a.kind]

@@ -119,6 +119,8 @@ class RankExecutor(Executor):
         self.s = self.stage.index
         self.immediate_nonfinite = False  # checked once per step, on every rank
         self.chain_sync = False
+        #: ("act" | "grad", micro-batch) -> the tensor this rank sends at its SF/SB op
+        self._outbox: dict[tuple[str, int], Any] = {}
 
     # ------------------------------------------------------------------ running
 
@@ -158,17 +160,10 @@ class RankExecutor(Executor):
                     self._rank_backward(st, i)
 
     def _rank_forward(self, st: Any, i: int) -> None:
-        s = st.index
-        last = st.is_last
-        inp = self._input(i) if (s == 0 or last) else None
-        if s == 0:
-            x = inp.x  # type: ignore[union-attr]
-        else:
-            x, _ = self.acts.pop((s, i))
-        target = inp.target if (last and inp is not None) else None
+        x, _, target, inp = self._forward_inputs(st, i)
         n = self.n_base + i
         out, loss = st.forward(i, n, x, target, self.scale)
-        if not last:
+        if not st.is_last:
             self._outbox[("act", i)] = out
         elif loss is not None and inp is not None:
             self.losses.append((n, loss, inp.samples))
@@ -190,7 +185,6 @@ class RankExecutor(Executor):
     # ------------------------------------------------------------------ the step protocol
 
     def run_step(self, xs: list[Any], targets: list[Any], samples: list[int]) -> StepResult:
-        self._outbox: dict[tuple[str, int], Any] = getattr(self, "_outbox", {})
         if not self.active:
             self._open_segment()
         j = self.j
