@@ -22,6 +22,8 @@ Cases (``--cases``; the targets are those of the runtime rewrite, this script on
   one layer per stage, M=8, momentum SGD, against the unsplit model with the same 8
   accumulated micro-batches and one torch.optim.SGD step. Minor page faults per step are
   recorded for both. Target <= 1.05x with zero page faults per step.
+* ``pb-batch1-sc``, ``pb-batch1-plain`` (diagnostic, only with ``--cases``): pb-batch1 with
+  spike compensation only, and with plain momentum SGD: what each mitigation adds.
 
     python bench/overhead.py --out /tmp/overhead              # all cases, 21 rounds
     python bench/overhead.py --quick --cases tiny-gpipe --out /tmp/o   # smoke run
@@ -83,13 +85,20 @@ def tiny_pipeline(stages: list[nn.Module], schedule: str) -> engine.Pipeline:
     )
 
 
-def pb_batch1_pipeline(stages: list[nn.Module]) -> engine.Pipeline:
+#: pb-batch1's mitigations: the target case and the two diagnostic steps below it
+PB1_MITIGATIONS = {
+    "sc+lwp": ({"spike_compensation": True, "prediction": "linear"}, {"weight_prediction": "lwp"}),
+    "sc": ({"spike_compensation": True}, {}),
+    "plain": ({}, {}),
+}
+
+
+def pb_batch1_pipeline(stages: list[nn.Module], mitigations: str = "sc+lwp") -> engine.Pipeline:
+    opt_kw, pipe_kw = PB1_MITIGATIONS[mitigations]
     return engine.Pipeline(
         stages, schedule="pb", chunks=M, loss_fn=F.cross_entropy,
-        optimizer=lambda p: engine.optim.SGD(
-            p, lr=PB1_LR, momentum=MOMENTUM, spike_compensation=True, prediction="linear"
-        ),
-        checkpoint="never", weight_prediction="lwp",
+        optimizer=lambda p: engine.optim.SGD(p, lr=PB1_LR, momentum=MOMENTUM, **opt_kw),
+        checkpoint="never", **pipe_kw,
     )
 
 
@@ -234,26 +243,28 @@ def tiny_case(schedule: str) -> Case:
                 peer, 1.25, build, check)
 
 
-def pb_batch1_case() -> Case:
+def pb_batch1_case(mitigations: str = "sc+lwp") -> Case:
     data = digits_data()
 
     def build() -> tuple[Step, Step]:
         torch.manual_seed(0)
         model = engine.models.residual_mlp(64, 10, layers=16, width=64)
         opt = torch.optim.SGD(model.parameters(), lr=PB1_LR, momentum=MOMENTUM)
-        return (stepper(pb_batch1_pipeline(residual_stages()).step, data),
+        return (stepper(pb_batch1_pipeline(residual_stages(), mitigations).step, data),
                 stepper(PerSampleLoop(model, M, F.cross_entropy, opt), data))
 
     def check() -> str:
-        pipe = pb_batch1_pipeline(residual_stages())
+        pipe = pb_batch1_pipeline(residual_stages(), mitigations)
         losses = [float(pipe.step(x, y)) for x, y in data[:4]]
         if not all(torch.isfinite(torch.tensor(losses))):
             raise AssertionError(f"pb-batch1: engine losses {losses} are not finite")
         return ("different math by design (plain per-sample SGD, no delay); engine losses "
                 f"finite ({losses[-1]:.3f} after 4 steps)")
 
-    return Case("pb-batch1", "pb batch1 S=8 M=8", "engine sgd+sc+lwp", "plain per-sample loop",
-                1.3, build, check)
+    name = "pb-batch1" if mitigations == "sc+lwp" else f"pb-batch1-{mitigations}"
+    return Case(name, f"pb batch1 S=8 M=8{'' if mitigations == 'sc+lwp' else ' ' + mitigations}",
+                "engine sgd" + ("" if mitigations == "plain" else "+" + mitigations),
+                "plain per-sample loop", 1.3, build, check)
 
 
 def dense_case(schedule: str) -> Case:
@@ -282,7 +293,11 @@ CASES: dict[str, Callable[[], Case]] = {
     "pb-batch1": pb_batch1_case,
     "dense-1f1b": lambda: dense_case("1f1b"),
     "dense-gpipe": lambda: dense_case("gpipe"),
+    # diagnostic, not in the default list: what pb-batch1 costs without LWP, without SC
+    "pb-batch1-sc": lambda: pb_batch1_case("sc"),
+    "pb-batch1-plain": lambda: pb_batch1_case("plain"),
 }
+DEFAULT_CASES = ["tiny-gpipe", "tiny-1f1b", "tiny-pb", "pb-batch1", "dense-1f1b", "dense-gpipe"]
 
 
 # ---------------------------------------------------------------- driver
@@ -318,8 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench/results"),
                     help="folder for overhead.csv and overhead.md")
-    ap.add_argument("--cases", default=",".join(CASES),
-                    help=f"comma list of cases (default all: {', '.join(CASES)})")
+    ap.add_argument("--cases", default=",".join(DEFAULT_CASES),
+                    help=f"comma list of cases (default: {', '.join(DEFAULT_CASES)}; "
+                    f"also {', '.join(c for c in CASES if c not in DEFAULT_CASES)})")
     ap.add_argument("--rounds", type=int, default=21, help="paired rounds per case")
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls of each side per case")
     ap.add_argument("--min-time", type=float, default=0.1,
