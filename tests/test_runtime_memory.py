@@ -2,8 +2,9 @@
 
 pb, LWP, SpecTrain and PipeMare T2 hold one live version plus one transient per stage (none at
 a stage whose delay is 0), whatever ``checkpoint`` says -- ``"never"`` included, where the
-weights autograd saved at the forward resolve to the backward's weights through saved-tensor
-hooks instead of a weight copy per micro-batch in flight; pipedream holds S-s versions at
+weights autograd saved at the forward resolve to the backward's weights (through saved-tensor
+hooks, or for small stages by copying live into the forward's transient before each backward)
+instead of a weight copy per micro-batch in flight; pipedream holds S-s versions at
 stage s; 2bw exactly 2; synchronous schedules 1. ``stats()`` reports it, and a retired
 version costs one copy per *update* that needs it, never one per micro-batch.
 """
@@ -90,6 +91,49 @@ def test_live_weight_methods_never_copy_weights() -> None:
     for name in ("pb", "lwp", "pipemare-t2", "spectrain"):
         pipe = _run(name, "never")
         assert all(stage.store.retirements == 0 for stage in pipe.stages), name
+
+
+@pytest.mark.parametrize("update_size", [1, 2])
+@pytest.mark.parametrize("name", ["lwp", "spectrain", "pipemare-t2"])
+def test_rebased_transient_equals_saved_tensor_hooks(
+    name: str, update_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The two ways a backward reads other weights than its forward ran on, without a copy
+    per micro-batch: small stages copy live into the transient before the backward (LWP,
+    SpecTrain with s_B = 0), large ones remap autograd's saved tensors with hooks. Bitwise
+    the same training, with update_size 2 too (a forward between two updates then needs the
+    prediction recomputed after the copy). PipeMare T2 always uses the hooks."""
+    import engine.runtime.stage as stage_mod
+
+    def run(limit: int) -> Pipeline:
+        monkeypatch.setattr(stage_mod, "REBASE_MAX_BYTES", limit)
+        schedule, kw, opt_kw, _, _ = METHODS[name]
+        torch.manual_seed(0)
+        stages = [nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 5)) for _ in range(S)]
+        pipe = Pipeline(
+            stages, schedule=schedule, chunks=3, loss_fn=nn.functional.mse_loss,
+            optimizer=lambda p: eo.SGD(p, lr=0.05, momentum=0.9, **opt_kw),
+            checkpoint="never", update_size=update_size, **kw,
+        )
+        g = torch.Generator().manual_seed(1)
+        for _ in range(7):
+            pipe.step(torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g))
+            for st in pipe.stages:  # between steps the module shows its live weights
+                live = [v.data_ptr() for v in st.store.views(-1)]
+                assert [p.data_ptr() for p in st.module.parameters()] == live
+        pipe.flush()
+        return pipe
+
+    rebased, hooked = run(1 << 20), run(0)
+    remapping = [st for st in hooked.stages if st._saved is not None]
+    assert remapping, "no stage remaps its saved weights: the comparison tests nothing"
+    rebasing = [st for st in rebased.stages if st._rebase]
+    assert bool(rebasing) == (name != "pipemare-t2")
+    assert not any(st._rebase for st in hooked.stages)
+    for a, b in zip(rebased.stages, hooked.stages, strict=True):
+        for (n, pa), pb_ in zip(a.module.named_parameters(), b.module.parameters(), strict=True):
+            assert torch.equal(pa, pb_), (name, a.index, n)
+        assert a.store.buffers_held == b.store.buffers_held <= 2
 
 
 def test_reset_stats_restarts_the_peaks_from_what_is_held_now() -> None:

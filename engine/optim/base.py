@@ -52,10 +52,9 @@ _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _option_key(group: dict[str, Any]) -> tuple[Any, ...]:
     """The group's option values, comparable with ==, to tell whether they changed (tensors
-    by identity: comparing their values would need a host read)."""
-    return tuple(
-        id(v) if isinstance(v, Tensor) else v for k, v in group.items() if k != "params"
-    )
+    by identity: comparing their values would need a host read; the params list by identity,
+    it is checked separately). Runs every step: a list comprehension, no generator."""
+    return tuple([id(v) if isinstance(v, (Tensor, list)) else v for v in group.values()])
 
 
 def _functional() -> Any:
@@ -328,8 +327,12 @@ class DelayOptimizer(ComputedWeights, Optimizer):
     ) -> bool:
         """Update one group; returns False when a binding with a ``predicted`` buffer was not
         stepped as a whole (so that buffer was not written)."""
-        params = [p for p in group["params"] if p.grad is not None]
         bindings = self._group_bindings(index, group)
+        if len(bindings) == 1 and bindings[0].covers(group["params"]) and bindings[0].grads_in_buffer():
+            # the steady state of a bound stage: one flat update, no per-parameter work
+            params = group["params"]
+        else:
+            params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return all(b.predicted is None for b in bindings)
         if group["prediction"] is not None:
@@ -343,6 +346,8 @@ class DelayOptimizer(ComputedWeights, Optimizer):
         wrote = True
         for b in bindings:
             if self._flat_step(group, b, ref, fused, fuse, grad_scale, found_inf):
+                if len(bindings) == 1 and params is group["params"]:
+                    return wrote  # covered whole (checked above)
                 done.update(map(id, b.params))
             elif b.predicted is not None:
                 wrote = False
@@ -397,10 +402,10 @@ class DelayOptimizer(ComputedWeights, Optimizer):
         if view.grad is None:
             return False
         params = b.params
-        for p in params:
-            if p.grad is None:
-                return False
         if not b.grads_in_buffer():
+            for p in params:
+                if p.grad is None:
+                    return False
             b.rebind_grads()
         if b.initialized:
             init = False

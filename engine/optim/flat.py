@@ -20,6 +20,7 @@ state together; each parameter's ``state[p][key]`` is a view into it, which keep
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["FlatBinding", "arena_binding"]
+
+_GRAD = operator.attrgetter("grad")
 
 
 @dataclass(eq=False)
@@ -46,6 +49,8 @@ class FlatBinding:
     state: dict[str, Tensor] = field(default_factory=dict)
     grad_views: tuple[Tensor, ...] = ()
     initialized: bool = False
+    _covers_key: tuple[int, int] | None = None
+    _covers: bool = False
 
     def check(self) -> None:
         """Raise ValueError when ``params`` do not match the view's layout."""
@@ -73,7 +78,19 @@ class FlatBinding:
         views = self.grad_views
         if not views:
             return False
-        return all(p.grad is g for p, g in zip(self.params, views, strict=True))
+        return all(map(operator.is_, map(_GRAD, self.params), views))
+
+    def covers(self, params: list[Tensor]) -> bool:
+        """Whether ``params`` are exactly this binding's tensors, in order (cached by the
+        list's identity and length: a group's list changes only through add_param_group or
+        load_state_dict, which rebuild it)."""
+        key = (id(params), len(params))
+        if self._covers_key != key:
+            self._covers = len(params) == len(self.params) and all(
+                map(operator.is_, params, self.params)
+            )
+            self._covers_key = key
+        return self._covers
 
     def rebind_grads(self) -> None:
         """Copy gradients that are not the buffer's views into it (None counts as zero)."""

@@ -24,6 +24,8 @@ the "Update rules" of docs/ALGORITHMS.md. Conventions this module fixes:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -56,7 +58,11 @@ def spike_coeffs(momentum: float, delay: int) -> tuple[float, float]:
         raise ValueError(f"spike compensation delay must be an integer >= 0, got {delay!r}")
     if not 0.0 <= momentum <= 1.0:
         raise ValueError(f"spike compensation needs 0 <= momentum <= 1, got {momentum!r}")
-    delay = int(delay)
+    return _spike_coeffs(float(momentum), int(delay))
+
+
+@functools.lru_cache(maxsize=256)  # every update asks again for the same few (m, D)
+def _spike_coeffs(momentum: float, delay: int) -> tuple[float, float]:
     a = momentum**delay
     if momentum == 1.0:
         return a, float(delay)

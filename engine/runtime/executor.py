@@ -251,6 +251,9 @@ class Executor(SynchronousSteps, FailureHandling):
                 self._note(exc, prog.local[pc] if pc < len(prog.local) else None, base, "paused")
             self.tail = (prog, pc, base)
             raise
+        finally:
+            for st in self.stages:
+                st.settle()
 
     def _loop(self, ins: tuple[tuple[int, int, Any], ...], start: int, base: int) -> None:
         by_index = self.by_index

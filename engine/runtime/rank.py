@@ -125,6 +125,12 @@ class RankExecutor(Executor):
     # ------------------------------------------------------------------ running
 
     def _ops(self, prog: StepProgram, start: int, base: int, skip_updates: bool) -> None:
+        try:
+            self._rank_ops(prog, start, base, skip_updates)
+        finally:
+            self.stage.settle()
+
+    def _rank_ops(self, prog: StepProgram, start: int, base: int, skip_updates: bool) -> None:
         s, st, tp = self.s, self.stage, self.transport
         ops = prog.stages[s]
         releases = prog.releases[s]

@@ -14,6 +14,10 @@ reference to the buffer survives the forward. While the backward runs,
 buffer (``as_strided`` on its flat storage): the backward computes with W_B, and the only
 weight memory the stage holds is its live buffer plus the one transient.
 
+Stages small enough that a memcpy costs less than a Python call per saved tensor, and whose
+backward reads the live weights (LWP, SpecTrain with s_B = 0), skip the hooks: they copy live
+into the forward's transient before each backward instead (``Stage._rebase_transient``).
+
 Activations (saved tensors that are not views of the weights) pass through untouched.
 Parameters saved directly by a custom autograd Function are views of the buffer too (the
 stage runs the module with ``p.data`` pointing at it), so they are remapped the same way.

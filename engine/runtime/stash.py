@@ -20,7 +20,8 @@ class StashEntry:
     """What B(i) needs: the stage input (a leaf the input gradient lands in), the forward's
     output (or scaled loss at the last stage) whose graph the backward runs, the weight
     version the forward pinned (None when it read live or transient weights), the update
-    count the forward read, the loss scale, and whether the micro-batch was dropped."""
+    count the forward read, the loss scale, whether the micro-batch was dropped, and the
+    weight buffer the forward ran on."""
 
     i: int
     x: Any
@@ -29,6 +30,7 @@ class StashEntry:
     t_f: int
     scale: float
     dropped: bool = False
+    buf: int = -1  # the weight buffer the forward ran on (-1: live)
 
 
 class ActivationStash:

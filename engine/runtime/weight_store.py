@@ -154,6 +154,15 @@ class WeightStore:
         """The buffer the parameters point at right now."""
         return self._active
 
+    def point(self, buf: int) -> None:
+        """Point every parameter's ``.data`` at buffer ``buf`` until the next ``point`` (the
+        stage's rebase mode keeps its forward buffer between actions; see Stage.settle)."""
+        if buf == self._active:
+            return
+        for p, v in zip(self.params, self.views(buf)):  # noqa: B905 - same length
+            p.data = v
+        self._active = buf
+
     def use(self, buf: int) -> _Use:
         """Point every parameter's ``.data`` at buffer ``buf`` for the block (the buffer in
         use already: no-op)."""
