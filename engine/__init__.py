@@ -11,9 +11,22 @@ stays cheap and works on machines that have neither a GPU nor a built extension 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import sys
 from typing import Any
 
 from engine._version import __version__
+
+
+class _TorchBeforeExtension(importlib.abc.MetaPathFinder):
+    # engine/_C*.so links libc10/libtorch, which the dynamic loader finds only after `import torch`
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+        if fullname == "engine._C":
+            import torch  # noqa: F401
+        return None  # the normal finders load the module
+
+
+sys.meta_path.insert(0, _TorchBeforeExtension())
 
 # public name -> module that defines it; resolved lazily by __getattr__ below
 _LAZY: dict[str, str] = {

@@ -9,7 +9,10 @@
 Each subcommand lives in its own module under ``engine/cli`` and registers its options here.
 Every usage error (argparse's or one a subcommand detects, e.g. more stages than layers)
 prints exactly one line on stderr and exits with status 2, never a traceback: a user who
-mistyped an option should see the fix, not the engine's internals.
+mistyped an option should see the fix, not the engine's internals. The same holds for a
+missing optional package of the ``cli`` extra (tqdm, matplotlib, scikit-learn): one line that
+names it and ``pip install pipeline-engine[cli]``, exit status 2. Exit status 1 means the
+command ran and failed (e.g. training diverged).
 """
 
 from __future__ import annotations
@@ -20,8 +23,21 @@ import sys
 from typing import NoReturn
 
 from engine.cli import CLIError
+from engine.data import DatasetError
 
 COMMANDS = ("info", "train", "compare", "schedule", "bench")
+
+# modules of the `cli` extra (pyproject.toml) -> the package that provides them
+CLI_EXTRA = {"tqdm": "tqdm", "matplotlib": "matplotlib", "sklearn": "scikit-learn"}
+
+
+def _missing_cli_package(exc: BaseException) -> str | None:
+    """The `cli` extra's package whose absence raised ``exc`` (itself or its direct cause:
+    engine.data wraps a missing scikit-learn in a DatasetError), else None."""
+    for e in (exc, exc.__cause__):
+        if isinstance(e, ModuleNotFoundError) and e.name in CLI_EXTRA:
+            return CLI_EXTRA[e.name]
+    return None
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -36,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(
         prog="python -m engine",
         description="pipeline-engine: pipeline-parallel training for PyTorch",
+        epilog="exit status: 0 success; 1 the command ran and failed (e.g. training diverged);\n"
+        "2 a usage error or a missing optional package (pip install pipeline-engine[cli])",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", parser_class=_OneLineParser
@@ -85,6 +104,16 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.run(args))
     except CLIError as exc:
         print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except (ModuleNotFoundError, DatasetError) as exc:
+        package = _missing_cli_package(exc)
+        if package is None:  # not a missing optional package: a real bug, keep the traceback
+            raise
+        print(
+            f"{parser.prog} {args.command}: error: needs {package}, which is not installed: "
+            "pip install pipeline-engine[cli]",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print(f"{parser.prog} {args.command}: interrupted", file=sys.stderr)

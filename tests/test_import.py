@@ -1,0 +1,45 @@
+"""Importing the package in a fresh interpreter: ``engine._C`` loads without a prior
+``import torch``, and ``import engine`` alone stays cheap (no torch)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _fresh_python(code: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *sys.path])
+    # torch's own lib folder on LD_LIBRARY_PATH would hide the bug: the extension must find
+    # libc10/libtorch through `import torch`, not through the environment
+    torch_spec = importlib.util.find_spec("torch")
+    assert torch_spec is not None and torch_spec.submodule_search_locations
+    torch_lib = os.path.realpath(os.path.join(torch_spec.submodule_search_locations[0], "lib"))
+    if "LD_LIBRARY_PATH" in env:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            p for p in env["LD_LIBRARY_PATH"].split(os.pathsep) if os.path.realpath(p) != torch_lib
+        )
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=120
+    )
+
+
+def test_extension_imports_without_importing_torch_first() -> None:
+    if importlib.util.find_spec("engine._C") is None:
+        pytest.skip("engine._C is not built")
+    proc = _fresh_python("import engine._C; print(engine._C.build_info())")
+    assert proc.returncode == 0, proc.stderr
+    assert "torch_version" in proc.stdout
+
+
+def test_import_engine_does_not_import_torch() -> None:
+    proc = _fresh_python("import sys, engine; print('torch' in sys.modules)")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
