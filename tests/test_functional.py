@@ -398,7 +398,9 @@ def test_errors_name_the_tensor():
     with pytest.raises(TypeError, match="predicted must be torch.float32"):
         sgd_update(w, torch.randn(10), torch.zeros(10), predicted=torch.zeros(10).half(), **kw)
     with pytest.raises(TypeError, match="param must be"):
-        sgd_update(w.double(), torch.randn(10), torch.zeros(10), **kw)
+        sgd_update(w.int(), torch.randn(10), torch.zeros(10), **kw)
+    with pytest.raises(TypeError, match="momentum_buffer must be torch.float64"):
+        sgd_update(w.double(), torch.randn(10), torch.zeros(10), **kw)  # fp64 keeps fp64 state
     with pytest.raises(ValueError, match="max_exp_avg_sq is required"):
         adam_update(w, torch.randn(10), torch.zeros(10), torch.zeros(10), None,
                     step=torch.tensor(0.0), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,

@@ -23,13 +23,13 @@ import torch
 from torch import Tensor
 
 from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _functional, _is_real_number
+from engine.optim.options import scalar
 
 __all__ = ["Adam", "AdamW"]
 
 
 class _AdamBase(DelayOptimizer):
     _family = "adam"
-    _decoupled = False
 
     def __init__(
         self,
@@ -40,18 +40,21 @@ class _AdamBase(DelayOptimizer):
         weight_decay: float,
         amsgrad: bool,
         *,
+        foreach: bool | None,
         maximize: bool,
+        capturable: bool,
+        differentiable: bool,
+        fused: bool | None,
+        decoupled_weight_decay: bool,
         delay: int,
         spike_compensation: bool,
         prediction: str | None,
         prediction_horizon: float | None,
         discrepancy_correction: bool,
         correction_decay: float,
-        fused: bool | None,
     ) -> None:
-        if isinstance(betas, (list, tuple)):
-            # torch accepts 1-element tensor betas; the update reads them as Python floats
-            betas = tuple(float(b) if isinstance(b, Tensor) and b.numel() == 1 else b for b in betas)
+        if isinstance(betas, list):
+            betas = tuple(betas)
         defaults = {
             **DELAY_DEFAULTS,
             "lr": lr,
@@ -60,7 +63,10 @@ class _AdamBase(DelayOptimizer):
             "weight_decay": weight_decay,
             "amsgrad": amsgrad,
             "maximize": maximize,
-            "decoupled_weight_decay": self._decoupled,
+            "foreach": foreach,
+            "capturable": capturable,
+            "differentiable": differentiable,
+            "decoupled_weight_decay": decoupled_weight_decay,
             "delay": delay,
             "spike_compensation": spike_compensation,
             "prediction": prediction,
@@ -76,12 +82,39 @@ class _AdamBase(DelayOptimizer):
         betas = group["betas"]
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
             raise ValueError(f"{where}betas={betas!r} is invalid: give a pair (beta1, beta2)")
+        tensors = [isinstance(b, Tensor) for b in betas]
+        if any(tensors) and not all(tensors):
+            raise ValueError(
+                f"{where}betas must be either both floats or both Tensors, got {betas!r} "
+                "(as in torch.optim)"
+            )
+        no_tensor_options = group["foreach"] and not group["capturable"]
+        if no_tensor_options and isinstance(group["lr"], Tensor):
+            raise ValueError(
+                f"{where}lr as a Tensor is not supported for capturable=False and foreach=True"
+            )
         for i, b in enumerate(betas):
-            if not (_is_real_number(b) and 0.0 <= b < 1.0):
+            if isinstance(b, Tensor):
+                if no_tensor_options:
+                    raise ValueError(
+                        f"{where}betas[{i}] as a Tensor is not supported for capturable=False "
+                        "and foreach=True"
+                    )
+                if b.numel() != 1:
+                    raise ValueError(f"{where}Tensor betas[{i}] must be 1-element")
+                value = float(b.detach())
+            elif _is_real_number(b):
+                value = float(b)
+            else:
+                raise TypeError(f"{where}betas[{i}]={b!r} is invalid: it must be a float")
+            if not 0.0 <= value < 1.0:
                 raise ValueError(
-                    f"{where}betas[{i}]={b!r} is invalid: each beta must lie in [0, 1) "
-                    "(beta = 1 never forgets and divides by zero in the bias correction)"
+                    f"{where}Invalid beta parameter at index {i}: {b!r} (each beta must lie "
+                    "in [0, 1): beta = 1 never forgets and divides by zero in the bias correction)"
                 )
+        for name in ("capturable", "decoupled_weight_decay"):
+            if not isinstance(group[name], bool):
+                raise TypeError(f"{where}{name}={group[name]!r} is invalid: it must be True or False")
         eps = group["eps"]
         if not (_is_real_number(eps) and eps >= 0.0):
             raise ValueError(f"{where}eps={eps!r} is invalid: it must be a float >= 0")
@@ -124,7 +157,7 @@ class _AdamBase(DelayOptimizer):
         grad_scale: Tensor | None,
         found_inf: Tensor | None,
     ) -> None:
-        beta1, beta2 = group["betas"]
+        beta1, beta2 = (scalar(b) for b in group["betas"])
         gamma = self._correction_gamma(group)
         horizon = 0.0
         if predicted is not None:
@@ -140,7 +173,7 @@ class _AdamBase(DelayOptimizer):
             beta1=beta1,
             beta2=beta2,
             eps=group["eps"],
-            weight_decay=group["weight_decay"],
+            weight_decay=scalar(group["weight_decay"]),
             decoupled=group["decoupled_weight_decay"],
             amsgrad=group["amsgrad"],
             maximize=group["maximize"],
@@ -153,6 +186,11 @@ class _AdamBase(DelayOptimizer):
             grad_scale=grad_scale,
             found_inf=found_inf,
             validate=False,
+            # the reference path's flags; the fused kernel never syncs and is not differentiable
+            **(
+                {"capturable": group["capturable"], "differentiable": group["differentiable"]}
+                if fn is self._kernel_pair[0] else {}
+            ),
         )
 
     @staticmethod
@@ -160,7 +198,7 @@ class _AdamBase(DelayOptimizer):
         """Multiple of the last step that the prediction extrapolates (module docstring)."""
         if group["prediction"] == "linear":
             return float(horizon)
-        return _functional().prediction_coeff("momentum", 1.0, group["betas"][0], horizon)
+        return _functional().prediction_coeff("momentum", 1.0, scalar(group["betas"][0]), horizon)
 
     _direction_key = "last_update"
 
@@ -169,14 +207,13 @@ class _AdamBase(DelayOptimizer):
 
 
 class Adam(_AdamBase):
-    """Adam with L2 weight decay (added to the gradient), plus the delay options.
+    """Adam with L2 weight decay (added to the gradient; ``decoupled_weight_decay=True``
+    makes it AdamW, as in torch), plus the delay options.
 
     With ``delay=0`` and the mitigations off the result equals ``torch.optim.Adam`` bit for bit
     on CPU. See the module docstring for what spike compensation and prediction mean for Adam,
     and ``engine.optim.SGD`` for the shared delay keywords.
     """
-
-    _decoupled = False
 
     def __init__(
         self,
@@ -187,20 +224,26 @@ class Adam(_AdamBase):
         weight_decay: float = 0,
         amsgrad: bool = False,
         *,
+        foreach: bool | None = None,
         maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        decoupled_weight_decay: bool = False,
         delay: int = 0,
         spike_compensation: bool = False,
         prediction: str | None = None,
         prediction_horizon: float | None = None,
         discrepancy_correction: bool = False,
         correction_decay: float = 0.1,
-        fused: bool | None = None,
     ) -> None:
         super().__init__(
-            params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, delay=delay,
+            params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
+            capturable=capturable, differentiable=differentiable, fused=fused,
+            decoupled_weight_decay=decoupled_weight_decay, delay=delay,
             spike_compensation=spike_compensation, prediction=prediction,
             prediction_horizon=prediction_horizon, discrepancy_correction=discrepancy_correction,
-            correction_decay=correction_decay, fused=fused,
+            correction_decay=correction_decay,
         )
 
 
@@ -210,8 +253,6 @@ class AdamW(_AdamBase):
     With ``delay=0`` and the mitigations off the result equals ``torch.optim.AdamW`` bit for
     bit on CPU. Prediction extrapolates the whole applied step, decay included.
     """
-
-    _decoupled = True
 
     def __init__(
         self,
@@ -223,17 +264,29 @@ class AdamW(_AdamBase):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         delay: int = 0,
         spike_compensation: bool = False,
         prediction: str | None = None,
         prediction_horizon: float | None = None,
         discrepancy_correction: bool = False,
         correction_decay: float = 0.1,
-        fused: bool | None = None,
     ) -> None:
         super().__init__(
-            params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, delay=delay,
+            params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
+            capturable=capturable, differentiable=differentiable, fused=fused,
+            decoupled_weight_decay=True, delay=delay,
             spike_compensation=spike_compensation, prediction=prediction,
             prediction_horizon=prediction_horizon, discrepancy_correction=discrepancy_correction,
-            correction_decay=correction_decay, fused=fused,
+            correction_decay=correction_decay,
         )
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # as torch.optim.AdamW: whatever state is loaded (an Adam state_dict included),
+        # AdamW's weight decay stays decoupled
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = True

@@ -24,7 +24,8 @@ lets PipeMareLR chain with StepLR/OneCycleLR, which own ``group["lr"]``.
 
 from __future__ import annotations
 
-import os
+import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,29 +40,46 @@ from engine.optim.flat import FlatBinding, arena_binding
 from engine.optim.options import (
     DELAY_DEFAULTS,
     PREDICTION_MODES,
-    check_delay_options,
     is_real_number,
 )
+from engine.optim.state_io import StateDictIO
+from engine.optim.validation import PARAM_DTYPES, OptionChecks
 
 __all__ = ["DelayOptimizer", "PREDICTION_MODES", "DELAY_DEFAULTS"]
 
 # kept for the subclasses' imports
 _is_real_number = is_real_number
-_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PARAM_DTYPES = PARAM_DTYPES
+#: what the fused kernels read and write; other dtypes take the reference path
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_EMPTY: dict[str, Any] = {}
+_warned_fallback: set[Any] = set()
 
 
-def _option_key(group: dict[str, Any]) -> tuple[Any, ...]:
-    """The group's option values, comparable with ==, to tell whether they changed (tensors
-    by identity: comparing their values would need a host read; the params list by identity,
-    it is checked separately). Runs every step: a list comprehension, no generator."""
-    return tuple([id(v) if isinstance(v, (Tensor, list)) else v for v in group.values()])
+def _grad_mode_for_differentiable(step: Callable[..., Any]) -> Callable[..., Any]:
+    """torch.optim's convention: step() runs without autograd, unless the optimizer was
+    built with ``differentiable=True`` (then gradients flow through the update)."""
+
+    @functools.wraps(step)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with torch.set_grad_enabled(bool(self.defaults.get("differentiable", False))):
+            return step(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _fallback_once(reason: str) -> None:
+    """Say once per reason that a fused request runs on the reference path."""
+    if reason not in _warned_fallback:
+        _warned_fallback.add(reason)
+        warnings.warn(reason, stacklevel=4)
 
 
 def _functional() -> Any:
     return functional
 
 
-class DelayOptimizer(ComputedWeights, Optimizer):
+class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
     """Base class of ``engine.optim.SGD``, ``Adam`` and ``AdamW``.
 
     Subclasses provide the family name (``"sgd"`` / ``"adam"``), the per-param state keys a
@@ -92,89 +110,6 @@ class DelayOptimizer(ComputedWeights, Optimizer):
         self._kernel_pair = kernels(self._family)
         self._fuse_cache: dict[int, tuple[Any, ...]] = {}
         super().__init__(params, defaults)
-
-    # ------------------------------------------------------------------ validation
-
-    def _check_options(self, group: dict[str, Any], where: str) -> None:
-        """Raise a ValueError naming the option, its value and ``where`` (the group) if any
-        option of ``group`` is out of range. Subclasses extend it with their own options."""
-        check_delay_options(group, where)
-
-    def _check_group(self, group: dict[str, Any], index: int) -> None:
-        """Options plus the checks that need the group's tensors."""
-        where = f"param_groups[{index}]: "
-        self._check_options(group, where)
-        for j, p in enumerate(group["params"]):
-            if torch.is_complex(p):
-                raise ValueError(
-                    f"{where}params[{j}] is complex ({p.dtype}); engine optimizers support real "
-                    "params only: pass torch.view_as_real(param) views instead"
-                )
-            if p.dtype not in _PARAM_DTYPES:
-                raise TypeError(
-                    f"{where}params[{j}] is {p.dtype}; param must be float32, bfloat16 or float16"
-                )
-        if group["fused"] is True and any(p.device.type == "cpu" for p in group["params"]):
-            if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-                raise RuntimeError(
-                    f"{where}fused=True with CPU tensors runs the Triton kernels through Triton's "
-                    "interpreter, which needs TRITON_INTERPRET=1 in the environment before "
-                    "triton_kernels is imported (export it, or set it at the top of conftest.py); "
-                    "otherwise pass fused=None or fused=False for the plain-torch path"
-                )
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch's add_param_group, with every option checked before the group is added."""
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        params = param_group["params"]
-        if isinstance(params, Tensor):
-            params = [params]
-        elif isinstance(params, set):
-            raise TypeError(
-                "optimizer parameters need to be organized in ordered collections, but the "
-                "ordering of tensors in sets will change between runs. Please use a list instead."
-            )
-        else:
-            params = list(params)
-        param_group = dict(param_group, params=params)
-        # torch also accepts named params, (name, tensor) pairs: check the tensors
-        tensors = [p[1] if isinstance(p, tuple) else p for p in params]
-        merged = {**self.defaults, **param_group, "params": tensors}
-        self._check_group(merged, len(getattr(self, "param_groups", [])))
-        super().add_param_group(param_group)
-        if hasattr(self, "_checked"):
-            self._checked.clear()
-            self._auto.clear()
-
-    def _check_before_step(self) -> None:
-        """All checks of a step, run for every group before any group is updated so that a
-        bad group (or sparse gradient) never leaves the optimizer half-stepped.
-
-        Validation happens once per layout: the per-parameter checks run again only when a
-        group's parameter list changes, the option checks only when an option's value does
-        (an lr scheduler changes ``lr``: then the options are checked again)."""
-        checked = self._checked
-        for i, group in enumerate(self.param_groups):
-            params = group["params"]
-            pkey = (id(params), len(params))
-            okey = _option_key(group)
-            seen = checked.get(i)
-            if seen is None or seen[0] != pkey:
-                self._check_group(group, i)
-            elif seen[1] != okey:
-                self._check_options(group, f"param_groups[{i}]: ")
-            checked[i] = (pkey, okey)
-            if i in self._bindings:
-                continue  # bound buckets hold dense flat gradients by construction
-            for j, p in enumerate(params):
-                g = p.grad
-                if g is not None and g.is_sparse:
-                    raise RuntimeError(
-                        f"param_groups[{i}]['params'][{j}] has a sparse gradient; "
-                        f"{type(self).__name__} updates dense tensors only (use "
-                        "torch.optim.SparseAdam, or nn.Embedding(sparse=False))"
-                    )
 
     # ------------------------------------------------------------------ options
 
@@ -271,6 +206,15 @@ class DelayOptimizer(ComputedWeights, Optimizer):
         if cached is not None and cached[0] == key:
             return cached[1]
         choice = use_fused(group, params)
+        if choice:
+            odd = sorted({str(p.dtype) for p in params if p.dtype not in _FUSED_DTYPES})
+            if odd:
+                _fallback_once(
+                    f"{type(self).__name__}: the fused kernels update float32, bfloat16 and "
+                    f"float16 params; {', '.join(odd)} params take the reference path "
+                    "(torch ops, same math), and so does the rest of their param group"
+                )
+                choice = False
         self._fuse_cache[index] = (key, choice)
         return choice
 
@@ -290,7 +234,7 @@ class DelayOptimizer(ComputedWeights, Optimizer):
 
     # ------------------------------------------------------------------ step
 
-    @torch.no_grad()
+    @_grad_mode_for_differentiable
     def step(
         self,
         closure: Callable[[], Any] | None = None,
@@ -327,6 +271,13 @@ class DelayOptimizer(ComputedWeights, Optimizer):
     ) -> bool:
         """Update one group; returns False when a binding with a ``predicted`` buffer was not
         stepped as a whole (so that buffer was not written)."""
+        if group["differentiable"]:
+            # autograd through the update: the reference path, one tensor at a time
+            params = [p for p in group["params"] if p.grad is not None]
+            if group["prediction"] is not None:
+                group["prediction_lr"] = self.effective_lr(group)
+            self._step_tensors(group, params, False, grad_scale, found_inf)
+            return True
         bindings = self._group_bindings(index, group)
         if len(bindings) == 1 and bindings[0].covers(group["params"]) and bindings[0].grads_in_buffer():
             # the steady state of a bound stage: one flat update, no per-parameter work
@@ -351,27 +302,62 @@ class DelayOptimizer(ComputedWeights, Optimizer):
                 done.update(map(id, b.params))
             elif b.predicted is not None:
                 wrote = False
+        self._step_tensors(group, [p for p in params if id(p) not in done], fuse, grad_scale, found_inf)
+        return wrote
+
+    def _step_tensors(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        fuse: bool,
+        grad_scale: Tensor | None,
+        found_inf: Tensor | None,
+    ) -> None:
+        """One update call per tensor (params not in a flat buffer)."""
+        ref, fused = self._kernel_pair
+        keys = self._state_keys(group)
         for p in params:
-            if id(p) in done:
+            if p.grad.is_sparse:
+                self._sparse_update(group, p)
                 continue
-            state = self.state[p]
+            # no state entry for a param whose update keeps none (torch: SGD without momentum)
+            state = self.state.get(p)
+            if state is None:
+                state = {}
             init = self._ensure_state(group, p, state)
+            if state and p not in self.state:
+                self.state[p] = state
             predicted = self._predicted_buffer(group, p, p)
+            tensors = {k: state[k] for k in keys}
+            if "step" in state:
+                tensors["step"] = state["step"]
+            param, grad = p, p.grad
+            if torch.is_complex(p):  # as torch.optim: the update runs on real views
+                param, grad = torch.view_as_real(p), torch.view_as_real(grad)
+                tensors = {k: torch.view_as_real(t) if k != "step" and torch.is_complex(t) else t
+                           for k, t in tensors.items()}
+                if predicted is not None:
+                    predicted = torch.view_as_real(predicted)
             # Zero-size and non-contiguous tensors take the reference path: the kernels read
             # memory as contiguous and a zero-size launch has nothing to do (but Adam's step
             # count must still advance, as torch's does).
-            tensors = {k: state[k] for k in self._state_keys(group)}
-            contiguous = p.is_contiguous() and p.grad.is_contiguous() and all(t.is_contiguous() for t in tensors.values())
+            contiguous = param.is_contiguous() and grad.is_contiguous() and all(
+                t.is_contiguous() for k, t in tensors.items() if k != "step"
+            )
             fn = fused if (fuse and p.numel() > 0 and contiguous) else ref
-            if "step" in state:
-                tensors["step"] = state["step"]
-            self._call_update(fn, group, p, p.grad, tensors, init, predicted, grad_scale, found_inf)
-        return wrote
+            self._call_update(fn, group, param, grad, tensors, init, predicted, grad_scale, found_inf)
+
+    def _sparse_update(self, group: dict[str, Any], p: Tensor) -> None:
+        """One update with a sparse gradient (SGD only; refused before the step otherwise)."""
+        raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
 
     def _new_state_tensor(self, p: Tensor) -> Tensor:
-        """Zero state shaped like ``p``. State is fp32 whatever the param dtype (the math
-        layer's convention): bf16 moments would lose the small increments they accumulate."""
-        return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        """Zero state shaped like ``p``: fp32 for fp32/bf16/fp16 params (bf16 moments would
+        lose the small increments they accumulate), fp64 for fp64, and complex state for
+        complex params (torch's layout; the update reads it as a real view)."""
+        if torch.is_complex(p):
+            return torch.zeros_like(p, memory_format=torch.preserve_format)
+        return torch.zeros_like(p, dtype=functional.state_dtype(p.dtype), memory_format=torch.preserve_format)
 
     def _ensure_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> bool:
         """Create the missing state tensors of ``p``; returns True on the param's first step
@@ -399,7 +385,7 @@ class DelayOptimizer(ComputedWeights, Optimizer):
         count. Once a binding has been stepped whole, only the gradient check runs per step.
         """
         view = b.view
-        if view.grad is None:
+        if view.grad is None or torch.is_complex(view.param):
             return False
         params = b.params
         if not b.grads_in_buffer():
@@ -410,7 +396,7 @@ class DelayOptimizer(ComputedWeights, Optimizer):
         if b.initialized:
             init = False
         else:
-            fresh = [self._is_fresh(group, self.state[p]) for p in params]
+            fresh = [self._is_fresh(group, self.state.get(p, _EMPTY)) for p in params]
             if any(fresh) and not all(fresh):
                 return False
             init = all(fresh)
@@ -449,7 +435,7 @@ class DelayOptimizer(ComputedWeights, Optimizer):
         for key in self._state_keys(group):
             if key in flat:
                 continue
-            buf, views = b.view.make_state(dtype=torch.float32)
+            buf, views = b.view.make_state(dtype=functional.state_dtype(b.view.param.dtype))
             for p, view in zip(b.params, views, strict=True):
                 old = self.state[p].get(key)
                 if old is not None:
@@ -482,64 +468,3 @@ class DelayOptimizer(ComputedWeights, Optimizer):
         for p in params:
             self.state[p]["step"] = shared
         return shared
-
-    # ------------------------------------------------------------------ state_dict
-
-    def _forget_flat_state(self) -> None:
-        """The per-param state was replaced: flat state buffers are re-created (from the new
-        values) at the next step, predictions recomputed."""
-        for bindings in self._bindings.values():
-            for b in bindings:
-                b.state = {}
-                b.initialized = False
-        self._auto.clear()
-        self._predicted.clear()
-        self._predicted_setting.clear()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's load_state_dict; also forgets flat buffers and cached predictions, which
-        point at the replaced state (the next step re-creates them from the loaded values)."""
-        super().load_state_dict(state_dict)
-        # A state_dict from torch.optim (or an older engine version) lacks the delay options:
-        # fill them from this optimizer's defaults so it keeps stepping.
-        for group in self.param_groups:
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
-        self._restore_state_dtypes(state_dict)
-        self._forget_flat_state()
-
-    def _restore_state_dtypes(self, state_dict: dict[str, Any]) -> None:
-        """Undo torch's cast of state to the param dtype: torch.optim.Optimizer.load_state_dict
-        casts every floating state tensor to the param's dtype, but our state is fp32 for
-        every param dtype (a bf16 param's fp32 moments would be rounded to bf16 and the math
-        layer would refuse them). Re-copy those entries from the saved values as fp32, and put
-        Adam's step count on the param's device (the fused kernels read it there)."""
-        saved_groups = state_dict["param_groups"]
-        saved_state = state_dict["state"]
-        for saved, group in zip(saved_groups, self.param_groups, strict=True):
-            for pid, p in zip(saved["params"], group["params"], strict=True):
-                entry = saved_state.get(pid)
-                if entry is None or p not in self.state:
-                    continue
-                for key, value in entry.items():
-                    if not isinstance(value, Tensor):
-                        continue
-                    if key == "step":
-                        self.state[p][key] = value.detach().to(device=p.device, dtype=torch.float32).clone()
-                    elif value.is_floating_point():
-                        self.state[p][key] = value.detach().to(device=p.device, dtype=torch.float32).clone()
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self.__dict__.setdefault("_predicted", {})
-        self.__dict__.setdefault("_predicted_setting", {})
-        self.__dict__.setdefault("_bindings", {})
-        self.__dict__.setdefault("_bind_order", [])
-        self.__dict__.setdefault("_auto", {})
-        self.__dict__.setdefault("_checked", {})
-        self.__dict__.setdefault("last_step_predicted", False)
-        self.__dict__.setdefault("_kernel_pair", kernels(self._family))
-        self.__dict__.setdefault("_fuse_cache", {})
-        for group in self.param_groups:
-            for key, value in DELAY_DEFAULTS.items():
-                group.setdefault(key, value)

@@ -11,10 +11,12 @@ Adam's first moment, bias corrections as Python floats): each choice mirrors tor
 The mitigations (spike compensation, weight prediction, PipeMare's discrepancy buffer) follow
 the "Update rules" of docs/ALGORITHMS.md. Conventions this module fixes:
 
-* Optimizer state (momentum buffer, moments, ``delta``, ``last_update``) is fp32 whatever
-  the parameter dtype. Low-precision (bf16/fp16) parameters and gradients are upcast to fp32,
-  all math runs in fp32 and the new weights are rounded once (round to nearest even) when
-  stored. For fp32 parameters the update runs in place on the parameter with torch's ops.
+* Optimizer state (momentum buffer, moments, ``delta``, ``last_update``) is fp32 for fp32,
+  bf16 and fp16 parameters and fp64 for fp64 ones (:func:`state_dtype`). Low-precision
+  (bf16/fp16) parameters and gradients are upcast to fp32, all math runs in fp32 and the new
+  weights are rounded once (round to nearest even) when stored. For fp32 and fp64
+  parameters the update runs in place on the parameter with torch's ops. Complex parameters
+  reach these functions as real views (``torch.view_as_real``), as torch.optim handles them.
 * Quantities derived from weights (predicted weights, ``delta``, ``last_update``) use the
   weights *as stored* (after rounding to the parameter dtype), so an on-demand
   :func:`predict` after the step reproduces the in-step prediction exactly.
@@ -25,6 +27,7 @@ the "Update rules" of docs/ALGORITHMS.md. Conventions this module fixes:
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -40,7 +43,14 @@ __all__ = [
     "validate_adam_args",
 ]
 
-_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PARAM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the optimizer state (and of the update math) for params of ``dtype``:
+    fp64 stays fp64, everything else computes in fp32 (bf16/fp16 moments would lose the
+    small increments they accumulate)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # --------------------------------------------------------------------------- coefficients
@@ -123,12 +133,12 @@ def _check_common(param: Tensor, grad: Tensor, predicted, delta, grad_scale, fou
     if not isinstance(param, Tensor):
         raise TypeError(f"param must be a Tensor, got {type(param).__name__}")
     if param.dtype not in _PARAM_DTYPES:
-        raise TypeError(f"param must be float32, bfloat16 or float16, got {param.dtype}")
+        raise TypeError(f"param must be float32, float64, bfloat16 or float16, got {param.dtype}")
     _check_like("grad", grad, param, None)
     if grad.dtype not in _PARAM_DTYPES:
-        raise TypeError(f"grad must be float32, bfloat16 or float16, got {grad.dtype}")
+        raise TypeError(f"grad must be float32, float64, bfloat16 or float16, got {grad.dtype}")
     _check_like("predicted", predicted, param, param.dtype)
-    _check_like("delta", delta, param, torch.float32)
+    _check_like("delta", delta, param, state_dtype(param.dtype))
     _check_scalar_tensor("grad_scale", grad_scale, param)
     _check_scalar_tensor("found_inf", found_inf, param)
 
@@ -142,7 +152,7 @@ def validate_sgd_args(param, grad, momentum_buffer, *, momentum, dampening, sc_d
     if momentum != 0:
         if momentum_buffer is None:
             raise ValueError("momentum_buffer is required when momentum != 0")
-        _check_like("momentum_buffer", momentum_buffer, param, torch.float32)
+        _check_like("momentum_buffer", momentum_buffer, param, state_dtype(param.dtype))
     if sc_delay:
         spike_coeffs(momentum, sc_delay)  # validates delay and momentum range
 
@@ -151,15 +161,16 @@ def validate_adam_args(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, *
                        sc_delay, last_update, predicted, delta, grad_scale, found_inf) -> None:
     """Raise a clear error (naming the tensor) before anything is written."""
     _check_common(param, grad, predicted, delta, grad_scale, found_inf)
-    _check_like("exp_avg", exp_avg, param, torch.float32)
-    _check_like("exp_avg_sq", exp_avg_sq, param, torch.float32)
+    sd = state_dtype(param.dtype)
+    _check_like("exp_avg", exp_avg, param, sd)
+    _check_like("exp_avg_sq", exp_avg_sq, param, sd)
     if exp_avg is None or exp_avg_sq is None:
         raise ValueError("exp_avg and exp_avg_sq are required")
     if amsgrad:
         if max_exp_avg_sq is None:
             raise ValueError("max_exp_avg_sq is required when amsgrad=True")
-        _check_like("max_exp_avg_sq", max_exp_avg_sq, param, torch.float32)
-    _check_like("last_update", last_update, param, torch.float32)
+        _check_like("max_exp_avg_sq", max_exp_avg_sq, param, sd)
+    _check_like("last_update", last_update, param, sd)
     if not isinstance(step, Tensor) or step.numel() != 1 or step.dtype != torch.float32:
         raise TypeError(f"step must be a one-element float32 tensor, got {step!r}")
     if isinstance(sc_delay, bool) or int(sc_delay) != sc_delay or sc_delay < 0:
@@ -172,7 +183,8 @@ def _skip(found_inf: Tensor | None) -> bool:
 
 
 def _as_f32(t: Tensor) -> Tensor:
-    return t if t.dtype == torch.float32 else t.float()
+    """The tensor in its compute dtype: fp32 and fp64 as they are, bf16/fp16 upcast."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 # --------------------------------------------------------------------------- prediction
@@ -188,7 +200,7 @@ def predict(param: Tensor, direction: Tensor, coeff: float) -> Tensor:
 def predict_into(out: Tensor, param: Tensor, direction: Tensor, coeff: float) -> None:
     """:func:`predict` written into ``out`` (the param's dtype and shape), without a
     temporary when everything is fp32 (the same single add, so bit-identical)."""
-    if param.dtype == direction.dtype == out.dtype == torch.float32:
+    if param.dtype == direction.dtype == out.dtype and param.dtype in (torch.float32, torch.float64):
         torch.add(param, direction, alpha=-coeff, out=out)
     else:
         out.copy_(predict(param, direction, coeff))
@@ -253,7 +265,7 @@ def sgd_update(
     if momentum != 0:
         buf = momentum_buffer
         if init_momentum:
-            buf.copy_(g)
+            buf.copy_(g.detach())  # torch: buf = grad.detach().clone()
         else:
             buf.mul_(momentum).add_(g, alpha=1 - dampening)
         if sc_delay > 0:
@@ -280,6 +292,36 @@ def sgd_update(
         predict_into(predicted, param, direction, predict_coeff)
     if delta is not None:
         delta.mul_(delta_gamma).add_(w.sub(w_old), alpha=1 - delta_gamma)
+
+
+def sgd_sparse_update(
+    param: Tensor,
+    grad: Tensor,
+    state: dict[str, Any],
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+) -> None:
+    """SGD with a sparse gradient (``nn.Embedding(sparse=True)``), torch.optim.SGD's
+    single-tensor path op for op: the momentum buffer is the first gradient's clone (sparse
+    too), so the state stays in torch's form. No mitigations, no AMP arguments: the
+    optimizers refuse those combinations before calling this."""
+    g = grad if not maximize else -grad
+    if weight_decay != 0:
+        g = g.add(param, alpha=weight_decay)
+    if momentum != 0:
+        buf = state.get("momentum_buffer")
+        if buf is None:
+            buf = g.detach().clone()
+            state["momentum_buffer"] = buf
+        else:
+            buf.mul_(momentum).add_(g, alpha=1 - dampening)
+        g = g.add(buf, alpha=momentum) if nesterov else buf
+    param.add_(g, alpha=-lr)
 
 
 # --------------------------------------------------------------------------- Adam
@@ -310,12 +352,17 @@ def adam_update(
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
     validate: bool = True,
+    capturable: bool = False,
+    differentiable: bool = False,
 ) -> None:
     """One Adam (``decoupled=False``) or AdamW (``decoupled=True``) step in place.
 
     With the mitigations off this is torch.optim.Adam/AdamW's single-tensor path op for op
     (``step`` is incremented in place first and read as a Python float, bias corrections are
-    Python floats, ``lerp_`` for the first moment, ``addcdiv_`` for the update).
+    Python floats, ``lerp_`` for the first moment, ``addcdiv_`` for the update). With
+    ``capturable`` or ``differentiable`` the bias corrections stay tensors computed from
+    ``step`` (no host read, so the step can be captured in a CUDA graph; autograd can go
+    through it), again op for op as torch's path for those flags.
 
     Delay compensation for Adam is this project's own derivation (ALGORITHMS.md, "Adam / AdamW
     with delay compensation"), not a published method:
@@ -358,24 +405,29 @@ def adam_update(
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
 
-    t = step.item()
-    bias_correction1 = 1 - beta1**t
-    bias_correction2 = 1 - beta2**t
-    step_size = lr / bias_correction1
-    bias_correction2_sqrt = bias_correction2**0.5
-
-    if amsgrad:
-        torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
-        denom = (max_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    if capturable or differentiable:
+        _adam_tensor_step(w, g, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr=lr, beta1=beta1,
+                          beta2=beta2, eps=eps, amsgrad=amsgrad, sc_delay=sc_delay,
+                          differentiable=differentiable)
     else:
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        t = step.item()
+        bias_correction1 = 1 - beta1**t
+        bias_correction2 = 1 - beta2**t
+        step_size = lr / bias_correction1
+        bias_correction2_sqrt = bias_correction2**0.5
 
-    if sc_delay > 0:
-        a = beta1 ** int(sc_delay)
-        numer = exp_avg.mul(a / bias_correction1).add_(g, alpha=1 - a)
-        w.addcdiv_(numer, denom, value=-lr)
-    else:
-        w.addcdiv_(exp_avg, denom, value=-step_size)
+        if amsgrad:
+            torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
+            denom = (max_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        else:
+            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+
+        if sc_delay > 0:
+            a = beta1 ** int(sc_delay)
+            numer = exp_avg.mul(a / bias_correction1).add_(g, alpha=1 - a)
+            w.addcdiv_(numer, denom, value=-lr)
+        else:
+            w.addcdiv_(exp_avg, denom, value=-step_size)
 
     if w is not param:
         param.copy_(w)
@@ -389,3 +441,33 @@ def adam_update(
             predict_into(predicted, param, applied, predict_horizon)
     if delta is not None:
         delta.mul_(delta_gamma).add_(w.sub(w_old), alpha=1 - delta_gamma)
+
+
+def _adam_tensor_step(
+    w: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, max_exp_avg_sq: Tensor | None,
+    step: Tensor, *, lr: float, beta1: float, beta2: float, eps: float, amsgrad: bool,
+    sc_delay: int, differentiable: bool,
+) -> None:
+    """Adam's weight update with tensor bias corrections (torch's capturable/differentiable
+    path): the step count is never read on the host."""
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    bias_correction2_sqrt = bias_correction2.sqrt()
+    if amsgrad:
+        assert max_exp_avg_sq is not None
+        current = max_exp_avg_sq.clone() if differentiable else max_exp_avg_sq
+        max_exp_avg_sq.copy_(torch.maximum(current, exp_avg_sq))
+        second = max_exp_avg_sq
+    else:
+        second = exp_avg_sq
+    first = exp_avg.clone() if differentiable else exp_avg
+    if sc_delay > 0:
+        # spike compensation needs the plain denominator (its numerator mixes two terms)
+        a = beta1 ** int(sc_delay)
+        denom = (second.sqrt() / bias_correction2_sqrt).add_(eps)
+        numer = first.mul(a / bias_correction1).add_(g, alpha=1 - a)
+        w.addcdiv_(numer, denom, value=-lr)
+        return
+    step_size_neg = (lr / bias_correction1).neg()
+    denom = (second.sqrt() / (bias_correction2_sqrt * step_size_neg)).add_(eps / step_size_neg)
+    w.addcdiv_(first, denom)

@@ -15,7 +15,14 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["DELAY_DEFAULTS", "PREDICTION_MODES", "check_delay_options", "is_real_number"]
+__all__ = [
+    "DELAY_DEFAULTS",
+    "PREDICTION_MODES",
+    "check_delay_options",
+    "check_torch_flags",
+    "is_real_number",
+    "scalar",
+]
 
 #: Valid values of the ``prediction`` option (public API, see ALGORITHMS.md).
 PREDICTION_MODES: tuple[str, ...] = ("linear", "momentum")
@@ -36,26 +43,51 @@ def is_real_number(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def scalar(x: Any) -> Any:
+    """A number option as a Python number (a 1-element tensor is read once, on the host)."""
+    return float(x) if isinstance(x, Tensor) else x
+
+
+def _number_or_tensor(name: str, x: Any, where: str) -> float:
+    """The value of an option torch accepts as a number or a 1-element tensor."""
+    if isinstance(x, Tensor):
+        if x.numel() != 1:
+            raise ValueError(
+                f"{where}Tensor {name} must be 1-element, got shape {tuple(x.shape)}"
+            )
+        return float(x.detach())
+    if is_real_number(x):
+        return float(x)
+    raise TypeError(f"{where}{name} must be a number or a 1-element tensor, got {type(x).__name__} {x!r}")
+
+
+def check_torch_flags(group: dict[str, Any], where: str) -> None:
+    """torch.optim's implementation flags: ``foreach`` and ``fused`` (None, True or False),
+    ``differentiable`` (bool), and the combinations torch refuses."""
+    for name in ("foreach", "fused"):
+        if group.get(name) not in (None, True, False):
+            raise ValueError(f"{where}{name}={group[name]!r} is invalid: use None (auto), True or False")
+    if not isinstance(group.get("differentiable", False), bool):
+        raise TypeError(f"{where}differentiable={group['differentiable']!r} is invalid: it must be True or False")
+    if group.get("fused") and group.get("differentiable"):
+        raise RuntimeError(f"{where}`fused` does not support `differentiable` (as in torch.optim)")
+    if group.get("fused") and group.get("foreach"):
+        raise RuntimeError(f"{where}`fused` and `foreach` cannot be `True` together (as in torch.optim)")
+
+
 def check_delay_options(group: dict[str, Any], where: str) -> None:
     """Raise a ValueError naming the option, its value and ``where`` (the group) if any
     option of ``group`` is out of range. Subclasses extend it with their own options."""
-    lr = group["lr"]
-    if isinstance(lr, Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"{where}lr must be a float or a 1-element tensor, got shape {tuple(lr.shape)}")
-        lr_value = float(lr.detach())
-    elif is_real_number(lr):
-        lr_value = float(lr)
-    else:
-        raise TypeError(f"{where}lr must be a float, got {type(lr).__name__} {lr!r}")
+    lr_value = _number_or_tensor("lr", group["lr"], where)
     if not lr_value >= 0.0:
-        raise ValueError(f"{where}lr={lr!r} is invalid: the learning rate must be >= 0")
+        raise ValueError(f"{where}Invalid learning rate: {group['lr']!r} (the learning rate must be >= 0)")
     scale = group.get("lr_scale", 1.0)
     if not (is_real_number(scale) and scale >= 0.0):
         raise ValueError(f"{where}lr_scale={scale!r} is invalid: it must be a float >= 0 (PipeMareLR sets it)")
-    wd = group["weight_decay"]
-    if not (is_real_number(wd) and wd >= 0.0):
-        raise ValueError(f"{where}weight_decay={wd!r} is invalid: it must be a float >= 0")
+    if not _number_or_tensor("weight_decay", group["weight_decay"], where) >= 0.0:
+        raise ValueError(
+            f"{where}Invalid weight_decay value: {group['weight_decay']!r} (it must be >= 0)"
+        )
     delay = group["delay"]
     if not isinstance(delay, numbers.Integral) or isinstance(delay, bool):
         raise TypeError(
@@ -88,9 +120,7 @@ def check_delay_options(group: dict[str, Any], where: str) -> None:
             f"{where}correction_decay={decay!r} is invalid: PipeMare's D_decay must lie in (0, 1) "
             "(gamma = D_decay ** (1 / delay))"
         )
-    fused = group["fused"]
-    if fused not in (None, True, False):
-        raise ValueError(f"{where}fused={fused!r} is invalid: use None (auto), True or False")
+    check_torch_flags(group, where)
     for name in ("maximize", "spike_compensation", "discrepancy_correction"):
         if not isinstance(group[name], bool):
             raise TypeError(f"{where}{name}={group[name]!r} is invalid: it must be True or False")

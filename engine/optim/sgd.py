@@ -8,6 +8,7 @@ from typing import Any
 from torch import Tensor
 
 from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _functional, _is_real_number
+from engine.optim.options import scalar
 
 __all__ = ["SGD"]
 
@@ -30,6 +31,13 @@ class SGD(DelayOptimizer):
         discrepancy_correction / correction_decay: PipeMare T2's delta buffer;
             :meth:`backward_weights` returns w - delay * delta.
         fused: ``None`` (Triton on CUDA, reference on CPU), ``True`` or ``False``.
+
+    torch's keywords mean what they mean there: ``foreach`` picks an implementation and never
+    changes a result (the flat path already updates a whole bucket in one call; with
+    ``foreach`` set the per-tensor path runs as for ``foreach=None``); ``differentiable=True``
+    runs the reference path per tensor with autograd on, so gradients flow through ``step()``.
+    Sparse gradients (``nn.Embedding(sparse=True)``) take torch's sparse update; the delay
+    mitigations, ``fused=True`` and AMP arguments are refused with them.
     """
 
     _family = "sgd"
@@ -44,13 +52,15 @@ class SGD(DelayOptimizer):
         nesterov: bool = False,
         *,
         maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
         delay: int = 0,
         spike_compensation: bool = False,
         prediction: str | None = None,
         prediction_horizon: float | None = None,
         discrepancy_correction: bool = False,
         correction_decay: float = 0.1,
-        fused: bool | None = None,
     ) -> None:
         defaults = {
             **DELAY_DEFAULTS,
@@ -60,6 +70,8 @@ class SGD(DelayOptimizer):
             "weight_decay": weight_decay,
             "nesterov": nesterov,
             "maximize": maximize,
+            "foreach": foreach,
+            "differentiable": differentiable,
             "delay": delay,
             "spike_compensation": spike_compensation,
             "prediction": prediction,
@@ -72,15 +84,13 @@ class SGD(DelayOptimizer):
 
     def _check_options(self, group: dict[str, Any], where: str) -> None:
         super()._check_options(group, where)
+        # torch's conditions: momentum >= 0 (no upper bound), dampening any number
         m = group["momentum"]
-        if not (_is_real_number(m) and 0.0 <= m < 1.0):
-            raise ValueError(
-                f"{where}momentum={m!r} is invalid: it must lie in [0, 1) (m >= 1 makes the "
-                "momentum buffer grow without bound)"
-            )
+        if not (_is_real_number(m) and m >= 0.0):
+            raise ValueError(f"{where}Invalid momentum value: {m!r} (momentum must be a number >= 0)")
         d = group["dampening"]
-        if not (_is_real_number(d) and 0.0 <= d <= 1.0):
-            raise ValueError(f"{where}dampening={d!r} is invalid: it must lie in [0, 1]")
+        if not _is_real_number(d):
+            raise TypeError(f"{where}dampening={d!r} is invalid: it must be a number")
         if not isinstance(group["nesterov"], bool):
             raise TypeError(f"{where}nesterov={group['nesterov']!r} is invalid: it must be True or False")
         if group["nesterov"] and (m == 0 or d != 0):
@@ -93,6 +103,11 @@ class SGD(DelayOptimizer):
                 f"{where}spike_compensation=True cannot be combined with nesterov=True: SC with "
                 "delay D=1 *is* the Nesterov update, and for other delays SC replaces it; use "
                 "spike_compensation=True alone (D = the group's delay)"
+            )
+        if group["spike_compensation"] and m > 1.0:
+            raise ValueError(
+                f"{where}spike_compensation=True needs momentum <= 1 (got {m!r}): its "
+                "coefficients m^D and (1 - m^D) / (1 - m) compensate a decaying momentum sum"
             )
         if group["prediction"] is not None and m == 0:
             raise ValueError(
@@ -143,7 +158,7 @@ class SGD(DelayOptimizer):
             lr=lr,
             momentum=group["momentum"],
             dampening=group["dampening"],
-            weight_decay=group["weight_decay"],
+            weight_decay=scalar(group["weight_decay"]),
             nesterov=group["nesterov"],
             maximize=group["maximize"],
             init_momentum=init,
@@ -156,6 +171,18 @@ class SGD(DelayOptimizer):
             found_inf=found_inf,
             validate=False,
         )
+
+    def _sparse_update(self, group: dict[str, Any], p: Tensor) -> None:
+        state = self.state.get(p)
+        fresh = state is None
+        state = {} if fresh else state
+        _functional().sgd_sparse_update(
+            p, p.grad, state, lr=self.effective_lr(group), momentum=group["momentum"],
+            dampening=group["dampening"], weight_decay=scalar(group["weight_decay"]),
+            nesterov=group["nesterov"], maximize=group["maximize"],
+        )
+        if fresh and state:
+            self.state[p] = state
 
     _direction_key = "momentum_buffer"
 

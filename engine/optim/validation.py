@@ -1,0 +1,139 @@
+"""Validation of an engine optimizer's options and tensors, with torch.optim's conditions.
+
+Why a module of its own: every check runs before anything changes (a bad keyword at
+construction, a group edited into a bad state before a step, a sparse gradient where the
+options need dense ones), names the option, its value and the group, and says what to do;
+keeping them together is what keeps the conditions the same as torch's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from engine.optim.options import check_delay_options
+
+__all__ = ["OptionChecks", "PARAM_DTYPES"]
+
+#: parameter dtypes the optimizers update (complex ones as real views, as torch.optim)
+PARAM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16,
+                torch.complex64, torch.complex128)
+
+
+def _option_key(group: dict[str, Any]) -> tuple[Any, ...]:
+    """The group's option values, comparable with ==, to tell whether they changed (tensors
+    by identity: comparing their values would need a host read; the params list by identity,
+    it is checked separately). Runs every step: a list comprehension, no generator."""
+    return tuple([id(v) if isinstance(v, (Tensor, list)) else v for v in group.values()])
+
+
+class OptionChecks:
+    """The checks of :class:`~engine.optim.base.DelayOptimizer` (a mixin; see the module
+    docstring)."""
+
+    _family: str
+    param_groups: list[dict[str, Any]]
+    defaults: dict[str, Any]
+    _checked: dict[int, Any]
+    _auto: dict[int, Any]
+    _bindings: dict[int, Any]
+
+    def _check_options(self, group: dict[str, Any], where: str) -> None:
+        """Raise a ValueError naming the option, its value and ``where`` (the group) if any
+        option of ``group`` is out of range. Subclasses extend it with their own options."""
+        check_delay_options(group, where)
+
+    def _check_group(self, group: dict[str, Any], index: int) -> None:
+        """Options plus the checks that need the group's tensors."""
+        where = f"param_groups[{index}]: "
+        self._check_options(group, where)
+        for j, p in enumerate(group["params"]):
+            if p.dtype not in PARAM_DTYPES:
+                raise TypeError(
+                    f"{where}params[{j}] is {p.dtype}; params must be float32, float64, bfloat16, "
+                    "float16, complex64 or complex128"
+                )
+            if group["fused"] is True and p.device.type == "meta":
+                raise ValueError(
+                    f"{where}fused=True needs real tensors, but params[{j}] is on the meta "
+                    "device (nothing to update there): materialize the model first, e.g. "
+                    "module.to_empty(device=...), or pass fused=None"
+                )
+        if group["fused"] is True and any(p.device.type == "cpu" for p in group["params"]):
+            if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+                raise RuntimeError(
+                    f"{where}fused=True with CPU tensors runs the Triton kernels through Triton's "
+                    "interpreter, which needs TRITON_INTERPRET=1 in the environment before "
+                    "triton_kernels is imported (export it, or set it at the top of conftest.py); "
+                    "otherwise pass fused=None or fused=False for the plain-torch path"
+                )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's add_param_group, with every option checked before the group is added."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        params = param_group["params"]
+        if isinstance(params, Tensor):
+            params = [params]
+        elif isinstance(params, set):
+            raise TypeError(
+                "optimizer parameters need to be organized in ordered collections, but the "
+                "ordering of tensors in sets will change between runs. Please use a list instead."
+            )
+        else:
+            params = list(params)
+        param_group = dict(param_group, params=params)
+        # torch also accepts named params, (name, tensor) pairs: check the tensors
+        tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+        merged = {**self.defaults, **param_group, "params": tensors}
+        self._check_group(merged, len(getattr(self, "param_groups", [])))
+        super().add_param_group(param_group)
+        if hasattr(self, "_checked"):
+            self._checked.clear()
+            self._auto.clear()
+
+    def _check_before_step(self) -> None:
+        """All checks of a step, run for every group before any group is updated so that a
+        bad group (or sparse gradient) never leaves the optimizer half-stepped.
+
+        Validation happens once per layout: the per-parameter checks run again only when a
+        group's parameter list changes, the option checks only when an option's value does
+        (an lr scheduler changes ``lr``: then the options are checked again)."""
+        checked = self._checked
+        for i, group in enumerate(self.param_groups):
+            params = group["params"]
+            pkey = (id(params), len(params))
+            okey = _option_key(group)
+            seen = checked.get(i)
+            if seen is None or seen[0] != pkey:
+                self._check_group(group, i)
+            elif seen[1] != okey:
+                self._check_options(group, f"param_groups[{i}]: ")
+            checked[i] = (pkey, okey)
+            if i in self._bindings:
+                continue  # bound buckets hold dense flat gradients by construction
+            for j, p in enumerate(params):
+                g = p.grad
+                if g is not None and g.is_sparse:
+                    self._check_sparse(group, f"param_groups[{i}]['params'][{j}]")
+
+    def _check_sparse(self, group: dict[str, Any], name: str) -> None:
+        """Which options a sparse gradient allows (SGD: torch's plain update only)."""
+        if self._family != "sgd":
+            raise RuntimeError(
+                f"{name} has a sparse gradient; {type(self).__name__} does not support sparse "
+                "gradients, please consider torch.optim.SparseAdam instead (as torch.optim)"
+            )
+        on = [k for k in ("spike_compensation", "discrepancy_correction") if group[k]]
+        on += ["prediction"] if group["prediction"] is not None else []
+        on += ["fused=True"] if group["fused"] else []
+        on += ["AMP grad_scale/found_inf"] if getattr(self, "grad_scale", None) is not None else []
+        if on:
+            raise RuntimeError(
+                f"{name} has a sparse gradient, which takes torch's plain sparse SGD update; "
+                f"{', '.join(on)} need dense gradients (use nn.Embedding(sparse=False), or "
+                "turn them off for this param group)"
+            )
