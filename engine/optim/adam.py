@@ -157,7 +157,13 @@ class _AdamBase(DelayOptimizer):
         grad_scale: Tensor | None,
         found_inf: Tensor | None,
     ) -> None:
-        beta1, beta2 = (scalar(b) for b in group["betas"])
+        reference = fn is self._kernel_pair[0]
+        # the reference path takes Tensor lr/betas as torch does (its rounding follows them);
+        # the kernels read Python numbers
+        beta1, beta2 = group["betas"] if reference else (scalar(b) for b in group["betas"])
+        lr = group["lr"]
+        if not (reference and isinstance(lr, Tensor) and "lr_scale" not in group):
+            lr = self.effective_lr(group)
         gamma = self._correction_gamma(group)
         horizon = 0.0
         if predicted is not None:
@@ -169,7 +175,7 @@ class _AdamBase(DelayOptimizer):
             state["exp_avg_sq"],
             state.get("max_exp_avg_sq"),
             step=state["step"],
-            lr=self.effective_lr(group),
+            lr=lr,
             beta1=beta1,
             beta2=beta2,
             eps=group["eps"],
@@ -189,7 +195,7 @@ class _AdamBase(DelayOptimizer):
             # the reference path's flags; the fused kernel never syncs and is not differentiable
             **(
                 {"capturable": group["capturable"], "differentiable": group["differentiable"]}
-                if fn is self._kernel_pair[0] else {}
+                if reference else {}
             ),
         )
 

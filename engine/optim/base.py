@@ -332,12 +332,6 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
             if "step" in state:
                 tensors["step"] = state["step"]
             param, grad = p, p.grad
-            if torch.is_complex(p):  # as torch.optim: the update runs on real views
-                param, grad = torch.view_as_real(p), torch.view_as_real(grad)
-                tensors = {k: torch.view_as_real(t) if k != "step" and torch.is_complex(t) else t
-                           for k, t in tensors.items()}
-                if predicted is not None:
-                    predicted = torch.view_as_real(predicted)
             # Zero-size and non-contiguous tensors take the reference path: the kernels read
             # memory as contiguous and a zero-size launch has nothing to do (but Adam's step
             # count must still advance, as torch's does).

@@ -16,7 +16,8 @@ the "Update rules" of docs/ALGORITHMS.md. Conventions this module fixes:
   (bf16/fp16) parameters and gradients are upcast to fp32, all math runs in fp32 and the new
   weights are rounded once (round to nearest even) when stored. For fp32 and fp64
   parameters the update runs in place on the parameter with torch's ops. Complex parameters
-  reach these functions as real views (``torch.view_as_real``), as torch.optim handles them.
+  are handled as torch.optim does: SGD updates them as complex tensors, Adam applies its L2
+  weight decay on the complex tensors and the rest on real views (``torch.view_as_real``).
 * Quantities derived from weights (predicted weights, ``delta``, ``last_update``) use the
   weights *as stored* (after rounding to the parameter dtype), so an on-demand
   :func:`predict` after the step reproduces the in-step prediction exactly.
@@ -43,14 +44,17 @@ __all__ = [
     "validate_adam_args",
 ]
 
-_PARAM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_PARAM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16,
+                 torch.complex64, torch.complex128)
+#: dtypes the math runs in as they are (everything else is upcast to fp32)
+_NATIVE = (torch.float32, torch.float64, torch.complex64, torch.complex128)
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the optimizer state (and of the update math) for params of ``dtype``:
-    fp64 stays fp64, everything else computes in fp32 (bf16/fp16 moments would lose the
-    small increments they accumulate)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    fp32, fp64 and complex stay as they are, bf16/fp16 compute in fp32 (bf16 moments would
+    lose the small increments they accumulate)."""
+    return dtype if dtype in _NATIVE else torch.float32
 
 
 # --------------------------------------------------------------------------- coefficients
@@ -133,10 +137,10 @@ def _check_common(param: Tensor, grad: Tensor, predicted, delta, grad_scale, fou
     if not isinstance(param, Tensor):
         raise TypeError(f"param must be a Tensor, got {type(param).__name__}")
     if param.dtype not in _PARAM_DTYPES:
-        raise TypeError(f"param must be float32, float64, bfloat16 or float16, got {param.dtype}")
+        raise TypeError(f"param must be float32, float64, bfloat16, float16 or complex, got {param.dtype}")
     _check_like("grad", grad, param, None)
     if grad.dtype not in _PARAM_DTYPES:
-        raise TypeError(f"grad must be float32, float64, bfloat16 or float16, got {grad.dtype}")
+        raise TypeError(f"grad must be float32, float64, bfloat16, float16 or complex, got {grad.dtype}")
     _check_like("predicted", predicted, param, param.dtype)
     _check_like("delta", delta, param, state_dtype(param.dtype))
     _check_scalar_tensor("grad_scale", grad_scale, param)
@@ -183,8 +187,8 @@ def _skip(found_inf: Tensor | None) -> bool:
 
 
 def _as_f32(t: Tensor) -> Tensor:
-    """The tensor in its compute dtype: fp32 and fp64 as they are, bf16/fp16 upcast."""
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+    """The tensor in its compute dtype: fp32, fp64 and complex as they are, bf16/fp16 upcast."""
+    return t if t.dtype in _NATIVE else t.float()
 
 
 # --------------------------------------------------------------------------- prediction
@@ -200,7 +204,7 @@ def predict(param: Tensor, direction: Tensor, coeff: float) -> Tensor:
 def predict_into(out: Tensor, param: Tensor, direction: Tensor, coeff: float) -> None:
     """:func:`predict` written into ``out`` (the param's dtype and shape), without a
     temporary when everything is fp32 (the same single add, so bit-identical)."""
-    if param.dtype == direction.dtype == out.dtype and param.dtype in (torch.float32, torch.float64):
+    if param.dtype == direction.dtype == out.dtype and param.dtype in _NATIVE:
         torch.add(param, direction, alpha=-coeff, out=out)
     else:
         out.copy_(predict(param, direction, coeff))
@@ -402,7 +406,17 @@ def adam_update(
         else:
             g = g.add(w, alpha=weight_decay)
 
-    exp_avg.lerp_(g, 1 - beta1)
+    if torch.is_complex(w):  # as torch: the weight decay above on complex, the rest on real views
+        w = param = torch.view_as_real(param)
+        g, exp_avg, exp_avg_sq = (torch.view_as_real(t) for t in (g, exp_avg, exp_avg_sq))
+        max_exp_avg_sq, last_update, predicted, delta, w_old = (
+            None if t is None else torch.view_as_real(t)
+            for t in (max_exp_avg_sq, last_update, predicted, delta, w_old)
+        )
+
+    # torch casts a Tensor beta1 to the param's dtype for lerp_
+    b1 = beta1.to(device=w.device, dtype=w.dtype) if isinstance(beta1, Tensor) else beta1
+    exp_avg.lerp_(g, 1 - b1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
 
     if capturable or differentiable:
