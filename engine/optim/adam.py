@@ -218,7 +218,10 @@ class Adam(_AdamBase):
 
     With ``delay=0`` and the mitigations off the result equals ``torch.optim.Adam`` bit for bit
     on CPU. See the module docstring for what spike compensation and prediction mean for Adam,
-    and ``engine.optim.SGD`` for the shared delay keywords.
+    and ``engine.optim.SGD`` for the shared delay keywords. torch's keywords keep torch's
+    meaning: ``capturable=True`` computes the bias corrections from the step tensor without a
+    host read (also on CPU, where torch refuses it), ``differentiable=True`` lets autograd go
+    through ``step()``, ``foreach`` never changes a result.
     """
 
     def __init__(
