@@ -136,6 +136,26 @@ def test_prediction_needs_a_predicting_optimizer() -> None:
         )
 
 
+@pytest.mark.parametrize("variant", ["spectrain", "spectrain_reuse"])
+def test_spectrain_refuses_the_momentum_prediction_form(variant: str) -> None:
+    """SpecTrain's horizon is linear (s * lr * v); an optimizer predicting with the momentum
+    sum would silently change the method (ALGORITHMS.md), so the combination is refused
+    before any stage is built, and the modules keep their weights."""
+    optim = pytest.importorskip("engine.optim")
+    stages = _stages()
+    before = [p.detach().clone() for m in stages for p in m.parameters()]
+    with pytest.raises(PipelineConfigError, match="SpecTrain's linear extrapolation.*prediction='linear'"):
+        Pipeline(
+            stages,
+            schedule="pb",
+            chunks=2,
+            loss_fn=mse,
+            optimizer=lambda p: optim.SGD(p, lr=0.1, momentum=0.9, prediction="momentum"),
+            weight_prediction=variant,
+        )
+    assert _same(before, [p.detach() for m in stages for p in m.parameters()])
+
+
 def _nan_batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = torch.randn(n, 4), torch.randn(n, 1)
     y[n // 2] = float("nan")
