@@ -394,7 +394,7 @@ class Stage:
             store.before_update(policy.keep_live_at_update(self))
             w = self.pending_weight
             written = None
-            if w > 0.0:
+            if w > 0.0 and self.bridge is not None:  # (no bridge: a stage without parameters)
                 if expected_weight is not None and not math.isclose(w, expected_weight, rel_tol=1e-9):
                     store.scale_grads(expected_weight / w)
                 if self.grad_hook is not None:
@@ -405,7 +405,7 @@ class Stage:
                 written = self.bridge.step(store, key)
                 if self.scheduler is not None:
                     self.scheduler.step()
-            else:
+            elif w <= 0.0:
                 self.skipped_updates += 1
             store.finish_update(written)
             self._account(self.pending_mbs)

@@ -172,6 +172,8 @@ class WeightStore:
 
     def pin_version(self, version: int, mb: int) -> Pin:
         """A forward of ``mb`` reads ``version`` and keeps it until its backward."""
+        if self.arena is None:  # a stage without parameters: every version is the same
+            return ("v", version)
         if self._held is not None and version > self._held:
             self._hold(None)
         if version == self.version:
@@ -199,9 +201,13 @@ class WeightStore:
         kind, key = pin
         if kind == "t":
             return key
+        if self.arena is None:
+            return LIVE
         return LIVE if key == self.version else self._by_version[key]
 
     def release(self, pin: Pin, mb: int) -> None:
+        if self.arena is None:
+            return
         kind, key = pin
         if kind == "t":
             entry = self._slots.get(key)
@@ -253,6 +259,8 @@ class WeightStore:
     def before_update(self, keep_live: bool) -> None:
         """Called before the optimizer overwrites live: retire live when a micro-batch in
         flight pinned it or (``keep_live``, 2BW) a future forward reads it."""
+        if self.arena is None:
+            return  # no weights to keep
         if self._transient is not None and self._transient in self._slots:
             # SpecTrain's reuse pinned the transient: it becomes a kept slot, a new one
             # receives the next prediction
