@@ -156,6 +156,17 @@ def test_spectrain_refuses_the_momentum_prediction_form(variant: str) -> None:
     assert _same(before, [p.detach() for m in stages for p in m.parameters()])
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "pb"])
+def test_zero_size_batch_is_refused_and_changes_nothing(schedule: str) -> None:
+    pipe = Pipeline(_stages(), schedule=schedule, chunks=2, loss_fn=mse, optimizer=sgd)
+    pipe.step(torch.randn(4, 4), torch.randn(4, 1))
+    before = _snapshot(pipe)
+    with pytest.raises(PipelineInputError, match=r"the batch is empty \(0 samples\)"):
+        pipe.step(torch.randn(0, 4), torch.randn(0, 1))
+    assert _same(before, _snapshot(pipe))
+    pipe.step(torch.randn(4, 4), torch.randn(4, 1))  # and the pipeline goes on
+
+
 def _nan_batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = torch.randn(n, 4), torch.randn(n, 1)
     y[n // 2] = float("nan")
