@@ -97,6 +97,11 @@ class Pipeline:
         timeout: seconds any wait on another rank may take (gloo/NCCL).
         cuda_streams: local transport: one CUDA stream per stage with event hand-offs, so
             stages overlap on one GPU. None (default): on when every stage is on one CUDA device.
+        deferred_batch_norm: replace every BatchNorm by a
+            :class:`~engine.runtime.batch_norm.DeferredBatchNorm`: each micro-batch is still
+            normalised with its own statistics, but the running statistics are updated once
+            per mini-batch, from all M micro-batches, as an unpipelined model's with the same
+            batch. Off: each micro-batch updates them (recomputation never counts twice).
     """
 
     def __init__(
@@ -124,6 +129,7 @@ class Pipeline:
         data_parallel: int = 1,
         timeout: float = 300.0,
         cuda_streams: bool | None = None,
+        deferred_batch_norm: bool = False,
     ) -> None:
         fam = FAMILIES.get(schedule) if isinstance(schedule, str) else None
         self.config: PipelineConfig = check_options(
@@ -147,7 +153,7 @@ class Pipeline:
             build_distributed(
                 self, stages, schedule, chunks, loss_fn, optimizer, update_size, order,
                 balance, weight_prediction, discrepancy_correction, lr_scheduler,
-                num_stages, sample, memory_cap_bytes,
+                num_stages, sample, memory_cap_bytes, deferred_batch_norm=deferred_batch_norm,
             )
             return
         if isinstance(balance, str):
@@ -160,6 +166,10 @@ class Pipeline:
         self.balance = list(balance) if balance is not None else None
         spec = self._resolve(schedule, len(specs), chunks, update_size, order)
         modules = [build_module(m, s) for s, m in enumerate(specs)]
+        if deferred_batch_norm:
+            from engine.runtime.batch_norm import convert_deferred_batch_norm
+
+            modules = [convert_deferred_batch_norm(m, spec.chunks) for m in modules]
         _check_disjoint(modules)
         built = [build_store(m, s, optimizer) for s, m in enumerate(modules)]
         self._finish(

@@ -51,6 +51,7 @@ def build_distributed(
     num_stages: int | None,
     sample: Tensor | None,
     memory_cap_bytes: float | None,
+    deferred_batch_norm: bool = False,
 ) -> None:
     """The distributed half of ``Pipeline.__init__``."""
     from engine.runtime.distributed import RankRuntime, broadcast_balance
@@ -79,6 +80,10 @@ def build_distributed(
         raise PipelineConfigError(str(exc)) from None
     s = layout.stage
     module = build_module(specs[s], s)
+    if deferred_batch_norm:
+        from engine.runtime.batch_norm import convert_deferred_batch_norm
+
+        module = convert_deferred_batch_norm(module, spec.chunks)
     device = torch.device("cpu")
     if cfg.transport == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())

@@ -133,6 +133,14 @@ class Stage:
         self._rebase = remap and policy.backward(self) is LIVE and weight_bytes <= REBASE_MAX_BYTES
         self._saved = SavedWeights(store) if remap and not self._rebase else None
         self._transient_fill = self._make_transient_fill()
+        #: buffers a forward updates in place (BatchNorm's running statistics and batch count)
+        #: (and a DeferredBatchNorm's accumulators)
+        self._running_stats = [
+            t
+            for m in module.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+            for t in m.buffers(recurse=False)
+        ]
 
     def _all_live(self) -> bool:
         """Whether forward and backward both read the live weights at this stage (a
@@ -222,7 +230,8 @@ class Stage:
             with store.use(buf) if buf != store.active else _NULL:
                 if self.recompute:
                     out = torch.utils.checkpoint.checkpoint(
-                        self._run, xin, target, use_reentrant=False, preserve_rng_state=True
+                        self._recomputable(), xin, target, use_reentrant=False,
+                        preserve_rng_state=True,
                     )
                 elif self._saved is not None:
                     with self._saved.packing(buf):
@@ -247,6 +256,31 @@ class Stage:
         if self.is_last:
             return None, loss.detach() if loss is not None else None
         return (out if self.chain else out.detach()), None
+
+    def _recomputable(self) -> Callable[[Any, Any], Tensor]:
+        """The stage function for ``torch.utils.checkpoint``: its first call is the forward;
+        later calls are the recomputation inside the backward, which must not update
+        BatchNorm's running statistics a second time (they are put back afterwards; the
+        recomputation may also stop early, by an exception, once it has what it needs)."""
+        stats = self._running_stats
+        if not stats:
+            return self._run
+        calls = 0
+
+        def run(x: Any, target: Any) -> Tensor:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return self._run(x, target)
+            kept = [t.clone() for t in stats]
+            try:
+                return self._run(x, target)
+            finally:
+                with torch.no_grad():
+                    for t, k in zip(stats, kept, strict=True):
+                        t.copy_(k)
+
+        return run
 
     def _run(self, x: Any, target: Any) -> Tensor:
         out = self.module(x)
