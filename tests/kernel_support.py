@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# conftest.py sets TRITON_INTERPRET=1 only where there is no GPU; with a GPU (or an explicit
+# TRITON_INTERPRET=0) the kernels are compiled and cannot take CPU tensors
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+KERNELS_RUN = DEVICE.type == "cuda" or INTERPRETED
+NO_KERNELS = (
+    "Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 to interpret them on CPU (here: no "
+    f"GPU, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')!r}); unset TRITON_INTERPRET "
+    "and conftest.py picks the interpreter where there is no GPU"
+)
+# for tests that launch the kernels on DEVICE tensors (tests/test_optim_fused.py)
+needs_kernels = pytest.mark.skipif(not KERNELS_RUN, reason=NO_KERNELS)
 
 
 @pytest.fixture(autouse=True)
 def _on_device():
     # CPU: the interpreter runs the kernels on CPU tensors; on a GPU machine the kernels are
     # compiled and need CUDA tensors, so every tensor a test makes lands on DEVICE
+    if not KERNELS_RUN:
+        pytest.skip(NO_KERNELS)
     if DEVICE.type == "cpu":
         yield  # the default already; a device mode would slow every torch call
         return

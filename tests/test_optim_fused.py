@@ -1,5 +1,10 @@
 """Fused (Triton, interpreted on CPU) vs reference optimizer, the fused/reference dispatch, and
-the flat-buffer (arena) path vs the per-tensor path."""
+the flat-buffer (arena) path vs the per-tensor path.
+
+Every test that launches the kernels builds its model on the kernel-test device
+(tests/kernel_support.py): CPU under the interpreter, CUDA on a GPU machine, where Triton is
+compiled and refuses CPU tensors. Without either, those tests skip with the reason.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from kernel_support import DEVICE, needs_kernels
 from torch import nn
 
 import engine.optim as eo
@@ -18,14 +24,14 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=8e-3
 STATE_TOL = dict(rtol=1e-4, atol=1e-6)  # state is fp32 for every param dtype
 
 
-def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3)).to(dtype)
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu") -> nn.Module:
+    torch.manual_seed(seed)  # initialized on CPU, then moved: the same weights on every device
+    return nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3)).to(device, dtype)
 
 
-def batches(n: int, dtype: torch.dtype = torch.float32, seed: int = 1) -> list[torch.Tensor]:
+def batches(n: int, dtype: torch.dtype = torch.float32, seed: int = 1, device="cpu") -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(6, 7, generator=g).to(dtype) for _ in range(n)]
+    return [torch.randn(6, 7, generator=g).to(device, dtype) for _ in range(n)]
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, xs, set_to_none: bool = True) -> None:
@@ -65,17 +71,19 @@ def _ids(case) -> str:
     return cls.__name__ + "-" + "-".join(f"{k}={v}" for k, v in cfg.items() if k != "lr")
 
 
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
 def test_fused_matches_reference(case, dtype: torch.dtype) -> None:
     cls, cfg = case
-    ref, fus = make_model(dtype=dtype), make_model(dtype=dtype)
+    ref, fus = make_model(dtype=dtype, device=DEVICE), make_model(dtype=dtype, device=DEVICE)
     opt_r = cls(ref.parameters(), fused=False, **cfg)
     opt_f = cls(fus.parameters(), fused=True, **cfg)
-    xs = batches(3, dtype)
+    xs = batches(3, dtype, device=DEVICE)
     train(ref, opt_r, xs)
     train(fus, opt_f, xs)
-    for p, q, p0 in zip(ref.parameters(), fus.parameters(), make_model(dtype=dtype).parameters(), strict=True):
+    initial = make_model(dtype=dtype, device=DEVICE).parameters()
+    for p, q, p0 in zip(ref.parameters(), fus.parameters(), initial, strict=True):
         torch.testing.assert_close(q, p, **TOL[dtype])
         assert not torch.equal(q, p0)  # the weights moved: the comparison is not vacuous
         for key, value in opt_r.state[p].items():
@@ -100,12 +108,14 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
-@pytest.mark.parametrize("fused,expected", [(None, 0), (False, 0), (True, 4)])
-def test_dispatch_on_cpu(fused, expected: int, fused_calls: list[str]) -> None:
-    model = make_model()
+@pytest.mark.parametrize("fused", [None, False, pytest.param(True, marks=needs_kernels)])
+def test_dispatch_on_the_kernel_device(fused, fused_calls: list[str]) -> None:
+    """fused=None: the kernels for CUDA tensors, the reference for CPU ones; True/False force."""
+    launches = fused is True or (fused is None and DEVICE.type == "cuda")
+    model = make_model(device=DEVICE)
     opt = eo.Adam(model.parameters(), fused=fused)
-    train(model, opt, batches(1))
-    assert len(fused_calls) == expected  # one call per tensor (4 params, no arena)
+    train(model, opt, batches(1, device=DEVICE))
+    assert len(fused_calls) == (4 if launches else 0)  # one call per tensor (4 params, no arena)
 
 
 def test_fused_true_on_cpu_without_interpreter_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,11 +126,13 @@ def test_fused_true_on_cpu_without_interpreter_is_a_clear_error(monkeypatch: pyt
     eo.SGD(make_model().parameters(), lr=0.1, fused=None)
 
 
+@needs_kernels
 def test_zero_size_and_non_contiguous_params_fall_back_to_reference(fused_calls: list[str]) -> None:
     torch.manual_seed(0)
-    empty = nn.Parameter(torch.zeros(0, 4))
-    strided = nn.Parameter(torch.randn(4, 3).t())  # non-contiguous view
-    plain = nn.Parameter(torch.randn(5))
+    empty = nn.Parameter(torch.zeros(0, 4, device=DEVICE))
+    strided = nn.Parameter(torch.randn(4, 3).to(DEVICE).t())  # non-contiguous view
+    plain = nn.Parameter(torch.randn(5).to(DEVICE))
+    assert not strided.is_contiguous()
     ref = [nn.Parameter(t.detach().clone()) for t in (empty, strided, plain)]
     opt = eo.Adam([empty, strided, plain], lr=0.1, fused=True)
     opt_r = eo.Adam(ref, lr=0.1, fused=False)
@@ -168,16 +180,17 @@ FLAT_CASES = [
 
 
 @pytest.mark.parametrize("set_to_none", [False, True], ids=["grads-kept", "grads-dropped"])
-@pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
+@pytest.mark.parametrize(
+    "fused", [False, pytest.param(True, marks=needs_kernels)], ids=["reference", "fused"])
 @pytest.mark.parametrize("cls,cfg", FLAT_CASES, ids=[c.__name__ for c, _ in FLAT_CASES])
 def test_flat_path_equals_per_tensor_path(cls, cfg: dict, fused: bool, set_to_none: bool) -> None:
     arena = _arena()
-    per, flat = make_model(), make_model()
+    per, flat = make_model(device=DEVICE), make_model(device=DEVICE)
     arena.flatten_(flat)
     opt_p = cls(per.parameters(), fused=fused, **cfg)
     opt_f = cls(flat.parameters(), fused=fused, **cfg)
     sizes = _count_calls(opt_f)
-    xs = batches(3)
+    xs = batches(3, device=DEVICE)
     train(per, opt_p, xs, set_to_none)
     train(flat, opt_f, xs, set_to_none)
     n_flat = arena.flat_buffers_for(list(flat.parameters())).param.numel()

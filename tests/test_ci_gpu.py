@@ -1,0 +1,133 @@
+"""`.ci/gpu OUTDIR PHASE`, checked on CPU: it parses, refuses bad usage, and its dry run
+(PE_GPU_DRY_RUN=1) lists each phase's commands, all naming files and options that exist.
+
+The script itself only runs on a lent GPU machine, one phase per (10-minute) command, so a
+typo found there costs a GPU session; these checks find it in CPU CI.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / ".ci" / "gpu"
+PHASES = ["build", "test", "bench-kernels", "bench-pipeline"]
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def run(*args: str, dry: bool = True, **env: str) -> subprocess.CompletedProcess[str]:
+    full = dict(os.environ, **env)
+    full.pop("PE_GPU_DRY_RUN", None)
+    if dry:
+        full["PE_GPU_DRY_RUN"] = "1"
+    full.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")  # skips the GPU probe (a torch import)
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
+                          env=full, cwd=ROOT, timeout=120)
+
+
+def steps(out: str) -> dict[str, list[str]]:
+    """'[dry-run] PHASE/NAME (budget Ns): CMD' -> {'PHASE/NAME': argv}."""
+    found = {}
+    for m in re.finditer(r"^\[dry-run\] (\S+) \(budget (\d+)s\): (.*)$", out, re.M):
+        found[m.group(1)] = shlex.split(m.group(3))
+    return found
+
+
+def test_script_parses() -> None:
+    proc = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("args", [(), ("OUT",), ("OUT", "bench"), ("OUT", "test", "extra")],
+                         ids=["none", "no-phase", "unknown-phase", "extra-arg"])
+def test_usage_errors_exit_2_with_the_usage_and_write_nothing(args, tmp_path: Path) -> None:
+    args = tuple(str(tmp_path / "o") if a == "OUT" else a for a in args)
+    proc = run(*args, dry=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "usage: bash .ci/gpu OUTDIR PHASE" in proc.stderr
+    for phase in [*PHASES, "all"]:
+        assert phase in proc.stderr
+    if "bench" in args:
+        assert "unknown phase 'bench'" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_each_phase_lists_its_commands_and_writes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    listed = {}
+    for phase in PHASES:
+        proc = run(str(out), phase)
+        assert proc.returncode == 0, proc.stderr
+        listed[phase] = steps(proc.stdout)
+        assert listed[phase], proc.stdout
+        assert all(name.startswith(phase + "/") for name in listed[phase]), listed[phase]
+    assert not out.exists()
+
+    build = listed["build"]
+    assert build["build/install"][1:] == ["-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", "."]
+    assert build["build/info"][1:] == ["-m", "engine", "info"]
+
+    test = listed["test"]
+    gpu_files = [a for a in test["test/pytest-gpu"] if a.startswith("tests/")]
+    for name in ("test_kernels_sgd.py", "test_kernels_adam.py", "test_optim_fused.py",
+                 "test_arena.py", "test_runtime_cuda.py"):
+        assert f"tests/{name}" in gpu_files
+    marked = test["test/pytest-cuda-marked"]
+    assert ("-m", "cuda") in zip(marked, marked[1:], strict=False)
+    assert {f"--ignore={f}" for f in gpu_files} <= set(marked)  # nothing runs twice
+    for argv in test.values():
+        junit = [a for a in argv if a.startswith("--junitxml=")]
+        assert len(junit) == 1 and junit[0].startswith(f"--junitxml={out}/test/")
+        assert "--continue-on-collection-errors" in argv  # one broken file stops nothing else
+
+    assert {k.split("/")[1] for k in listed["bench-kernels"]} == {"optim", "l2_persistence"}
+    assert {k.split("/")[1] for k in listed["bench-pipeline"]} >= {"overhead", "pipeline_gloo"}
+    for phase in ("bench-kernels", "bench-pipeline"):
+        for argv in listed[phase].values():
+            assert argv[argv.index("--out") + 1] == f"{out}/{phase}"
+
+    # `all` is the four phases in order
+    proc = run(str(out), "all")
+    assert proc.returncode == 0, proc.stderr
+    assert list(steps(proc.stdout)) == [name for phase in PHASES for name in listed[phase]]
+
+
+def test_listed_files_and_options_exist(tmp_path: Path) -> None:
+    """A renamed test file, bench script or option fails here, not on the GPU machine."""
+    proc = run(str(tmp_path / "o"), "all")
+    for name, argv in steps(proc.stdout).items():
+        for arg in argv:
+            if re.fullmatch(r"(tests|bench)/\S+\.py", arg):
+                assert (ROOT / arg).is_file(), f"{name}: {arg} does not exist"
+        script = next((a for a in argv if re.fullmatch(r"bench/\S+\.py", a)), None)
+        if script:
+            source = (ROOT / script).read_text()
+            for opt in (a for a in argv[argv.index(script) + 1:] if a.startswith("--")):
+                assert f'"{opt}"' in source, f"{name}: {script} has no option {opt}"
+
+
+def test_cuda_environment_defaults(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "TORCH_CUDA_ARCH_LIST")}
+    proc = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "build"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120, env=dict(env, PE_GPU_DRY_RUN="1"))
+    assert proc.returncode == 0, proc.stderr
+    assert "[dry-run] CUDA_HOME=/usr/local/cuda\n" in proc.stdout
+    arch = re.search(r"^\[dry-run\] TORCH_CUDA_ARCH_LIST=(.*)$", proc.stdout, re.M).group(1)
+    assert re.fullmatch(r"\d+\.\d+(;\d+\.\d+)*", arch), arch
+    if shutil.which("nvidia-smi") is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            assert arch == "9.0"  # none visible: the H100 default
+    # explicit settings win
+    proc = run(str(tmp_path), "build", CUDA_HOME="/opt/cuda-x", TORCH_CUDA_ARCH_LIST="8.0;9.0+PTX")
+    assert "[dry-run] CUDA_HOME=/opt/cuda-x\n" in proc.stdout
+    assert "[dry-run] TORCH_CUDA_ARCH_LIST=8.0;9.0+PTX\n" in proc.stdout
