@@ -29,9 +29,7 @@ _NOT_LAUNCHING = {"conftest.py", "kernel_support.py", "test_triton_aot.py", Path
 # with fused=True are refused by the interpreter check in engine/optim/validation.py before the
 # dtype fallback the test expects. Remove the entry once that is fixed (engine: check only the
 # params the kernels would take; or the test: put its params on kernel_support.DEVICE).
-KNOWN_FAILING = [
-    "tests/test_optim_torch_parity.py::test_fused_request_for_an_unsupported_dtype_falls_back_and_says_so",
-]
+KNOWN_FAILING: list[str] = []
 
 
 def kernel_modules() -> list[Path]:

@@ -62,7 +62,11 @@ class OptionChecks:
                     "device (nothing to update there): materialize the model first, e.g. "
                     "module.to_empty(device=...), or pass fused=None"
                 )
-        if group["fused"] is True and any(p.device.type == "cpu" for p in group["params"]):
+        # only tensors the kernels would update need them (other dtypes fall back to torch ops)
+        kernel_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+        if group["fused"] is True and any(
+            p.device.type == "cpu" and p.dtype in kernel_dtypes for p in group["params"]
+        ):
             if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
                 raise RuntimeError(
                     f"{where}fused=True with CPU tensors runs the Triton kernels through Triton's "
