@@ -435,6 +435,73 @@ def phase_stall(rank: int, S: int, victim: int, timeout: float) -> dict[str, Any
         }
 
 
+def tied_stages(S: int) -> list[nn.Module]:
+    """A tiny tied language model in S stages: a token embedding in stage 0 whose weight is
+    also the output head of the last stage (the same nn.Parameter), every rank building all
+    stages from the same seed."""
+
+    class Embed(nn.Module):
+        def __init__(self, w: nn.Parameter) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, DIM)
+            self.embed.weight = w
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.embed(x)
+
+    class Head(nn.Module):
+        def __init__(self, w: nn.Parameter) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
+            self.weight = w
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return self.body(h) @ self.weight.t()
+
+    torch.manual_seed(77)
+    w = nn.Parameter(torch.randn(VOCAB, DIM) * 0.3)
+    middle = [nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(S - 2)]
+    return [Embed(w), *middle, Head(w)]
+
+
+VOCAB = 11
+
+
+def token_batch(step: int, B: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(20_000 + step)
+    return torch.randint(0, VOCAB, (B,), generator=g), torch.randint(0, VOCAB, (B,), generator=g)
+
+
+def phase_ties(rank: int, S: int) -> dict[str, Any]:
+    """Tied parameters under gloo vs the local run, for the synchronous schedules."""
+    from engine import Pipeline
+
+    out: dict[str, Any] = {}
+    for schedule in ("gpipe", "1f1b"):
+        kw = dict(schedule=schedule, chunks=4, loss_fn=nn.functional.cross_entropy,
+                  optimizer=lambda p: torch.optim.SGD(p, lr=0.2, momentum=0.9))
+        try:
+            pipe = Pipeline(tied_stages(S), transport="gloo", timeout=30, **kw)
+            ref = Pipeline(tied_stages(S), **kw)
+            for t in range(4):
+                x, y = token_batch(t)
+                loss = pipe.step(x, y)
+                ref_loss = ref.step(x, y)
+            s = pipe.layout.stage
+            mine = [p.detach().clone() for p in pipe.stages[0].module.parameters()]
+            theirs = [p.detach().clone() for p in ref.stages[s].module.parameters()]
+            out[schedule] = {
+                "weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
+                "losses_equal": bool(torch.equal(loss, ref_loss)),
+                "tied": [p for n, p in zip(
+                    [n for n, _ in pipe.stages[0].module.named_parameters()], mine, strict=True
+                ) if n in ("embed.weight", "weight")],
+            }
+        except Exception:
+            out[schedule] = {"error": traceback.format_exc()}
+    return out
+
+
 # ---------------------------------------------------------------------- spawning
 
 

@@ -136,6 +136,9 @@ class Executor(SynchronousSteps, FailureHandling):
         #: when a list (CUDA streams): (stage, kind, micro-batch, start, end) timing events
         #: recorded on the stage's stream around every forward and backward
         self.cuda_events: list[tuple[int, str, int, Any, Any]] | None = None
+        #: tied parameters across stages (engine.runtime.ties): their gradients are summed
+        #: before a synchronous update phase
+        self.ties: Any = None
         self._pc = 0
         self._in_action = False
 

@@ -30,24 +30,12 @@ from engine.runtime.host_memory import keep_freed_host_memory
 from engine.runtime.policy import SpecTrain, make_policy
 from engine.runtime.stage import Stage
 from engine.runtime.streams import StageStreams
+from engine.runtime.ties import TiedGradients, tie_stages
 from engine.schedule.analysis import analyze, schedule_delays
 from engine.schedule.catalog import FAMILIES
 from engine.schedule.spec import ScheduleSpec, resolve_schedule
 
 __all__ = ["Pipeline"]
-
-
-def _check_disjoint(modules: list[nn.Module]) -> None:
-    owner: dict[int, int] = {}
-    for s, m in enumerate(modules):
-        for name, p in m.named_parameters():
-            first = owner.setdefault(id(p), s)
-            if first != s:
-                raise PipelineConfigError(
-                    f"stage {s} shares a parameter ({name}) with stage {first}; stages must own "
-                    "disjoint parameters (tied weights across stages are not supported yet): "
-                    "give each stage its own copy, or keep the users of the parameter in one stage"
-                )
 
 
 class Pipeline:
@@ -56,7 +44,10 @@ class Pipeline:
     Args:
         stages: list of ``nn.Module`` (stage 0 first), a list of factories ``() -> nn.Module``
             (one per stage: under gloo/NCCL a rank calls only its own, so no process ever
-            materialises the whole model), or an ``nn.Sequential`` with ``balance``.
+            materialises the whole model), or an ``nn.Sequential`` with ``balance``. A
+            parameter shared by several stages (tied weights) is supported on synchronous
+            schedules: later holders get a copy, kept equal by summing the holders' gradients
+            before each update (``pipe.ties`` lists them; engine/runtime/ties.py).
         schedule: a family name -- "naive", "gpipe", "1f1b" (synchronous: gradients equal an
             unpipelined model's), "pipedream" (weight stashing), "2bw" (double buffering) or
             "pb" (pipelined backprop with live weights) -- or a schedule *program*: an
@@ -170,12 +161,14 @@ class Pipeline:
             from engine.runtime.batch_norm import convert_deferred_batch_norm
 
             modules = [convert_deferred_batch_norm(m, spec.chunks) for m in modules]
-        _check_disjoint(modules)
+        ties = tie_stages(modules, spec)
         built = [build_store(m, s, optimizer) for s, m in enumerate(modules)]
         self._finish(
             spec, modules, built, list(range(spec.stages)), loss_fn, weight_prediction,
             discrepancy_correction, lr_scheduler,
         )
+        self.ties = ties
+        self._executor.ties = TiedGradients(ties, self.stages) if ties else None
 
     # ------------------------------------------------------------------ construction
 

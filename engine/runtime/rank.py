@@ -93,6 +93,12 @@ def build_distributed(
             f"stage {s} has CUDA parameters but transport='gloo' carries CPU tensors; "
             "use transport='nccl' (one GPU per rank) or keep the model on CPU"
         )
+    ties: list[Any] = []
+    if all(isinstance(m, nn.Module) for m in specs):  # factories cannot share a parameter
+        from engine.runtime.ties import connect_ties, tie_stages
+
+        ties = tie_stages(list(specs), spec, stages=[s])
+        connect_ties(ties, spec.stages, cfg.data_parallel, s, layout.replica)
     built = [build_store(module, s, optimizer)]
     pipe.device = device
     pipe.layout = layout
@@ -110,6 +116,11 @@ def build_distributed(
     pipe._executor = RankExecutor(
         spec, pipe.stages, on_nonfinite=cfg.on_nonfinite, streams=streams, rank=pipe._rank
     )
+    pipe.ties = ties
+    if ties:
+        from engine.runtime.ties import TiedGradients
+
+        pipe._executor.ties = TiedGradients(ties, pipe.stages)
     pipe.replicas = cfg.data_parallel
 
 
@@ -229,6 +240,8 @@ class RankExecutor(Executor):
                 st.forget_pending()
                 self.skipped_steps += 1
             else:
+                if self.ties is not None:
+                    self.ties.reduce()
                 for _s, _mbs in prog.commit:
                     if _s == self.s:
                         st.update()

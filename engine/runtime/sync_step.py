@@ -120,6 +120,8 @@ class SynchronousSteps:
         the first error is raised afterwards (nothing is left half-applied)."""
         first: BaseException | None = None
         base = self.j * self.M
+        if self.ties is not None:
+            self.ties.reduce()
         for s, mbs in prog.commit:
             st = self.by_index[s]
             if self.log is not None:

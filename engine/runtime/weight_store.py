@@ -334,6 +334,20 @@ class WeightStore:
 
         return mark
 
+    def was_used(self, p: nn.Parameter) -> bool:
+        """Whether parameter ``p`` received a gradient since the last update."""
+        return bool(self._used[self._index_of(p)])
+
+    def mark_used(self, p: nn.Parameter) -> None:
+        """Count ``p`` as having a gradient (a tied parameter whose holders' sum it now holds)."""
+        self._used[self._index_of(p)] = 1
+
+    def _index_of(self, p: nn.Parameter) -> int:
+        for i, q in enumerate(self.params):
+            if q is p:
+                return i
+        raise KeyError("the parameter is not one of this stage's")
+
     def unused_params(self) -> list[int]:
         """Indices of trainable parameters that received no gradient since the last update
         (the optimizer must skip them, as torch.optim skips a ``.grad`` of None). Also puts

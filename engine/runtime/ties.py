@@ -1,0 +1,181 @@
+"""Tied parameters: one ``nn.Parameter`` used by several stages (a language model's token
+embedding and its output head).
+
+Why copies: each stage keeps its weights in its own arena (flat buffers, version slots), so
+one tensor cannot live in two stages. The first stage that holds a tied parameter keeps the
+original; every other holder gets its own copy with the same values (:func:`untie`). The
+copies stay bitwise equal because they take the same steps: before the update phase of a
+synchronous step the holders' gradients are summed (:class:`TiedGradients`; under gloo/NCCL
+an all-reduce over a process group of just the holders' ranks), and every holder's
+optimizer applies that sum -- exactly the gradient autograd accumulates into the one
+parameter of the unpipelined model. Each holder's optimizer must therefore treat the tied
+parameter alike (the same factory does).
+
+Asynchronous schedules are refused with ties: their holders update at different times (and
+under stashing read different versions), so "one parameter" has no single meaning there
+without a policy of its own (docs/ALGORITHMS.md, "Tied parameters").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from engine.errors import PipelineConfigError
+
+__all__ = ["TieGroup", "find_ties", "untie", "tie_stages", "connect_ties", "TiedGradients"]
+
+
+@dataclass
+class TieGroup:
+    """The holders of one tied parameter: (stage, parameter name in that stage's module),
+    the owner (lowest stage) first."""
+
+    holders: list[tuple[int, str]]
+    process_group: Any = field(default=None, repr=False)
+
+    @property
+    def stages(self) -> list[int]:
+        return [s for s, _ in self.holders]
+
+    def describe(self) -> str:
+        return ", ".join(f"stage {s} {name!r}" for s, name in self.holders)
+
+
+def find_ties(modules: list[nn.Module]) -> list[TieGroup]:
+    """Parameters that appear in more than one stage, in a deterministic order (every rank
+    finds the same groups); refuses a parameter whose memory a buffer of a stage also uses."""
+    owner_of: dict[int, int] = {}
+    for s, m in enumerate(modules):
+        for sub in m.modules():
+            first = owner_of.setdefault(id(sub), s)
+            if first != s:
+                raise PipelineConfigError(
+                    f"stage {s} and stage {first} share the module object {type(sub).__name__}: "
+                    "a module runs in one stage. To tie weights, give each stage its own module "
+                    "and share the nn.Parameter (e.g. head.weight = embedding.weight)"
+                )
+    where: dict[int, list[tuple[int, str]]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for s, m in enumerate(modules):
+        seen: set[int] = set()
+        for name, p in m.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            where.setdefault(id(p), []).append((s, name))
+            params[id(p)] = p
+    groups = [TieGroup(h) for h in where.values() if len({s for s, _ in h}) > 1]
+    spans = {
+        id(p): (p.data_ptr(), p.data_ptr() + p.numel() * p.element_size())
+        for p in params.values() if p.numel() > 0 and p.device.type != "meta"
+    }
+    for s, m in enumerate(modules):
+        for bname, b in m.named_buffers():
+            if b is None or b.numel() == 0 or b.device.type == "meta":
+                continue
+            lo, hi = b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()
+            for pid, (plo, phi) in spans.items():
+                if lo < phi and plo < hi:
+                    owner = where[pid][0]
+                    raise PipelineConfigError(
+                        f"stage {s} buffer {bname!r} shares memory with parameter {owner[1]!r} "
+                        f"of stage {owner[0]}: a parameter can be tied only to parameters "
+                        "(register the shared tensor as an nn.Parameter in both places, or "
+                        "give the buffer its own copy)"
+                    )
+    return groups
+
+
+def untie(modules: list[nn.Module], groups: list[TieGroup], stages: list[int] | None = None) -> None:
+    """Give every holder but the owner its own copy of the tied parameter (same values and
+    requires_grad), in place of every reference to it inside that stage's module; only the
+    stages in ``stages`` when given (a rank builds only its own)."""
+    for g in groups:
+        owner_stage, owner_name = g.holders[0]
+        original = dict(modules[owner_stage].named_parameters())[owner_name]
+        for s, _ in g.holders[1:]:
+            if stages is not None and s not in stages:
+                continue
+            copy = nn.Parameter(original.detach().clone(), requires_grad=original.requires_grad)
+            for sub in modules[s].modules():
+                for key, value in list(sub._parameters.items()):
+                    if value is original:
+                        sub._parameters[key] = copy
+
+
+def tie_stages(modules: list[nn.Module], spec: Any, stages: list[int] | None = None) -> list[TieGroup]:
+    """Find parameters shared across stages and give every holder but the first its own copy
+    (only in ``stages`` when given); asynchronous schedules refuse them (module docstring)."""
+    groups = find_ties(modules)
+    if groups and not spec.synchronous:
+        raise PipelineConfigError(
+            f"tied parameters across stages ({groups[0].describe()}) are supported on the "
+            f"synchronous schedules (gpipe, 1f1b, naive), not on {spec.describe()}: its stages "
+            "update at different times, so the copies would drift apart (docs/ALGORITHMS.md, "
+            "'Tied parameters'). Untie them (give each stage its own parameter) or use a "
+            "synchronous schedule"
+        )
+    untie(modules, groups, stages)
+    return groups
+
+
+def connect_ties(groups: list[TieGroup], stages: int, replicas: int, stage: int, replica: int) -> None:
+    """One process group per tie group and replica: the holders' ranks (global rank
+    ``replica * stages + stage``). ``new_group`` is collective over the world, so every rank
+    creates every group in the same order and keeps the one it belongs to."""
+    for g in groups:
+        for r in range(replicas):
+            pg = torch.distributed.new_group([r * stages + s for s in g.stages])
+            if r == replica and stage in g.stages:
+                g.process_group = pg
+
+
+class TiedGradients:
+    """Sums the holders' gradients of every tie group before a synchronous update phase."""
+
+    def __init__(self, groups: list[TieGroup], stages: list[Any]) -> None:
+        self.groups = groups
+        by_index = {st.index: st for st in stages}
+        #: per group: (store, parameter) of each holder present in this process
+        self._local: list[list[tuple[Any, nn.Parameter]]] = []
+        for g in groups:
+            present = []
+            for s, name in g.holders:
+                st = by_index.get(s)
+                if st is not None:
+                    present.append((st.store, dict(st.module.named_parameters())[name]))
+            self._local.append(present)
+
+    def reduce(self) -> None:
+        """grad <- sum over holders, in every holder; a holder whose copy received no
+        gradient this step counts as zero, and all holders then step (as the one parameter
+        of the unpipelined model would)."""
+        with torch.no_grad():
+            for g, present in zip(self.groups, self._local, strict=True):
+                if not present or not present[0][1].requires_grad:
+                    continue
+                grads = [p.grad for _, p in present]
+                if any(t is None for t in grads):
+                    raise PipelineConfigError(
+                        f"tied parameter ({g.describe()}) has no gradient buffer in a holder"
+                    )
+                used = [store.was_used(p) for store, p in present]
+                total: Tensor = grads[0].clone() if used[0] else torch.zeros_like(grads[0])
+                for t, u in zip(grads[1:], used[1:], strict=True):
+                    if u:
+                        total.add_(t)
+                if g.process_group is not None:
+                    any_used = torch.tensor([float(any(used))])
+                    torch.distributed.all_reduce(total, group=g.process_group)
+                    torch.distributed.all_reduce(any_used, group=g.process_group)
+                    if any_used.item() == 0.0:
+                        continue
+                elif not any(used):
+                    continue
+                for store, p in present:
+                    p.grad.copy_(total)
+                    store.mark_used(p)
