@@ -4,8 +4,10 @@ Why this format: a checkpoint must be safe to open from an untrusted source and 
 bit-identically. Tensors go into a safetensors file (no pickle anywhere on load); everything
 else (schedule, S, M, step counts, optimizer hyper-parameters and non-tensor state, LR
 scheduler state) is JSON in the file's metadata, with tensors referenced by name. A SHA-256 of
-all tensor bytes lives in the metadata too, because safetensors itself does not checksum data:
-a flipped byte must give a clear error, not a silently different model. Files are written to a
+all tensor bytes *and* of that JSON lives in the metadata too, because safetensors itself does
+not checksum anything: a flipped byte or a hand-edited learning rate or update count must give
+a clear error, not a silently different run. (Format 1 files, whose checksum covered the
+tensors only, are still read.) Files are written to a
 temporary name and moved into place with ``os.replace`` so a crash never leaves a half file.
 
 This module knows nested dicts of tensors, not pipelines: ``save``/``load`` call the object's
@@ -28,7 +30,8 @@ from engine.errors import CheckpointError
 
 __all__ = ["save", "load", "write_state", "read_state", "FORMAT"]
 
-FORMAT = "engine.pipeline/1"
+FORMAT = "engine.pipeline/2"
+_READABLE = ("engine.pipeline/1", FORMAT)
 _META_KEY = "engine"
 
 
@@ -82,8 +85,12 @@ def _decode(obj: Any, tensors: dict[str, Tensor]) -> Any:
     return obj
 
 
-def _digest(tensors: dict[str, Tensor]) -> str:
+def _digest(tensors: dict[str, Tensor], skeleton: Any = None) -> str:
+    """SHA-256 of every tensor (name, dtype, shape, bytes) and, from format 2 on, of the JSON
+    skeleton (every non-tensor value of the state)."""
     h = hashlib.sha256()
+    if skeleton is not None:
+        h.update(json.dumps(skeleton, sort_keys=True).encode())
     for name in sorted(tensors):
         t = tensors[name].contiguous()
         h.update(name.encode())
@@ -99,7 +106,7 @@ def write_state(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
 
     tensors: dict[str, Tensor] = {}
     skeleton = _encode(state, "s", tensors)
-    meta = {"format": FORMAT, "sha256": _digest(tensors), "state": skeleton}
+    meta = {"format": FORMAT, "sha256": _digest(tensors, skeleton), "state": skeleton}
     path = os.fspath(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
@@ -143,22 +150,31 @@ def read_state(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(
             f"{bad} (or not an engine checkpoint): unreadable metadata ({exc})"
         ) from exc
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in _READABLE:
         raise CheckpointError(
-            f"{path!r} has format {meta.get('format')!r}; this engine reads {FORMAT!r}"
+            f"{path!r} has format {meta.get('format')!r}; this engine reads "
+            + " and ".join(repr(f) for f in _READABLE)
+            + " (a newer engine wrote it? load it there, or re-save it with a matching version)"
         )
     try:
         tensors = st_load(data)
     except Exception as exc:  # safetensors raises its own error type; name the file and the cause
         raise CheckpointError(f"{bad}: {exc}") from exc
-    if _digest(tensors) != meta.get("sha256"):
-        raise CheckpointError(f"{bad}: tensor data does not match its SHA-256 checksum")
+    covers = meta.get("state") if meta["format"] != "engine.pipeline/1" else None
+    if _digest(tensors, covers) != meta.get("sha256"):
+        what = "tensor data" if covers is None else "tensor data or metadata"
+        raise CheckpointError(f"{bad}: {what} does not match its SHA-256 checksum")
     return _decode(meta["state"], tensors)
 
 
-def load(pipe: _Stateful, path: str | os.PathLike[str]) -> None:
+def load(pipe: _Stateful, path: str | os.PathLike[str], *, override_hyperparameters: bool = False) -> None:
     """Load a file written by ``save`` into a flushed pipeline of the same configuration.
 
     Never unpickles. A missing, corrupted, truncated or mismatched file raises CheckpointError
-    and leaves the pipeline unchanged."""
-    pipe.load_state_dict(read_state(path))
+    and leaves the pipeline unchanged. The stage optimizers must be of the checkpoint's types
+    with the same hyper-parameters; ``override_hyperparameters=True`` accepts different ones
+    (the checkpoint's values then win, as ``torch.optim.Optimizer.load_state_dict`` does)."""
+    state = read_state(path)
+    if override_hyperparameters:
+        state["allow_hyperparameter_change"] = True
+    pipe.load_state_dict(state)

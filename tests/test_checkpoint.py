@@ -137,7 +137,7 @@ def test_file_is_safetensors_with_json_metadata(tmp_path) -> None:
     _, path = _saved(tmp_path)
     with safe_open(path, "pt") as f:
         meta = json.loads(f.metadata()["engine"])
-        assert meta["format"] == "engine.pipeline/1"
+        assert meta["format"] == "engine.pipeline/2"
         assert any(k.startswith("s.stages.0.module") for k in f.keys())
     assert "sha256" in meta
 
@@ -186,3 +186,111 @@ def test_save_replaces_atomically(tmp_path) -> None:
     load(b, path)
     assert b.steps == 3
     assert sorted(os.listdir(tmp_path)) == ["c.safetensors"]
+
+
+# ----------------------------------------------------------------------------- integrity
+
+
+def _rewrite_metadata(path: str, edit) -> None:
+    """Rewrite the JSON metadata of a safetensors file (tensors untouched)."""
+    raw = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    meta = json.loads(header["__metadata__"]["engine"])
+    edit(meta)
+    header["__metadata__"]["engine"] = json.dumps(meta)
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob + raw[8 + n :])
+
+
+def _find(obj, key):
+    """The first [key, value] pair of the metadata skeleton's dicts with this key."""
+    if isinstance(obj, dict):
+        for k, v in obj.get("__dict__", []):
+            if k == key:
+                return obj["__dict__"][[kk for kk, _ in obj["__dict__"]].index(k)]
+            found = _find(v, key)
+            if found is not None:
+                return found
+    if isinstance(obj, list):
+        for v in obj:
+            found = _find(v, key)
+            if found is not None:
+                return found
+    return None
+
+
+@pytest.mark.parametrize("key,value", [("lr", 0.5), ("updates", 99), ("steps", 7)])
+def test_hand_edited_metadata_fails_the_checksum(key: str, value, tmp_path) -> None:
+    _, path = _saved(tmp_path)
+
+    def edit(meta):
+        pair = _find(meta["state"], key)
+        assert pair is not None, key
+        pair[1] = value
+
+    _rewrite_metadata(path, edit)
+    b = _pipe("1f1b", seed=3)
+    before = _weights(b)
+    with pytest.raises(CheckpointError, match="tensor data or metadata does not match its SHA-256"):
+        load(b, path)
+    assert all(torch.equal(x, y) for x, y in zip(before, _weights(b), strict=True))
+
+
+def test_format_1_files_still_load_and_unknown_formats_fail_clearly(tmp_path) -> None:
+    from engine import serialization
+
+    a, path = _saved(tmp_path)
+
+    def as_format_1(meta):
+        from safetensors.torch import load_file
+
+        meta["format"] = "engine.pipeline/1"
+        meta["sha256"] = serialization._digest(load_file(path))  # format 1: tensors only
+
+    _rewrite_metadata(path, as_format_1)
+    b = _pipe("1f1b", seed=3)
+    load(b, path)
+    assert all(torch.equal(x, y) for x, y in zip(_weights(a), _weights(b), strict=True))
+    _rewrite_metadata(path, lambda meta: meta.update(format="engine.pipeline/9"))
+    with pytest.raises(CheckpointError, match="has format 'engine.pipeline/9'; this engine reads 'engine.pipeline/1' and 'engine.pipeline/2'"):
+        load(_pipe("1f1b", seed=3), path)
+
+
+def test_another_optimizer_type_is_refused(tmp_path) -> None:
+    _, path = _saved(tmp_path)  # SGD
+    b = Pipeline(_stages(3), chunks=3, loss_fn=nn.functional.mse_loss, schedule="1f1b",
+                 optimizer=lambda p: optim.AdamW(p, lr=0.05))
+    before = _weights(b)
+    with pytest.raises(CheckpointError, match=r"stage 0: the checkpoint's optimizer is engine\.optim\.sgd\.SGD, the pipeline's engine\.optim\.adam\.AdamW"):
+        load(b, path)
+    assert all(torch.equal(x, y) for x, y in zip(before, _weights(b), strict=True))
+
+
+def test_other_hyperparameters_are_refused_unless_overridden(tmp_path) -> None:
+    _, path = _saved(tmp_path)  # lr 0.05, momentum 0.9
+    b = Pipeline(_stages(3), chunks=3, loss_fn=nn.functional.mse_loss, schedule="1f1b",
+                 optimizer=lambda p: optim.SGD(p, lr=0.2, momentum=0.9))
+    before = _weights(b)
+    with pytest.raises(CheckpointError, match=r"param_groups\[0\]\['lr'\]: checkpoint 0\.05 vs pipeline 0\.2.*override_hyperparameters=True"):
+        load(b, path)
+    assert all(torch.equal(x, y) for x, y in zip(before, _weights(b), strict=True))
+    load(b, path, override_hyperparameters=True)
+    assert b.stages[0].optimizer.param_groups[0]["lr"] == 0.05  # the checkpoint's, as torch
+
+
+def test_a_scheduled_learning_rate_is_not_a_mismatch(tmp_path) -> None:
+    """An LR scheduler owns lr: a checkpoint after a decay loads into a fresh pipeline."""
+    def make():
+        return Pipeline(_stages(0), chunks=3, loss_fn=nn.functional.mse_loss, schedule="1f1b",
+                        optimizer=lambda p: optim.SGD(p, lr=0.1, momentum=0.9),
+                        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5))
+    a = make()
+    for x, y in _data(2):
+        a.step(x, y)
+    save(a, tmp_path / "c")
+    b = make()
+    load(b, tmp_path / "c")
+    assert b.stages[0].optimizer.param_groups[0]["lr"] == a.stages[0].optimizer.param_groups[0]["lr"]

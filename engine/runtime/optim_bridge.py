@@ -182,6 +182,9 @@ class OptimizerBridge:
             opt.step()
         else:
             raw(opt)
+            # what an LR scheduler's wrapper of opt.step would record (else it warns that
+            # scheduler.step() ran before optimizer.step())
+            opt._opt_called = True  # type: ignore[attr-defined]
 
     def _torch_step(self) -> None:
         if not self._fallback_t2 or self.delay == 0:

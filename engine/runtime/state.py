@@ -61,6 +61,7 @@ def pipeline_state_dict(pipe: Pipeline) -> dict[str, Any]:
             {
                 "module": {k: v.detach().clone() for k, v in st.module.state_dict().items()},
                 "optimizer": st.optimizer.state_dict() if st.bridge is not None else None,
+                "optimizer_type": _type_name(st.optimizer) if st.bridge is not None else None,
                 "scheduler": st.scheduler.state_dict() if st.scheduler is not None else None,
                 "updates": st.updates,
                 "delay": pipe.delays[st.index],
@@ -81,6 +82,46 @@ def pipeline_state_dict(pipe: Pipeline) -> dict[str, Any]:
         "stages": stages,
         "rng": torch.get_rng_state(),
     }
+
+
+def _type_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+#: group keys the runtime or an LR scheduler sets: they may differ between a fresh pipeline
+#: and a checkpoint of the same configuration
+_RUNTIME_KEYS = {"params", "delay", "lr_scale", "prediction_lr", "prediction_horizon", "initial_lr"}
+
+
+def _plain(v: Any) -> Any:
+    return float(v) if isinstance(v, Tensor) and v.numel() == 1 else v
+
+
+def _check_optimizer(st: Any, sd: dict[str, Any], where: str, allow_change: bool) -> None:
+    """The checkpoint's optimizer is of the stage's type with the same hyper-parameters
+    (unless ``allow_change``): loading an SGD state into AdamW would run AdamW with SGD's
+    learning rate and weight decay."""
+    saved_type = sd.get("optimizer_type")
+    mine = _type_name(st.optimizer)
+    if saved_type is not None and saved_type != mine:
+        raise _fail(f"{where}: the checkpoint's optimizer is {saved_type}, the pipeline's {mine}")
+    if allow_change:
+        return
+    skip = set(_RUNTIME_KEYS) | ({"lr"} if st.scheduler is not None else set())
+    diffs = []
+    for g, (ours, theirs) in enumerate(zip(st.optimizer.param_groups, sd["optimizer"]["param_groups"], strict=True)):
+        for key in sorted(set(ours) & set(theirs) - skip):
+            a, b = _plain(ours[key]), _plain(theirs[key])
+            if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+                a, b = [_plain(x) for x in a], [_plain(x) for x in b]
+            if a != b:
+                diffs.append(f"param_groups[{g}]['{key}']: checkpoint {b!r} vs pipeline {a!r}")
+    if diffs:
+        raise _fail(
+            f"{where}: optimizer hyper-parameters differ ({'; '.join(diffs)}); build the "
+            "pipeline with the checkpoint's, or pass override_hyperparameters=True to "
+            "engine.load to take the checkpoint's values"
+        )
 
 
 def _fail(msg: str) -> CheckpointError:
@@ -131,6 +172,7 @@ def _check(pipe: Pipeline, state: Any) -> None:
                 for g, h in zip(groups, sgroups, strict=False)
             ):
                 raise _fail(f"{where}: optimizer param groups do not match the pipeline's")
+            _check_optimizer(st, sd, where, bool(state.get("allow_hyperparameter_change")))
         if (sd.get("scheduler") is None) != (st.scheduler is None):
             has = "has" if sd.get("scheduler") is not None else "has no"
             mine_has = "has" if st.scheduler is not None else "has no"
