@@ -38,7 +38,7 @@ from __future__ import annotations
 from engine.partition.balance import balance_model, split_sequential
 from engine.partition.costs import OPTIMIZER_STATE_FACTORS, LayerCost, StageCost, stage_costs
 from engine.partition.footprint import SCHEDULES, stage_footprint
-from engine.partition.profile import profile_layers
+from engine.partition.profile import load_profile, profile_layers, save_profile
 from engine.partition.solver import OBJECTIVES, partition
 
 __all__ = [
@@ -48,8 +48,10 @@ __all__ = [
     "LayerCost",
     "StageCost",
     "balance_model",
+    "load_profile",
     "partition",
     "profile_layers",
+    "save_profile",
     "split_sequential",
     "stage_costs",
     "stage_footprint",

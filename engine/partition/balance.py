@@ -8,6 +8,7 @@ profiler and the solver meet; everything below them works on plain lists of cost
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 from engine._checks import check_positive_int
 from engine.partition.costs import _check_balance, _optimizer_factor
 from engine.partition.footprint import stage_footprint
-from engine.partition.profile import profile_layers
+from engine.partition.profile import load_profile, profile_layers, save_profile
 from engine.partition.solver import OBJECTIVES, _check_cap, partition
 
 __all__ = ["balance_model", "split_sequential"]
@@ -53,11 +54,15 @@ def balance_model(
     order: str | None = None,
     device: torch.device | str | None = None,
     repeats: int = 3,
+    profile: str | os.PathLike[str] | None = None,
 ) -> list[int]:
     """Profile ``model`` on ``sample`` (one micro-batch) and return the optimal balance.
 
     ``balance="time"`` or ``"memory"`` picks the objective (see :func:`partition`); a list is
-    validated against the model and returned unchanged.
+    validated against the model and returned unchanged. Each layer's time is the median of
+    ``repeats`` runs (raise it on a loaded machine). ``profile``: a JSON file of layer costs;
+    when it exists it is used instead of measuring (checked against the model), otherwise
+    the measurement is written there -- so reruns, and every rank, cut at the same layers.
     """
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"balance_model needs an nn.Sequential, got {type(model).__name__}")
@@ -80,7 +85,13 @@ def balance_model(
     stage_footprint(schedule, S, chunks, order=order)
     _optimizer_factor(optimizer_state_factor)
     _check_cap(memory_cap_bytes)
-    costs = profile_layers(model, sample, device=device, repeats=repeats)
+    if profile is not None and os.path.exists(profile):
+        costs = load_profile(model, profile)
+    else:
+        costs = profile_layers(model, sample, device=device, repeats=repeats)
+        if profile is not None:
+            dev = str(device if device is not None else next(model.parameters(), sample).device)
+            save_profile(costs, model, profile, repeats=repeats, device=dev)
     return partition(
         costs,
         S,

@@ -13,8 +13,12 @@ state are left as they were, so profiling does not disturb a model that is about
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import statistics
 import time
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -22,7 +26,7 @@ from torch import Tensor, nn
 from engine._checks import check_positive_int
 from engine.partition.costs import LayerCost
 
-__all__ = ["profile_layers"]
+__all__ = ["profile_layers", "save_profile", "load_profile", "model_fingerprint"]
 
 
 def _sync(device: torch.device) -> None:
@@ -200,3 +204,62 @@ def _profile_one(
         buffer_bytes=buffer_bytes,
         name=label,
     )
+
+
+# ----------------------------------------------------------------------------- saved profiles
+
+PROFILE_FORMAT = "engine.layer-profile/1"
+
+
+def model_fingerprint(model: nn.Sequential) -> list[list[Any]]:
+    """What a saved profile must match: each layer's type and parameter shapes and dtypes."""
+    return [
+        [type(layer).__name__, [[list(p.shape), str(p.dtype)] for p in layer.parameters()]]
+        for layer in model
+    ]
+
+
+def save_profile(costs: list[LayerCost], model: nn.Sequential, path: str | os.PathLike[str],
+                 *, repeats: int, device: str) -> None:
+    """Write ``costs`` (from :func:`profile_layers`) as JSON, with the model's fingerprint, so
+    that every rank and every rerun can cut at the same layers (atomically replaced)."""
+    data = {
+        "format": PROFILE_FORMAT,
+        "fingerprint": model_fingerprint(model),
+        "repeats": repeats,
+        "device": device,
+        "layers": [dataclasses.asdict(c) for c in costs],
+    }
+    path = os.fspath(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def load_profile(model: nn.Sequential, path: str | os.PathLike[str]) -> list[LayerCost]:
+    """The layer costs saved by :func:`save_profile`; ValueError when the file is not a
+    profile or was measured on another model (layer types, parameter shapes or count)."""
+    path = os.fspath(path)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the layer profile {path!r}: {exc}") from exc
+    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+        got = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"{path!r} is not a layer profile (format {got!r}, expected {PROFILE_FORMAT!r})")
+    mine = model_fingerprint(model)
+    theirs = data.get("fingerprint")
+    if theirs != mine:
+        n = len(theirs) if isinstance(theirs, list) else "?"
+        first = next((k for k, (a, b) in enumerate(zip(mine, theirs or [], strict=False)) if a != b), None)
+        where = f"; layer {first} differs ({theirs[first]} vs {mine[first]})" if first is not None else ""
+        raise ValueError(
+            f"the layer profile {path!r} was measured on another model ({n} layers vs "
+            f"{len(mine)}{where}); delete it to profile this model"
+        )
+    try:
+        return [LayerCost(**c) for c in data["layers"]]
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"the layer profile {path!r} is malformed: {exc}") from exc

@@ -26,8 +26,11 @@ def auto_balance(
     num_stages: int | None,
     sample: Tensor | None,
     cap: float | None,
+    repeats: int = 3,
+    profile: Any = None,
 ) -> list[int]:
-    """Layer counts per stage for ``balance`` ("time" or "memory")."""
+    """Layer counts per stage for ``balance`` ("time" or "memory"); ``repeats`` timed runs
+    per layer (median), ``profile`` a JSON file of layer costs to reuse or write."""
     if not isinstance(stages, nn.Sequential):
         raise PipelineConfigError(f"balance={balance!r} needs `stages` to be an nn.Sequential")
     if num_stages is None or sample is None:
@@ -53,6 +56,8 @@ def auto_balance(
             chunks=chunks if chunks is not None else 1,
             memory_cap_bytes=cap,
             order=order,
+            repeats=repeats,
+            profile=profile,
         )
     except (ValueError, TypeError) as exc:
         raise PipelineConfigError(f"automatic balance={balance!r} failed: {exc}") from exc

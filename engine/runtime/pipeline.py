@@ -71,7 +71,10 @@ class Pipeline:
         balance: layer counts per stage when ``stages`` is an ``nn.Sequential``, or "time" /
             "memory" to partition automatically (engine.partition; then also ``num_stages``,
             ``sample`` = one micro-batch of inputs, optional ``memory_cap_bytes``). Under
-            gloo/NCCL global rank 0 decides and broadcasts the layer counts.
+            gloo/NCCL global rank 0 decides and broadcasts the layer counts. Each layer's
+            time is the median of ``balance_repeats`` runs; ``balance_profile``, a JSON file
+            path, is reused when it exists (checked against the model) and written
+            otherwise, so reruns cut at the same layers on a loaded machine.
         weight_prediction: which weights the forwards of an asynchronous live-weight schedule
             read: "lwp" (the optimizer's prediction, horizon D_s), "spectrain" or
             "spectrain_reuse". Default: "lwp" when the stage optimizer has ``prediction`` set.
@@ -117,6 +120,8 @@ class Pipeline:
         num_stages: int | None = None,
         sample: Tensor | None = None,
         memory_cap_bytes: float | None = None,
+        balance_repeats: int = 3,
+        balance_profile: Any = None,
         data_parallel: int = 1,
         timeout: float = 300.0,
         cuda_streams: bool | None = None,
@@ -145,13 +150,15 @@ class Pipeline:
                 self, stages, schedule, chunks, loss_fn, optimizer, update_size, order,
                 balance, weight_prediction, discrepancy_correction, lr_scheduler,
                 num_stages, sample, memory_cap_bytes, deferred_batch_norm=deferred_batch_norm,
+                balance_repeats=balance_repeats, balance_profile=balance_profile,
             )
             return
         if isinstance(balance, str):
             from engine.runtime.balance import auto_balance
 
             balance = auto_balance(
-                stages, balance, schedule, chunks, order, num_stages, sample, memory_cap_bytes
+                stages, balance, schedule, chunks, order, num_stages, sample, memory_cap_bytes,
+                repeats=balance_repeats, profile=balance_profile,
             )
         specs = resolve_stage_specs(stages, balance)
         self.balance = list(balance) if balance is not None else None

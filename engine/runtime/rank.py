@@ -52,6 +52,8 @@ def build_distributed(
     sample: Tensor | None,
     memory_cap_bytes: float | None,
     deferred_batch_norm: bool = False,
+    balance_repeats: int = 3,
+    balance_profile: Any = None,
 ) -> None:
     """The distributed half of ``Pipeline.__init__``."""
     from engine.runtime.distributed import RankRuntime, broadcast_balance
@@ -67,8 +69,9 @@ def build_distributed(
         from engine.runtime.balance import auto_balance
 
         args = (stages, balance, schedule, chunks, order, num_stages, sample, memory_cap_bytes)
+        extra = dict(repeats=balance_repeats, profile=balance_profile)
         try:
-            balance = broadcast_balance(lambda: auto_balance(*args), cfg.timeout)
+            balance = broadcast_balance(lambda: auto_balance(*args, **extra), cfg.timeout)
         except ValueError as exc:
             raise PipelineConfigError(str(exc)) from exc
     specs = resolve_stage_specs(stages, balance)
