@@ -328,3 +328,29 @@ def test_bench_on_cpu_says_it_needs_a_gpu(capsys: pytest.CaptureFixture[str]) ->
         pytest.skip("a GPU is present: the full benchmark would run")
     code, out, _ = _run(capsys, "bench")
     assert code == 0 and "needs a CUDA GPU" in out and "--smoke" in out
+
+
+def test_progress_is_one_line_per_epoch_or_run_when_not_a_terminal(tmp_path: Path) -> None:
+    """Output to a file (not a TTY): no progress-bar redraws, a line per epoch (train) and a
+    line per run (compare)."""
+    tiny = [a for a in TINY if a != "--no-progress"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    train = subprocess.run(
+        [sys.executable, "-m", "engine", "train", *tiny, "--schedule", "1f1b", "--stages", "2", "--epochs", "3",
+         "--out", str(tmp_path / "t")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert train.returncode == 0, train.stderr
+    assert "\r" not in train.stderr
+    lines = [ln for ln in train.stderr.splitlines() if ": epoch " in ln]
+    assert [ln.split(": epoch ")[1].split()[0] for ln in lines] == ["1/3", "2/3", "3/3"]
+    comp = subprocess.run(
+        [sys.executable, "-m", "engine", "compare", *tiny, "--methods", "gpipe,pb", "--stages", "2",
+         "--epochs", "1", "--out", str(tmp_path / "c")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert comp.returncode == 0, comp.stderr
+    assert "\r" not in comp.stderr
+    runs = [ln for ln in comp.stderr.splitlines() if ln.startswith("[")]
+    assert len(runs) == 2 and runs[0].startswith("[1/2] S=2 gpipe")
+    assert len(comp.stderr.splitlines()) < 20

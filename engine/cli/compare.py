@@ -474,8 +474,9 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     by_depth: dict[int, list[tuple[str, TrainResult]]] = {}
-    overall = tqdm(
-        total=len(configs), desc="compare", unit="run", disable=not args.progress, file=sys.stderr
+    overall = tqdm(  # a bar on a terminal only; the per-run lines below are printed either way
+        total=len(configs), desc="compare", unit="run",
+        disable=not (args.progress and sys.stderr.isatty()), file=sys.stderr,
     )
     for i, (m, S, cfg) in enumerate(configs):
         cfg = replace(cfg, out=str(out / "runs" / f"S{S}-{m.name}"))

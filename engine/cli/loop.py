@@ -273,12 +273,16 @@ def train(
     log_steps = {round((i + 1) * steps_per_epoch / evals) - 1 for i in range(evals)}
     n_train = len(data.train_y)
     stats_mark = None
+    # a bar only on a terminal: in a log file its redraws are ~1,000 lines per run; there a
+    # standalone run prints one line per epoch instead (compare prints one per run)
+    interactive = sys.stderr.isatty()
+    epoch_lines = cfg.progress and not interactive and position is None
     bar = tqdm(
         total=cfg.epochs * steps_per_epoch * per_step,
         initial=start_epoch * steps_per_epoch * per_step,
         desc=desc or cfg.label(),
         unit="sample",
-        disable=not cfg.progress,
+        disable=not (cfg.progress and interactive),
         leave=position is None,
         dynamic_ncols=True,
         file=sys.stderr,
@@ -334,6 +338,14 @@ def train(
                         sps=f"{row['samples_per_s']:.0f}",
                     )
                     t0 = time.perf_counter()
+            if epoch_lines and result.rows:
+                r = result.rows[-1]
+                print(
+                    f"{desc or cfg.label()}: epoch {epoch + 1}/{cfg.epochs} train loss "
+                    f"{r['train_loss']:.4f} acc {r['train_acc']:.4f} test acc {r['test_acc']:.4f} "
+                    f"({r['samples_per_s']:.0f} samples/s)",
+                    file=sys.stderr, flush=True,
+                )
             if save:
                 engine.save(pipe, out / CHECKPOINT_FILE)
                 write_metrics(out / METRICS_FILE, result.rows)
