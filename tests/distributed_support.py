@@ -502,6 +502,38 @@ def phase_ties(rank: int, S: int) -> dict[str, Any]:
     return out
 
 
+def phase_evaluate(rank: int, S: int) -> dict[str, Any]:
+    """evaluate() mid-run under gloo (an asynchronous pipeline with micro-batches in flight):
+    outputs equal the local pipeline's, and training continues bit for bit as without it."""
+    from engine import Pipeline
+
+    kw = dict(schedule="pb", chunks=4, optimizer=_sgd())
+    try:
+        pipe = Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo",
+                        timeout=30, **kw)
+        ref = Pipeline([f() for f in stage_factories(S)], loss_fn=nn.functional.mse_loss, **kw)
+        x_eval = batch(99)[0]
+        outs, ref_outs = [], []
+        for t in range(4):
+            x, y = batch(t)
+            pipe.step(x, y)
+            ref.step(x, y)
+            if t == 1:
+                outs.append(pipe.evaluate(x_eval))
+                ref_outs.append(ref.evaluate(x_eval))
+        pipe.flush()
+        ref.flush()
+        s = pipe.layout.stage
+        mine = [p.detach() for p in pipe.stages[0].module.parameters()]
+        theirs = [p.detach() for p in ref.stages[s].module.parameters()]
+        return {
+            "outputs_equal": all(torch.equal(a, b) for a, b in zip(outs, ref_outs, strict=True)),
+            "weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
+        }
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
 # ---------------------------------------------------------------------- spawning
 
 

@@ -351,6 +351,21 @@ class Pipeline:
             return torch.tensor(float("nan"))
         return result.loss
 
+    def evaluate(self, inputs: Tensor, chunks: int | None = None) -> Tensor:
+        """Forward only: the last stage's module outputs for ``inputs`` (before ``loss_fn``),
+        concatenated on dim 0, computed in ``chunks`` micro-batches (default: the pipeline's).
+
+        Reads each stage's *live* weights -- the newest update, for an asynchronous pipeline
+        too (not the versions its in-flight micro-batches read, and no prediction) -- in eval
+        mode (dropout off, BatchNorm on its running statistics) without autograd. Nothing a
+        training step keeps is touched: in-flight micro-batches, kept weight versions,
+        gradients, counters and the RNG state are as before, so training continues exactly
+        as if ``evaluate`` had not been called. Under gloo/NCCL every rank calls it (stage 0
+        reads ``inputs``) and every rank gets the outputs."""
+        from engine.runtime.evaluation import evaluate
+
+        return evaluate(self, inputs, chunks)
+
     def flush(self) -> Tensor | None:
         """Drain an asynchronous pipeline: finish every backward and apply every pending
         gradient (a partial update group is applied as the mean over what arrived). Returns the

@@ -1,0 +1,145 @@
+"""Forward-only evaluation through a pipeline: ``Pipeline.evaluate``.
+
+Why apart from the step machinery: evaluation must not disturb training. It runs every
+stage's module in eval mode without autograd on the stages' *live* weights (the newest
+version; for an asynchronous pipeline, not the versions micro-batches in flight read, and no
+prediction), one micro-batch at a time, and touches nothing a step keeps: no stash, weight
+version, gradient, update count, RNG state or in-flight activation. Under gloo/NCCL it talks
+over a process group of its own (created on the first call, collectively), so its messages
+can never meet a training step's pending sends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from engine.errors import PipelineInputError
+
+if TYPE_CHECKING:
+    from engine.runtime.pipeline import Pipeline
+
+__all__ = ["evaluate"]
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+_HEADER = 10  # ndim, dtype code, up to 8 dims
+
+
+@contextlib.contextmanager
+def _eval_mode(modules: list[nn.Module]) -> Iterator[None]:
+    modes = [[m.training for m in module.modules()] for module in modules]
+    try:
+        for module in modules:
+            module.eval()
+        with torch.no_grad():
+            yield
+    finally:
+        for module, mode in zip(modules, modes, strict=True):
+            for m, training in zip(module.modules(), mode, strict=True):
+                m.training = training
+
+
+def _chunks(inputs: Any, chunks: int) -> list[Tensor]:
+    if not isinstance(inputs, Tensor) or inputs.dim() == 0:
+        raise PipelineInputError(
+            f"evaluate() needs a tensor with the batch on dim 0, got {type(inputs).__name__}"
+        )
+    if inputs.shape[0] == 0:
+        raise PipelineInputError("evaluate() got an empty batch (0 samples)")
+    return list(inputs.chunk(min(chunks, int(inputs.shape[0]))))
+
+
+def evaluate(pipe: Pipeline, inputs: Any, chunks: int | None = None) -> Tensor:
+    """The last stage's module outputs for ``inputs`` (module docstring), concatenated on
+    dim 0; ``chunks`` micro-batches (default: the pipeline's)."""
+    M = pipe.spec.chunks if chunks is None else chunks
+    if not isinstance(M, int) or M < 1:
+        raise PipelineInputError(f"chunks={chunks!r} is invalid: evaluate in >= 1 micro-batches")
+    if pipe.config.distributed:
+        return _evaluate_rank(pipe, inputs, M)
+    modules = [st.module for st in pipe.stages]
+    outs = []
+    with _eval_mode(modules):
+        for x in _chunks(inputs, M):
+            for module in modules:
+                x = module(x)
+            outs.append(x)
+    return torch.cat(outs)
+
+
+# ----------------------------------------------------------------------------- gloo / NCCL
+
+
+def _group(pipe: Pipeline) -> Any:
+    """The evaluation process group of this rank's replica (created once, collectively:
+    every rank creates every replica's group in the same order)."""
+    group = getattr(pipe, "_eval_group", None)
+    if group is None:
+        lay = pipe.layout
+        S = lay.stages
+        for r in range(lay.replicas):
+            g = torch.distributed.new_group([r * S + s for s in range(S)])
+            if r == lay.replica:
+                group = g
+        pipe._eval_group = group
+    return group
+
+
+def _send(t: Tensor, dst: int, group: Any, device: torch.device) -> None:
+    if t.dim() > _HEADER - 2 or t.dtype not in _DTYPES:
+        raise PipelineInputError(
+            f"evaluate() under gloo/NCCL sends tensors of at most {_HEADER - 2} dims and a "
+            f"standard dtype, got {t.dtype} with shape {tuple(t.shape)}"
+        )
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[0], header[1] = t.dim(), _DTYPES.index(t.dtype)
+    header[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    torch.distributed.send(header.to(device), dst, group=group)
+    torch.distributed.send(t.contiguous().to(device), dst, group=group)
+
+
+def _recv(src: int, group: Any, device: torch.device) -> Tensor:
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+    torch.distributed.recv(header, src, group=group)
+    header = header.cpu()
+    n = int(header[0])
+    shape = [int(v) for v in header[2 : 2 + n]]
+    buf = torch.empty(shape, dtype=_DTYPES[int(header[1])], device=device)
+    torch.distributed.recv(buf, src, group=group)
+    return buf
+
+
+def _evaluate_rank(pipe: Pipeline, inputs: Any, M: int) -> Tensor:
+    """Every rank calls it with the same arguments (stage 0 reads ``inputs``); every rank
+    returns the last stage's outputs."""
+    lay = pipe.layout
+    s, S = lay.stage, lay.stages
+    ranks = lay.pipeline_ranks
+    group = _group(pipe)
+    device = pipe.device
+    module = pipe.stages[0].module
+    outs = []
+    with _eval_mode([module]):
+        n = len(_chunks(inputs, M)) if s == 0 else 0
+        count = torch.tensor([n], dtype=torch.int64, device=device)
+        torch.distributed.broadcast(count, ranks[0], group=group)
+        pieces = _chunks(inputs, M) if s == 0 else [None] * int(count)
+        for x in pieces:
+            x = x.to(device) if s == 0 else _recv(ranks[s - 1], group, device)
+            y = module(x)
+            if s < S - 1:
+                _send(y, ranks[s + 1], group, device)
+            else:
+                outs.append(y)
+    # every rank returns the outputs: the last stage sends them to the others
+    if s == S - 1:
+        result = torch.cat(outs)
+        for r in ranks[:-1]:
+            _send(result, r, group, device)
+        return result
+    return _recv(ranks[-1], group, device)
