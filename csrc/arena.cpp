@@ -87,6 +87,31 @@ Arena::~Arena() {
     } catch (...) {
     }
   }
+#ifdef PE_WITH_CUDA
+  // After the waits above nothing of ours is queued on them any more.
+  for (size_t d = 0; d < side_streams_.size(); ++d) {
+    cuda::stream_destroy(static_cast<int>(d), side_streams_[d]);
+  }
+#endif
+}
+
+void* Arena::side_stream(int device) {
+#ifdef PE_WITH_CUDA
+  TORCH_CHECK(device >= 0, "negative CUDA device index ", device);
+  if (static_cast<size_t>(device) >= side_streams_.size()) {
+    side_streams_.resize(static_cast<size_t>(device) + 1, nullptr);
+  }
+  if (side_streams_[device] == nullptr) side_streams_[device] = cuda::stream_create(device);
+  return side_streams_[device];
+#else
+  (void)device;
+  return nullptr;
+#endif
+}
+
+int64_t Arena::snapshot_stream(int64_t device) const {
+  if (device < 0 || static_cast<size_t>(device) >= side_streams_.size()) return 0;
+  return static_cast<int64_t>(reinterpret_cast<intptr_t>(side_streams_[device]));
 }
 
 int64_t Arena::add_bucket(const std::vector<at::Tensor>& tensors, int64_t group,
@@ -186,13 +211,14 @@ void Arena::copy_into_slot(Slot& s, int64_t stream) {
 #ifdef PE_WITH_CUDA
     if (bk.device.is_cuda()) {
       // A previous copy into this slot may still be in flight; the new one goes on the
-      // same side stream, so it is ordered after it, and its event supersedes the old one
-      // (destroying a pending event is legal: waits already enqueued on it still hold).
+      // arena's same snapshot stream, so it is ordered after it, and its event supersedes
+      // the old one (destroying a pending event is legal: waits enqueued on it still hold).
       if (s.events[b] != nullptr) {
         cuda::event_destroy(bk.device.index(), s.events[b]);
         s.events[b] = nullptr;
       }
-      s.events[b] = cuda::copy_async(bk.device.index(), s.flats[b].data_ptr(),
+      const int dev = bk.device.index();
+      s.events[b] = cuda::copy_async(dev, side_stream(dev), s.flats[b].data_ptr(),
                                      bk.param.data_ptr(), static_cast<size_t>(bk.nbytes()),
                                      as_ptr(stream));
       continue;
@@ -203,23 +229,47 @@ void Arena::copy_into_slot(Slot& s, int64_t stream) {
   }
 }
 
-std::vector<at::Tensor> Arena::take_buffers(int64_t stream, bool zero_fresh) {
+std::vector<at::Tensor> Arena::take_buffers(int64_t stream, bool zero_fresh,
+                                            std::vector<void*>& copies) {
   (void)stream;
+  copies.assign(buckets_.size(), nullptr);
   if (!pool_.empty()) {
     PooledSet& set = pool_.back();
 #ifdef PE_WITH_CUDA
-    // Work queued on the releasing stream before the release may still read the buffers:
-    // order the new user (`stream`, and through it the side-stream copy, which waits for
-    // `stream`) after it. Each event is dropped as soon as it is waited on, so a failure
-    // half-way leaves the set in the pool with only the events still to wait for.
+    // Work queued on the releasing stream before the release may still read the buffers,
+    // and the slot's own snapshot copy may still write them: order the new user (`stream`,
+    // and through it the side-stream copy, which waits for `stream`) after both. A done
+    // event costs a query; only a pending one makes `stream` wait, on the device (the
+    // host never blocks). Release events are dropped as soon as they are waited on, so a
+    // failure half-way leaves the set in the pool with only the events still to wait for.
     for (size_t b = 0; b < set.released.size(); ++b) {
-      if (set.released[b] == nullptr) continue;
+      void*& ev = set.released[b];
+      if (ev == nullptr) continue;
       const int dev = buckets_[b].device.index();
-      if (!cuda::event_done(dev, set.released[b])) {
-        cuda::stream_wait_event(dev, as_ptr(stream), set.released[b]);
+      if (!cuda::event_done(dev, ev)) cuda::stream_wait_event(dev, as_ptr(stream), ev);
+      cuda::event_destroy(dev, ev);
+      ev = nullptr;
+    }
+    std::vector<char> pending(set.copies.size(), 0);
+    for (size_t b = 0; b < set.copies.size(); ++b) {
+      void* ev = set.copies[b];
+      if (ev == nullptr) continue;
+      const int dev = buckets_[b].device.index();
+      if (!cuda::event_done(dev, ev)) {
+        cuda::stream_wait_event(dev, as_ptr(stream), ev);
+        pending[b] = 1;
       }
-      cuda::event_destroy(dev, set.released[b]);
-      set.released[b] = nullptr;
+    }
+    // A pending copy also still reads live: it goes on with the buffers as the new slot's
+    // copy event, so that wait/wait_all (writers of live) keep waiting for it.
+    for (size_t b = 0; b < set.copies.size(); ++b) {
+      if (set.copies[b] == nullptr) continue;
+      if (pending[b]) {
+        copies[b] = set.copies[b];
+      } else {
+        cuda::event_destroy(buckets_[b].device.index(), set.copies[b]);
+      }
+      set.copies[b] = nullptr;
     }
 #endif
     std::vector<at::Tensor> flats = std::move(set.flats);
@@ -253,8 +303,7 @@ int64_t Arena::add_slot(Slot&& s, std::optional<int64_t> microbatch) {
 
 int64_t Arena::snapshot(int64_t stream, std::optional<int64_t> microbatch) {
   Slot s;
-  s.flats = take_buffers(stream, /*zero_fresh=*/false);
-  s.events.assign(buckets_.size(), nullptr);
+  s.flats = take_buffers(stream, /*zero_fresh=*/false, s.events);
   s.nbytes = set_bytes_;
   copy_into_slot(s, stream);
   return add_slot(std::move(s), microbatch);
@@ -265,8 +314,7 @@ int64_t Arena::new_slot(int64_t stream, std::optional<int64_t> microbatch) {
   // snapshot (a copy of live, whose padding is zero), a new_slot (zeroed when allocated)
   // or a live buffer handed over by swap_live, and the arena never writes padding.
   Slot s;
-  s.flats = take_buffers(stream, /*zero_fresh=*/true);
-  s.events.assign(buckets_.size(), nullptr);
+  s.flats = take_buffers(stream, /*zero_fresh=*/true, s.events);
   s.nbytes = set_bytes_;
   return add_slot(std::move(s), microbatch);
 }
@@ -315,6 +363,19 @@ void Arena::wait(int64_t slot, int64_t stream) {
 void Arena::wait_all(int64_t stream) {
 #ifdef PE_WITH_CUDA
   for (auto& kv : slots_) wait(kv.first, stream);
+  // A freed slot's copy may still be reading live (release does not wait for it).
+  for (auto& set : pool_) {
+    for (size_t b = 0; b < set.copies.size(); ++b) {
+      if (set.copies[b] == nullptr) continue;
+      const int dev = buckets_[b].device.index();
+      if (cuda::event_done(dev, set.copies[b])) {
+        cuda::event_destroy(dev, set.copies[b]);
+        set.copies[b] = nullptr;
+      } else {
+        cuda::stream_wait_event(dev, as_ptr(stream), set.copies[b]);
+      }
+    }
+  }
 #else
   (void)stream;
 #endif
@@ -322,12 +383,15 @@ void Arena::wait_all(int64_t stream) {
 
 void Arena::settle_released(PooledSet& set) {
 #ifdef PE_WITH_CUDA
-  for (size_t b = 0; b < set.released.size(); ++b) {
-    if (set.released[b] == nullptr) continue;
-    const int dev = buckets_[b].device.index();
-    cuda::event_sync(dev, set.released[b]);
-    cuda::event_destroy(dev, set.released[b]);
-    set.released[b] = nullptr;
+  for (auto* events : {&set.released, &set.copies}) {
+    for (size_t b = 0; b < events->size(); ++b) {
+      void*& ev = (*events)[b];
+      if (ev == nullptr) continue;
+      const int dev = buckets_[b].device.index();
+      cuda::event_sync(dev, ev);
+      cuda::event_destroy(dev, ev);
+      ev = nullptr;
+    }
   }
 #else
   (void)set;
@@ -361,8 +425,9 @@ at::Tensor Arena::slot_flat(int64_t slot, int64_t b) const {
 }
 
 void Arena::restore(int64_t slot, int64_t stream) {
-  wait(slot, stream);
   auto& s = slot_ref(slot);
+  // Writes live: wait for the copy into the slot and for every copy still reading live.
+  wait_all(stream);
   c10::NoGradGuard no_grad;
   for (size_t b = 0; b < buckets_.size(); ++b) buckets_[b].param.copy_(s.flats[b]);
 }
@@ -426,7 +491,8 @@ void Arena::erase_slot(int64_t slot, int64_t stream) {
   (void)stream;
   auto it = slots_.find(slot);
   Slot& s = it->second;
-  settle(s);  // the side stream may still be writing it
+  // No host wait here: a copy still writing the slot travels with its buffers (copies) and
+  // is waited for, on the device, by their next user (take_buffers) or by wait_all.
   PooledSet set;
   set.released.assign(s.flats.size(), nullptr);
 #ifdef PE_WITH_CUDA
@@ -443,6 +509,7 @@ void Arena::erase_slot(int64_t slot, int64_t stream) {
       throw;  // the slot stays allocated, unpinned: free() can still drop it
     }
   }
+  set.copies = std::move(s.events);
 #endif
   set.flats = std::move(s.flats);
   slot_bytes_ -= s.nbytes;
@@ -453,7 +520,7 @@ void Arena::erase_slot(int64_t slot, int64_t stream) {
 
 int64_t Arena::trim_pool() {
   const int64_t freed = pooled_bytes_;
-  // Host-wait for the release events: once dropped, the buffers go back to torch's
+  // Host-wait for the release and copy events: once dropped, the buffers go back to torch's
   // caching allocator, which may hand them to another stream at once.
   for (auto& set : pool_) settle_released(set);
   pool_.clear();
@@ -509,6 +576,51 @@ L2Result Arena::set_l2_persistence(int64_t b, int64_t stream, double hit_ratio,
       "(see docs/building.md)";
 #endif
   return out;
+}
+
+L2Result Arena::set_l2_window(int64_t b, int64_t stream, double hit_ratio,
+                              int64_t share_bytes) {
+  const auto& bk = bucket(b);
+  L2Result out;
+  out.bucket = b;
+  if (!bk.device.is_cuda()) {
+    out.reason = std::string("L2 persistence needs a CUDA buffer; this bucket is on ") +
+                 bk.device.str();
+    return out;
+  }
+#ifdef PE_WITH_CUDA
+  out.supported = true;
+  auto w = cuda::set_l2_window(bk.device.index(), as_ptr(stream), bk.param.data_ptr(),
+                               static_cast<size_t>(bk.nbytes()), static_cast<float>(hit_ratio),
+                               static_cast<size_t>(std::max<int64_t>(0, share_bytes)));
+  out.ok = w.ok;
+  out.granted_bytes = static_cast<int64_t>(w.granted_bytes);
+  out.window_bytes = static_cast<int64_t>(w.window_bytes);
+  out.max_persisting_bytes = static_cast<int64_t>(w.max_persisting_bytes);
+  out.max_window_bytes = static_cast<int64_t>(w.max_window_bytes);
+  out.hit_ratio = w.hit_ratio;
+  out.reason = w.reason;
+#else
+  (void)stream;
+  (void)hit_ratio;
+  (void)share_bytes;
+  out.reason =
+      "engine._C was built without CUDA; rebuild on a machine with a CUDA torch and nvcc "
+      "(see docs/building.md)";
+#endif
+  return out;
+}
+
+void Arena::clear_l2_window(int64_t b, int64_t stream) {
+  const auto& bk = bucket(b);
+  TORCH_CHECK(bk.device.is_cuda(), "L2 persistence needs a CUDA buffer; bucket ", b, " is on ",
+              bk.device.str());
+#ifdef PE_WITH_CUDA
+  cuda::clear_l2_window(bk.device.index(), as_ptr(stream));
+#else
+  (void)stream;
+  TORCH_CHECK(false, "engine._C was built without CUDA: there is no L2 window to clear");
+#endif
 }
 
 void Arena::clear_l2_persistence(int64_t b, int64_t stream) {

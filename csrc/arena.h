@@ -66,11 +66,19 @@ struct Slot {
 };
 
 // The buffers of a freed slot, waiting in the pool for the next slot.
+//
+// Why events and not a host wait: a release must not block the host (it happens once per
+// micro-batch). The set keeps the events of what may still touch its buffers; the pool
+// queries them when it hands the set out and only makes the new user's stream wait (on the
+// device) for those not yet done.
 struct PooledSet {
   std::vector<at::Tensor> flats;  // one per bucket; contents: whatever the slot last held
-  // CUDA: event per bucket recorded on the releasing stream when the slot was freed; the
-  // next user's stream waits on it (work queued before the release may still read them).
+  // CUDA: event per bucket recorded on the releasing stream when the slot was freed (work
+  // queued before the release may still read the buffers).
   std::vector<void*> released;
+  // CUDA: the slot's snapshot-copy event per bucket, when the copy was still pending at the
+  // release (it writes these buffers and reads live; nullptr: none pending).
+  std::vector<void*> copies;
 };
 
 struct L2Result {
@@ -137,9 +145,12 @@ class Arena {
   // free_slot refuses it. unhold frees it when no pin is left; returns whether it did.
   void hold(int64_t slot);
   bool unhold(int64_t slot, int64_t stream);
-  // Drops every pooled set (after host-waiting for their CUDA release events); returns the
-  // bytes given back to torch's allocator.
+  // Drops every pooled set (after host-waiting for their CUDA release and copy events);
+  // returns the bytes given back to torch's allocator.
   int64_t trim_pool();
+  // The arena's snapshot stream on `device` (cudaStream_t as an integer), 0 before the
+  // first CUDA snapshot there and in CPU-only builds. Each arena has its own.
+  int64_t snapshot_stream(int64_t device) const;
 
   // --- accounting ---------------------------------------------------------------------
   int64_t live_bytes() const { return live_bytes_; }
@@ -152,14 +163,22 @@ class Arena {
   // --- L2 persistence (CUDA) -----------------------------------------------------------
   L2Result set_l2_persistence(int64_t b, int64_t stream, double hit_ratio, int64_t max_bytes);
   void clear_l2_persistence(int64_t b, int64_t stream);
+  // A window over bucket b's live buffer on `stream` only, marking at most `share_bytes`
+  // persisting; the device-wide set-aside is left to the caller (several windows share it).
+  L2Result set_l2_window(int64_t b, int64_t stream, double hit_ratio, int64_t share_bytes);
+  void clear_l2_window(int64_t b, int64_t stream);  // this stream's window only
 
  private:
   Slot& slot_ref(int64_t slot);
   const Slot& slot_ref(int64_t slot) const;
   void copy_into_slot(Slot& s, int64_t stream);
   void settle(Slot& s);  // host-wait for pending copies and drop their events
-  void settle_released(PooledSet& set);  // host-wait for its release events, drop them
-  std::vector<at::Tensor> take_buffers(int64_t stream, bool zero_fresh);
+  void settle_released(PooledSet& set);  // host-wait for its release and copy events
+  void* side_stream(int device);  // this arena's snapshot stream, created on first use
+  // Buffers for a new slot (pooled, else allocated); `copies` receives the slot's initial
+  // copy events (a pooled set's snapshot copy still pending, else nullptr).
+  std::vector<at::Tensor> take_buffers(int64_t stream, bool zero_fresh,
+                                       std::vector<void*>& copies);
   int64_t add_slot(Slot&& s, std::optional<int64_t> microbatch);
   void erase_slot(int64_t slot, int64_t stream);  // settles, then pools its buffers
   void track_peak();
@@ -168,6 +187,9 @@ class Arena {
   std::vector<Bucket> buckets_;
   std::map<int64_t, Slot> slots_;
   std::vector<PooledSet> pool_;  // LIFO: the most recently freed set is reused first
+  // Snapshot stream per CUDA device index (nullptr until first used there). Per arena, not
+  // per process: a shared one would queue every stage's copies behind each other's.
+  std::vector<void*> side_streams_;
   int64_t next_slot_ = 0;
   int64_t set_bytes_ = 0;  // bytes of one slot: the sum of the buckets' nbytes
   int64_t live_bytes_ = 0;

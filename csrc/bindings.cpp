@@ -90,6 +90,95 @@ py::dict l2_to_dict(const pe::L2Result& r) {
   return d;
 }
 
+// Device-wide persisting-L2 facts and set-aside, for callers that share one set-aside
+// between several windows (engine/runtime/l2.py). Without CUDA: supported=False, reason.
+py::dict l2_device(int64_t device) {
+  py::dict d;
+  d["max_persisting_bytes"] = 0;
+  d["max_window_bytes"] = 0;
+  d["set_aside_bytes"] = 0;
+#ifdef PE_WITH_CUDA
+  std::size_t persisting = 0;
+  std::size_t window = 0;
+  pe::cuda::l2_limits(static_cast<int>(device), &persisting, &window);
+  d["supported"] = true;
+  d["max_persisting_bytes"] = static_cast<int64_t>(persisting);
+  d["max_window_bytes"] = static_cast<int64_t>(window);
+  d["set_aside_bytes"] = static_cast<int64_t>(pe::cuda::persisting_l2(static_cast<int>(device)));
+  d["reason"] = persisting == 0 || window == 0
+                    ? "this GPU has no persisting L2 set-aside (needs compute capability 8.0+)"
+                    : "";
+#else
+  (void)device;
+  d["supported"] = false;
+  d["reason"] =
+      "engine._C was built without CUDA; rebuild on a machine with a CUDA torch and nvcc "
+      "(see docs/building.md)";
+#endif
+  return d;
+}
+
+py::dict set_persisting_l2(int64_t device, int64_t bytes) {
+  py::dict d;
+#ifdef PE_WITH_CUDA
+  std::size_t granted = 0;
+  std::string reason;
+  const bool ok = pe::cuda::set_persisting_l2(
+      static_cast<int>(device), static_cast<std::size_t>(std::max<int64_t>(0, bytes)), &granted,
+      &reason);
+  d["ok"] = ok;
+  d["granted_bytes"] = static_cast<int64_t>(granted);
+  d["reason"] = reason;
+#else
+  (void)device;
+  (void)bytes;
+  d["ok"] = false;
+  d["granted_bytes"] = 0;
+  d["reason"] = "engine._C was built without CUDA";
+#endif
+  return d;
+}
+
+void reset_persisting_l2(int64_t device) {
+#ifdef PE_WITH_CUDA
+  pe::cuda::reset_persisting_l2(static_cast<int>(device));
+#else
+  (void)device;
+  TORCH_CHECK(false, "engine._C was built without CUDA: there is no L2 set-aside to reset");
+#endif
+}
+
+void clear_stream_window(int64_t device, int64_t stream) {
+#ifdef PE_WITH_CUDA
+  pe::cuda::clear_l2_window(static_cast<int>(device),
+                            reinterpret_cast<void*>(static_cast<intptr_t>(stream)));
+#else
+  (void)device;
+  (void)stream;
+  TORCH_CHECK(false, "engine._C was built without CUDA: there is no L2 window to clear");
+#endif
+}
+
+py::dict stream_window(int64_t device, int64_t stream) {
+  py::dict d;
+#ifdef PE_WITH_CUDA
+  void* base = nullptr;
+  std::size_t bytes = 0;
+  float ratio = 0.0f;
+  pe::cuda::l2_window_of(static_cast<int>(device),
+                         reinterpret_cast<void*>(static_cast<intptr_t>(stream)), &base, &bytes,
+                         &ratio);
+  d["base"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(base));
+  d["num_bytes"] = static_cast<int64_t>(bytes);
+  d["hit_ratio"] = static_cast<double>(ratio);
+#else
+  (void)device;
+  (void)stream;
+  TORCH_CHECK(false, "engine._C was built without CUDA: streams have no L2 window");
+#endif
+  return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -102,6 +191,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("aligned_zeros", &pe::aligned_zeros, py::arg("numel"), py::arg("dtype"),
         py::arg("device"), py::arg("alignment"),
         "Zeros whose first element is aligned to `alignment` bytes (a power of two).");
+  m.def("l2_device", &l2_device, py::arg("device"),
+        "Persisting-L2 facts of a CUDA device: supported, max_persisting_bytes, "
+        "max_window_bytes, set_aside_bytes (now), reason.");
+  m.def("set_persisting_l2", &set_persisting_l2, py::arg("device"), py::arg("bytes"),
+        "Sets the device-wide persisting-L2 set-aside; returns ok, granted_bytes, reason.");
+  m.def("reset_persisting_l2", &reset_persisting_l2, py::arg("device"),
+        "Evicts persisting lines and sets the set-aside back to 0.");
+  m.def("clear_stream_window", &clear_stream_window, py::arg("device"), py::arg("stream"),
+        "Removes the access-policy window from one stream (cudaStream_t as an int).");
+  m.def("stream_window", &stream_window, py::arg("device"), py::arg("stream"),
+        "The access-policy window on a stream: base, num_bytes, hit_ratio (for checks).");
 
   py::class_<pe::Arena>(m, "Arena")
       .def(py::init<int64_t>(), py::arg("alignment"))
@@ -143,6 +243,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("hold", &pe::Arena::hold, py::arg("slot"))
       .def("unhold", &pe::Arena::unhold, py::arg("slot"), py::arg("stream"))
       .def("trim_pool", &pe::Arena::trim_pool)
+      .def("snapshot_stream", &pe::Arena::snapshot_stream, py::arg("device"))
       .def_property_readonly("live_bytes", &pe::Arena::live_bytes)
       .def_property_readonly("grad_bytes", &pe::Arena::grad_bytes)
       .def_property_readonly("slot_bytes", &pe::Arena::slot_bytes)
@@ -156,5 +257,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("bucket"), py::arg("stream"), py::arg("hit_ratio"), py::arg("max_bytes"))
       .def("clear_l2_persistence", &pe::Arena::clear_l2_persistence, py::arg("bucket"),
-           py::arg("stream"));
+           py::arg("stream"))
+      .def(
+          "set_l2_window",
+          [](pe::Arena& a, int64_t b, int64_t stream, double hit_ratio, int64_t share_bytes) {
+            return l2_to_dict(a.set_l2_window(b, stream, hit_ratio, share_bytes));
+          },
+          py::arg("bucket"), py::arg("stream"), py::arg("hit_ratio"), py::arg("share_bytes"))
+      .def("clear_l2_window", &pe::Arena::clear_l2_window, py::arg("bucket"), py::arg("stream"));
 }

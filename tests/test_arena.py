@@ -694,6 +694,37 @@ def test_l2_persistence_on_cpu_reports_unsupported() -> None:
         arena.clear_l2_persistence()
 
 
+def test_cpu_slot_api_is_unchanged_and_there_is_no_snapshot_stream() -> None:
+    import inspect
+
+    def shape(fn) -> list[tuple[str, object, object]]:
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    kw = inspect.Parameter.KEYWORD_ONLY
+    pos = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    empty = inspect.Parameter.empty
+    assert shape(WeightArena.release) == [
+        ("self", pos, empty), ("slot", pos, empty), ("microbatch", pos, empty), ("stream", kw, None)
+    ]
+    assert shape(WeightArena.free) == [("self", pos, empty), ("slot", pos, empty), ("stream", kw, None)]
+    assert shape(WeightArena.snapshot) == [
+        ("self", pos, empty), ("microbatch", pos, None), ("stream", kw, None), ("overlap", kw, False)
+    ]
+    assert shape(WeightArena.new_slot) == [("self", pos, empty), ("microbatch", pos, None), ("stream", kw, None)]
+    arena = flatten_(mlp())
+    s = arena.snapshot(microbatch=0)
+    ptr = arena.slot_flat(s).data_ptr()
+    assert arena.snapshot_stream() is None  # CPU copies are synchronous: no stream
+    assert arena.release(s, 0) is True
+    assert arena.slot_flat(arena.new_slot()).data_ptr() == ptr  # the released set, reused
+    r = arena.set_l2_window(share_bytes=1 << 20)
+    assert r.supported is False and r.ok is False and r.granted_bytes == 0 and "CUDA" in r.reason
+    with pytest.raises(ArenaError, match="share_bytes"):
+        arena.set_l2_window(share_bytes=-1)
+    with pytest.raises(ArenaError, match="no L2 window"):
+        arena.clear_l2_window()
+
+
 @pytest.mark.cuda
 def test_cuda_async_snapshot_waits_on_its_event() -> None:
     torch.manual_seed(0)
@@ -796,6 +827,111 @@ def test_cuda_l2_persistence_reports_granted_bytes() -> None:
         finally:
             arena.clear_l2_persistence(stream=stream)
     torch.cuda.synchronize()
+
+
+# torch.cuda._sleep cycles: about a second at GPU clocks, far longer than any host call here
+_LONG = 2_000_000_000
+
+
+@pytest.mark.cuda
+def test_cuda_each_arena_copies_on_its_own_snapshot_stream() -> None:
+    a = flatten_(nn.Linear(256, 256).cuda(), name="a")
+    b = flatten_(nn.Linear(256, 256).cuda(), name="b")
+    assert a.snapshot_stream() is None and b.snapshot_stream() is None  # created lazily
+    busy, idle = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(_LONG)
+        sa = a.snapshot(overlap=True)  # a's copy waits for the sleep, on a's stream
+    sb = b.snapshot(stream=idle)  # idle waits (on the device) for b's copy
+    idle.synchronize()
+    assert not busy.query(), "b's copy queued behind a's: the arenas share a stream"
+    ha, hb = a.snapshot_stream(), b.snapshot_stream()
+    assert ha and hb and ha != hb
+    assert not {ha, hb} & {busy.cuda_stream, idle.cuda_stream, torch.cuda.current_stream().cuda_stream}
+    torch.cuda.synchronize()
+    assert torch.equal(a.slot_flat(sa), a.flat_param()) and torch.equal(b.slot_flat(sb), b.flat_param())
+    a.free(sa)
+    b.free(sb)
+    del a, b  # their streams are destroyed with them
+    gc_arena = flatten_(nn.Linear(8, 8).cuda())
+    gc_arena.free(gc_arena.snapshot())
+    torch.cuda.synchronize()
+
+
+@pytest.mark.cuda
+def test_cuda_release_does_not_block_the_host_and_the_next_user_waits_on_the_device() -> None:
+    import time
+
+    m = nn.Linear(1024, 1024).cuda()
+    arena = flatten_(m)
+    stream, other = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with torch.no_grad():
+            m.weight.fill_(2.0)
+        expected = m.weight.detach().clone()
+        torch.cuda._sleep(_LONG)
+        s = arena.snapshot(microbatch=0, overlap=True)  # its copy waits for the sleep
+        t0 = time.perf_counter()
+        assert arena.release(s, 0, stream=stream)
+        took = time.perf_counter() - t0
+        assert not stream.query(), "release waited on the host for the pending copy"
+        assert took < 0.1, took
+        t0 = time.perf_counter()
+        y = arena.new_slot(stream=stream)  # the pooled set; its copy is still pending
+        assert time.perf_counter() - t0 < 0.1 and not stream.query()
+        got = arena.slot_views(y)[0].clone()  # ordered after the copy, on the device
+    # a writer of live on another stream waits for the copy still reading live
+    with torch.cuda.stream(other):
+        fv = flat_buffers_for(arena.params)
+        assert fv is not None
+        fv.param.mul_(0.0)
+    torch.cuda.synchronize()
+    assert torch.equal(got, expected)
+    assert torch.equal(arena.slot_views(y)[0], expected)
+    assert torch.count_nonzero(m.weight) == 0
+    arena.free(y)
+    # released while its copy ran, handed out after: the copy's values, nothing torn
+    with torch.cuda.stream(stream):
+        with torch.no_grad():
+            m.weight.fill_(3.0)
+        torch.cuda._sleep(_LONG)
+        s = arena.snapshot(microbatch=1, overlap=True)
+        assert arena.release(s, 1, stream=stream) and not stream.query()
+    with torch.cuda.stream(other):
+        z = arena.new_slot(stream=other)  # other waits for the copy and the release
+        got = arena.slot_views(z)[0].clone()
+    torch.cuda.synchronize()
+    assert torch.equal(got, torch.full_like(got, 3.0))
+    arena.free(z)
+    assert arena.trim_pool() == arena.bytes()["live"]
+
+
+@pytest.mark.cuda
+def test_cuda_two_arenas_share_the_set_aside_through_windows() -> None:
+    from engine.arena import l2
+
+    dev = torch.cuda.current_device()
+    limits = l2.device_limits(dev)
+    if not limits["supported"] or limits["reason"]:
+        pytest.skip(f"no persisting L2 here: {limits['reason']}")
+    a, b = flatten_(nn.Linear(512, 512).cuda()), flatten_(nn.Linear(256, 256).cuda())
+    sa, sb = torch.cuda.Stream(), torch.cuda.Stream()
+    share = min(limits["max_persisting_bytes"] // 4, a.buckets[0].nbytes // 2)
+    got = l2.set_aside(dev, 2 * share)
+    try:
+        assert got["ok"], got["reason"]
+        ra = a.set_l2_window(share_bytes=share, stream=sa)
+        rb = b.set_l2_window(share_bytes=share, stream=sb)
+        assert ra.ok and rb.ok, (ra.reason, rb.reason)
+        assert ra.granted_bytes == share and ra.hit_ratio == pytest.approx(share / ra.window_bytes, rel=1e-5)
+        a.clear_l2_window(stream=sa)  # only a's window: b's and the set-aside stay
+        assert l2.stream_window(dev, sa.cuda_stream)["num_bytes"] == 0
+        assert l2.stream_window(dev, sb.cuda_stream)["base"] == b.flat_param().data_ptr()
+        assert l2.device_limits(dev)["set_aside_bytes"] == got["granted_bytes"] > 0
+    finally:
+        b.clear_l2_window(stream=sb)
+        l2.reset(dev)
+    assert l2.device_limits(dev)["set_aside_bytes"] == 0
 
 
 def test_arena_lives_with_its_params_and_is_collected_with_them() -> None:

@@ -1,5 +1,5 @@
-// CUDA-runtime implementation of csrc/cuda/arena_cuda.h: the side stream that takes
-// weight snapshots off the compute stream, their events, and L2 persistence windows.
+// CUDA-runtime implementation of csrc/cuda/arena_cuda.h: the arenas' snapshot streams that
+// take weight copies off the compute stream, their events, and L2 persistence windows.
 //
 // This file includes no torch header on purpose (see the header): it must compile with a
 // bare `nvcc -c -arch=sm_90 arena_cuda.cu`, which is how CI checks it on CPU machines.
@@ -8,10 +8,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <mutex>
 #include <stdexcept>
 #include <string>
-#include <vector>
 
 namespace pe {
 namespace cuda {
@@ -46,24 +44,6 @@ class DeviceGuard {
   bool changed_ = false;
 };
 
-// One non-blocking side stream per device, created on first use and kept for the life of
-// the process (like torch's stream pools): destroying it at exit would race with driver
-// teardown, and one stream per device is all the snapshot traffic needs.
-cudaStream_t side_stream(int device) {
-  static std::mutex mutex;
-  static std::vector<cudaStream_t> streams;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (device < 0) throw std::runtime_error("engine._C: negative CUDA device index");
-  if (static_cast<std::size_t>(device) >= streams.size()) streams.resize(device + 1, nullptr);
-  if (streams[device] == nullptr) {
-    DeviceGuard guard(device);
-    cudaStream_t s = nullptr;
-    check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-    streams[device] = s;
-  }
-  return streams[device];
-}
-
 }  // namespace
 
 int build_version() { return CUDART_VERSION; }
@@ -86,10 +66,31 @@ std::string compiler() {
 #endif
 }
 
-void* copy_async(int device, void* dst, const void* src, std::size_t bytes,
+void* stream_create(int device) {
+  if (device < 0) throw std::runtime_error("engine._C: negative CUDA device index");
+  DeviceGuard guard(device);
+  cudaStream_t s = nullptr;
+  check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  return s;
+}
+
+void stream_destroy(int device, void* stream) noexcept {
+  if (stream == nullptr) return;
+  int previous = 0;
+  if (cudaGetDevice(&previous) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;  // the runtime is gone (process exit)
+  }
+  if (previous != device) (void)cudaSetDevice(device);
+  (void)cudaStreamDestroy(static_cast<cudaStream_t>(stream));
+  if (previous != device) (void)cudaSetDevice(previous);
+  (void)cudaGetLastError();
+}
+
+void* copy_async(int device, void* side_stream, void* dst, const void* src, std::size_t bytes,
                  void* producer_stream) {
   DeviceGuard guard(device);
-  cudaStream_t side = side_stream(device);
+  cudaStream_t side = static_cast<cudaStream_t>(side_stream);
   cudaStream_t producer = static_cast<cudaStream_t>(producer_stream);
   // The side stream must not read the weights before the compute stream has finished
   // writing them: order the copy after everything already enqueued on the producer.
@@ -161,67 +162,108 @@ void event_destroy(int device, void* event) noexcept {
   (void)cudaGetLastError();
 }
 
+void l2_limits(int device, std::size_t* max_persisting, std::size_t* max_window) {
+  int persisting = 0;
+  int window = 0;
+  check(cudaDeviceGetAttribute(&persisting, cudaDevAttrMaxPersistingL2CacheSize, device),
+        "cudaDeviceGetAttribute(MaxPersistingL2CacheSize)");
+  check(cudaDeviceGetAttribute(&window, cudaDevAttrMaxAccessPolicyWindowSize, device),
+        "cudaDeviceGetAttribute(MaxAccessPolicyWindowSize)");
+  *max_persisting = static_cast<std::size_t>(std::max(0, persisting));
+  *max_window = static_cast<std::size_t>(std::max(0, window));
+}
+
+bool set_persisting_l2(int device, std::size_t bytes, std::size_t* granted, std::string* reason) {
+  DeviceGuard guard(device);
+  cudaError_t err = cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, bytes);
+  if (err != cudaSuccess) {
+    // MIG slices and MPS clients may refuse the set-aside; that is an answer, not a crash.
+    (void)cudaGetLastError();
+    *reason = std::string("cudaDeviceSetLimit(PersistingL2CacheSize) refused: ") +
+              cudaGetErrorString(err);
+    return false;
+  }
+  check(cudaDeviceGetLimit(granted, cudaLimitPersistingL2CacheSize),
+        "cudaDeviceGetLimit(PersistingL2CacheSize)");
+  return true;
+}
+
+namespace {
+
+// Checks the device can persist anything and that the buffer is not empty; fills the maxima.
+bool l2_usable(int device, std::size_t bytes, L2Window* out) {
+  l2_limits(device, &out->max_persisting_bytes, &out->max_window_bytes);
+  if (out->max_persisting_bytes == 0 || out->max_window_bytes == 0) {
+    out->reason = "this GPU has no persisting L2 set-aside (needs compute capability 8.0+)";
+    return false;
+  }
+  if (bytes == 0) {
+    out->reason = "the buffer is empty; there is nothing to keep in L2";
+    return false;
+  }
+  return true;
+}
+
+// Sets the window with hit_ratio lowered to persisting / window: marking more lines
+// persisting than the set-aside (or this window's share of it) holds makes them evict
+// each other.
+void put_window(void* stream, void* base, std::size_t bytes, float hit_ratio,
+                std::size_t persisting, L2Window* out) {
+  out->window_bytes = std::min(bytes, out->max_window_bytes);
+  float ratio = std::max(0.0f, std::min(1.0f, hit_ratio));
+  if (persisting < out->window_bytes) {
+    ratio = std::min(ratio, static_cast<float>(persisting) / static_cast<float>(out->window_bytes));
+  }
+  out->hit_ratio = ratio;
+  cudaStreamAttrValue attr = {};
+  attr.accessPolicyWindow.base_ptr = base;
+  attr.accessPolicyWindow.num_bytes = out->window_bytes;
+  attr.accessPolicyWindow.hitRatio = ratio;
+  attr.accessPolicyWindow.hitProp = cudaAccessPropertyPersisting;
+  attr.accessPolicyWindow.missProp = cudaAccessPropertyStreaming;
+  cudaError_t err = cudaStreamSetAttribute(static_cast<cudaStream_t>(stream),
+                                           cudaStreamAttributeAccessPolicyWindow, &attr);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    out->reason = std::string("cudaStreamSetAttribute(AccessPolicyWindow) refused: ") +
+                  cudaGetErrorString(err) +
+                  " (run the stage on a non-default stream: torch.cuda.Stream())";
+    return;
+  }
+  out->ok = true;
+}
+
+}  // namespace
+
 L2Window set_l2_persistence(int device, void* stream, void* base, std::size_t bytes,
                             float hit_ratio, std::size_t max_bytes) {
   DeviceGuard guard(device);
   L2Window out;
-  int max_persisting = 0;
-  int max_window = 0;
-  check(cudaDeviceGetAttribute(&max_persisting, cudaDevAttrMaxPersistingL2CacheSize, device),
-        "cudaDeviceGetAttribute(MaxPersistingL2CacheSize)");
-  check(cudaDeviceGetAttribute(&max_window, cudaDevAttrMaxAccessPolicyWindowSize, device),
-        "cudaDeviceGetAttribute(MaxAccessPolicyWindowSize)");
-  out.max_persisting_bytes = static_cast<std::size_t>(max_persisting);
-  out.max_window_bytes = static_cast<std::size_t>(max_window);
-  if (max_persisting <= 0 || max_window <= 0) {
-    out.reason = "this GPU has no persisting L2 set-aside (needs compute capability 8.0+)";
-    return out;
-  }
-  if (bytes == 0) {
-    out.reason = "the buffer is empty; there is nothing to keep in L2";
-    return out;
-  }
+  if (!l2_usable(device, bytes, &out)) return out;
   std::size_t want = std::min(bytes, out.max_persisting_bytes);
   if (max_bytes > 0) want = std::min(want, max_bytes);
-  cudaError_t err = cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, want);
-  if (err != cudaSuccess) {
-    // MIG slices and MPS clients may refuse the set-aside; that is an answer, not a crash.
-    (void)cudaGetLastError();
-    out.reason = std::string("cudaDeviceSetLimit(PersistingL2CacheSize) refused: ") +
-                 cudaGetErrorString(err);
-    return out;
-  }
   std::size_t granted = 0;
-  check(cudaDeviceGetLimit(&granted, cudaLimitPersistingL2CacheSize),
-        "cudaDeviceGetLimit(PersistingL2CacheSize)");
+  if (!set_persisting_l2(device, want, &granted, &out.reason)) return out;
   out.granted_bytes = granted;
-  out.window_bytes = std::min(bytes, out.max_window_bytes);
-  float ratio = std::max(0.0f, std::min(1.0f, hit_ratio));
-  if (granted < out.window_bytes) {
-    // Marking more lines persisting than the set-aside holds makes them evict each other.
-    ratio = std::min(ratio, static_cast<float>(granted) / static_cast<float>(out.window_bytes));
-  }
-  out.hit_ratio = ratio;
-  cudaStreamAttrValue attr = {};
-  attr.accessPolicyWindow.base_ptr = base;
-  attr.accessPolicyWindow.num_bytes = out.window_bytes;
-  attr.accessPolicyWindow.hitRatio = ratio;
-  attr.accessPolicyWindow.hitProp = cudaAccessPropertyPersisting;
-  attr.accessPolicyWindow.missProp = cudaAccessPropertyStreaming;
-  err = cudaStreamSetAttribute(static_cast<cudaStream_t>(stream),
-                               cudaStreamAttributeAccessPolicyWindow, &attr);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    out.reason = std::string("cudaStreamSetAttribute(AccessPolicyWindow) refused: ") +
-                 cudaGetErrorString(err) +
-                 " (run the stage on a non-default stream: torch.cuda.Stream())";
-    return out;
-  }
-  out.ok = true;
+  put_window(stream, base, bytes, hit_ratio, granted, &out);
   return out;
 }
 
-void clear_l2_persistence(int device, void* stream) {
+L2Window set_l2_window(int device, void* stream, void* base, std::size_t bytes, float hit_ratio,
+                       std::size_t share_bytes) {
+  DeviceGuard guard(device);
+  L2Window out;
+  if (!l2_usable(device, bytes, &out)) return out;
+  if (share_bytes == 0) {
+    out.reason = "no share of the persisting L2 set-aside was given to this window";
+    return out;
+  }
+  out.granted_bytes = share_bytes;
+  put_window(stream, base, bytes, hit_ratio, share_bytes, &out);
+  return out;
+}
+
+void clear_l2_window(int device, void* stream) {
   DeviceGuard guard(device);
   cudaStreamAttrValue attr = {};
   attr.accessPolicyWindow.base_ptr = nullptr;
@@ -232,9 +274,37 @@ void clear_l2_persistence(int device, void* stream) {
   check(cudaStreamSetAttribute(static_cast<cudaStream_t>(stream),
                                cudaStreamAttributeAccessPolicyWindow, &attr),
         "cudaStreamSetAttribute(clear AccessPolicyWindow)");
+}
+
+void reset_persisting_l2(int device) {
+  DeviceGuard guard(device);
   check(cudaCtxResetPersistingL2Cache(), "cudaCtxResetPersistingL2Cache");
   check(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, 0),
         "cudaDeviceSetLimit(PersistingL2CacheSize, 0)");
+}
+
+std::size_t persisting_l2(int device) {
+  DeviceGuard guard(device);
+  std::size_t bytes = 0;
+  check(cudaDeviceGetLimit(&bytes, cudaLimitPersistingL2CacheSize),
+        "cudaDeviceGetLimit(PersistingL2CacheSize)");
+  return bytes;
+}
+
+void l2_window_of(int device, void* stream, void** base, std::size_t* bytes, float* hit_ratio) {
+  DeviceGuard guard(device);
+  cudaStreamAttrValue attr = {};
+  check(cudaStreamGetAttribute(static_cast<cudaStream_t>(stream),
+                               cudaStreamAttributeAccessPolicyWindow, &attr),
+        "cudaStreamGetAttribute(AccessPolicyWindow)");
+  *base = attr.accessPolicyWindow.base_ptr;
+  *bytes = attr.accessPolicyWindow.num_bytes;
+  *hit_ratio = attr.accessPolicyWindow.hitRatio;
+}
+
+void clear_l2_persistence(int device, void* stream) {
+  clear_l2_window(device, stream);
+  reset_persisting_l2(device);
 }
 
 }  // namespace cuda

@@ -24,12 +24,20 @@ int runtime_version();
 // "nvcc <major>.<minor>" of the compiler that built the .cu file.
 std::string compiler();
 
-// Copies `bytes` from `src` to `dst` (both device memory on `device`) on the arena's side
-// stream for that device, after all work already enqueued on `producer_stream` (so the
+// A new non-blocking stream on `device` for an arena's snapshot copies (one per arena and
+// device, so that unrelated stages' copies never queue behind each other). The owner
+// destroys it with stream_destroy.
+void* stream_create(int device);
+// Releases the stream; work already queued on it still runs (the driver defers the
+// release). Safe at process exit, when the runtime may be gone.
+void stream_destroy(int device, void* stream) noexcept;
+
+// Copies `bytes` from `src` to `dst` (both device memory on `device`) on `side_stream` (the
+// arena's snapshot stream), after all work already enqueued on `producer_stream` (so the
 // copy sees every earlier write to the source). Returns an event recorded on the side
 // stream after the copy; consumers make their stream wait on it (stream_wait_event) and
 // the owner must destroy it (event_destroy) once nothing can still wait on it.
-void* copy_async(int device, void* dst, const void* src, std::size_t bytes,
+void* copy_async(int device, void* side_stream, void* dst, const void* src, std::size_t bytes,
                  void* producer_stream);
 
 // Records a new event on `stream` (after all work already enqueued there) and returns it;
@@ -66,6 +74,26 @@ L2Window set_l2_persistence(int device, void* stream, void* base, std::size_t by
 // Removes the window from `stream`, evicts persisting lines and gives the L2 set-aside
 // back (limit 0), so other work on the device gets the whole cache again.
 void clear_l2_persistence(int device, void* stream);
+
+// The pieces of the two calls above, for a caller that shares one set-aside between
+// several windows (the pipeline: one window per stage stream, the set-aside set once).
+// Device maxima: cudaDevAttrMaxPersistingL2CacheSize and MaxAccessPolicyWindowSize.
+void l2_limits(int device, std::size_t* max_persisting, std::size_t* max_window);
+// Sets the device-wide set-aside to `bytes`; returns false (and why) when the device
+// refuses (MIG, MPS), else stores what it granted in `granted`.
+bool set_persisting_l2(int device, std::size_t bytes, std::size_t* granted, std::string* reason);
+// Sets a window over [base, base + bytes) on `stream` without touching the set-aside;
+// hit_ratio is lowered to share_bytes / window so that the windows together mark at most
+// the sum of their shares persisting. granted_bytes reports share_bytes.
+L2Window set_l2_window(int device, void* stream, void* base, std::size_t bytes, float hit_ratio,
+                       std::size_t share_bytes);
+// Removes the window from `stream` only (other streams keep theirs, the set-aside stays).
+void clear_l2_window(int device, void* stream);
+// Evicts persisting lines and sets the set-aside back to 0.
+void reset_persisting_l2(int device);
+// What is in place now, for checks: the device's set-aside and the window on `stream`.
+std::size_t persisting_l2(int device);
+void l2_window_of(int device, void* stream, void** base, std::size_t* bytes, float* hit_ratio);
 
 }  // namespace cuda
 }  // namespace pe

@@ -19,7 +19,7 @@ What changes for the user, and what does not:
   elementwise optimizer updates, so kernels may sweep whole buffers.
 * Weight versions (PipeDream's stashed weights, 2BW's shadow copy, predicted weights) are
   *slots*: whole-arena buffers with the same layout. ``snapshot()`` copies live into one
-  (on CUDA an asynchronous copy on a side stream; readers wait on its event
+  (on CUDA an asynchronous copy on the arena's own snapshot stream; readers wait on its event
   automatically), ``new_slot()`` hands one out uninitialised for callers that write it
   whole, and ``pin``/``release`` reference-count a slot per micro-batch and free it at
   zero. Freed slots' buffers stay in a per-arena pool for the next slot (steady state

@@ -62,8 +62,8 @@ class DoubleBuffer:
         self._arena.swap_live(self.back, stream=stream)
 
     def refresh_back(self, *, stream: Any = None, overlap: bool = False) -> None:
-        """Copy the live weights into the back slot (on CUDA on the side stream, with the
-        same ``overlap`` contract as :meth:`WeightArena.snapshot`).
+        """Copy the live weights into the back slot (on CUDA on the arena's snapshot stream,
+        with the same ``overlap`` contract as :meth:`WeightArena.snapshot`).
 
         Refused (SlotError) while micro-batches pin the back slot: they still read it.
         """

@@ -37,7 +37,8 @@ class L2Persistence:
 
     ``supported`` is False on CPU buffers and in extensions built without CUDA; ``ok`` is
     True only when the window is in place. ``granted_bytes`` is the device-wide persisting
-    L2 set-aside after the request (cudaLimitPersistingL2CacheSize); ``reason`` says why not.
+    L2 set-aside after the request (cudaLimitPersistingL2CacheSize), or, from
+    ``set_l2_window``, this window's share of it; ``reason`` says why not.
     """
 
     supported: bool

@@ -183,8 +183,10 @@ class WeightArena:
         With ``microbatch`` the slot starts pinned to it (``release`` then frees it);
         without, it lives until :meth:`free` or until it is pinned and every pin released.
 
-        On CUDA the copy runs on a side stream after the work already queued on ``stream``
-        (default: the current stream) and records an event. Readers of the slot
+        On CUDA the copy runs on the arena's own snapshot stream (created on the first CUDA
+        snapshot, one per arena, so other stages' copies never queue in front of it) after
+        the work already queued on ``stream`` (default: the current stream) and records an
+        event. Readers of the slot
         (:meth:`slot_views`, :meth:`use`, :meth:`restore`) make the current stream wait on
         it. Writers of the live weights must wait too: with ``overlap=False`` (default)
         ``stream`` waits right away (on the GPU; the host never blocks), which is safe with
@@ -272,8 +274,16 @@ class WeightArena:
     def trim_pool(self) -> int:
         """Give the pooled buffers of freed slots back to torch's allocator; returns the
         bytes released. On CUDA the host first waits for the work queued before their
-        release (it may still read them)."""
+        release (it may still read them) and for snapshot copies still writing them."""
         return int(self._core.trim_pool())
+
+    def snapshot_stream(self) -> int | None:
+        """The arena's own CUDA snapshot stream (cudaStream_t as an int), None before its
+        first CUDA snapshot, on CPU and in builds without CUDA."""
+        if self.device.type != "cuda":
+            return None
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return int(self._core.snapshot_stream(index)) or None
 
     def wait_for_snapshots(self, *, stream: Any = None) -> None:
         """Make ``stream`` (default: current) wait for every snapshot copy still reading
@@ -330,10 +340,11 @@ class WeightArena:
         """Drop ``microbatch``'s reference; frees the slot at zero. Returns True if freed.
 
         A freed slot's buffers go to the arena's pool for the next :meth:`snapshot` or
-        :meth:`new_slot` (see :meth:`trim_pool`). On CUDA the host first waits for a copy
-        still writing the slot, then an event is recorded on ``stream`` (default: current):
-        the next user of the buffers waits for the work queued there so far, so release
-        on (or after) the stream that last read the slot."""
+        :meth:`new_slot` (see :meth:`trim_pool`). On CUDA the host never waits: an event is
+        recorded on ``stream`` (default: current), and the next user of the buffers, when
+        the pool hands them out, waits on the device for it (the work queued there so far)
+        and for a snapshot copy still writing the slot, unless they are done already. So
+        release on (or after) the stream that last read the slot."""
         self._check_slot(slot)
         mb = self._check_microbatch(microbatch)
         pins = dict(self._core.pins(slot))
@@ -437,3 +448,23 @@ class WeightArena:
     def clear_l2_persistence(self, *, bucket: int = 0, stream: Any = None) -> None:
         """Remove the window from ``stream`` and give the L2 set-aside back to the device."""
         l2.clear(self, bucket, self._stream(stream))
+
+    def set_l2_window(
+        self,
+        *,
+        share_bytes: int,
+        bucket: int | None = None,
+        hit_ratio: float = 1.0,
+        stream: Any = None,
+    ) -> L2Persistence:
+        """Like :meth:`set_l2_persistence`, but only the window on ``stream``: the
+        device-wide set-aside is left alone, so several stages on one GPU can share it (set it
+        once with ``engine.arena.l2.set_aside``). The window marks at most ``share_bytes``
+        persisting (``hit_ratio`` is lowered to share / window); ``granted_bytes`` reports
+        the share. On CPU (or a CPU-only build) ``supported=False`` with the reason."""
+        return l2.window(self, bucket, hit_ratio, share_bytes, self._stream(stream))
+
+    def clear_l2_window(self, *, bucket: int = 0, stream: Any = None) -> None:
+        """Remove the window from ``stream`` only; other streams' windows and the
+        device-wide set-aside stay."""
+        l2.clear(self, bucket, self._stream(stream), set_aside_too=False)
