@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import PipelineConfigError
+from engine.runtime.l2 import check_l2_option
 from engine.schedule.spec import ScheduleSpec
 
 __all__ = [
@@ -43,6 +44,7 @@ class PipelineConfig:
     cuda_streams: bool | None
     trace: bool
     correction_decay: float
+    l2_persistence: float = 0.0  # fraction of the device's persisting L2; 0: off
 
     @property
     def distributed(self) -> bool:
@@ -79,6 +81,7 @@ def check_options(
     lr_scheduler: object,
     synchronous_hint: bool | None,
     schedule_name: str = "",
+    l2_persistence: object = False,
 ) -> PipelineConfig:
     """Validate the stage-independent options (``synchronous_hint``: whether the schedule
     name is a synchronous family, None when not known yet)."""
@@ -116,6 +119,18 @@ def check_options(
         )
     if not isinstance(trace, bool):
         raise PipelineConfigError(f"trace={trace!r} must be True or False")
+    l2_fraction = check_l2_option(l2_persistence)
+    if l2_fraction and distributed:
+        raise PipelineConfigError(
+            f"l2_persistence with transport={transport!r}: the runtime sets L2 windows on the "
+            "local transport's stage streams only; under gloo/NCCL call "
+            "WeightArena.set_l2_persistence on the rank's stream yourself, or drop the option"
+        )
+    if l2_fraction and cuda_streams is False:
+        raise PipelineConfigError(
+            "l2_persistence sets each stage's L2 window on its own stage stream, and "
+            "cuda_streams=False turns those off; pass cuda_streams=None (or True)"
+        )
     if (
         isinstance(correction_decay, bool)
         or not isinstance(correction_decay, (int, float))
@@ -148,6 +163,7 @@ def check_options(
         cuda_streams=cuda_streams,  # type: ignore[arg-type]
         trace=bool(trace),
         correction_decay=float(correction_decay),
+        l2_persistence=l2_fraction,
     )
 
 

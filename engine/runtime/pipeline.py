@@ -27,6 +27,7 @@ from engine.runtime.build import build_module, build_store, resolve_stage_specs
 from engine.runtime.config import PipelineConfig, check_options, resolve_mitigations
 from engine.runtime.executor import Executor
 from engine.runtime.host_memory import keep_freed_host_memory
+from engine.runtime.l2 import apply_l2
 from engine.runtime.policy import SpecTrain, make_policy
 from engine.runtime.stage import Stage
 from engine.runtime.streams import StageStreams
@@ -96,6 +97,16 @@ class Pipeline:
             normalised with its own statistics, but the running statistics are updated once
             per mini-batch, from all M micro-batches, as an unpipelined model's with the same
             batch. Off: each micro-batch updates them (recomputation never counts twice).
+        l2_persistence: keep the stages' live weights in the GPU's persisting L2: True (the
+            device's whole persisting L2) or a fraction in (0, 1] of it. The budget is split
+            across the stages on the GPU in proportion to their weight bytes (a stage gets at
+            most its largest bucket, which its window covers), the device-wide set-aside is set
+            once to the sum, and each stage's window goes on its own stage stream (so this
+            turns stage streams on, also for one stage). ``stats()["l2_persisting_bytes"]``
+            says what each stage got and ``stats()["l2_persistence"]["reason"]`` why not. On
+            CPU, or where the GPU or the build cannot persist, nothing is set, a warning says
+            why and every stage reports 0 bytes: a warning, not an error, so that one training
+            script runs in CPU CI and on a GPU. Local transport only.
     """
 
     def __init__(
@@ -126,6 +137,7 @@ class Pipeline:
         timeout: float = 300.0,
         cuda_streams: bool | None = None,
         deferred_batch_norm: bool = False,
+        l2_persistence: bool | float = False,
     ) -> None:
         fam = FAMILIES.get(schedule) if isinstance(schedule, str) else None
         self.config: PipelineConfig = check_options(
@@ -142,6 +154,7 @@ class Pipeline:
             lr_scheduler=lr_scheduler,
             synchronous_hint=None if fam is None else fam.synchronous,
             schedule_name=schedule if isinstance(schedule, str) else "",
+            l2_persistence=l2_persistence,
         )
         if self.config.distributed:
             from engine.runtime.rank import build_distributed
@@ -247,18 +260,25 @@ class Pipeline:
         if any(d.type == "cpu" for d in devices) or not devices:
             keep_freed_host_memory()
         if streams is None:
-            streams = self._make_streams(stages, cfg.cuda_streams)
+            streams = self._make_streams(stages, cfg.cuda_streams, l2=bool(cfg.l2_persistence))
         self._streams = streams
+        self._l2 = apply_l2(stages, streams, cfg.l2_persistence, owner=self)
         self._executor = Executor(spec, stages, on_nonfinite=cfg.on_nonfinite, streams=streams)
         self._checked: set[Any] = set()
 
     @staticmethod
-    def _make_streams(stages: list[Stage], want: bool | None) -> StageStreams:
+    def _make_streams(stages: list[Stage], want: bool | None, l2: bool = False) -> StageStreams:
         """One CUDA stream per stage when every stage lives on one CUDA device."""
         devices = {p.device for st in stages for p in st.store.params}
         on_cuda = len(devices) == 1 and next(iter(devices)).type == "cuda"
+        if l2 and not on_cuda and any(d.type == "cuda" for d in devices):
+            raise PipelineConfigError(
+                "l2_persistence sets each stage's window on its stage stream, and stage streams "
+                f"need every stage on one CUDA device, found {sorted(map(str, devices))}; put "
+                "the stages on one GPU or drop l2_persistence"
+            )
         if want is None:
-            want = on_cuda and len(stages) > 1
+            want = on_cuda and (len(stages) > 1 or l2)
         if want and not on_cuda:
             raise PipelineConfigError(
                 "cuda_streams=True needs every stage's parameters on one CUDA device, found "
@@ -398,7 +418,10 @@ class Pipeline:
         ``activation_peak``: peak micro-batches stashed per stage; ``bubble_fraction``: idle
         share of stage time with unit costs (F = 1, B = 2); ``bubble_fraction_wall``: the
         same with measured action times; ``compiled_programs``: step programs compiled so
-        far (it stops growing once the schedule's steps repeat).
+        far (it stops growing once the schedule's steps repeat); ``l2_persisting_bytes``:
+        persisting-L2 bytes granted per stage (0 when off or unsupported), and
+        ``l2_persistence``: the ``requested`` fraction, the device's ``set_aside_bytes`` and
+        ``max_persisting_bytes``, and the ``reason`` when a stage got nothing.
         """
         ex = self._executor
         unit, wall = ex.clock.bubble()
@@ -423,6 +446,8 @@ class Pipeline:
             "compiled_programs": ex.compiler.compiled,
             "transport": self.config.transport,
             "stage_indices": [st.index for st in self.stages],
+            "l2_persisting_bytes": list(self._l2.granted),
+            "l2_persistence": self._l2.stats(),
         }
 
     def reset_stats(self) -> None:

@@ -121,6 +121,8 @@ class WeightStore:
         self.peak_buffers = 1
         self.peak_versions = 1
         self.retirements = 0
+        #: called after live moved to other memory (an L2 window must follow it)
+        self.on_live_moved: Callable[[], Any] | None = None
 
     # ------------------------------------------------------------------ buffers
 
@@ -288,6 +290,8 @@ class WeightStore:
         self._live_pins = set()
         self.retirements += 1
         self._count()
+        if self.on_live_moved is not None:
+            self.on_live_moved()
 
     def finish_update(self, wrote_transient_key: Any) -> None:
         """After the optimizer step: the live version advances; the transient holds what the
