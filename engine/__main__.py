@@ -22,7 +22,7 @@ import importlib
 import sys
 from typing import NoReturn
 
-from engine.cli import CLIError
+from engine.cli import CLIError, CLIFailure
 from engine.data import DatasetError
 
 COMMANDS = ("info", "train", "compare", "schedule", "bench")
@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as exc:
         print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except CLIFailure as exc:
+        print(f"{parser.prog} {args.command}: failed: {exc}", file=sys.stderr)
+        return 1
     except (ModuleNotFoundError, DatasetError) as exc:
         package = _missing_cli_package(exc)
         if package is None:  # not a missing optional package: a real bug, keep the traceback

@@ -8,6 +8,7 @@ runs in about a second.
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -354,3 +355,96 @@ def test_progress_is_one_line_per_epoch_or_run_when_not_a_terminal(tmp_path: Pat
     runs = [ln for ln in comp.stderr.splitlines() if ln.startswith("[")]
     assert len(runs) == 2 and runs[0].startswith("[1/2] S=2 gpipe")
     assert len(comp.stderr.splitlines()) < 20
+
+
+# ------------------------------------------------------------------ faults during a run
+
+_FAULT = [*TINY, "--stages", "2", "--chunks", "2", "--schedule", "pb"]
+
+
+def _same_checkpoint(a: Path, b: Path) -> None:
+    x, y = load_file(str(a / "checkpoint.safetensors")), load_file(str(b / "checkpoint.safetensors"))
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.mark.parametrize("crash_at", ["checkpoint", "state"])
+def test_a_crash_while_committing_an_epoch_never_trains_it_twice(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crash_at: str
+) -> None:
+    """Killed at either rename of epoch 2's commit, the resumed run ends exactly as an
+    uninterrupted one (before: a new checkpoint beside an old state trained an epoch twice)."""
+    import engine.cli.runlog as runlog
+
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert _run(capsys, "train", *_FAULT, "--epochs", "3", "--out", str(full))[0] == 0
+    real = os.replace
+    commits = []
+
+    def crashing(src, dst):
+        name = Path(dst).name
+        if name in ("checkpoint.safetensors", "train_state.json"):
+            commits.append(name)
+            target = "checkpoint.safetensors" if crash_at == "checkpoint" else "train_state.json"
+            if len(commits) > 2 and name == target:  # epoch 2's commit
+                raise KeyboardInterrupt
+        return real(src, dst)
+
+    monkeypatch.setattr(runlog.os, "replace", crashing)
+    code, _, err = _run(capsys, "train", *_FAULT, "--epochs", "3", "--out", str(split))
+    assert code == 130, err
+    monkeypatch.setattr(runlog.os, "replace", real)
+    code, _, err = _run(capsys, "train", *_FAULT, "--epochs", "3", "--out", str(split), "--resume")
+    assert code == 0, err
+    _same_checkpoint(full, split)
+    assert json.loads((split / "train_state.json").read_text())["epoch"] == 3
+
+
+def test_a_full_disk_fails_in_one_line_and_keeps_the_previous_epoch(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    import engine
+
+    out = tmp_path / "run"
+    assert _run(capsys, "train", *_FAULT, "--epochs", "1", "--out", str(out))[0] == 0
+    before = (out / "checkpoint.safetensors").read_bytes(), (out / "train_state.json").read_text()
+
+    def full_disk(pipe, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(engine, "save", full_disk)
+    code, _, err = _run(capsys, "train", *_FAULT, "--epochs", "2", "--out", str(out), "--resume")
+    assert code == 1
+    assert err.count("\n") == 1 and "No space left on device" in err and "intact" in err
+    assert "Traceback" not in err
+    assert ((out / "checkpoint.safetensors").read_bytes(), (out / "train_state.json").read_text()) == before
+    assert not list(out.glob("*.next")) and not list(out.glob("*.tmp"))
+
+
+def test_an_unwritable_out_and_a_corrupt_state_fail_in_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "run"
+    assert _run(capsys, "train", *_FAULT, "--epochs", "1", "--out", str(out))[0] == 0
+    (out / "train_state.json").write_text("{not json")
+    code, _, err = _run(capsys, "train", *_FAULT, "--epochs", "2", "--out", str(out), "--resume")
+    assert code == 1 and err.count("\n") == 1 and "train_state.json" in err and "unreadable" in err
+
+    def read_only(self, *a, **k):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    code, _, err = _run(capsys, "train", *_FAULT, "--epochs", "1", "--out", str(tmp_path / "ro"))
+    assert code == 1 and err.count("\n") == 1 and "Permission denied" in err
+
+
+def test_resume_with_fewer_epochs_than_done_says_so(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    assert _run(capsys, "train", *_FAULT, "--epochs", "2", "--out", str(out))[0] == 0
+    code, _, err = _run(capsys, "train", *_FAULT, "--epochs", "1", "--out", str(out), "--resume")
+    assert code == 2 and "has trained 2 epochs already; --epochs 1 is below that" in err
+    code, _, err = _run(capsys, "train", *_FAULT, "--epochs", "2", "--out", str(out), "--resume")
+    assert code == 0 and "nothing to do" in err

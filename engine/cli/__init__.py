@@ -12,8 +12,13 @@ stderr and exits with status 2, argparse's convention for bad usage.
 
 from __future__ import annotations
 
-__all__ = ["CLIError"]
+__all__ = ["CLIError", "CLIFailure"]
 
 
 class CLIError(Exception):
     """A usage error: printed as ``python -m engine CMD: error: MESSAGE`` with exit status 2."""
+
+
+class CLIFailure(Exception):
+    """The command ran and failed for a reason outside the program (a full disk, a read-only
+    output folder, a corrupt state file): one line, exit status 1, earlier results intact."""

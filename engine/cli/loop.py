@@ -21,16 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.cli import CLIError
+from engine.cli import CLIError, CLIFailure
 from engine.cli.config import TrainConfig, check_config
 from engine.cli.runlog import (
     CHECKPOINT_FILE,
     METRICS_FILE,
+    commit_epoch,
     read_metrics,
     read_state,
     resume_key,
     write_metrics,
-    write_state,
 )
 
 __all__ = ["TrainResult", "train", "build_pipeline", "evaluate", "activation_bytes"]
@@ -261,12 +261,23 @@ def train(
         except ValueError as exc:
             raise CLIError(f"--resume: {exc}") from None
         start_epoch = int(state["epoch"])
+        if cfg.epochs < start_epoch:
+            raise CLIError(
+                f"--resume: the run in {out} has trained {start_epoch} epochs already; "
+                f"--epochs {cfg.epochs} is below that: pass --epochs > {start_epoch} to continue it"
+            )
+        if cfg.epochs == start_epoch:
+            print(f"--resume: the run in {out} has trained its {start_epoch} epochs already; "
+                  "nothing to do (raise --epochs to continue it)", file=sys.stderr)
         samples = int(state["samples"])
         train_seconds = float(state["train_seconds"])
         if (out / METRICS_FILE).exists():
             result.rows = [r for r in read_metrics(out / METRICS_FILE) if r["epoch"] <= start_epoch]
     if save:
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CLIFailure(f"cannot create --out {out}: {exc.strerror or exc}") from None
 
     per_step = cfg.chunks * cfg.batch_size
     evals = min(cfg.evals_per_epoch, steps_per_epoch)
@@ -347,8 +358,6 @@ def train(
                     file=sys.stderr, flush=True,
                 )
             if save:
-                engine.save(pipe, out / CHECKPOINT_FILE)
-                write_metrics(out / METRICS_FILE, result.rows)
                 state = {
                     "config": resume_key(cfg),
                     "epoch": epoch + 1,
@@ -357,7 +366,11 @@ def train(
                     "lr": lr,
                     "momentum": momentum,
                 }
-                write_state(out, state)
+                commit_epoch(out, pipe, state)
+                try:  # rows are filtered by the committed epoch on resume
+                    write_metrics(out / METRICS_FILE, result.rows)
+                except OSError as exc:
+                    raise CLIFailure(f"cannot write {METRICS_FILE} to {out}: {exc.strerror or exc}") from None
             stats_mark = pipe.stats()
     except FloatingPointError as exc:
         result.diverged = result.diverged or str(exc)

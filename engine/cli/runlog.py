@@ -4,20 +4,25 @@ Why: ``--resume`` must continue exactly where an earlier run stopped, and only w
 options; so ``train_state.json`` records the configuration (minus the options that may change
 between a run and its resumption, e.g. ``--epochs``) beside the epoch, sample count and
 training time, and a resumed run is refused with the differing options named. Every file is
-written to a temporary name and moved into place with ``os.replace``, so a run killed
-mid-write leaves the previous, consistent files (the checkpoint itself is ``engine.save``'s).
+written to a temporary name and moved into place with ``os.replace``. The checkpoint and the
+state are one unit (:func:`commit_epoch`): the state records the checkpoint's SHA-256, so a
+crash between their two renames is detected on resume and finished from the ``.next`` file,
+never resumed from a state that does not belong to the weights (which trained an epoch twice).
+A full disk or a read-only folder fails with one line and leaves the previous unit intact.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import hashlib
 import json
 import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from engine.cli import CLIError
+from engine.cli import CLIError, CLIFailure
 from engine.cli.config import TrainConfig
 
 __all__ = [
@@ -27,7 +32,7 @@ __all__ = [
     "METRIC_FIELDS",
     "resume_key",
     "read_state",
-    "write_state",
+    "commit_epoch",
     "write_metrics",
     "read_metrics",
 ]
@@ -56,6 +61,53 @@ def resume_key(cfg: TrainConfig) -> dict[str, Any]:
     return {k: v for k, v in asdict(cfg).items() if k not in _RESUME_FREE}
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        state = json.loads(path.read_text())
+        if not isinstance(state, dict) or not isinstance(state.get("config"), dict):
+            raise ValueError("not a train state")
+        return state
+    except (OSError, ValueError) as exc:
+        raise CLIFailure(
+            f"--resume: {path} is unreadable ({exc}); the checkpoint beside it is untouched: "
+            "restore the file, or start a new --out"
+        ) from None
+
+
+def commit_epoch(out: Path, pipe: Any, state: dict[str, Any]) -> None:
+    """Write the checkpoint and the train state as one unit (module docstring): both go to
+    ``.next`` files first, then the checkpoint and the state are renamed into place; a resume
+    that finds a new checkpoint beside an old state completes the commit from ``.next``."""
+    import engine
+
+    ckpt_next = out / (CHECKPOINT_FILE + ".next")
+    state_next = out / (STATE_FILE + ".next")
+    try:
+        engine.save(pipe, ckpt_next)
+        state = dict(state, checkpoint_sha256=_sha256(ckpt_next))
+        tmp = out / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        os.replace(tmp, state_next)
+        os.replace(ckpt_next, out / CHECKPOINT_FILE)
+        os.replace(state_next, out / STATE_FILE)
+    except OSError as exc:
+        for leftover in (ckpt_next, out / (STATE_FILE + ".tmp")):
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+        raise CLIFailure(
+            f"cannot write the checkpoint to {out}: {exc.strerror or exc}; the previous "
+            "checkpoint and train state are intact (--resume continues from them)"
+        ) from None
+
+
 def read_state(out: Path, cfg: TrainConfig) -> dict[str, Any]:
     """The state of the run in ``out``, after checking that ``cfg`` may resume it."""
     state_path = out / STATE_FILE
@@ -64,7 +116,18 @@ def read_state(out: Path, cfg: TrainConfig) -> dict[str, Any]:
             f"--resume: no checkpoint in {out} (expected {CHECKPOINT_FILE} and {STATE_FILE}); "
             "run without --resume first, or point --out at the earlier run"
         )
-    state = json.loads(state_path.read_text())
+    state = _json(state_path)
+    want = state.get("checkpoint_sha256")
+    if want is not None and _sha256(out / CHECKPOINT_FILE) != want:
+        pending = out / (STATE_FILE + ".next")
+        nxt = _json(pending) if pending.exists() else None
+        if nxt is None or nxt.get("checkpoint_sha256") != _sha256(out / CHECKPOINT_FILE):
+            raise CLIFailure(
+                f"--resume: {CHECKPOINT_FILE} in {out} is not the checkpoint {STATE_FILE} "
+                "names (written by another run, or edited); start a new --out"
+            )
+        os.replace(pending, state_path)  # the crash came between the two renames: finish it
+        state = nxt
     saved = state["config"]
     mine = resume_key(cfg)
     diff = [
@@ -102,10 +165,3 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
             }
         )
     return out
-
-
-def write_state(out: Path, state: dict[str, Any]) -> None:
-    """Write ``state`` to ``out / STATE_FILE`` atomically."""
-    tmp = out / (STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps(state, indent=1))
-    os.replace(tmp, out / STATE_FILE)
