@@ -1,9 +1,16 @@
 """Helpers shared by the optimizer kernels' launchers and bodies.
 
 Launch policy: one program per BLOCK elements of a flat buffer. On a GPU BLOCK is 1024 with 4
-warps (memory-bound elementwise code; larger blocks do not help on H100). Under
-``TRITON_INTERPRET=1`` every program instance costs milliseconds of Python, so the launcher
-uses a large block there; tests can pass a small one to exercise the multi-program path.
+warps (memory-bound elementwise code; larger blocks do not help on H100), i.e. 8 elements per
+thread, two 128-bit accesses per fp32 tensor. A launch that mixes element widths (bf16/fp16
+weights beside fp32 state or gradients) uses BLOCK 512, 4 elements per thread: Triton gives
+each access 128 bits where it can (8 bf16, 4 fp32 elements), so at 8 elements per thread the
+fp32 values computed in the bf16 layout go through shared memory (a layout conversion with a
+barrier) before every fp32 store; at 4 per thread every tensor shares one layout (fp32 128-bit,
+bf16/fp16 64-bit accesses, still fully coalesced) and nothing is exchanged between threads.
+Under ``TRITON_INTERPRET=1`` every program instance costs milliseconds of Python, so the
+launcher uses a large block there; tests can pass a small one to exercise the multi-program
+path. tests/test_triton_aot.py compiles every variant for sm_90 and checks these widths.
 
 ``cast_rne`` exists because the interpreter converts fp32 to bf16 by truncation while
 GPUs and torch round to nearest even: doing the rounding with integer ops gives the same bits
@@ -20,6 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 GPU_BLOCK = 1024
+GPU_BLOCK_MIXED = 512  # 4 elements per thread at GPU_WARPS: see the module docstring
 GPU_WARPS = 4
 INTERPRET_BLOCK = 1 << 16
 
@@ -29,8 +37,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def default_block() -> int:
-    return INTERPRET_BLOCK if interpreting() else GPU_BLOCK
+def default_block(*tensors: Tensor | None) -> int:
+    """Block size for a launch that sweeps ``tensors`` (None: not accessed)."""
+    if interpreting():
+        return INTERPRET_BLOCK
+    widths = {t.element_size() for t in tensors if t is not None}
+    return GPU_BLOCK_MIXED if len(widths) > 1 else GPU_BLOCK
 
 
 def check_launchable(tensors: dict[str, Tensor | None]) -> None:

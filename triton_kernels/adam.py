@@ -220,7 +220,7 @@ def launch_adam(
     n = param.numel()
     if n == 0:
         return
-    block = block or default_block()
+    block = block or default_block(param, grad, exp_avg)  # the other state is exp_avg's dtype
     adam_kernel[grid_for(n, block)](
         param, grad, exp_avg, exp_avg_sq,
         placeholder(max_exp_avg_sq if amsgrad else None, param),
@@ -233,7 +233,7 @@ def launch_adam(
         float(sc_a), float(predict_horizon), float(delta_gamma), float(1 - delta_gamma),
         BLOCK=block,
         WEIGHT_DECAY=weight_decay != 0,
-        DECOUPLED=bool(decoupled),
+        DECOUPLED=weight_decay != 0 and bool(decoupled),  # no duplicate variant without decay
         AMSGRAD=bool(amsgrad),
         MAXIMIZE=bool(maximize),
         SC=sc_delay > 0,

@@ -136,7 +136,8 @@ def launch_sgd(
     sc = use_momentum and sc_delay > 0
     sc_a, sc_b = spike_coeffs(momentum, sc_delay) if sc else (0.0, 0.0)
     sc_b *= 1 - dampening  # the spike term's (1 - d), as the reference (ALGORITHMS.md)
-    block = block or default_block()
+    block = block or default_block(param, grad, momentum_buffer if use_momentum else None,
+                                   delta)
     sgd_kernel[grid_for(n, block)](
         param, grad, placeholder(momentum_buffer if use_momentum else None, param),
         placeholder(predicted, param), placeholder(delta, param),
@@ -147,8 +148,10 @@ def launch_sgd(
         BLOCK=block,
         WEIGHT_DECAY=weight_decay != 0,
         MOMENTUM=use_momentum,
-        INIT=bool(init_momentum),
-        NESTEROV=bool(nesterov),
+        # flags that change no code are canonicalised, so that no launch compiles a
+        # duplicate variant (e.g. at the second step of momentum-free SGD)
+        INIT=use_momentum and bool(init_momentum),
+        NESTEROV=use_momentum and not sc and bool(nesterov),
         SC=sc,
         MAXIMIZE=bool(maximize),
         PREDICT=predicted is not None,
