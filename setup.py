@@ -200,9 +200,10 @@ class _BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
 ext, tag = _extension()
 
 setup(
-    packages=find_packages(
-        include=["engine", "engine.*", "triton_kernels", "triton_kernels.*"]
-    ),
+    # the kernels live in triton_kernels/ but install as engine.triton_kernels: a top-level
+    # "triton_kernels" would collide with the Triton project's package of that name
+    packages=[*find_packages(include=["engine", "engine.*"]), "engine.triton_kernels"],
+    package_dir={"engine.triton_kernels": "triton_kernels"},
     ext_modules=[ext],
     cmdclass={"build_ext": _BuildExt},
     # egg_info appends tag_build to the version pyproject.toml reads from engine/_version.py

@@ -1,7 +1,7 @@
 """Test configuration shared by every test module.
 
 Triton reads TRITON_INTERPRET when the module that defines a kernel is imported, so it has
-to be set here, before any test imports triton_kernels. On a machine without a GPU the
+to be set here, before any test imports engine.triton_kernels. On a machine without a GPU the
 kernels run through the interpreter; on a GPU machine they are compiled.
 """
 

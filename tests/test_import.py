@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -43,3 +44,21 @@ def test_import_engine_does_not_import_torch() -> None:
     proc = _fresh_python("import sys, engine; print('torch' in sys.modules)")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
+
+
+def test_kernels_install_under_the_engine_namespace(tmp_path) -> None:
+    """The kernels folder installs as engine.triton_kernels; the top-level name, which the
+    Triton project's own package uses, is not ours (outside the source tree)."""
+    code = (
+        "import importlib.util, json;"
+        "top = importlib.util.find_spec('triton_kernels');"
+        "ours = importlib.util.find_spec('engine.triton_kernels');"
+        "print(json.dumps([top.origin if top else None, ours.origin if ours else None]))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    top, ours = json.loads(proc.stdout)
+    repo = str(Path(__file__).resolve().parents[1])
+    assert ours is not None and ours.startswith(os.path.join(repo, "triton_kernels"))
+    assert top is None or not top.startswith(repo)

@@ -19,7 +19,7 @@ from kernel_support import DEVICE, _on_device, assert_kernel_close  # noqa: F401
 from kernel_support import randn as _randn
 
 from engine.optim.functional import adam_update
-from triton_kernels.adam import fused_adam_update, launch_adam
+from engine.triton_kernels.adam import fused_adam_update, launch_adam
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SIZES = [1, 127, 1023]

@@ -18,7 +18,7 @@ from kernel_support import DEVICE, _on_device, assert_kernel_close  # noqa: F401
 from kernel_support import randn as _randn
 
 from engine.optim.functional import prediction_coeff, sgd_update
-from triton_kernels.sgd import fused_sgd_update, launch_sgd
+from engine.triton_kernels.sgd import fused_sgd_update, launch_sgd
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SIZES = [1, 127, 1023]

@@ -152,7 +152,6 @@ def test_zero_size_and_non_contiguous_params_fall_back_to_reference(fused_calls:
 def _arena():
     try:
         import engine._C  # noqa: F401
-
         import engine.arena as arena
     except ImportError as exc:  # pragma: no cover - depends on the build
         pytest.skip(f"engine._C is not built ({exc}); run `python setup.py build_ext --inplace`")

@@ -140,8 +140,8 @@ from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
-import triton_kernels.adam as adam_mod
-import triton_kernels.sgd as sgd_mod
+import engine.triton_kernels.adam as adam_mod
+import engine.triton_kernels.sgd as sgd_mod
 
 cases = json.load(open(sys.argv[1]))
 shard, shards, out_path = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]

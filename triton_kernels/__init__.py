@@ -1,5 +1,8 @@
 """Triton kernels of the engine, one module per kernel family, each with its launcher.
 
+Installed as ``engine.triton_kernels`` (the folder keeps its name): a top-level
+``triton_kernels`` would be ambiguous beside the Triton project's package of that name.
+
 ``sgd``: fused momentum-SGD step (weight decay, Nesterov, dampening, maximize, spike
 compensation, weight prediction, PipeMare's delta, AMP unscale / skip).
 ``adam``: fused Adam / AdamW step (AMSGrad, the same mitigations, on-device bias correction).
@@ -17,8 +20,8 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "fused_sgd_update": "triton_kernels.sgd",
-    "fused_adam_update": "triton_kernels.adam",
+    "fused_sgd_update": "engine.triton_kernels.sgd",
+    "fused_adam_update": "engine.triton_kernels.adam",
 }
 
 __all__ = list(_LAZY)
@@ -27,7 +30,7 @@ __all__ = list(_LAZY)
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'triton_kernels' has no attribute {name!r}")
+        raise AttributeError(f"module 'engine.triton_kernels' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

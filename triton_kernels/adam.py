@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from engine.optim.functional import validate_adam_args
-from triton_kernels._launch import (
+from engine.triton_kernels._launch import (
     GPU_WARPS,
     cast_rne,
     check_launchable,

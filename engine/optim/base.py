@@ -3,7 +3,7 @@
 Every engine optimizer is a ``torch.optim.Optimizer`` subclass whose update rule lives in two
 interchangeable places: ``engine.optim.functional`` (plain torch, in place, the readable
 reference that equals torch.optim bit for bit with the extra options off) and
-``triton_kernels`` (fused Triton kernels with the same signatures; chosen in
+``engine.triton_kernels`` (fused Triton kernels with the same signatures; chosen in
 :mod:`engine.optim.dispatch`). This module decides, per param group and step, which of the
 two runs and over what tensors:
 

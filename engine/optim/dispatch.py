@@ -1,6 +1,6 @@
 """Which implementation runs an update: the plain-torch reference or the fused Triton kernel.
 
-The one module of ``engine.optim`` that names ``triton_kernels``. The fused kernels are
+The one module of ``engine.optim`` that names ``engine.triton_kernels``. The fused kernels are
 imported on first use: importing Triton costs seconds and, on CPU, needs
 ``TRITON_INTERPRET=1``, so users of the reference path never pay for it.
 """
@@ -22,10 +22,10 @@ def _fused(family: str) -> Callable[..., Any]:
     fn = _FUSED.get(family)
     if fn is None:
         try:
-            module = importlib.import_module(f"triton_kernels.{family}")
+            module = importlib.import_module(f"engine.triton_kernels.{family}")
         except ImportError as exc:
             raise RuntimeError(
-                f"fused update needs triton_kernels.{family} and triton ({exc}); "
+                f"fused update needs engine.triton_kernels.{family} and triton ({exc}); "
                 "install triton==3.6.0 or pass fused=False"
             ) from exc
         fn = getattr(module, f"fused_{family}_update")
@@ -34,7 +34,7 @@ def _fused(family: str) -> Callable[..., Any]:
 
 
 class _Fused:
-    """Calls ``triton_kernels.<family>.fused_<family>_update``, imported on first call."""
+    """Calls ``engine.triton_kernels.<family>.fused_<family>_update``, imported on first call."""
 
     def __init__(self, family: str) -> None:
         self.family = family

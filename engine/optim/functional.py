@@ -2,7 +2,7 @@
 
 Every optimizer in ``engine.optim`` has two paths with the same signature: the functions here
 (the reference, written with the same torch ops in the same order as ``torch.optim``'s
-single-tensor implementations) and the fused Triton kernels in ``triton_kernels`` (one pass
+single-tensor implementations) and the fused Triton kernels in ``engine.triton_kernels`` (one pass
 over memory). Tests hold the two together, and hold this module to ``torch.optim.SGD`` /
 ``Adam`` / ``AdamW`` bit for bit with the delay mitigations off. That is why the code below
 looks clumsy in places (``g.add(w, alpha=wd)`` rather than ``g + wd * w``, ``lerp_`` for

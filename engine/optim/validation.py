@@ -71,7 +71,7 @@ class OptionChecks:
                 raise RuntimeError(
                     f"{where}fused=True with CPU tensors runs the Triton kernels through Triton's "
                     "interpreter, which needs TRITON_INTERPRET=1 in the environment before "
-                    "triton_kernels is imported (export it, or set it at the top of conftest.py); "
+                    "engine.triton_kernels is imported (export it, or set it at the top of conftest.py); "
                     "otherwise pass fused=None or fused=False for the plain-torch path"
                 )
 
