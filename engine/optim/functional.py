@@ -186,6 +186,25 @@ def _skip(found_inf: Tensor | None) -> bool:
     return found_inf is not None and bool(found_inf.item() != 0)
 
 
+_WORKSPACE: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+
+def _workspace(like: Tensor) -> Tensor:
+    """A scratch tensor shaped like ``like`` (contents undefined), carved from one buffer per
+    (dtype, device) that grows to the largest request and is reused by every call (not for
+    a differentiable step, which needs its own temporaries). CPU only: on a GPU the caching
+    allocator already reuses memory, and steps on concurrent streams must not share one."""
+    if like.device.type != "cpu":
+        return torch.empty_like(like)
+    key = (like.dtype, like.device)
+    buf = _WORKSPACE.get(key)
+    n = like.numel()
+    if buf is None or buf.numel() < n:
+        buf = torch.empty(n, dtype=like.dtype, device=like.device)
+        _WORKSPACE[key] = buf
+    return buf[:n].view(like.shape)
+
+
 def _as_f32(t: Tensor) -> Tensor:
     """The tensor in its compute dtype: fp32, fp64 and complex as they are, bf16/fp16 upcast."""
     return t if t.dtype in _NATIVE else t.float()
@@ -277,7 +296,12 @@ def sgd_update(
             # (1 - d) on the spike term keeps a gradient's total contribution that of
             # undelayed SGD with dampening (ALGORITHMS.md); D = 1, d = 0: b == 1.0, identical
             # to nesterov below
-            upd = g.mul(b * (1 - dampening)).add(buf, alpha=a)
+            # the same two ops as before, into a reused workspace: a fresh weight-sized
+            # temporary per call costs page faults that dwarf the arithmetic on CPU
+            if torch.is_grad_enabled() and (g.requires_grad or buf.requires_grad):
+                upd = g.mul(b * (1 - dampening)).add(buf, alpha=a)  # differentiable step
+            else:
+                upd = torch.mul(g, b * (1 - dampening), out=_workspace(g)).add_(buf, alpha=a)
         elif nesterov:
             upd = g.add(buf, alpha=momentum)
         else:
