@@ -21,8 +21,11 @@ Use::
 Times are ``time.perf_counter`` around a block of ``inner`` calls; with ``device`` a CUDA
 device, ``torch.cuda.synchronize`` brackets every block. Distributed benchmarks pass
 ``sync=dist.barrier`` (and an explicit ``inner``, identical on every rank) so a block spans the
-whole pipeline. ``probes`` record extra per-call quantities (e.g. minor page faults) over the
-same blocks.
+whole pipeline. ``probes`` record extra per-call quantities (e.g. minor page faults, or device
+time from CUDA events) over the same blocks; ``PairedResult.by_probe(name)`` turns one of them
+into a paired ratio with its own interval. ``setup(side)`` runs before each of a side's blocks,
+outside the timer, where the two sides differ by a device setting rather than by a callable
+(bench/l2_persistence.py switches an L2 window on and off that way).
 
 Kernel microbenchmarks that report bandwidth keep ``common.Row``; every *ratio* goes through
 this module and its CSV schema (``RatioRow``).
@@ -31,6 +34,7 @@ this module and its CSV schema (``RatioRow``).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import datetime
 import json
 import math
@@ -177,10 +181,27 @@ class PairedResult:
     cpus: int
     device: str
     extra: dict[str, float] = field(default_factory=dict)
+    #: every probe's per-call value in every round, keyed like ``extra``
+    probe_rounds: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def rounds(self) -> int:
         return len(self.candidate_s)
+
+    def by_probe(self, name: str) -> PairedResult:
+        """The same rounds with probe ``name``'s per-call values in place of the clock's times.
+
+        For a probe that measures a time (e.g. device time from CUDA events around part of a
+        call), this is the paired ratio of that time with its own bootstrap interval; the
+        round pairing, order and machine record are those of the original measurement.
+        """
+        key_c, key_p = f"candidate_{name}_per_call", f"peer_{name}_per_call"
+        if key_c not in self.probe_rounds:
+            known = sorted({k.split("_", 1)[1].removesuffix("_per_call") for k in self.probe_rounds})
+            raise KeyError(f"by_probe: no probe named {name!r} in this result (probes: {known})")
+        c, p = self.probe_rounds[key_c], self.probe_rounds[key_p]
+        stats = ratio_stats(c, p, confidence=self.stats.confidence)
+        return dataclasses.replace(self, candidate_s=list(c), peer_s=list(p), stats=stats)
 
     def row(
         self,
@@ -228,7 +249,11 @@ class PairedResult:
 
 
 def _calibrate(
-    fns: dict[str, Callable[[], object]], sync: Callable[[], None], min_time: float, tries: int = 3
+    fns: dict[str, Callable[[], object]],
+    sync: Callable[[], None],
+    min_time: float,
+    tries: int = 3,
+    setup: Callable[[str], None] | None = None,
 ) -> int:
     """Calls per block so that the faster side's block lasts at least ``min_time`` seconds.
 
@@ -237,7 +262,9 @@ def _calibrate(
     """
     fastest = math.inf
     for _ in range(tries):
-        for fn in fns.values():
+        for side, fn in fns.items():
+            if setup is not None:
+                setup(side)
             sync()
             t0 = time.perf_counter()
             fn()
@@ -261,6 +288,7 @@ def paired(
     confidence: float = 0.95,
     resamples: int = 10_000,
     seed: int = 0,
+    setup: Callable[[str], None] | None = None,
 ) -> PairedResult:
     """Time ``candidate`` against ``peer`` in ``rounds`` alternating paired rounds.
 
@@ -278,6 +306,10 @@ def paired(
             result's ``extra`` holds ``{side}_{probe}_per_call`` medians over rounds.
         units_per_call: work units one call performs (e.g. mini-batches); times are
             reported per unit. Ratios do not depend on it.
+        setup: called with the side's name (``"candidate"`` or ``"peer"``) before each of
+            its warm-up calls, calibration calls and timed blocks, outside the timer: for
+            sides that differ by a device setting (an L2 window on or off) rather than by
+            what they call. Keep it idempotent; it runs once per block, not per call.
     """
     if rounds < 1:
         raise ValueError(f"paired: rounds={rounds} must be >= 1")
@@ -294,13 +326,17 @@ def paired(
     load_before = os.getloadavg()[0]
     for first_second in round_order(warmup):
         for side in first_second:
+            if setup is not None:
+                setup(side)
             fns[side]()
-    n = inner if inner is not None else _calibrate(fns, sync, min_time)
+    n = inner if inner is not None else _calibrate(fns, sync, min_time, setup=setup)
     times: dict[str, list[float]] = {s: [] for s in SIDES}
     probed: dict[str, list[float]] = {f"{s}_{p.name}_per_call": [] for s in SIDES for p in probes}
     order = round_order(rounds)
     for first_second in order:
         for side in first_second:
+            if setup is not None:
+                setup(side)
             fn = fns[side]
             sync()
             tokens = [p.start() for p in probes]
@@ -328,6 +364,7 @@ def paired(
         cpus=os.cpu_count() or 0,
         device=device_name(dev),
         extra=extra,
+        probe_rounds=probed,
     )
 
 
