@@ -534,6 +534,123 @@ def phase_evaluate(rank: int, S: int) -> dict[str, Any]:
         return {"error": traceback.format_exc()}
 
 
+SEQ = 4
+
+
+class TreeEmbed(nn.Module):
+    """Stage 0 of the tree model: keywords in (ids, mask), a dict out with an integer, a
+    boolean and a no-grad float leaf and a constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.register_buffer("pos", torch.linspace(-1.0, 1.0, SEQ))
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+        h = torch.tanh(self.embed(ids))
+        bias = self.pos.expand(ids.shape[0], SEQ)
+        return {"h": h, "mask": mask, "ids": ids, "bias": bias, "scale": 0.5}
+
+
+class TreeHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+        self.tok = nn.Embedding(VOCAB, 1)
+        self.out = nn.Linear(DIM, OUT)
+
+    def forward(self, h, mask, ids, bias, scale):  # the leaves of stage 0's dict
+        h = torch.tanh(self.lin(h) + scale * bias.unsqueeze(-1) + self.tok(ids))
+        m = mask.unsqueeze(-1).to(h.dtype)
+        return self.out((h * m).sum(1) / m.sum(1).clamp_min(1.0))
+
+
+def tree_factories() -> list[Callable[[], nn.Module]]:
+    def make(s: int) -> Callable[[], nn.Module]:
+        def build() -> nn.Module:
+            torch.manual_seed(3000 + s)
+            return TreeEmbed() if s == 0 else TreeHead()
+
+        return build
+
+    return [make(0), make(1)]
+
+
+def tree_batch(step: int, B: int = 8) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(30_000 + step)
+    mask = torch.rand(B, SEQ, generator=g) > 0.3
+    mask[:, 0] = True
+    ids = torch.randint(0, VOCAB, (B, SEQ), generator=g)
+    return {"ids": ids, "mask": mask}, {"y": torch.randn(B, OUT, generator=g)}
+
+
+def _tree_loss(out: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.mse_loss(out, t["y"])
+
+
+def phase_trees(rank: int, S: int) -> dict[str, Any]:
+    """Stages passing dicts of tensors (bool mask, int ids, a no-grad float, a constant) under
+    gloo vs the local run of the same configuration."""
+    from engine import Pipeline
+
+    assert S == 2, "the tree model has two stages"
+    out: dict[str, Any] = {}
+    for schedule in ("gpipe", "1f1b", "pipedream", "pb"):
+        kw = dict(schedule=schedule, chunks=4, loss_fn=_tree_loss, optimizer=_sgd())
+        try:
+            pipe = Pipeline(tree_factories(), transport="gloo", timeout=30, **kw)
+            ref = Pipeline([f() for f in tree_factories()], **kw)
+            losses, ref_losses = [], []
+            for t in range(4):
+                x, y = tree_batch(t)
+                losses.append(pipe.step(x, y).detach().clone())
+                ref_losses.append(ref.step(x, y).detach().clone())
+            pipe.flush()
+            ref.flush()
+            s = pipe.layout.stage
+            mine = [p.detach() for p in pipe.stages[0].module.parameters()]
+            theirs = [p.detach() for p in ref.stages[s].module.parameters()]
+            tp = pipe._rank.transport
+            sent = tp.meta.get(("act", "send"))
+            grads = tp.meta.get(("grad", "send"))
+            out[schedule] = {
+                "weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
+                "losses_equal": all(
+                    torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)
+                ),
+                "updates": pipe.stages[0].updates,
+                "ref_updates": ref.stages[s].updates,
+                "sent": None if sent is None else [
+                    (p, m.shape, m.dtype, m.requires_grad) for p, m in sent.metas(grad=False)
+                ],
+                "grads_sent": None if grads is None else [p for p, _ in grads.metas(grad=True)],
+            }
+        except Exception:
+            out[schedule] = {"error": traceback.format_exc()}
+    return out
+
+
+def phase_disagree(rank: int, S: int, key: str) -> dict[str, Any]:
+    """Rank 1 starts with another setting than the others: every rank must fail at
+    construction, naming the setting, instead of hanging at the first step."""
+    from engine import Pipeline
+
+    kw: dict[str, Any] = dict(schedule="1f1b", chunks=4, optimizer=_sgd())
+    if rank == 1:
+        kw.update({"chunks": {"chunks": 2}, "schedule": {"schedule": "gpipe"},
+                   "prediction": {"schedule": "pb", "optimizer": _sgd(prediction="linear")}}[key])
+        if key == "prediction":
+            pass
+    elif key == "prediction":
+        kw.update(schedule="pb")
+    t0 = time.perf_counter()
+    try:
+        Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo", timeout=30, **kw)
+        return {"error": None, "seconds": time.perf_counter() - t0}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0}
+
+
 # ---------------------------------------------------------------------- spawning
 
 

@@ -103,6 +103,30 @@ def build_distributed(
         ties = tie_stages(list(specs), spec, stages=[s])
         connect_ties(ties, spec.stages, cfg.data_parallel, s, layout.replica)
     built = [build_store(module, s, optimizer)]
+    from engine.runtime.agreement import agree, fingerprint
+
+    bridge = built[0][1]
+    opt = bridge.opt if bridge is not None else None
+    mitigations = {
+        k: opt.defaults.get(k) for k in ("spike_compensation", "prediction", "discrepancy_correction")
+    } if opt is not None else {}
+    settings = {
+        "schedule": spec.name,
+        "stages": spec.stages,
+        "chunks": spec.chunks,
+        "update_size": spec.update_size,
+        "order": spec.order,
+        "transport": cfg.transport,
+        "data_parallel": cfg.data_parallel,
+        "checkpoint": cfg.checkpoint,
+        "on_nonfinite": cfg.on_nonfinite,
+        "weight_prediction": weight_prediction,
+        "discrepancy_correction": discrepancy_correction,
+        "deferred_batch_norm": deferred_batch_norm,
+        "optimizer mitigations": {k: v for k, v in mitigations.items() if v is not None},
+        "tied parameters": [g.describe() for g in ties],
+    }
+    agree(fingerprint(settings, module), layout.rank, spec.stages, device)
     pipe.device = device
     pipe.layout = layout
     tp = P2PTransport(

@@ -1,0 +1,78 @@
+"""Configuration agreement between the ranks of a multi-process pipeline, at construction.
+
+Why: a rank started with another ``chunks``, schedule or mitigation does not fail by itself;
+it waits for messages its peers never send, until the timeout, and the error names no
+setting -- or worse, gpipe on one rank against 1f1b on the others runs silently. So before
+anything else every rank sends every other rank a fingerprint of its configuration (JSON,
+never pickle) and all of them compare: the settings of the whole pipeline must be equal on
+every rank, the parameter shapes of a stage equal on every replica of that stage. A mismatch
+raises the same PipelineConfigError on every rank, naming the setting and both values.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.errors import PipelineConfigError
+
+__all__ = ["fingerprint", "agree"]
+
+
+def fingerprint(pipe_settings: dict[str, Any], module: nn.Module) -> dict[str, Any]:
+    """What must agree: ``pipe_settings`` on every rank; the stage's parameters (names,
+    shapes, dtypes) on every replica of the stage."""
+    import engine
+
+    settings = [[k, v] for k, v in pipe_settings.items()] + [["engine version", engine.__version__]]
+    return {
+        "pipeline": settings,  # a list: the first difference is reported in this order
+        "stage": [[n, list(p.shape), str(p.dtype)] for n, p in module.named_parameters()],
+    }
+
+
+def _all_gather_json(obj: Any, world: int, device: torch.device) -> list[Any]:
+    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    longest = int(max(int(s) for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data.to(device)
+    chunks = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(chunks, padded)
+    return [json.loads(bytes(c[: int(n)].cpu().tolist()).decode()) for c, n in zip(chunks, sizes, strict=True)]
+
+
+def agree(mine: dict[str, Any], rank: int, stages: int, device: torch.device) -> None:
+    """Exchange fingerprints with every rank; raise on every rank at the first difference."""
+    world = dist.get_world_size()
+    prints = _all_gather_json(mine, world, device)
+    ref = dict(prints[0]["pipeline"])
+    for r, fp in enumerate(prints):
+        theirs = dict(fp["pipeline"])
+        for key in [k for k, _ in prints[0]["pipeline"]] + [k for k in theirs if k not in ref]:
+            a, b = ref.get(key), theirs.get(key)
+            if a != b:
+                raise PipelineConfigError(
+                    f"the ranks disagree on {key}: rank 0 has {a!r}, rank {r} has {b!r}; start "
+                    "every rank with the same Pipeline settings (this rank is "
+                    f"{rank}; nothing was run)"
+                )
+    for r, fp in enumerate(prints):
+        first = r % stages  # replica 0's rank of this stage
+        if fp["stage"] != prints[first]["stage"]:
+            theirs, other = prints[first]["stage"], fp["stage"]
+            diff = next(
+                (f"{a[0]}: {a[1]} {a[2]} vs {b[1]} {b[2]}" for a, b in zip(theirs, other, strict=False) if a != b),
+                f"{len(theirs)} vs {len(other)} parameters",
+            )
+            raise PipelineConfigError(
+                f"the replicas of stage {first} disagree on its parameters (rank {first} vs rank "
+                f"{r}: {diff}); every replica must build the same stage module (this rank is "
+                f"{rank}; nothing was run)"
+            )

@@ -1,0 +1,26 @@
+"""Ranks started with different settings fail fast, all of them, naming the setting
+(engine/runtime/agreement.py), instead of deadlocking until the timeout."""
+
+from __future__ import annotations
+
+import pytest
+from distributed_support import spawn
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("key,named", [
+    ("chunks", "chunks: rank 0 has 4, rank 1 has 2"),
+    ("schedule", "schedule: rank 0 has '1f1b', rank 1 has 'gpipe'"),
+    ("prediction", "optimizer mitigations: rank 0 has {"),
+])
+def test_a_rank_with_other_settings_fails_fast_everywhere(key: str, named: str) -> None:
+    results = spawn(3, [("disagree", dict(S=3, key=key))], timeout=120)
+    for rank, res in enumerate(results):
+        assert "fatal" not in res, res.get("fatal")
+        r = res["disagree"]
+        assert r["error"] is not None and "PipelineConfigError" in r["error"], (rank, r)
+        assert f"the ranks disagree on {named}" in r["error"], (rank, r["error"])
+        if key == "prediction":
+            assert "'prediction': 'linear'" in r["error"]
+        assert r["seconds"] < 25, "it waited for the timeout instead of failing fast"
