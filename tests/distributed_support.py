@@ -565,11 +565,25 @@ class TreeHead(nn.Module):
         return self.out((h * m).sum(1) / m.sum(1).clamp_min(1.0))
 
 
-def tree_factories() -> list[Callable[[], nn.Module]]:
+class TreeFeatures(nn.Module):
+    """A stage 0 whose output needs no gradient (its parameter is used detached), so no
+    gradient travels back to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.freq = nn.Parameter(torch.arange(1.0, DIM + 1.0))
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+        h = torch.cos(ids.unsqueeze(-1) * self.freq.detach())
+        bias = torch.linspace(-1.0, 1.0, SEQ).expand(ids.shape[0], SEQ)
+        return {"h": h, "mask": mask, "ids": ids, "bias": bias, "scale": 0.5}
+
+
+def tree_factories(first: type[nn.Module] = TreeEmbed) -> list[Callable[[], nn.Module]]:
     def make(s: int) -> Callable[[], nn.Module]:
         def build() -> nn.Module:
             torch.manual_seed(3000 + s)
-            return TreeEmbed() if s == 0 else TreeHead()
+            return first() if s == 0 else TreeHead()
 
         return build
 
@@ -595,11 +609,13 @@ def phase_trees(rank: int, S: int) -> dict[str, Any]:
 
     assert S == 2, "the tree model has two stages"
     out: dict[str, Any] = {}
-    for schedule in ("gpipe", "1f1b", "pipedream", "pb"):
+    for name in ("gpipe", "1f1b", "pipedream", "pb", "pb-nograd"):
+        schedule, _, variant = name.partition("-")
+        first = TreeFeatures if variant == "nograd" else TreeEmbed
         kw = dict(schedule=schedule, chunks=4, loss_fn=_tree_loss, optimizer=_sgd())
         try:
-            pipe = Pipeline(tree_factories(), transport="gloo", timeout=30, **kw)
-            ref = Pipeline([f() for f in tree_factories()], **kw)
+            pipe = Pipeline(tree_factories(first), transport="gloo", timeout=30, **kw)
+            ref = Pipeline([f() for f in tree_factories(first)], **kw)
             losses, ref_losses = [], []
             for t in range(4):
                 x, y = tree_batch(t)
@@ -613,7 +629,7 @@ def phase_trees(rank: int, S: int) -> dict[str, Any]:
             tp = pipe._rank.transport
             sent = tp.meta.get(("act", "send"))
             grads = tp.meta.get(("grad", "send"))
-            out[schedule] = {
+            out[name] = {
                 "weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
                 "losses_equal": all(
                     torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)
@@ -624,9 +640,10 @@ def phase_trees(rank: int, S: int) -> dict[str, Any]:
                     (p, m.shape, m.dtype, m.requires_grad) for p, m in sent.metas(grad=False)
                 ],
                 "grads_sent": None if grads is None else [p for p, _ in grads.metas(grad=True)],
+                "leftovers": len(tp._sends) + len(tp._posted),
             }
         except Exception:
-            out[schedule] = {"error": traceback.format_exc()}
+            out[name] = {"error": traceback.format_exc()}
     return out
 
 

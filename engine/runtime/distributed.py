@@ -3,10 +3,13 @@
 ``Pipeline(..., transport="gloo"|"nccl")`` keeps one stage per process (replica ``r // S``,
 stage ``r % S``; see transport/layout.py). Around the executor this module adds:
 
-* the first-step handshake: stage 0 dry-runs its module on micro-batch 0, announces the output
-  shape/dtype to stage 1, which dry-runs on zeros of that shape, and so on down the pipeline;
-  the last stage checks ``loss_fn`` on the targets. The shapes become the agreed channel
-  shapes (P2PTransport checks every later message against them). Every rank learns whether
+* the first-step handshake: stage 0 dry-runs its module on micro-batch 0, announces its
+  output's Signature (a tensor or a tree: every leaf's path, shape, dtype and requires_grad,
+  and the constants; engine/runtime/trees.py) to stage 1, which dry-runs on zeros of those
+  shapes, and so on down the pipeline; the last stage checks ``loss_fn`` on the targets. The
+  Signatures become the agreed channel contents (P2PTransport checks every later message
+  against them). The dry runs record autograd (in eval mode) because requires_grad is part
+  of the agreement: it says which leaves carry a gradient back. Every rank learns whether
   any rank failed, and all raise the same error naming both ranks, so none is left waiting.
 * the loss: the last stage's mean loss is sent to every stage of its replica (tagged
   point-to-point messages under gloo, a broadcast under NCCL, which has no tags) and averaged
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from engine.errors import PipelineInputError
+from engine.runtime import trees
 from engine.runtime.inputs import describe, first_layer_expectation
 from engine.runtime.transport.layout import Layout
 from engine.runtime.transport.p2p import P2PTransport
@@ -60,35 +64,32 @@ class RankRuntime:
     def handshake(
         self,
         module: nn.Module,
-        x0: Tensor | None,
+        x0: Any,
         target0: Any,
         loss_fn: Callable[[Tensor, Any], Tensor] | None,
     ) -> None:
-        """Agree the activation shapes stage by stage; raise the same error on every rank."""
+        """Agree the activation Signatures stage by stage; raise the same error on every rank."""
         lay, tp = self.layout, self.transport
         s, S = lay.stage, lay.stages
-        me = tp.who(s)
         problem = ""
-        inp: Tensor | None = None
+        inp: Any = None
         if s == 0:
-            inp = x0
+            inp = x0.detach() if isinstance(x0, Tensor) else trees.map_tensors(Tensor.detach, x0)
         else:
-            meta = tp.recv_meta("act")
-            if meta is None:
+            sig = tp.recv_meta("act")
+            if sig is None:
                 problem = "upstream"
             else:
-                shape, dtype = meta
-                if not dtype.is_floating_point:
-                    problem = (
-                        f"{tp.who(s - 1)} sends {shape} {dtype} activations to {me}; under "
-                        "gloo/NCCL the tensors between stages must be floating point (they carry "
-                        "gradients back). Move the embedding/lookup into stage 0's output."
-                    )
-                inp = torch.zeros(shape, dtype=dtype, device=self.device)
-        out: Tensor | None = None
+                # zeros of the agreed shapes, requiring grad where the producer's leaf does
+                inp = sig.build(
+                    [torch.zeros(m.shape, dtype=m.dtype, device=self.device) for _, m in sig.metas(False)]
+                )
+        out: Any = None
         if not problem and inp is not None:
             out, problem = self._dry_run(module, inp, target0 if s == S - 1 else None, loss_fn)
         if s < S - 1:
+            if not problem and out is not None:
+                problem = tp.unsupported(out)
             tp.send_meta("act", out if not problem else None)
         codes = torch.tensor([0 if not problem else (2 if problem == "upstream" else 1)])
         codes = codes.to(self.device if tp.backend == "nccl" else "cpu")  # NCCL: CUDA only
@@ -109,45 +110,44 @@ class RankRuntime:
     def _dry_run(
         self,
         module: nn.Module,
-        inp: Tensor,
+        inp: Any,
         target: Any,
         loss_fn: Callable[[Tensor, Any], Tensor] | None,
-    ) -> tuple[Tensor | None, str]:
-        """Run the stage in eval mode without grad on ``inp`` (RNG and modes restored)."""
+    ) -> tuple[Any, str]:
+        """Run the stage in eval mode on ``inp`` (RNG and modes restored); autograd records,
+        so that the output says which leaves require grad."""
         lay, tp = self.layout, self.transport
         s = lay.stage
         modes = [m.training for m in module.modules()]
         rng = torch.get_rng_state()
         try:
             module.eval()
-            with torch.no_grad():
+            with torch.enable_grad():
                 try:
-                    out = module(inp)
+                    out = module(inp) if isinstance(inp, Tensor) else trees.call(module, inp)
                 except Exception as exc:  # a wiring error: teach the fix, naming both ranks
                     if s == 0:
                         return None, (
                             f"{tp.who(0)} ({describe(module)}) cannot run on an input micro-batch "
-                            f"of shape {tuple(inp.shape)}{first_layer_expectation(module)}: {exc}"
+                            f"of shape {trees.describe(inp)}{first_layer_expectation(module)}: {exc}"
                         )
                     return None, (
-                        f"{tp.who(s - 1)} outputs shape {tuple(inp.shape)} but {tp.who(s)} "
+                        f"{tp.who(s - 1)} outputs shape {trees.describe(inp)} but {tp.who(s)} "
                         f"({describe(module)}) cannot take it as input"
                         f"{first_layer_expectation(module)}: {exc}. Make stage {s - 1}'s output "
                         f"match stage {s}'s input (layer sizes or balance)."
                     )
-                if not isinstance(out, Tensor):
-                    return (
-                        None,
-                        f"{tp.who(s)} returned {type(out).__name__}; a stage must return one tensor",
-                    )
+                if s < lay.stages - 1:
+                    problem = trees.check_output(out, tp.who(s))
+                    if problem:
+                        return None, problem
                 if s == lay.stages - 1 and loss_fn is not None:
                     try:
                         loss = loss_fn(out, target)
                     except Exception as exc:
                         return None, (
                             f"loss_fn on {tp.who(s)} cannot compare the output of shape "
-                            f"{tuple(out.shape)} with targets "
-                            f"{tuple(target.shape) if isinstance(target, Tensor) else target!r}: {exc}"
+                            f"{trees.describe(out)} with targets {_words(target)}: {exc}"
                         )
                     if not isinstance(loss, Tensor) or loss.numel() != 1:
                         return (
@@ -245,6 +245,12 @@ class RankRuntime:
                 f"all-reducing stage {lay.stage}'s gradients over {lay.replicas} replicas",
             )
             flat.div_(lay.replicas)
+
+
+def _words(target: Any) -> str:
+    if isinstance(target, (Tensor, tuple, list, dict)):
+        return trees.describe(target)
+    return repr(target)
 
 
 def broadcast_balance(compute: Callable[[], list[int]], timeout: float) -> list[int]:

@@ -5,8 +5,11 @@ the wrong dtype for the loss; inputs on the wrong device) would otherwise fail i
 of a step, after some stages ran. One micro-batch is pushed through every stage in eval mode
 without autograd (no weight, buffer or RNG state changes), and any failure is reported naming
 both stages and the shapes. The check runs once per *key* -- everything that can change the
-outcome: shape, dtype and device of the inputs and of the targets -- so a later batch on
-another device or with float targets is checked again instead of failing mid-step.
+outcome: the structure of the inputs and targets and every tensor leaf's per-sample shape,
+dtype and device, and the value of switches (bool, str, None leaves; other constants by type
+only, so a number that changes every step does not re-run it) -- so a later batch on another
+device, with float targets or with a flag flipped is checked again instead of failing
+mid-step.
 
 ``describe`` and ``first_layer_expectation`` are shared with the multi-process handshake.
 """
@@ -20,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.errors import PipelineInputError
+from engine.runtime import trees
 
 __all__ = ["split", "input_key", "dry_run", "describe", "first_layer_expectation"]
 
@@ -40,13 +44,15 @@ def first_layer_expectation(module: nn.Module) -> str:
     return ""
 
 
-def split(inputs: Any, targets: Any, chunks: int) -> tuple[list[Tensor], list[Any], list[int]]:
+def split(
+    inputs: Any, targets: Any, chunks: int, *, read_inputs: bool = True
+) -> tuple[list[Any], list[Any], list[int]]:
     """``chunks`` equal micro-batches of ``inputs`` (and ``targets``) along dim 0, and their
-    sample counts."""
-    if not isinstance(inputs, Tensor):
-        raise PipelineInputError(
-            f"inputs must be a tensor with the batch on dim 0, got {type(inputs).__name__}"
-        )
+    sample counts. Either may be a tree (engine.runtime.trees): every tensor leaf is split on
+    dim 0, every other leaf is passed to each micro-batch as it is. ``read_inputs=False`` (a
+    rank that only computes the loss): the batch size comes from the targets; xs are None."""
+    if not read_inputs or not isinstance(inputs, Tensor) or _tree(targets):
+        return _split_trees(inputs if read_inputs else None, targets, chunks, read_inputs)
     if inputs.dim() == 0:
         raise PipelineInputError("inputs is a scalar; it needs a batch dimension (dim 0)")
     B = int(inputs.shape[0])
@@ -54,6 +60,71 @@ def split(inputs: Any, targets: Any, chunks: int) -> tuple[list[Tensor], list[An
         raise PipelineInputError(
             f"targets have shape {tuple(targets.shape)} but inputs have {B} samples; dim 0 must match"
         )
+    _check_batch(B, chunks)
+    b = B // chunks
+    xs = list(inputs.split(b))
+    ts = list(targets.split(b)) if isinstance(targets, Tensor) else [targets] * chunks
+    return xs, ts, [b] * chunks
+
+
+def _tree(x: Any) -> bool:
+    return isinstance(x, (tuple, list, dict)) and not isinstance(x, torch.Size)
+
+
+def _split_trees(
+    inputs: Any, targets: Any, chunks: int, read_inputs: bool
+) -> tuple[list[Any], list[Any], list[int]]:
+    leaves = trees.with_paths(targets, "targets")
+    if read_inputs:
+        leaves = trees.with_paths(inputs, "inputs") + leaves
+    ref: tuple[str, int] | None = None
+    for path, leaf in leaves:
+        if isinstance(leaf, Tensor):
+            if leaf.dim() == 0:
+                raise PipelineInputError(
+                    f"{path} is a scalar tensor; every tensor leaf needs the batch on dim 0 "
+                    "(pass a value shared by all samples as a Python number)"
+                )
+            n = int(leaf.shape[0])
+            if ref is None:
+                if read_inputs and not path.startswith("inputs"):
+                    break
+                ref = (path, n)
+            elif n != ref[1]:
+                raise PipelineInputError(
+                    f"{path} has {n} samples on dim 0, {ref[0]} has {ref[1]}; every tensor leaf "
+                    "of inputs and targets needs the same batch size on dim 0"
+                )
+        elif trees._unknown_container(leaf):
+            raise PipelineInputError(
+                f"{path} is a {type(leaf).__name__}; use a tuple, list or dict (or a namedtuple "
+                "or OrderedDict) so that its tensors are split into micro-batches"
+            )
+    if ref is None:
+        what = "inputs" if read_inputs else "targets"
+        raise PipelineInputError(
+            f"{what} hold no tensor: pass a tensor, or a tuple/list/dict of tensors, with the "
+            f"batch on dim 0 (got {trees.describe(inputs if read_inputs else targets)})"
+        )
+    B = ref[1]
+    _check_batch(B, chunks)
+    b = B // chunks
+    xs = _chunks(inputs, b, chunks) if read_inputs else [None] * chunks
+    return xs, _chunks(targets, b, chunks), [b] * chunks
+
+
+def _chunks(tree: Any, b: int, chunks: int) -> list[Any]:
+    if isinstance(tree, Tensor):
+        return list(tree.split(b))
+    leaves, spec = trees.flatten(tree)
+    parts = [x.split(b) if isinstance(x, Tensor) else None for x in leaves]
+    return [
+        trees.unflatten([p[k] if p is not None else x for x, p in zip(leaves, parts, strict=True)], spec)
+        for k in range(chunks)
+    ]
+
+
+def _check_batch(B: int, chunks: int) -> None:
     if B == 0:
         raise PipelineInputError("the batch is empty (0 samples); pass at least chunks samples")
     if B % chunks != 0:
@@ -63,20 +134,16 @@ def split(inputs: Any, targets: Any, chunks: int) -> tuple[list[Tensor], list[An
             f"a batch size divisible by {chunks} (e.g. {max(chunks, B - B % chunks)} or "
             f"{B + chunks - B % chunks}), or chunks in {divisors}"
         )
-    b = B // chunks
-    xs = list(inputs.split(b))
-    ts = list(targets.split(b)) if isinstance(targets, Tensor) else [targets] * chunks
-    return xs, ts, [b] * chunks
 
 
 def _key_of(value: Any) -> Any:
     if isinstance(value, Tensor):
         return ("T", tuple(value.shape[1:]), value.dtype, value.device)
-    return ("V", type(value).__name__)
+    return trees.key(value)
 
 
 def input_key(x: Any, target: Any) -> tuple[Any, Any]:
-    """What the dry-run result depends on: per-sample shape, dtype and device of both."""
+    """What the dry-run result depends on (module docstring; trees.key for trees)."""
     return (_key_of(x), _key_of(target))
 
 
@@ -99,9 +166,9 @@ def dry_run(
         with torch.no_grad():
             for s, mod in enumerate(modules):
                 try:
-                    out = mod(h)
+                    out = mod(h) if isinstance(h, Tensor) else trees.call(mod, h)
                 except Exception as exc:  # a wiring error: teach the fix
-                    shape = tuple(h.shape) if isinstance(h, Tensor) else type(h).__name__
+                    shape = trees.describe(h)
                     if s == 0:
                         raise PipelineInputError(
                             f"stage 0 ({describe(mod)}) cannot run on an input micro-batch of "
@@ -112,18 +179,17 @@ def dry_run(
                         f"cannot take it as input{first_layer_expectation(mod)}: {exc}. Make stage "
                         f"{s - 1}'s output match stage {s}'s input (layer sizes or balance)."
                     ) from exc
-                if not isinstance(out, Tensor):
-                    raise PipelineInputError(
-                        f"stage {s} returned {type(out).__name__}; each stage must return one tensor"
-                    )
+                problem = trees.check_output(out, f"stage {s}") if s < len(modules) - 1 else ""
+                if problem:
+                    raise PipelineInputError(problem)
                 h = out
             try:
                 loss = loss_fn(h, target)
             except Exception as exc:
-                tshape = tuple(target.shape) if isinstance(target, Tensor) else target
+                tshape = trees.describe(target) if _tree(target) or isinstance(target, Tensor) else repr(target)
                 raise PipelineInputError(
-                    f"loss_fn cannot compare the last stage's output of shape {tuple(h.shape)} "
-                    f"with targets {tshape!r}"
+                    f"loss_fn cannot compare the last stage's output of shape {trees.describe(h)} "
+                    f"with targets {tshape}"
                     + (f" ({target.dtype} on {target.device})" if isinstance(target, Tensor) else "")
                     + f": {exc}"
                 ) from exc

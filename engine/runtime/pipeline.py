@@ -49,6 +49,15 @@ class Pipeline:
             parameter shared by several stages (tied weights) is supported on synchronous
             schedules: later holders get a copy, kept equal by summing the holders' gradients
             before each update (``pipe.ties`` lists them; engine/runtime/ties.py).
+
+            What passes between stages: a stage returns a tensor or a tree -- tuples, lists
+            and dicts of tensors, nested, with constant leaves (None, numbers, strings) allowed
+            -- and the next stage's module is called with it by one rule: a tuple is passed
+            as positional arguments (``module(*out)``), a dict as keyword arguments
+            (``module(**out)``), anything else (a tensor, a list) as one argument. A tensor
+            leaf carries a gradient back only when it requires grad at the producer; masks,
+            integer ids and other tensors that need no gradient travel with the activations
+            (engine/runtime/trees.py).
         schedule: a family name -- "naive", "gpipe", "1f1b" (synchronous: gradients equal an
             unpipelined model's), "pipedream" (weight stashing), "2bw" (double buffering) or
             "pb" (pipelined backprop with live weights) -- or a schedule *program*: an
@@ -335,8 +344,15 @@ class Pipeline:
 
     # ------------------------------------------------------------------ running
 
-    def step(self, inputs: Tensor | None, targets: Any) -> Tensor:
+    def step(self, inputs: Any, targets: Any) -> Tensor:
         """Run one mini-batch of ``chunks`` micro-batches; return its mean loss (over samples).
+
+        ``inputs`` is a tensor or a tree of them, passed to stage 0's module by the rule of
+        the ``stages`` argument (a tuple as positional arguments, a dict as keyword
+        arguments); ``targets`` may be any tree and reaches ``loss_fn(output, targets)``
+        unchanged, one micro-batch slice at a time. Every tensor leaf of both is split on
+        dim 0 (all need the same batch size; a mismatch is refused naming both leaves); a
+        non-tensor leaf is passed to every micro-batch as it is.
 
         Synchronous schedules update every stage once at the end; the gradient equals an
         unpipelined model's with a mean-reduced loss. Asynchronous schedules keep the pipeline

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from engine.errors import NonFiniteLossError, PipelineConfigError, PipelineInputError
 from engine.runtime import inputs as _inputs
+from engine.runtime import trees
 from engine.runtime.build import build_module, build_store, resolve_stage_specs
 from engine.runtime.executor import Executor, StepResult
 from engine.runtime.program import RB, RF, SB, SF, F, StepProgram, U
@@ -224,12 +225,12 @@ class RankExecutor(Executor):
             grad, _ = self.grads.pop((s, i))
         gin = st.backward(i, self.n_base + i, grad)
         if s > 0:
-            if gin is None or gin is DROPPED:
+            if gin is DROPPED:
                 raise PipelineInputError(
                     f"stage {s} has no gradient to send back for micro-batch {self.n_base + i}: "
-                    "under gloo/NCCL the tensors between stages must carry gradients"
+                    "it was dropped, which needs every stage in one process"
                 )
-            self._outbox[("grad", i)] = gin
+            self._outbox[("grad", i)] = gin  # None / []: no input leaf carries a gradient
 
     # ------------------------------------------------------------------ the step protocol
 
@@ -311,27 +312,27 @@ def rank_step(pipe: Pipeline, inputs: Any, targets: Any) -> Tensor:
     s, S, M = lay.stage, lay.stages, pipe.spec.chunks
     first, last = s == 0, s == S - 1
     if pipe.device.type == "cuda":  # NCCL: the data a rank reads goes to its GPU
-        if isinstance(inputs, Tensor):
-            inputs = inputs.to(pipe.device, non_blocking=True)
-        if isinstance(targets, Tensor):
-            targets = targets.to(pipe.device, non_blocking=True)
-    if first and not isinstance(inputs, Tensor):
+        inputs = trees.map_tensors(lambda t: t.to(pipe.device, non_blocking=True), inputs)
+        targets = trees.map_tensors(lambda t: t.to(pipe.device, non_blocking=True), targets)
+    if first and not trees.tensors(inputs):
         raise PipelineInputError(
-            f"rank {lay.rank} runs stage 0 and needs the inputs: pass a tensor with the batch "
-            f"on dim 0, got {type(inputs).__name__}"
+            f"rank {lay.rank} runs stage 0 and needs the inputs: pass a tensor (or a tuple/list/"
+            f"dict of tensors) with the batch on dim 0, got {type(inputs).__name__}"
         )
     if first:
         xs, ts, sizes = _inputs.split(inputs, targets if last else None, M)
         if not last:
             ts = [None] * M
     elif last:
-        ref = targets if isinstance(targets, Tensor) else inputs
-        if not isinstance(ref, Tensor):
+        if trees.tensors(targets):
+            _, ts, sizes = _inputs.split(None, targets, M, read_inputs=False)
+        elif trees.tensors(inputs):  # the batch size from the inputs
+            _, ts, sizes = _inputs.split(inputs, targets, M)
+        else:
             raise PipelineInputError(
-                f"rank {lay.rank} runs the last stage and needs the targets (a tensor with the "
-                "batch on dim 0) to compute the loss"
+                f"rank {lay.rank} runs the last stage and needs the targets (a tensor, or a "
+                "tree of tensors, with the batch on dim 0) to compute the loss"
             )
-        _, ts, sizes = _inputs.split(ref, targets, M)
         xs = [None] * M
     else:
         xs, ts, sizes = [None] * M, [None] * M, [1] * M

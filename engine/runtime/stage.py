@@ -40,7 +40,8 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from engine.runtime import labels
+from engine.errors import PipelineInputError
+from engine.runtime import labels, trees
 from engine.runtime.optim_bridge import OptimizerBridge
 from engine.runtime.policy import LIVE, PINNED, Transient, WeightPolicy
 from engine.runtime.saved_weights import SavedWeights
@@ -218,10 +219,13 @@ class Stage:
         else:
             pin = store.pin_version(want, i)
             buf = store.resolve(pin)
-        if self.chain or not isinstance(x, Tensor):
+        if self.chain:
             xin = x  # chained: the previous stage's output, graph attached
+        elif isinstance(x, Tensor):
+            # a gradient flows back where the producer's output required one (trees.py)
+            xin = x.detach().requires_grad_(self.index > 0 and x.requires_grad)
         else:
-            xin = x.detach().requires_grad_(self.index > 0 and x.is_floating_point())
+            xin = trees.stage_input(x, self.index > 0)
         loss: Tensor | None = None
         ok = False
         if self._rebase and buf != LIVE_BUFFER:
@@ -240,9 +244,11 @@ class Stage:
                     out = self._run(xin, target)
             if self.is_last:
                 loss = out
-                keep: Tensor = out * scale
-            else:
+                keep: Any = out * scale
+            elif isinstance(out, Tensor):
                 keep = out
+            else:  # a tree: the backward needs only the leaves that require grad
+                keep = trees.grad_roots(out)
             ok = True
         finally:
             if not ok and pin is not None:
@@ -255,7 +261,9 @@ class Stage:
         assert loss is None or isinstance(loss, Tensor)
         if self.is_last:
             return None, loss.detach() if loss is not None else None
-        return (out if self.chain else out.detach()), None
+        # passed on with its graph: the next stage detaches it (and a tensor's requires_grad
+        # there says whether a gradient comes back), so one detach per hand-off
+        return out, None
 
     def _recomputable(self) -> Callable[[Any, Any], Tensor]:
         """The stage function for ``torch.utils.checkpoint``: its first call is the forward;
@@ -282,11 +290,15 @@ class Stage:
 
         return run
 
-    def _run(self, x: Any, target: Any) -> Tensor:
-        out = self.module(x)
+    def _run(self, x: Any, target: Any) -> Any:
+        out = self.module(x) if isinstance(x, Tensor) else trees.call(self.module, x)
         if self.is_last:
             assert self.loss_fn is not None
             return self.loss_fn(out, target)
+        if not isinstance(out, Tensor):
+            problem = trees.check_output(out, f"stage {self.index}")
+            if problem:
+                raise PipelineInputError(problem)
         return out
 
     def drop_forward(self, i: int, n: int, scale: float) -> None:
@@ -387,14 +399,23 @@ class Stage:
             for job in jobs:
                 st = job.stage
                 out = job.entry.out
-                if out is None or not out.requires_grad or (not st.is_last and job.grad is None):
+                single = isinstance(out, Tensor)
+                if single:
+                    if not out.requires_grad or (not st.is_last and job.grad is None):
+                        continue
+                elif not out:  # dropped, or a tree none of whose leaves requires grad
                     continue
                 if job.buf != st.store.active:
                     stack.enter_context(st.store.use(job.buf))
                 if st._saved is not None:
                     stack.enter_context(st._saved.unpacking(job.buf))
-                roots.append(out)
-                grads.append(None if st.is_last else job.grad)
+                if single:
+                    roots.append(out)
+                    grads.append(None if st.is_last else job.grad)
+                else:  # a tree's leaves that require grad, one gradient each (trees.py)
+                    assert len(job.grad) == len(out), (len(job.grad), len(out))
+                    roots.extend(out)
+                    grads.extend(job.grad)
             if roots:
                 torch.autograd.backward(roots, grads)
 
@@ -407,7 +428,11 @@ class Stage:
         """The gradient for the previous stage (None at stage 0)."""
         self.pending_weight += job.entry.scale
         xin = job.entry.x
-        if self.chain or self.index == 0 or not isinstance(xin, Tensor) or not xin.requires_grad:
+        if self.chain or self.index == 0:
+            return None
+        if not isinstance(xin, Tensor):
+            return trees.input_grads(xin)  # one per leaf that requires grad (maybe none)
+        if not xin.requires_grad:
             return None
         return xin.grad if xin.grad is not None else torch.zeros_like(xin)
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from torch import Tensor
-
 __all__ = ["StashEntry", "ActivationStash"]
 
 
@@ -25,7 +23,7 @@ class StashEntry:
 
     i: int
     x: Any
-    out: Tensor | None
+    out: Any  # a tensor, or a tree's leaves that require grad (a list); None when dropped
     pin: Any
     t_f: int
     scale: float

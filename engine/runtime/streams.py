@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from engine.runtime import trees
+
 __all__ = ["CPUStream", "CPU_STREAM", "StageStreams"]
 
 
@@ -67,8 +69,9 @@ class StageStreams:
             return
         stream = self.streams[stage]
         stream.wait_event(event)
-        if isinstance(tensor, Tensor) and tensor.is_cuda:
-            tensor.record_stream(stream)
+        for t in _tensors(tensor):
+            if t.is_cuda:
+                t.record_stream(stream)
 
     def wait_caller(self) -> None:
         """Every stage stream starts after the work the caller's stream enqueued so far
@@ -96,7 +99,17 @@ class StageStreams:
         """Inputs made on the caller's stream are read on ``stages``' streams."""
         if not self.cuda:
             return
+        flat = [t for x in tensors for t in _tensors(x)]
         for s in stages:
-            for t in tensors:
-                if isinstance(t, Tensor) and t.is_cuda:
+            for t in flat:
+                if t.is_cuda:
                     t.record_stream(self.streams[s])
+
+
+def _tensors(x: Any) -> list[Tensor]:
+    """The tensors of an activation, a gradient (list) or an input tree."""
+    if isinstance(x, Tensor):
+        return [x]
+    if x is None:
+        return []
+    return trees.tensors(x)

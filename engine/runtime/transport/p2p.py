@@ -9,7 +9,12 @@ goes through :meth:`P2PTransport.wait` with the same timeout.
 Shapes and dtypes are agreed once, at the first step (:meth:`send_meta` / :meth:`recv_meta`,
 driven by the pipeline's handshake): a receiver then allocates its buffers without any
 per-message header, and every later send is checked against the agreement, so a mismatch is
-a :class:`ShapeAgreementError` naming both ranks rather than a garbled tensor.
+a :class:`ShapeAgreementError` naming both ranks rather than a garbled tensor. A stage may
+pass a tree of tensors (:mod:`engine.runtime.trees`): the agreement is its
+:class:`~engine.runtime.trees.Signature` (structure, constants, and each tensor leaf's path,
+shape, dtype and requires_grad), sent once as a pickled skeleton. Per micro-batch an
+activation is one message per tensor leaf, in leaf order, and a gradient one per leaf that
+requires grad (none at all when no leaf does); constants are never sent again.
 
 gloo specifics (measured on 4 ranks time-sharing 2 CPU cores, see bench/README.md):
 
@@ -57,6 +62,7 @@ the pipeline's ``timeout``.
 from __future__ import annotations
 
 import datetime
+import pickle
 from typing import Any
 
 import torch
@@ -64,6 +70,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from engine.runtime.transport.base import PeerError, ShapeAgreementError, Transport
+from engine.runtime.trees import Signature, flatten
 
 __all__ = ["P2PTransport", "DTYPES", "MAX_DIMS"]
 
@@ -80,7 +87,7 @@ DTYPES: tuple[torch.dtype, ...] = (
     torch.bool,
 )
 MAX_DIMS = 8
-_ERROR = -1  # ndim value of a meta message that says "the sender failed its dry run"
+_ERROR = -1  # length of a meta message that says "the sender failed its dry run"
 
 
 class P2PTransport(Transport):
@@ -120,12 +127,14 @@ class P2PTransport(Transport):
         self.device = device
         self.timeout = float(timeout)
         self._td = datetime.timedelta(seconds=self.timeout)
-        # (channel, micro-batch) -> (work, tensor kept alive, what it was); insertion-ordered
-        self._sends: dict[tuple[str, int], tuple[Any, Tensor, str]] = {}
-        # receives posted ahead (gloo): (channel, micro-batch) -> (work, buffer)
-        self._posted: dict[tuple[str, int], tuple[Any, Tensor]] = {}
-        # agreed (shape, dtype) per direction: ("act"|"grad", "send"|"recv")
-        self.meta: dict[tuple[str, str], tuple[tuple[int, ...], torch.dtype]] = {}
+        # (channel, micro-batch) -> (works, tensors kept alive, what it was); one work per
+        # tensor leaf; insertion-ordered
+        self._sends: dict[tuple[str, int], tuple[list[Any], list[Tensor], str]] = {}
+        # receives posted ahead (gloo): (channel, micro-batch) -> (works, buffers)
+        self._posted: dict[tuple[str, int], tuple[list[Any], list[Tensor]]] = {}
+        # the agreed activation Signature per direction: ("act"|"grad", "send"|"recv"); the
+        # grad channel carries the leaves of the same Signature that require grad
+        self.meta: dict[tuple[str, str], Signature] = {}
         self.comm_stream: Any = None
         if backend == "nccl":
             if device.type != "cuda":
@@ -171,62 +180,63 @@ class P2PTransport(Transport):
 
     # ------------------------------------------------------------------ handshake
 
-    def send_meta(self, channel: str, tensor: Tensor | None) -> None:
-        """Announce the shape/dtype this stage will send on ``channel`` (None: my dry run
-        failed; the receiver must not wait for data)."""
-        peer = self.peer_stage(channel, "send")
-        msg = torch.zeros(2 + MAX_DIMS, dtype=torch.int64)
-        if tensor is None:
-            msg[0] = _ERROR
-        else:
-            if tensor.dim() > MAX_DIMS or tensor.dtype not in DTYPES:
-                raise ShapeAgreementError(
-                    f"{self.who(self.stage)} would send a tensor of {self.describe(tensor)} to "
-                    f"{self.who(peer)}: supported are at most {MAX_DIMS} dims and dtypes "
-                    f"{[str(d) for d in DTYPES]}"
+    def unsupported(self, tree: Any) -> str:
+        """Why the tensors of ``tree`` cannot travel on this transport ("" when they can)."""
+        for path, meta in Signature.of(tree).metas(grad=False):
+            if meta.dtype not in DTYPES:
+                at = f"{path} " if path else ""
+                return (
+                    f"{self.who(self.stage)} would send {at}{meta.shape} {meta.dtype} to "
+                    f"{self.who(self.stage + 1)}: supported dtypes are {[str(d) for d in DTYPES]}"
                 )
-            msg[0] = tensor.dim()
-            msg[1] = DTYPES.index(tensor.dtype)
-            msg[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-            self._agree(channel, "send", tuple(tensor.shape), tensor.dtype)
-        self.wait(
-            dist.isend(msg.to(self._meta_device()), self.ranks[peer], group=self.group),
-            f"sending the {channel} handshake",
-            peer,
-        )
+        return ""
 
-    def recv_meta(self, channel: str) -> tuple[tuple[int, ...], torch.dtype] | None:
+    def send_meta(self, channel: str, tree: Any | None) -> None:
+        """Announce what this stage will send on ``channel``: the Signature of ``tree`` (a
+        tensor or a tree of them; None: my dry run failed and the receiver must not wait for
+        data)."""
+        peer = self.peer_stage(channel, "send")
+        payload = b""
+        if tree is not None:
+            sig = Signature.of(tree)
+            payload = pickle.dumps(sig.skeleton)
+            self._agree(channel, "send", sig)
+        head = torch.tensor([len(payload) if tree is not None else _ERROR], dtype=torch.int64)
+        works = [dist.isend(head.to(self._meta_device()), self.ranks[peer], group=self.group)]
+        if payload:
+            body = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            works.append(dist.isend(body.to(self._meta_device()), self.ranks[peer], group=self.group))
+        for work in works:
+            self.wait(work, f"sending the {channel} handshake", peer)
+
+    def recv_meta(self, channel: str) -> Signature | None:
         """Receive the peer's announcement on ``channel``; None if the peer failed."""
         peer = self.peer_stage(channel, "recv")
-        msg = torch.zeros(2 + MAX_DIMS, dtype=torch.int64, device=self._meta_device())
-        self.wait(
-            dist.irecv(msg, self.ranks[peer], group=self.group),
-            f"receiving the {channel} handshake",
-            peer,
-        )
-        msg = msg.cpu()
-        nd = int(msg[0])
-        if nd == _ERROR:
+        head = torch.zeros(1, dtype=torch.int64, device=self._meta_device())
+        what = f"receiving the {channel} handshake"
+        self.wait(dist.irecv(head, self.ranks[peer], group=self.group), what, peer)
+        n = int(head.cpu()[0])
+        if n == _ERROR:
             return None
-        shape = tuple(int(v) for v in msg[2 : 2 + nd])
-        dtype = DTYPES[int(msg[1])]
-        self._agree(channel, "recv", shape, dtype)
-        return shape, dtype
+        body = torch.empty(n, dtype=torch.uint8, device=self._meta_device())
+        self.wait(dist.irecv(body, self.ranks[peer], group=self.group), what, peer)
+        sig = Signature(pickle.loads(body.cpu().numpy().tobytes()))
+        self._agree(channel, "recv", sig)
+        return sig
 
-    def _agree(
-        self, channel: str, direction: str, shape: tuple[int, ...], dtype: torch.dtype
-    ) -> None:
-        self.meta[(channel, direction)] = (shape, dtype)
-        # the gradient of an activation has its shape and dtype, in the other direction
+    def _agree(self, channel: str, direction: str, sig: Signature) -> None:
+        self.meta[(channel, direction)] = sig
+        # the gradients of an activation go the other way: its leaves that require grad
         other = "grad" if channel == "act" else "act"
-        self.meta[(other, "recv" if direction == "send" else "send")] = (shape, dtype)
+        self.meta[(other, "recv" if direction == "send" else "send")] = sig
 
     def _meta_device(self) -> torch.device:
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
     # ------------------------------------------------------------------ data
 
-    def _check(self, channel: str, mb: int, tensor: Tensor) -> None:
+    def _check(self, channel: str, mb: int, value: Any) -> list[Tensor]:
+        """The tensors to send for ``value`` on ``channel``, checked against the agreement."""
         agreed = self.meta.get((channel, "send"))
         peer = self.peer_stage(channel, "send")
         if agreed is None:
@@ -234,43 +244,78 @@ class P2PTransport(Transport):
                 f"{self.who(self.stage)} sends on the {channel} channel to {self.who(peer)} before "
                 "the shapes were agreed; the pipeline's first step performs the handshake"
             )
-        shape, dtype = agreed
-        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-            what = "activation" if channel == "act" else "input gradient"
-            raise ShapeAgreementError(
-                f"{self.who(self.stage)} produced an {what} of {self.describe(tensor)} for "
-                f"micro-batch {mb}, but {self.who(peer)} agreed to receive {shape} "
-                f"{str(dtype).replace('torch.', '')} at the first step's handshake. Under "
-                "transport='gloo'/'nccl' every micro-batch must have the shape of the first one "
-                "(use equal batch sizes, e.g. drop_last=True, and keep stage outputs fixed)."
-            )
+        what = "activation" if channel == "act" else "input gradient"
+        if agreed.single and isinstance(value, Tensor):
+            (meta,) = agreed.leaves
+            if channel == "grad" and not meta.requires_grad:
+                raise ShapeAgreementError(
+                    f"{self.who(self.stage)} has an input gradient for micro-batch {mb}, but "
+                    f"{self.who(peer)} agreed at the handshake that its output needs none"
+                )
+            if tuple(value.shape) != meta.shape or value.dtype != meta.dtype:
+                raise ShapeAgreementError(
+                    f"{self.who(self.stage)} produced an {what} of {self.describe(value)} for "
+                    f"micro-batch {mb}, but {self.who(peer)} agreed to receive {meta.shape} "
+                    f"{str(meta.dtype).replace('torch.', '')} at the first step's handshake. Under "
+                    "transport='gloo'/'nccl' every micro-batch must have the shape of the first one "
+                    "(use equal batch sizes, e.g. drop_last=True, and keep stage outputs fixed)."
+                )
+            why = agreed.mismatch(value) if channel == "act" else ""
+            if not why:
+                return [value]
+        elif channel == "act":
+            why = agreed.mismatch(value)
+            if not why:
+                return [t for t in flatten(value)[0] if isinstance(t, Tensor)]
+        else:
+            grads = [] if value is None else [value] if isinstance(value, Tensor) else list(value)
+            why = agreed.grad_mismatch(grads)
+            if not why:
+                return grads
+        raise ShapeAgreementError(
+            f"{self.who(self.stage)} produced an {what} for micro-batch {mb} that does not fit "
+            f"what {self.who(peer)} agreed to receive at the first step's handshake: {why}. Under "
+            "transport='gloo'/'nccl' every micro-batch must have the structure, shapes and "
+            "dtypes of the first one."
+        )
 
-    def send(self, channel: str, stage: int, mb: int, tensor: Any) -> None:
-        if not isinstance(tensor, Tensor):
+    def send(self, channel: str, stage: int, mb: int, value: Any) -> None:
+        if not isinstance(value, (Tensor, tuple, list, dict)) and not (
+            value is None and channel == "grad"
+        ):
             raise PeerError(
                 f"{self.who(self.stage)} has no tensor to send on the {channel} channel for "
-                f"micro-batch {mb} (got {tensor!r}); distributed transports carry tensors only"
+                f"micro-batch {mb} (got {value!r}); distributed transports carry tensors only"
             )
-        self._check(channel, mb, tensor)
+        tensors = self._check(channel, mb, value)
+        if not tensors:
+            return  # no leaf carries a gradient: nothing travels
         peer = self.ranks[self.peer_stage(channel, "send")]
-        t = tensor.detach().contiguous()
+        ts = [t.detach().contiguous() for t in tensors]
         if self.backend == "gloo":
-            work = dist.isend(t, peer, group=self.group)
+            works = [dist.isend(t, peer, group=self.group) for t in ts]
         else:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.comm_stream):
                 self.comm_stream.wait_event(ready)
-                (work,) = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer, self.group)])
+                works = dist.batch_isend_irecv(
+                    [dist.P2POp(dist.isend, t, peer, self.group) for t in ts]
+                )
         earlier = self._sends.pop((channel, mb), None)
         if earlier is not None:  # a send of an earlier segment that nobody waited for
-            self.wait(earlier[0], earlier[2])
-        self._sends[(channel, mb)] = (work, t, f"sending the {channel} of micro-batch {mb}")
+            self._wait_all(earlier[0], earlier[2])
+        self._sends[(channel, mb)] = (works, ts, f"sending the {channel} of micro-batch {mb}")
         if self.backend == "nccl":
             self._reap()
 
-    def recv(self, channel: str, stage: int, mb: int, certain: int | None = None) -> Tensor:
-        """The tensor of micro-batch ``mb`` on ``channel`` (blocking, at most ``timeout``).
+    def _wait_all(self, works: list[Any], what: str, peer: int | None = None) -> None:
+        for work in works:
+            self.wait(work, what, peer)
+
+    def recv(self, channel: str, stage: int, mb: int, certain: int | None = None) -> Any:
+        """The tensor (or tree; or the list of gradients of a tree's leaves that require grad)
+        of micro-batch ``mb`` on ``channel`` (blocking, at most ``timeout``).
 
         ``certain``: the executor guarantees that this call receives every micro-batch below
         it on this channel; under gloo up to :attr:`prepost` of them beyond ``mb`` are posted
@@ -283,6 +328,13 @@ class P2PTransport(Transport):
                 f"{self.who(self.stage)} receives on the {channel} channel from {self.who(src)} "
                 "before the shapes were agreed; the pipeline's first step performs the handshake"
             )
+        if channel == "grad" and not agreed.grad_at:
+            # no leaf carries a gradient, so no message proves that the activation arrived:
+            # wait for its send instead (the peer receives it before it would send a gradient)
+            sent = self._sends.pop(("act", mb), None)
+            if sent is not None:
+                self._wait_all(sent[0], sent[2], self.peer_stage("act", "send"))
+            return None if agreed.single else []
         posted = self._posted.pop((channel, mb), None)
         if posted is None:
             posted = self._post(channel, mb, agreed, src)
@@ -291,18 +343,20 @@ class P2PTransport(Transport):
             for ahead in range(mb + 1, min(certain, mb + 1 + self.prepost)):
                 if (channel, ahead) not in self._posted:
                     self._posted[(channel, ahead)] = self._post(channel, ahead, agreed, src)
-        work, buf = posted
+        works, bufs = posted
         what = (
             f"receiving the {'activation' if channel == 'act' else 'gradient'} of micro-batch {mb}"
         )
-        self.wait(work, what, src)
+        self._wait_all(works, what, src)
         if channel == "grad" and self.backend == "gloo":
             # the next stage received this micro-batch's activation before computing its
             # gradient: that send has completed, so waiting on it returns at once
             sent = self._sends.pop(("act", mb), None)
             if sent is not None:
-                self.wait(sent[0], sent[2], self.peer_stage("act", "send"))
-        return buf
+                self._wait_all(sent[0], sent[2], self.peer_stage("act", "send"))
+        if channel == "grad":
+            return bufs[0] if agreed.single else bufs
+        return agreed.build(bufs)
 
     def release(self, channel: str, mbs: list[int]) -> None:
         """Forget the sends of ``mbs`` on ``channel`` that the caller knows were received and
@@ -314,33 +368,37 @@ class P2PTransport(Transport):
         for mb in mbs:
             sent = self._sends.pop((channel, mb), None)
             if sent is not None:
-                self.wait(sent[0], sent[2], peer)
+                self._wait_all(sent[0], sent[2], peer)
 
     def _post(
-        self, channel: str, mb: int, agreed: tuple[tuple[int, ...], torch.dtype], src: int
-    ) -> tuple[Any, Tensor]:
-        shape, dtype = agreed
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        self, channel: str, mb: int, agreed: Signature, src: int
+    ) -> tuple[list[Any], list[Tensor]]:
+        bufs = [
+            torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+            for _, meta in agreed.metas(grad=channel == "grad")
+        ]
         if self.backend == "gloo":
-            return dist.irecv(buf, self.ranks[src], group=self.group), buf
+            return [dist.irecv(b, self.ranks[src], group=self.group) for b in bufs], bufs
         with torch.cuda.stream(self.comm_stream):
-            (work,) = dist.batch_isend_irecv(
-                [dist.P2POp(dist.irecv, buf, self.ranks[src], self.group)]
+            works = dist.batch_isend_irecv(
+                [dist.P2POp(dist.irecv, b, self.ranks[src], self.group) for b in bufs]
             )
         # waited on from the compute stream: it waits (on the device) for the transfer
-        return work, buf
+        return works, bufs
 
     def _reap(self) -> None:
         """NCCL: forget sends that completed. Until then the transport holds each sent
         tensor, so the caching allocator cannot hand its memory to a new tensor while NCCL (on
         its own stream) still reads it. (gloo cannot be polled: see the module docstring.)"""
-        self._sends = {k: s for k, s in self._sends.items() if not s[0].is_completed()}
+        self._sends = {
+            k: s for k, s in self._sends.items() if not all(w.is_completed() for w in s[0])
+        }
 
     def wait_sends(self) -> None:
         """gloo: block until every send has left. NCCL: order the current stream after every
         send (device-side); tensors stay referenced until their work reports completion."""
-        for work, _t, what in self._sends.values():
-            self.wait(work, what)
+        for works, _t, what in self._sends.values():
+            self._wait_all(works, what)
         if self.backend == "gloo":
             self._sends.clear()  # every one was waited for
         else:
