@@ -668,6 +668,31 @@ def phase_disagree(rank: int, S: int, key: str) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0}
 
 
+def phase_parameterless(rank: int, S: int) -> dict[str, Any]:
+    """A stage without parameters (no optimizer) under gloo: the ranks still agree, and the
+    run equals the local one."""
+    from engine import Pipeline
+
+    def stages() -> list[nn.Module]:
+        torch.manual_seed(5)
+        return [nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, OUT)][:S]
+
+    kw = dict(schedule="1f1b", chunks=4, optimizer=_sgd(spike_compensation=False))
+    try:
+        pipe = Pipeline(stages(), loss_fn=nn.functional.mse_loss, transport="gloo", timeout=30, **kw)
+        ref = Pipeline(stages(), loss_fn=nn.functional.mse_loss, **kw)
+        for t in range(3):
+            x, y = batch(t)
+            loss, ref_loss = pipe.step(x, y), ref.step(x, y)
+        s = pipe.layout.stage
+        mine = [p.detach() for p in pipe.stages[0].module.parameters()]
+        theirs = [p.detach() for p in ref.stages[s].module.parameters()]
+        return {"equal": bool(torch.equal(loss, ref_loss))
+                and all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))}
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
 # ---------------------------------------------------------------------- spawning
 
 

@@ -24,3 +24,13 @@ def test_a_rank_with_other_settings_fails_fast_everywhere(key: str, named: str) 
         if key == "prediction":
             assert "'prediction': 'linear'" in r["error"]
         assert r["seconds"] < 25, "it waited for the timeout instead of failing fast"
+
+
+def test_a_stage_without_parameters_agrees_and_matches_local() -> None:
+    """Its rank has no optimizer settings to compare: the others' still agree."""
+    results = spawn(3, [("parameterless", dict(S=3))], timeout=120)
+    for rank, res in enumerate(results):
+        assert "fatal" not in res, res.get("fatal")
+        r = res["parameterless"]
+        assert "error" not in r, r.get("error")
+        assert r["equal"], rank

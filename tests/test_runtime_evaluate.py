@@ -81,3 +81,32 @@ def test_evaluate_under_gloo_equals_local() -> None:
         r = res["evaluate"]
         assert "error" not in r, r.get("error")
         assert r["outputs_equal"] and r["weights_equal"], rank
+
+
+def test_evaluate_takes_tree_valued_stages() -> None:
+    """Inputs and stage outputs that are tuples: each stage gets module(*out)."""
+
+    class Split(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.lin(x), (x > 0).long()
+
+    class Join(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.lin(h * mask)
+
+    torch.manual_seed(0)
+    pipe = Pipeline([Split(), Join()], schedule="1f1b", chunks=2, loss_fn=nn.functional.mse_loss,
+                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    x = torch.randn(6, 4)
+    out = pipe.evaluate(x)
+    with torch.no_grad():
+        expect = torch.cat([pipe.stages[1].module(*pipe.stages[0].module(c)) for c in x.chunk(2)])
+    assert torch.equal(out, expect)

@@ -52,14 +52,17 @@ def agree(mine: dict[str, Any], rank: int, stages: int, device: torch.device) ->
     """Exchange fingerprints with every rank; raise on every rank at the first difference."""
     world = dist.get_world_size()
     prints = _all_gather_json(mine, world, device)
-    ref = dict(prints[0]["pipeline"])
-    for r, fp in enumerate(prints):
-        theirs = dict(fp["pipeline"])
-        for key in [k for k, _ in prints[0]["pipeline"]] + [k for k in theirs if k not in ref]:
-            a, b = ref.get(key), theirs.get(key)
+    keys: list[str] = []
+    for fp in prints:
+        keys += [k for k, _ in fp["pipeline"] if k not in keys]
+    for key in keys:  # compared among the ranks that have it (a stage without parameters
+        # has no optimizer settings)
+        have = [(r, dict(fp["pipeline"])[key]) for r, fp in enumerate(prints) if key in dict(fp["pipeline"])]
+        r0, a = have[0]
+        for r, b in have[1:]:
             if a != b:
                 raise PipelineConfigError(
-                    f"the ranks disagree on {key}: rank 0 has {a!r}, rank {r} has {b!r}; start "
+                    f"the ranks disagree on {key}: rank {r0} has {a!r}, rank {r} has {b!r}; start "
                     "every rank with the same Pipeline settings (this rank is "
                     f"{rank}; nothing was run)"
                 )

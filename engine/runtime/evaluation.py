@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.errors import PipelineInputError
+from engine.runtime import trees
 
 if TYPE_CHECKING:
     from engine.runtime.pipeline import Pipeline
@@ -54,22 +55,31 @@ def _chunks(inputs: Any, chunks: int) -> list[Tensor]:
     return list(inputs.chunk(min(chunks, int(inputs.shape[0]))))
 
 
-def evaluate(pipe: Pipeline, inputs: Any, chunks: int | None = None) -> Tensor:
+def evaluate(pipe: Pipeline, inputs: Any, chunks: int | None = None) -> Any:
     """The last stage's module outputs for ``inputs`` (module docstring), concatenated on
-    dim 0; ``chunks`` micro-batches (default: the pipeline's)."""
+    dim 0 (a list with one output per micro-batch when the last stage returns a tree);
+    ``chunks`` micro-batches (default: the pipeline's). ``inputs`` may be a tree locally."""
     M = pipe.spec.chunks if chunks is None else chunks
     if not isinstance(M, int) or M < 1:
         raise PipelineInputError(f"chunks={chunks!r} is invalid: evaluate in >= 1 micro-batches")
     if pipe.config.distributed:
         return _evaluate_rank(pipe, inputs, M)
     modules = [st.module for st in pipe.stages]
+    if isinstance(inputs, Tensor):
+        pieces: list[Any] = _chunks(inputs, M)
+    else:  # a tree (engine.runtime.trees): every tensor leaf split on dim 0
+        from engine.runtime.inputs import split
+
+        pieces = split(inputs, None, M)[0]
     outs = []
     with _eval_mode(modules):
-        for x in _chunks(inputs, M):
+        for x in pieces:
             for module in modules:
-                x = module(x)
+                x = module(x) if isinstance(x, Tensor) else trees.call(module, x)
             outs.append(x)
-    return torch.cat(outs)
+    if all(isinstance(o, Tensor) for o in outs):
+        return torch.cat(outs)
+    return outs  # tree outputs: one per micro-batch
 
 
 # ----------------------------------------------------------------------------- gloo / NCCL
@@ -117,6 +127,11 @@ def _recv(src: int, group: Any, device: torch.device) -> Tensor:
 def _evaluate_rank(pipe: Pipeline, inputs: Any, M: int) -> Tensor:
     """Every rank calls it with the same arguments (stage 0 reads ``inputs``); every rank
     returns the last stage's outputs."""
+    if not isinstance(inputs, Tensor) and pipe.layout.stage == 0:
+        raise PipelineInputError(
+            "evaluate() under gloo/NCCL takes a tensor of inputs, and stages that pass tensors; "
+            "for tree-valued stages evaluate on a local pipeline"
+        )
     lay = pipe.layout
     s, S = lay.stage, lay.stages
     ranks = lay.pipeline_ranks

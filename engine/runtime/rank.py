@@ -124,9 +124,10 @@ def build_distributed(
         "weight_prediction": weight_prediction,
         "discrepancy_correction": discrepancy_correction,
         "deferred_batch_norm": deferred_batch_norm,
-        "optimizer mitigations": {k: v for k, v in mitigations.items() if v is not None},
         "tied parameters": [g.describe() for g in ties],
     }
+    if opt is not None:  # a stage without parameters has no optimizer to compare
+        settings["optimizer mitigations"] = {k: v for k, v in mitigations.items() if v is not None}
     agree(fingerprint(settings, module), layout.rank, spec.stages, device)
     pipe.device = device
     pipe.layout = layout
