@@ -43,7 +43,9 @@ def assert_kernel_close(name, got, ref, dtype, w=None):
 
     ``w`` (the reference weights) marks tensors derived from the stored weights (predicted,
     delta, last_update): a one-ulp flip of a stored weight moves them by an ulp of that
-    weight, not of themselves. A one-ulp flip happens only when the fp32 result sits on a
+    weight, not of themselves. For the weights themselves ``w`` is their value before the
+    step: w - lr * u can cancel to a value far smaller than its operands (hypothesis found
+    w ~ 1 -> 0.009 with lr = 0.875), and then an ulp of the operands is the honest bound. A one-ulp flip happens only when the fp32 result sits on a
     rounding boundary (torch fuses multiply-adds on CPU, the interpreter does not), so for
     bf16/fp16 at most 1% of the elements may differ beyond fp32 agreement: a systematic
     error smaller than one ulp (a wrong step size, say) flips far more than that.

@@ -79,6 +79,7 @@ def _run_case(n, dtype, case, block=None, steps=3, grad_dtype=None):
         if case.get("scale"):
             g = (g.float() * scale).to(grad_dtype or dtype)
         kw = _kwargs(case, step, ref, scale)
+        before = ref["param"].clone()  # w_new = w - lr*u may cancel: compare at w's scale
         sgd_update(ref["param"], g, ref["buf"], predicted=ref["predicted"], delta=ref["delta"],
                    **kw)
         launch_sgd(fused["param"], g, fused["buf"], predicted=fused["predicted"],
@@ -86,7 +87,7 @@ def _run_case(n, dtype, case, block=None, steps=3, grad_dtype=None):
         for name, r in ref.items():
             if r is None:
                 continue
-            w = ref["param"] if name in ("predicted", "delta") else None
+            w = ref["param"] if name in ("predicted", "delta") else before if name == "param" else None
             assert_kernel_close(name, fused[name], r, torch.float32 if name == "buf" else dtype, w)
             fused[name].copy_(r)
 
