@@ -140,14 +140,15 @@ class TiedGradients:
     def __init__(self, groups: list[TieGroup], stages: list[Any]) -> None:
         self.groups = groups
         by_index = {st.index: st for st in stages}
-        #: per group: (store, parameter) of each holder present in this process
-        self._local: list[list[tuple[Any, nn.Parameter]]] = []
+        #: per group: (store, parameter, its index in the store) of each holder present here
+        self._local: list[list[tuple[Any, nn.Parameter, int]]] = []
         for g in groups:
             present = []
             for s, name in g.holders:
                 st = by_index.get(s)
                 if st is not None:
-                    present.append((st.store, dict(st.module.named_parameters())[name]))
+                    p = dict(st.module.named_parameters())[name]
+                    present.append((st.store, p, st.store.index_of(p)))
             self._local.append(present)
 
     def reduce(self) -> None:
@@ -158,12 +159,12 @@ class TiedGradients:
             for g, present in zip(self.groups, self._local, strict=True):
                 if not present or not present[0][1].requires_grad:
                     continue
-                grads = [p.grad for _, p in present]
+                grads = [p.grad for _, p, _ in present]
                 if any(t is None for t in grads):
                     raise PipelineConfigError(
                         f"tied parameter ({g.describe()}) has no gradient buffer in a holder"
                     )
-                used = [store.was_used(p) for store, p in present]
+                used = [store.was_used(i) for store, _, i in present]
                 total: Tensor = grads[0].clone() if used[0] else torch.zeros_like(grads[0])
                 for t, u in zip(grads[1:], used[1:], strict=True):
                     if u:
@@ -176,6 +177,6 @@ class TiedGradients:
                         continue
                 elif not any(used):
                     continue
-                for store, p in present:
+                for store, p, i in present:
                     p.grad.copy_(total)
-                    store.mark_used(p)
+                    store.mark_used(i)

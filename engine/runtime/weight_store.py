@@ -59,17 +59,11 @@ class _Use:
         if self.buf == store._active:
             return
         self.previous = store._active
-        for p, v in zip(store.params, store.views(self.buf)):  # noqa: B905 - same length
-            p.data = v
-        store._active = self.buf
+        store.point(self.buf)
 
     def __exit__(self, *exc: object) -> None:
-        if self.previous == -2:
-            return
-        store = self.store
-        for p, v in zip(store.params, store.views(self.previous)):  # noqa: B905 - same length
-            p.data = v
-        store._active = self.previous
+        if self.previous != -2:
+            self.store.point(self.previous)
 
 
 class WeightStore:
@@ -338,19 +332,20 @@ class WeightStore:
 
         return mark
 
-    def was_used(self, p: nn.Parameter) -> bool:
-        """Whether parameter ``p`` received a gradient since the last update."""
-        return bool(self._used[self._index_of(p)])
-
-    def mark_used(self, p: nn.Parameter) -> None:
-        """Count ``p`` as having a gradient (a tied parameter whose holders' sum it now holds)."""
-        self._used[self._index_of(p)] = 1
-
-    def _index_of(self, p: nn.Parameter) -> int:
+    def index_of(self, p: nn.Parameter) -> int:
+        """Parameter ``p``'s index in this store (for :meth:`was_used` / :meth:`mark_used`)."""
         for i, q in enumerate(self.params):
             if q is p:
                 return i
         raise KeyError("the parameter is not one of this stage's")
+
+    def was_used(self, i: int) -> bool:
+        """Whether parameter ``i`` received a gradient since the last update."""
+        return bool(self._used[i])
+
+    def mark_used(self, i: int) -> None:
+        """Count parameter ``i`` as having a gradient (a tied parameter holding the sum)."""
+        self._used[i] = 1
 
     def unused_params(self) -> list[int]:
         """Indices of trainable parameters that received no gradient since the last update
