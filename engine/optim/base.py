@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 
 from engine.optim import functional
 from engine.optim.computed import ComputedWeights
-from engine.optim.dispatch import kernels, use_fused
+from engine.optim.dispatch import FUSED_DTYPES, kernels, use_fused
 from engine.optim.flat import FlatBinding, arena_binding
 from engine.optim.options import (
     DELAY_DEFAULTS,
@@ -50,8 +50,6 @@ __all__ = ["DelayOptimizer", "PREDICTION_MODES", "DELAY_DEFAULTS"]
 # kept for the subclasses' imports
 _is_real_number = is_real_number
 _PARAM_DTYPES = PARAM_DTYPES
-#: what the fused kernels read and write; other dtypes take the reference path
-_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EMPTY: dict[str, Any] = {}
 _warned_fallback: set[Any] = set()
 
@@ -207,7 +205,7 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
             return cached[1]
         choice = use_fused(group, params)
         if choice:
-            odd = sorted({str(p.dtype) for p in params if p.dtype not in _FUSED_DTYPES})
+            odd = sorted({str(p.dtype) for p in params if p.dtype not in FUSED_DTYPES})
             if odd:
                 _fallback_once(
                     f"{type(self).__name__}: the fused kernels update float32, bfloat16 and "

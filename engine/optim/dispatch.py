@@ -11,9 +11,13 @@ import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
-__all__ = ["kernels", "use_fused"]
+__all__ = ["kernels", "use_fused", "FUSED_DTYPES"]
+
+#: param dtypes the fused kernels read and write; other dtypes take the reference path
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _FUSED: dict[str, Callable[..., Any]] = {}
 

@@ -11,16 +11,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
 from torch import Tensor
 
+from engine.optim.dispatch import FUSED_DTYPES
+from engine.optim.functional import _PARAM_DTYPES
 from engine.optim.options import check_delay_options
 
 __all__ = ["OptionChecks", "PARAM_DTYPES"]
 
-#: parameter dtypes the optimizers update (complex ones as real views, as torch.optim)
-PARAM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16,
-                torch.complex64, torch.complex128)
+#: parameter dtypes the optimizers update (the reference path's, complex as torch.optim does)
+PARAM_DTYPES = _PARAM_DTYPES
 
 
 def _option_key(group: dict[str, Any]) -> tuple[Any, ...]:
@@ -63,9 +63,8 @@ class OptionChecks:
                     "module.to_empty(device=...), or pass fused=None"
                 )
         # only tensors the kernels would update need them (other dtypes fall back to torch ops)
-        kernel_dtypes = (torch.float32, torch.bfloat16, torch.float16)
         if group["fused"] is True and any(
-            p.device.type == "cpu" and p.dtype in kernel_dtypes for p in group["params"]
+            p.device.type == "cpu" and p.dtype in FUSED_DTYPES for p in group["params"]
         ):
             if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
                 raise RuntimeError(
