@@ -23,11 +23,34 @@ from engine.errors import PipelineConfigError
 __all__ = ["fingerprint", "agree"]
 
 
-def fingerprint(pipe_settings: dict[str, Any], module: nn.Module) -> dict[str, Any]:
-    """What must agree: ``pipe_settings`` on every rank; the stage's parameters (names,
+def fingerprint(
+    spec: Any, cfg: Any, options: dict[str, Any], ties: list[Any], opt: Any, module: nn.Module
+) -> dict[str, Any]:
+    """What must agree: the pipeline's settings (schedule, transport, recomputation, the
+    keyword ``options``, ties, the optimizer's mitigations) on every rank -- a stage without
+    parameters has no optimizer, so it omits those -- and the stage's parameters (names,
     shapes, dtypes) on every replica of the stage."""
     import engine
 
+    pipe_settings: dict[str, Any] = {
+        "schedule": spec.name,
+        "stages": spec.stages,
+        "chunks": spec.chunks,
+        "update_size": spec.update_size,
+        "order": spec.order,
+        "transport": cfg.transport,
+        "data_parallel": cfg.data_parallel,
+        "checkpoint": cfg.checkpoint,
+        "on_nonfinite": cfg.on_nonfinite,
+        **options,
+        "tied parameters": [g.describe() for g in ties],
+    }
+    if opt is not None:
+        pipe_settings["optimizer mitigations"] = {
+            k: opt.defaults[k]
+            for k in ("spike_compensation", "prediction", "discrepancy_correction")
+            if opt.defaults.get(k) is not None
+        }
     settings = [[k, v] for k, v in pipe_settings.items()] + [["engine version", engine.__version__]]
     return {
         "pipeline": settings,  # a list: the first difference is reported in this order

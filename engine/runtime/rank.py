@@ -107,28 +107,13 @@ def build_distributed(
     from engine.runtime.agreement import agree, fingerprint
 
     bridge = built[0][1]
-    opt = bridge.opt if bridge is not None else None
-    mitigations = {
-        k: opt.defaults.get(k) for k in ("spike_compensation", "prediction", "discrepancy_correction")
-    } if opt is not None else {}
-    settings = {
-        "schedule": spec.name,
-        "stages": spec.stages,
-        "chunks": spec.chunks,
-        "update_size": spec.update_size,
-        "order": spec.order,
-        "transport": cfg.transport,
-        "data_parallel": cfg.data_parallel,
-        "checkpoint": cfg.checkpoint,
-        "on_nonfinite": cfg.on_nonfinite,
-        "weight_prediction": weight_prediction,
-        "discrepancy_correction": discrepancy_correction,
-        "deferred_batch_norm": deferred_batch_norm,
-        "tied parameters": [g.describe() for g in ties],
-    }
-    if opt is not None:  # a stage without parameters has no optimizer to compare
-        settings["optimizer mitigations"] = {k: v for k, v in mitigations.items() if v is not None}
-    agree(fingerprint(settings, module), layout.rank, spec.stages, device)
+    options = dict(
+        weight_prediction=weight_prediction,
+        discrepancy_correction=discrepancy_correction,
+        deferred_batch_norm=deferred_batch_norm,
+    )
+    mine = fingerprint(spec, cfg, options, ties, bridge.opt if bridge is not None else None, module)
+    agree(mine, layout.rank, spec.stages, device)
     pipe.device = device
     pipe.layout = layout
     tp = P2PTransport(
