@@ -176,5 +176,6 @@ def load(pipe: _Stateful, path: str | os.PathLike[str], *, override_hyperparamet
     (the checkpoint's values then win, as ``torch.optim.Optimizer.load_state_dict`` does)."""
     state = read_state(path)
     if override_hyperparameters:
-        state["allow_hyperparameter_change"] = True
-    pipe.load_state_dict(state)
+        pipe.load_state_dict(state, override_hyperparameters=True)  # type: ignore[call-arg]
+    else:
+        pipe.load_state_dict(state)

@@ -118,10 +118,11 @@ def read_state(out: Path, cfg: TrainConfig) -> dict[str, Any]:
         )
     state = _json(state_path)
     want = state.get("checkpoint_sha256")
-    if want is not None and _sha256(out / CHECKPOINT_FILE) != want:
+    have = _sha256(out / CHECKPOINT_FILE) if want is not None else None
+    if have != want:
         pending = out / (STATE_FILE + ".next")
         nxt = _json(pending) if pending.exists() else None
-        if nxt is None or nxt.get("checkpoint_sha256") != _sha256(out / CHECKPOINT_FILE):
+        if nxt is None or nxt.get("checkpoint_sha256") != have:
             raise CLIFailure(
                 f"--resume: {CHECKPOINT_FILE} in {out} is not the checkpoint {STATE_FILE} "
                 "names (written by another run, or edited); start a new --out"

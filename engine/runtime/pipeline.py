@@ -482,11 +482,13 @@ class Pipeline:
 
         return pipeline_state_dict(self)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load ``state_dict()`` output; validated completely before anything changes."""
+    def load_state_dict(self, state: dict[str, Any], *, override_hyperparameters: bool = False) -> None:
+        """Load ``state_dict()`` output; validated completely before anything changes. The
+        stage optimizers must have the checkpoint's hyper-parameters unless
+        ``override_hyperparameters`` (then the checkpoint's values win, as torch's)."""
         from engine.runtime.state import load_pipeline_state_dict
 
-        load_pipeline_state_dict(self, state)
+        load_pipeline_state_dict(self, state, override_hyperparameters)
 
     def __repr__(self) -> str:
         return (

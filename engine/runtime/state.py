@@ -128,7 +128,7 @@ def _fail(msg: str) -> CheckpointError:
     return CheckpointError(msg + " -- nothing was loaded")
 
 
-def _check(pipe: Pipeline, state: Any) -> None:
+def _check(pipe: Pipeline, state: Any, override_hyperparameters: bool = False) -> None:
     """Validate ``state`` against ``pipe`` completely, so that loading changes nothing on error."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         got = state.get("format") if isinstance(state, dict) else type(state).__name__
@@ -172,7 +172,7 @@ def _check(pipe: Pipeline, state: Any) -> None:
                 for g, h in zip(groups, sgroups, strict=False)
             ):
                 raise _fail(f"{where}: optimizer param groups do not match the pipeline's")
-            _check_optimizer(st, sd, where, bool(state.get("allow_hyperparameter_change")))
+            _check_optimizer(st, sd, where, override_hyperparameters)
         if (sd.get("scheduler") is None) != (st.scheduler is None):
             has = "has" if sd.get("scheduler") is not None else "has no"
             mine_has = "has" if st.scheduler is not None else "has no"
@@ -189,11 +189,14 @@ def _check(pipe: Pipeline, state: Any) -> None:
         raise _fail("rng state must be a uint8 tensor")
 
 
-def load_pipeline_state_dict(pipe: Pipeline, state: dict[str, Any]) -> None:
-    """Load ``pipeline_state_dict`` output into a flushed pipeline of the same configuration."""
+def load_pipeline_state_dict(
+    pipe: Pipeline, state: dict[str, Any], override_hyperparameters: bool = False
+) -> None:
+    """Load ``pipeline_state_dict`` output into a flushed pipeline of the same configuration
+    (with ``override_hyperparameters``, optimizers whose hyper-parameters differ too)."""
     _require_local(pipe, "load_state_dict()")
     pipe.require_flushed("load_state_dict()")
-    _check(pipe, state)
+    _check(pipe, state, override_hyperparameters)
     for st, sd in zip(pipe.stages, state["stages"], strict=True):
         with torch.no_grad():
             st.module.load_state_dict(sd["module"])  # copies into the live buffer in place
