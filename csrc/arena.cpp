@@ -544,22 +544,29 @@ void Arena::track_peak() {
 // ---------------------------------------------------------------------------------------
 // L2 persistence
 
-L2Result Arena::set_l2_persistence(int64_t b, int64_t stream, double hit_ratio,
-                                   int64_t max_bytes) {
-  const auto& bk = bucket(b);
-  L2Result out;
-  out.bucket = b;
+namespace {
+
+// The part every L2 call shares: false, with the reason in ``out``, when this bucket (not on
+// CUDA) or this build (without CUDA) cannot hold a window.
+bool l2_possible(const Bucket& bk, L2Result& out) {
   if (!bk.device.is_cuda()) {
     out.reason = std::string("L2 persistence needs a CUDA buffer; this bucket is on ") +
                  bk.device.str();
-    return out;
+    return false;
   }
 #ifdef PE_WITH_CUDA
   out.supported = true;
-  auto w = cuda::set_l2_persistence(bk.device.index(), as_ptr(stream), bk.param.data_ptr(),
-                                    static_cast<size_t>(bk.nbytes()),
-                                    static_cast<float>(hit_ratio),
-                                    static_cast<size_t>(std::max<int64_t>(0, max_bytes)));
+  return true;
+#else
+  out.reason =
+      "engine._C was built without CUDA; rebuild on a machine with a CUDA torch and nvcc "
+      "(see docs/building.md)";
+  return false;
+#endif
+}
+
+#ifdef PE_WITH_CUDA
+void fill_l2(L2Result& out, const cuda::L2Window& w) {
   out.ok = w.ok;
   out.granted_bytes = static_cast<int64_t>(w.granted_bytes);
   out.window_bytes = static_cast<int64_t>(w.window_bytes);
@@ -567,13 +574,26 @@ L2Result Arena::set_l2_persistence(int64_t b, int64_t stream, double hit_ratio,
   out.max_window_bytes = static_cast<int64_t>(w.max_window_bytes);
   out.hit_ratio = w.hit_ratio;
   out.reason = w.reason;
+}
+#endif
+
+}  // namespace
+
+L2Result Arena::set_l2_persistence(int64_t b, int64_t stream, double hit_ratio,
+                                   int64_t max_bytes) {
+  const auto& bk = bucket(b);
+  L2Result out;
+  out.bucket = b;
+  if (!l2_possible(bk, out)) return out;
+#ifdef PE_WITH_CUDA
+  fill_l2(out, cuda::set_l2_persistence(bk.device.index(), as_ptr(stream), bk.param.data_ptr(),
+                                        static_cast<size_t>(bk.nbytes()),
+                                        static_cast<float>(hit_ratio),
+                                        static_cast<size_t>(std::max<int64_t>(0, max_bytes))));
 #else
   (void)stream;
   (void)hit_ratio;
   (void)max_bytes;
-  out.reason =
-      "engine._C was built without CUDA; rebuild on a machine with a CUDA torch and nvcc "
-      "(see docs/building.md)";
 #endif
   return out;
 }
@@ -583,30 +603,16 @@ L2Result Arena::set_l2_window(int64_t b, int64_t stream, double hit_ratio,
   const auto& bk = bucket(b);
   L2Result out;
   out.bucket = b;
-  if (!bk.device.is_cuda()) {
-    out.reason = std::string("L2 persistence needs a CUDA buffer; this bucket is on ") +
-                 bk.device.str();
-    return out;
-  }
+  if (!l2_possible(bk, out)) return out;
 #ifdef PE_WITH_CUDA
-  out.supported = true;
-  auto w = cuda::set_l2_window(bk.device.index(), as_ptr(stream), bk.param.data_ptr(),
-                               static_cast<size_t>(bk.nbytes()), static_cast<float>(hit_ratio),
-                               static_cast<size_t>(std::max<int64_t>(0, share_bytes)));
-  out.ok = w.ok;
-  out.granted_bytes = static_cast<int64_t>(w.granted_bytes);
-  out.window_bytes = static_cast<int64_t>(w.window_bytes);
-  out.max_persisting_bytes = static_cast<int64_t>(w.max_persisting_bytes);
-  out.max_window_bytes = static_cast<int64_t>(w.max_window_bytes);
-  out.hit_ratio = w.hit_ratio;
-  out.reason = w.reason;
+  fill_l2(out, cuda::set_l2_window(bk.device.index(), as_ptr(stream), bk.param.data_ptr(),
+                                   static_cast<size_t>(bk.nbytes()),
+                                   static_cast<float>(hit_ratio),
+                                   static_cast<size_t>(std::max<int64_t>(0, share_bytes))));
 #else
   (void)stream;
   (void)hit_ratio;
   (void)share_bytes;
-  out.reason =
-      "engine._C was built without CUDA; rebuild on a machine with a CUDA torch and nvcc "
-      "(see docs/building.md)";
 #endif
   return out;
 }
