@@ -149,6 +149,11 @@ def check_config(cfg: TrainConfig) -> None:
                 raise CLIError(
                     f"{flag} applies to --schedule pb only (got --schedule {cfg.schedule})"
                 )
+    if cfg.update_size is not None and cfg.schedule not in ("pb", "pipedream"):
+        raise CLIError(
+            f"--update-size applies to --schedule pb and pipedream only (got --schedule "
+            f"{cfg.schedule}, which updates once per {cfg.chunks} --chunks micro-batches)"
+        )
     if cfg.checkpoint_every is not None and cfg.checkpoint_every < 1:
         raise CLIError(f"--checkpoint-every {cfg.checkpoint_every} must be >= 1 (steps)")
     if cfg.pipemare_warmup is not None and cfg.pipemare_warmup < 0:
