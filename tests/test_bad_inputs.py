@@ -467,7 +467,7 @@ def test_multi_process_starts_that_disagree() -> None:
     from distributed_support import BAD_STARTS, spawn
 
     names = list(BAD_STARTS)
-    results = spawn(3, [("bad_starts", dict(S=3, names=names))], timeout=120)
+    results = spawn(2, [("bad_starts", dict(S=2, names=names))], timeout=120)
     named = {
         "chunks": "chunks: rank 0 has 4, rank 1 has 2",
         "schedule": "schedule: rank 0 has '1f1b', rank 1 has 'gpipe'",
