@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 from typing import Any, Protocol
 
@@ -109,8 +110,18 @@ def write_state(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
     meta = {"format": FORMAT, "sha256": _digest(tensors, skeleton), "state": skeleton}
     path = os.fspath(path)
     tmp = f"{path}.tmp-{os.getpid()}"
+    # created here first so a missing folder or a read-only one is an OSError naming the path
+    # (errno intact, as a caller that handles a full disk expects), not safetensors' own error
+    open(tmp, "wb").close()
     try:
-        save_file(tensors, tmp, metadata={_META_KEY: json.dumps(meta)})
+        try:
+            save_file(tensors, tmp, metadata={_META_KEY: json.dumps(meta)})
+        except Exception as exc:  # SafetensorError: an I/O failure mid-write (e.g. a full disk)
+            found = re.search(r"os error (\d+)", str(exc))
+            if found is None:
+                raise
+            code = int(found.group(1))
+            raise OSError(code, f"cannot write checkpoint {path!r}: {os.strerror(code)}", path) from exc
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -668,6 +668,50 @@ def phase_disagree(rank: int, S: int, key: str) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0}
 
 
+#: bad multi-process starts: rank 1's Pipeline keywords differ from the others' (1f1b, M=4)
+BAD_STARTS: dict[str, dict[str, Any]] = {
+    "chunks": {"chunks": 2},
+    "schedule": {"schedule": "gpipe"},
+    "checkpoint": {"checkpoint": "never"},
+    "on_nonfinite": {"on_nonfinite": "skip"},
+    "deferred_batch_norm": {"deferred_batch_norm": True},
+    "spike_compensation": {"optimizer": _sgd(spike_compensation=True)},
+    "stage_shapes": {"wrong_input_at": 1},
+}
+
+
+def phase_bad_starts(rank: int, S: int, names: list[str]) -> dict[str, Any]:
+    """Every case of BAD_STARTS in turn on the same process group: each must fail on every
+    rank at construction with the error and leave the modules it was given untouched."""
+    from engine import Pipeline
+
+    out: dict[str, Any] = {}
+    for name in names:
+        kw: dict[str, Any] = dict(schedule="1f1b", chunks=4, optimizer=_sgd(), timeout=30.0)
+        wrong = None
+        if rank == 1:
+            odd = dict(BAD_STARTS[name])
+            wrong = odd.pop("wrong_input_at", None)
+            kw.update(odd)
+        stages = [f() for f in stage_factories(S, wrong_input_at=wrong)]
+        before = [p.detach().clone() for m in stages for p in m.parameters()]
+        t0 = time.perf_counter()
+        try:
+            pipe = Pipeline(stages, loss_fn=nn.functional.mse_loss, transport="gloo", **kw)
+            if name == "stage_shapes":  # a wiring error shows at the first step's handshake
+                pipe.step(*batch(0))
+            out[name] = {"error": None}
+        except Exception as exc:
+            after = [p.detach() for m in stages for p in m.parameters()]
+            out[name] = {
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "unchanged": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+                "seconds": time.perf_counter() - t0,
+            }
+    return out
+
+
 def phase_parameterless(rank: int, S: int) -> dict[str, Any]:
     """A stage without parameters (no optimizer) under gloo: the ranks still agree, and the
     run equals the local one."""

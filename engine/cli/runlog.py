@@ -3,7 +3,8 @@
 Why: ``--resume`` must continue exactly where an earlier run stopped, and only with the same
 options; so ``train_state.json`` records the configuration (minus the options that may change
 between a run and its resumption, e.g. ``--epochs``) beside the epoch, sample count and
-training time, and a resumed run is refused with the differing options named. Every file is
+training time (after a ``--checkpoint-every`` commit also the loop's position inside the
+epoch, see ``loop``), and a resumed run is refused with the differing options named. Every file is
 written to a temporary name and moved into place with ``os.replace``. The checkpoint and the
 state are one unit (:func:`commit_epoch`): the state records the checkpoint's SHA-256, so a
 crash between their two renames is detected on resume and finished from the ``.next`` file,
