@@ -1,5 +1,8 @@
 """Checkpoint directories: one file per rank of a gloo/NCCL pipeline, committed by a manifest.
 
+``engine.save``/``engine.load`` are defined here: a single-process pipeline goes to the
+single-file format of :mod:`engine.serialization` unchanged, a multi-process one to a directory.
+
 Why a directory and not one file: under ``torchrun`` each process holds only its stage, so
 each rank writes what its own ``state_dict()`` holds (weights, optimizer and scheduler state,
 counters, RNG, and anything else a later engine adds to it) with
@@ -36,13 +39,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from engine import serialization
 from engine.errors import CheckpointError
 from engine.serialization import read_state, write_state
 
 if TYPE_CHECKING:
     from engine.runtime.pipeline import Pipeline
 
-__all__ = ["save_dir", "load_dir", "MANIFEST", "DIR_FORMAT"]
+__all__ = ["save", "load", "save_dir", "load_dir", "read_manifest", "MANIFEST", "DIR_FORMAT"]
 
 DIR_FORMAT = "engine.checkpoint-dir/1"
 MANIFEST = "manifest.json"
@@ -208,3 +212,24 @@ def load_dir(pipe: Pipeline, path: str | os.PathLike[str], override_hyperparamet
     _raise_first(_exchange(pipe, "", error), f"loading checkpoint {path!r}")
     assert state is not None
     load_pipeline_state_dict(pipe, state, override_hyperparameters)
+
+
+def save(pipe: Any, path: str | os.PathLike[str]) -> None:
+    """Write ``pipe``'s state to ``path``, atomically: one safetensors + JSON file (single
+    process), or under gloo/NCCL (every rank calls it) a directory of one file per rank and a
+    manifest rank 0 writes last."""
+    if pipe.config.distributed:
+        save_dir(pipe, path)
+    else:
+        serialization.save(pipe, path)
+
+
+def load(pipe: Any, path: str | os.PathLike[str], *, override_hyperparameters: bool = False) -> None:
+    """Load what ``save`` wrote into a flushed pipeline of the same configuration; never
+    unpickles. Errors (CheckpointError) leave the pipeline unchanged -- under gloo/NCCL on
+    every rank, each naming the first rank that failed. ``override_hyperparameters``: see
+    :func:`engine.serialization.load`."""
+    if pipe.config.distributed:
+        load_dir(pipe, path, override_hyperparameters)
+    else:
+        serialization.load(pipe, path, override_hyperparameters=override_hyperparameters)

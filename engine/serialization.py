@@ -120,20 +120,8 @@ def write_state(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
         raise
 
 
-def _distributed(pipe: Any) -> bool:
-    return bool(getattr(getattr(pipe, "config", None), "distributed", False))
-
-
 def save(pipe: _Stateful, path: str | os.PathLike[str]) -> None:
-    """Write ``pipe.state_dict()`` to ``path`` (safetensors + JSON metadata), atomically.
-
-    Under gloo/NCCL (every rank calls it) ``path`` is a directory: one file per rank and a
-    manifest rank 0 writes last (:mod:`engine.checkpoint_dir`)."""
-    if _distributed(pipe):
-        from engine.checkpoint_dir import save_dir
-
-        save_dir(pipe, path)  # type: ignore[arg-type]
-        return
+    """Write ``pipe.state_dict()`` to ``path`` (safetensors + JSON metadata), atomically."""
     write_state(pipe.state_dict(), path)
 
 
@@ -185,14 +173,7 @@ def load(pipe: _Stateful, path: str | os.PathLike[str], *, override_hyperparamet
     Never unpickles. A missing, corrupted, truncated or mismatched file raises CheckpointError
     and leaves the pipeline unchanged. The stage optimizers must be of the checkpoint's types
     with the same hyper-parameters; ``override_hyperparameters=True`` accepts different ones
-    (the checkpoint's values then win, as ``torch.optim.Optimizer.load_state_dict`` does).
-    Under gloo/NCCL every rank calls it with the directory ``save`` wrote; every rank loads,
-    or every rank raises the same error naming the first rank that failed."""
-    if _distributed(pipe):
-        from engine.checkpoint_dir import load_dir
-
-        load_dir(pipe, path, override_hyperparameters)  # type: ignore[arg-type]
-        return
+    (the checkpoint's values then win, as ``torch.optim.Optimizer.load_state_dict`` does)."""
     state = read_state(path)
     if override_hyperparameters:
         pipe.load_state_dict(state, override_hyperparameters=True)  # type: ignore[call-arg]
