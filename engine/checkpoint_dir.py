@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from engine import serialization
 from engine.errors import CheckpointError
-from engine.serialization import read_state, write_state
+from engine.serialization import file_sha256, read_state, write_state
 
 if TYPE_CHECKING:
     from engine.runtime.pipeline import Pipeline
@@ -52,14 +52,6 @@ DIR_FORMAT = "engine.checkpoint-dir/1"
 MANIFEST = "manifest.json"
 _RANK_FILE = re.compile(r"rank\d+-[0-9a-f]{16}\.safetensors(\.tmp-\d+)?$")
 _HASH, _TEXT = 64, 960  # bytes of a rank's status: hex SHA-256, then its error (utf-8)
-
-
-def _file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _exchange(pipe: Pipeline, digest: str, error: str) -> list[tuple[str, str]]:
@@ -110,7 +102,7 @@ def save_dir(pipe: Pipeline, path: str | os.PathLike[str]) -> None:
     try:
         os.makedirs(path, exist_ok=True)
         write_state(pipe.state_dict(), target)
-        digest = _file_sha256(target)
+        digest = file_sha256(target)
     except Exception as exc:  # reported to every rank below
         error = f"{type(exc).__name__}: {exc}"
     statuses = _exchange(pipe, digest, error)
@@ -191,7 +183,7 @@ def _read_own(pipe: Pipeline, path: str) -> dict[str, Any]:
     file = os.path.join(path, entry["file"])
     if not os.path.exists(file):
         raise CheckpointError(f"rank {r}'s file {file!r}, named by the manifest, is missing")
-    if _file_sha256(file) != entry["sha256"]:
+    if file_sha256(file) != entry["sha256"]:
         raise CheckpointError(f"rank {r}'s file {file!r} is corrupted: its SHA-256 differs from the manifest's")
     pipe.require_flushed("engine.load")
     return read_state(file)
