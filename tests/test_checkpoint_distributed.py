@@ -69,3 +69,24 @@ def test_first_failing_rank_is_named_by_its_peers(two: list[dict[str, Any]]) -> 
     got = two[0]["first_failure"]
     assert got["type"] == "PeerError", got
     assert "first rank to fail in this job was rank 1: RuntimeError: boom in the forward" in got["message"]
+
+
+def test_manifest_tampering_and_foreign_formats_are_refused(tmp_path) -> None:
+    import json
+
+    import engine.checkpoint_dir as cd
+    from engine import CheckpointError
+
+    body = {"format": cd.DIR_FORMAT, "layout": {"world": 2}, "steps": 3, "ranks": []}
+    good = {**body, "sha256": cd._body_sha256(body)}
+    (tmp_path / cd.MANIFEST).write_text(json.dumps(good))
+    assert cd.read_manifest(tmp_path)["steps"] == 3
+    (tmp_path / cd.MANIFEST).write_text(json.dumps({**good, "steps": 4}))  # hand-edited
+    with pytest.raises(CheckpointError, match="does not match its SHA-256"):
+        cd.read_manifest(tmp_path)
+    (tmp_path / cd.MANIFEST).write_text(json.dumps({**good, "format": "other/9"}))
+    with pytest.raises(CheckpointError, match="format 'other/9'"):
+        cd.read_manifest(tmp_path)
+    (tmp_path / cd.MANIFEST).write_text("{not json")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        cd.read_manifest(tmp_path)
