@@ -29,7 +29,7 @@ from torch import Tensor
 
 from engine.errors import CheckpointError
 
-__all__ = ["save", "load", "write_state", "read_state", "FORMAT"]
+__all__ = ["save", "load", "write_state", "read_state", "file_sha256", "FORMAT"]
 
 FORMAT = "engine.pipeline/2"
 _READABLE = ("engine.pipeline/1", FORMAT)
@@ -98,6 +98,15 @@ def _digest(tensors: dict[str, Tensor], skeleton: Any = None) -> str:
         h.update(str(t.dtype).encode())
         h.update(repr(tuple(t.shape)).encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """SHA-256 of a whole file's bytes (what a manifest or a run log records for it)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
     return h.hexdigest()
 
 

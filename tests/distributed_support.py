@@ -737,6 +737,127 @@ def phase_parameterless(rank: int, S: int) -> dict[str, Any]:
         return {"error": traceback.format_exc()}
 
 
+def _params(pipe: Any) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in pipe.stages[0].module.parameters()]
+
+
+def _gloo(S: int, kw: dict[str, Any], timeout: float = 30) -> Any:
+    from engine import Pipeline
+
+    return Pipeline(
+        stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo", timeout=timeout, **kw
+    )
+
+
+def _refused(pipe: Any, path: str) -> str:
+    """engine.load's error on this rank ("" if it loaded), checking that nothing changed."""
+    import engine
+
+    before = _params(pipe)
+    try:
+        engine.load(pipe, path)
+    except engine.CheckpointError as exc:
+        same = all(torch.equal(a, b) for a, b in zip(before, _params(pipe), strict=True))
+        return str(exc) if same else f"CHANGED WEIGHTS: {exc}"
+    return ""
+
+
+def phase_checkpoint(rank: int, S: int, root: str, names: list[str]) -> dict[str, Any]:
+    """Save at step k, load into a fresh pipeline, continue: equal to the uninterrupted run;
+    then every refusal (each rank's message, weights unchanged)."""
+    import engine
+    import engine.checkpoint_dir as cd
+
+    out: dict[str, Any] = {}
+    k, n = 3, 6
+    for name in names:
+        kw = configs(S)[name]
+        path = os.path.join(root, name)
+        a = _gloo(S, kw)
+        for t in range(k):
+            a.step(*batch(t))
+        a.flush()
+        engine.save(a, path)
+        a_losses = [a.step(*batch(t)) for t in range(k, n)]
+        a.flush()
+        b = _gloo(S, kw)
+        fresh = _params(b)
+        engine.load(b, path)
+        b_steps = b.steps
+        b_losses = [b.step(*batch(t)) for t in range(k, n)]
+        b.flush()
+        opt_a, opt_b = a.state_dict()["stages"][0], b.state_dict()["stages"][0]
+        out[name] = {
+            "steps_after_load": b_steps,
+            "changed_by_load": not all(torch.equal(x, y) for x, y in zip(fresh, _params(b), strict=True)),
+            "weights_equal": all(torch.equal(x, y) for x, y in zip(_params(a), _params(b), strict=True)),
+            "losses_equal": all(torch.equal(x, y) for x, y in zip(a_losses, b_losses, strict=True)),
+            "optimizer_equal": str(opt_a["optimizer"]) == str(opt_b["optimizer"]),
+            "files": sorted(os.listdir(path)),
+        }
+    path = os.path.join(root, names[0])
+    pipe = _gloo(S, configs(S)[names[0]])
+    man = cd.read_manifest(path)
+    victim_file = os.path.join(path, man["ranks"][1]["file"])
+    refusals: dict[str, str] = {"missing manifest": _refused(pipe, os.path.join(root, "empty"))}
+    data = open(victim_file, "rb").read()
+
+    def edit(change: Callable[[], None]) -> None:
+        dist.barrier()
+        if rank == 0:
+            change()
+        dist.barrier()
+
+    edit(lambda: open(victim_file, "wb").write(data[:-1] + bytes([data[-1] ^ 1])))
+    refusals["corrupt rank file"] = _refused(pipe, path)
+    edit(lambda: os.remove(victim_file))
+    refusals["missing rank file"] = _refused(pipe, path)
+    edit(lambda: open(victim_file, "wb").write(data))
+    bigger = {**man, "layout": {**man["layout"], "world": 4, "stages": 4}}
+    bigger.pop("sha256")
+    bigger["sha256"] = cd._body_sha256(bigger)
+    other = os.path.join(root, "other-layout")
+    edit(lambda: (os.makedirs(other), open(os.path.join(other, cd.MANIFEST), "w").write(__import__("json").dumps(bigger))))
+    refusals["world layout"] = _refused(pipe, other)
+    # a save that fails on rank 1 after writing leaves the previous checkpoint loadable
+    real = cd.write_state
+
+    def failing(state: Any, target: str) -> None:
+        real(state, target)
+        raise OSError("disk full (simulated)")
+
+    cd.write_state = failing if rank == 1 else real  # type: ignore[assignment]
+    try:
+        engine.save(pipe, path)
+        refusals["failed save"] = ""
+    except engine.CheckpointError as exc:
+        refusals["failed save"] = str(exc)
+    finally:
+        cd.write_state = real  # type: ignore[assignment]
+    dist.barrier()
+    out["files_after_failed_save"] = sorted(os.listdir(path))
+    out["loads_after_failed_save"] = _refused(pipe, path) == "" and pipe.steps == k
+    out["refusals"] = refusals
+    return out
+
+
+def phase_first_failure(rank: int, S: int, victim: int) -> dict[str, Any]:
+    """``victim``'s forward raises at step 2; every other rank's error names it (terminal)."""
+    pipe = _gloo(S, dict(schedule="1f1b", chunks=4, optimizer=_sgd()), timeout=4)
+    try:
+        for t in range(4):
+            if t == 2 and rank == victim:
+
+                def boom(*a: Any) -> None:
+                    raise RuntimeError("boom in the forward")
+
+                pipe.stages[0].module.forward = boom
+            pipe.step(*batch(t))
+        return {"type": None}
+    except Exception as exc:
+        return {"type": type(exc).__name__, "message": str(exc)}
+
+
 # ---------------------------------------------------------------------- spawning
 
 

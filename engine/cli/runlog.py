@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import hashlib
 import json
 import os
 from dataclasses import asdict
@@ -25,6 +24,7 @@ from typing import Any
 
 from engine.cli import CLIError, CLIFailure
 from engine.cli.config import TrainConfig
+from engine.serialization import file_sha256
 
 __all__ = [
     "CHECKPOINT_FILE",
@@ -62,14 +62,6 @@ def resume_key(cfg: TrainConfig) -> dict[str, Any]:
     return {k: v for k, v in asdict(cfg).items() if k not in _RESUME_FREE}
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _json(path: Path) -> dict[str, Any]:
     try:
         state = json.loads(path.read_text())
@@ -93,7 +85,7 @@ def commit_epoch(out: Path, pipe: Any, state: dict[str, Any]) -> None:
     state_next = out / (STATE_FILE + ".next")
     try:
         engine.save(pipe, ckpt_next)
-        state = dict(state, checkpoint_sha256=_sha256(ckpt_next))
+        state = dict(state, checkpoint_sha256=file_sha256(ckpt_next))
         tmp = out / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state, indent=1))
         os.replace(tmp, state_next)
@@ -119,7 +111,7 @@ def read_state(out: Path, cfg: TrainConfig) -> dict[str, Any]:
         )
     state = _json(state_path)
     want = state.get("checkpoint_sha256")
-    have = _sha256(out / CHECKPOINT_FILE) if want is not None else None
+    have = file_sha256(out / CHECKPOINT_FILE) if want is not None else None
     if have != want:
         pending = out / (STATE_FILE + ".next")
         nxt = _json(pending) if pending.exists() else None

@@ -26,6 +26,7 @@ from engine.runtime import inputs as _inputs
 from engine.runtime import trees
 from engine.runtime.build import build_module, build_store, resolve_stage_specs
 from engine.runtime.executor import Executor, StepResult
+from engine.runtime.first_failure import report
 from engine.runtime.program import RB, RF, SB, SF, F, StepProgram, U
 from engine.runtime.stage import DROPPED
 from engine.runtime.streams import StageStreams
@@ -284,6 +285,13 @@ class RankExecutor(Executor):
     def drain(self) -> Tensor | None:
         if self.sync or not self.active:
             return None
+        try:
+            return self._rank_drain()
+        except BaseException as exc:
+            report(self.rank.layout.rank, exc)
+            raise
+
+    def _rank_drain(self) -> Tensor | None:
         first = len(self.losses)
         prog = self.compiler.drain(self.j)
         self._ops(prog, 0, self.j * self.M, skip_updates=False)
@@ -323,8 +331,12 @@ def rank_step(pipe: Pipeline, inputs: Any, targets: Any) -> Tensor:
     else:
         xs, ts, sizes = [None] * M, [None] * M, [1] * M
     rk = pipe._rank
-    if not rk.handshaken:
-        st = pipe.stages[0]
-        rk.handshake(st.module, xs[0], ts[0], st.loss_fn)
-    result = pipe._executor.run_step(xs, ts, sizes)
+    try:
+        if not rk.handshaken:
+            st = pipe.stages[0]
+            rk.handshake(st.module, xs[0], ts[0], st.loss_fn)
+        result = pipe._executor.run_step(xs, ts, sizes)
+    except BaseException as exc:  # the first rank to fail is named in its peers' errors
+        report(lay.rank, exc)
+        raise
     return result.loss if result.loss is not None else torch.tensor(float("nan"))

@@ -69,6 +69,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from engine.runtime.first_failure import first
 from engine.runtime.transport.base import PeerError, ShapeAgreementError, Transport
 from engine.runtime.trees import Signature, flatten
 
@@ -176,6 +177,7 @@ class P2PTransport(Transport):
                 f"({type(exc).__name__}: {text[:300]}). The peer rank most likely died or is "
                 "stuck: check its log for the first error. This rank stops instead of hanging "
                 "(raise Pipeline(timeout=...) if a stage is legitimately slower)."
+                + first(self.ranks[self.stage])
             ) from exc
 
     # ------------------------------------------------------------------ handshake
