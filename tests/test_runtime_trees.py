@@ -368,6 +368,7 @@ def test_gloo_trees_equal_local_bit_for_bit() -> None:
         for name, r in res["trees"].items():
             assert "error" not in r, r.get("error")
             assert r["weights_equal"] and r["losses_equal"], (rank, name, r)
+            assert r["shape_changes"] == 0, (rank, name, r)  # fixed shapes: no metadata
             assert r["updates"] == r["ref_updates"] > 0 and r["leftovers"] == 0, (rank, name, r)
     # the handshake agreed every leaf; only the hidden state carries a gradient back
     sig = results[0]["trees"]["gpipe"]["sent"]
