@@ -575,6 +575,24 @@ def _tree_loss(out: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
     return nn.functional.mse_loss(out, t["y"])
 
 
+def _against_local(pipe: Any, ref: Any, batches: Callable[[int], Any], steps: int) -> dict[str, Any]:
+    """Train the gloo pipeline and its local reference on the same batches; compare."""
+    losses, ref_losses = [], []
+    for t in range(steps):
+        x, y = batches(t)
+        losses.append(pipe.step(x, y).detach().clone())
+        ref_losses.append(ref.step(x, y).detach().clone())
+    pipe.flush()
+    ref.flush()
+    mine = [p.detach() for p in pipe.stages[0].module.parameters()]
+    theirs = [p.detach() for p in ref.stages[pipe.layout.stage].module.parameters()]
+    return {
+        "weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
+        "losses_equal": all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)),
+        "updates": pipe.stages[0].updates,
+    }
+
+
 def phase_trees(rank: int, S: int) -> dict[str, Any]:
     """Stages passing dicts of tensors (bool mask, int ids, a no-grad float, a constant) under
     gloo vs the local run of the same configuration."""
@@ -589,26 +607,12 @@ def phase_trees(rank: int, S: int) -> dict[str, Any]:
         try:
             pipe = Pipeline(tree_factories(first), transport="gloo", timeout=30, **kw)
             ref = Pipeline([f() for f in tree_factories(first)], **kw)
-            losses, ref_losses = [], []
-            for t in range(4):
-                x, y = tree_batch(t)
-                losses.append(pipe.step(x, y).detach().clone())
-                ref_losses.append(ref.step(x, y).detach().clone())
-            pipe.flush()
-            ref.flush()
-            s = pipe.layout.stage
-            mine = [p.detach() for p in pipe.stages[0].module.parameters()]
-            theirs = [p.detach() for p in ref.stages[s].module.parameters()]
+            out[name] = _against_local(pipe, ref, tree_batch, 4)
             tp = pipe._rank.transport
             sent = tp.meta.get(("act", "send"))
             grads = tp.meta.get(("grad", "send"))
-            out[name] = {
-                "weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
-                "losses_equal": all(
-                    torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)
-                ),
-                "updates": pipe.stages[0].updates,
-                "ref_updates": ref.stages[s].updates,
+            out[name] |= {
+                "ref_updates": ref.stages[pipe.layout.stage].updates,
                 "sent": None if sent is None else [
                     (p, m.shape, m.dtype, m.requires_grad) for p, m in sent.metas(grad=False)
                 ],
@@ -746,23 +750,9 @@ def phase_varlen(rank: int, S: int, names: list[str], steps: int = 4) -> dict[st
         try:
             pipe = Pipeline(varlen_stages(S, bool(tie)), transport="gloo", timeout=30, **kw)
             ref = Pipeline(varlen_stages(S, bool(tie)), **kw)
-            losses, ref_losses = [], []
-            for t in range(steps):
-                x, y = varlen_batch(t)
-                losses.append(pipe.step(x, y).detach().clone())
-                ref_losses.append(ref.step(x, y).detach().clone())
-            pipe.flush()
-            ref.flush()
-            s = pipe.layout.stage
-            mine = [p.detach() for p in pipe.stages[0].module.parameters()]
-            theirs = [p.detach() for p in ref.stages[s].module.parameters()]
+            out[name] = _against_local(pipe, ref, varlen_batch, steps)
             tp = pipe._rank.transport
-            out[name] = {
-                "weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
-                "losses_equal": all(
-                    torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)
-                ),
-                "updates": pipe.stages[0].updates,
+            out[name] |= {
                 "ties": len(pipe.ties),
                 "shape_changes": tp.shape_changes,
                 "leftovers": len(tp._sends) + len(tp._posted) + len(tp._heads)
