@@ -27,6 +27,14 @@ downstream in place of the next header (n < 0), so later stages raise it too ins
 waiting. Gradients need no header: the gradient of micro-batch i has the shapes of the
 activation of i, which both ends remember until it travelled.
 
+Under gloo the receiver still posts each activation's tensors before its header arrives, for
+the shapes of the previous activation (the sender then finds its receive waiting; see the
+rendezvous below). When the shapes changed, the sender first sends a fill of at most one byte
+per tensor leaf, which completes those receives (gloo takes a message smaller than the posted
+buffer), and the tensors of the new shapes follow: a change costs the header, the metadata
+message and the fills; an unchanged activation only the 8-byte header. NCCL needs equal
+sizes at both ends and posts nothing ahead, so it receives the header first.
+
 gloo specifics (measured on 4 ranks time-sharing 2 CPU cores, see bench/README.md):
 
 * gloo's TCP transport is a rendezvous protocol: a send whose receive is not posted yet only
@@ -73,6 +81,7 @@ the pipeline's ``timeout``.
 from __future__ import annotations
 
 import datetime
+import math
 import pickle
 from typing import Any
 
@@ -144,8 +153,9 @@ class P2PTransport(Transport):
         # (channel, micro-batch) -> (works, tensors kept alive, what it was); one work per
         # tensor leaf; insertion-ordered
         self._sends: dict[tuple[str, int], tuple[list[Any], list[Tensor], str]] = {}
-        # receives posted ahead (gloo): (channel, micro-batch) -> (works, buffers)
-        self._posted: dict[tuple[str, int], tuple[list[Any], list[Tensor]]] = {}
+        # receives posted ahead (gloo): (channel, micro-batch) -> (works, buffers, the
+        # Signature they were posted for)
+        self._posted: dict[tuple[str, int], tuple[list[Any], list[Tensor], Signature]] = {}
         # the agreed activation Signature per direction: ("act"|"grad", "send"|"recv"); the
         # grad channel carries the leaves of the same Signature that require grad
         self.meta: dict[tuple[str, str], Signature] = {}
@@ -310,9 +320,12 @@ class P2PTransport(Transport):
             body = b"" if new is None else pickle.dumps(new.skeleton)
             head = [self._small(torch.tensor([len(body)], dtype=torch.int64))]
             if new is not None:
+                head.append(self._small(torch.frombuffer(bytearray(body), dtype=torch.uint8)))
+                if self.backend == "gloo":  # fill the receive posted for the old shapes
+                    fill = self._fill(self.meta[("act", "send")])
+                    ts, tags = fill + ts, [0] * len(fill) + tags
                 self._agree("act", "send", new)
                 self.shape_changes += 1
-                head.append(self._small(torch.frombuffer(bytearray(body), dtype=torch.uint8)))
             self._sent_sigs[mb] = self.meta[("act", "send")]
             ts, tags = head + ts, [HEADER_TAG, META_TAG][: len(head)] + tags
         works = self._isend(ts, tags, self.ranks[self.peer_stage(channel, "send")])
@@ -322,6 +335,11 @@ class P2PTransport(Transport):
         self._sends[(channel, mb)] = (works, ts, f"sending the {channel} of micro-batch {mb}")
         if self.backend == "nccl":
             self._reap()
+
+    @staticmethod
+    def _fill(posted_for: Signature) -> list[Tensor]:
+        """At most one byte per tensor leaf: completes the receives posted for those shapes."""
+        return [torch.zeros(min(1, math.prod(m.shape)), dtype=torch.uint8) for _, m in posted_for.metas(False)]
 
     def _small(self, t: Tensor) -> Tensor:
         return t.to(self._meta_device())
@@ -346,9 +364,10 @@ class P2PTransport(Transport):
             )
         return work
 
-    def _signature(self, mb: int, src: int) -> Signature:
+    def _signature(self, mb: int, src: int, tensors: Any) -> Signature:
         """Receive micro-batch ``mb``'s activation header (and a new Signature if its shapes
-        changed): the Signature its tensors arrive with."""
+        changed): the Signature its tensors arrive with. ``tensors``: the receive already
+        posted for its tensors (gloo), which an error from upstream fills."""
         posted = self._heads.pop(mb, None) or self._post_head(src)
         what = f"receiving the header of micro-batch {mb}'s activation"
         self.wait(posted[0], what, src)
@@ -360,6 +379,8 @@ class P2PTransport(Transport):
         self.wait(self._irecv(body, src, META_TAG), what, src)
         data = body.cpu().numpy().tobytes()
         if n < 0:  # an earlier stage stopped the step: pass its error on, then raise it
+            if tensors is not None:
+                self._wait_all(tensors[0], what, src)
             self.poison(data.decode())
             raise PipelineInputError(data.decode())
         sig = Signature(pickle.loads(data))
@@ -382,7 +403,12 @@ class P2PTransport(Transport):
             return
         body = message.encode()
         ts = [torch.tensor([-len(body)], dtype=torch.int64), torch.frombuffer(bytearray(body), dtype=torch.uint8)]
-        works = self._isend([self._small(t) for t in ts], [HEADER_TAG, META_TAG], self.ranks[self.stage + 1])
+        ts, tags = [self._small(t) for t in ts], [HEADER_TAG, META_TAG]
+        sent = self.meta.get(("act", "send"))
+        if sent is not None and self.backend == "gloo":  # the receive posted for the tensors
+            fill = self._fill(sent)
+            ts, tags = ts + fill, tags + [0] * len(fill)
+        works = self._isend(ts, tags, self.ranks[self.stage + 1])
         try:
             self._wait_all(works, "sending a step's error downstream")
         except PeerError:
@@ -418,19 +444,27 @@ class P2PTransport(Transport):
             return None if agreed.single else []
         posted = self._posted.pop((channel, mb), None)
         if channel == "act":
-            agreed = self._signature(mb, src)
+            if posted is None and self.backend == "gloo":  # for the previous shapes
+                posted = self._post(channel, mb, agreed, src)
+            agreed = self._signature(mb, src, posted)
             self._recv_sigs[mb] = agreed
+            if posted is not None and posted[2] is not agreed:
+                self._wait_all(posted[0], f"receiving micro-batch {mb}'s fill", src)
+                posted = None  # the shapes changed: that receive took the sender's fill
         if posted is None:
             posted = self._post(channel, mb, agreed, src)
         if certain is not None and self.backend == "gloo":
             # messages of one (peer, tag) match receives in posting order: post mb+1, mb+2, ...
-            # (activations: their fixed-size headers; gradients: once their activation left)
+            # (activations: their fixed-size headers, and the next one's tensors for the
+            # shapes of this one; gradients: once their activation left)
             for ahead in range(mb + 1, min(certain, mb + 1 + self.prepost)):
                 if channel == "act" and ahead not in self._heads:
                     self._heads[ahead] = self._post_head(src)
+                    if ahead == mb + 1:
+                        self._posted[(channel, ahead)] = self._post(channel, ahead, agreed, src)
                 elif channel == "grad" and ahead in self._sent_sigs and (channel, ahead) not in self._posted:
                     self._posted[(channel, ahead)] = self._post(channel, ahead, self._sent_sigs[ahead], src)
-        works, bufs = posted
+        works, bufs, _ = posted
         what = (
             f"receiving the {'activation' if channel == 'act' else 'gradient'} of micro-batch {mb}"
         )
@@ -459,19 +493,19 @@ class P2PTransport(Transport):
 
     def _post(
         self, channel: str, mb: int, agreed: Signature, src: int
-    ) -> tuple[list[Any], list[Tensor]]:
+    ) -> tuple[list[Any], list[Tensor], Signature]:
         bufs = [
             torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
             for _, meta in agreed.metas(grad=channel == "grad")
         ]
         if self.backend == "gloo":
-            return [dist.irecv(b, self.ranks[src], group=self.group) for b in bufs], bufs
+            return [dist.irecv(b, self.ranks[src], group=self.group) for b in bufs], bufs, agreed
         with torch.cuda.stream(self.comm_stream):
             works = dist.batch_isend_irecv(
                 [dist.P2POp(dist.irecv, b, self.ranks[src], self.group) for b in bufs]
             )
         # waited on from the compute stream: it waits (on the device) for the transfer
-        return works, bufs
+        return works, bufs, agreed
 
     def _reap(self) -> None:
         """NCCL: forget sends that completed. Until then the transport holds each sent
