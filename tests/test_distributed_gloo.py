@@ -5,7 +5,8 @@ the local run too; shape disagreements, shapes a stage cannot accept and dead ra
 clear errors naming the ranks, within the timeout, on every survivor.
 
 Cost: one 2-process and two 4-process spawns (module-scoped fixtures), each running many
-configurations; ~40 s in all on 2 cores.
+configurations; ~40 s in all on 2 cores (the variable-length phases add ~15-25 s on 2 busy
+cores).
 """
 
 from __future__ import annotations
