@@ -348,33 +348,6 @@ def phase_handshake_mismatch(rank: int, S: int) -> dict[str, Any]:
         }
 
 
-def phase_shape_change(rank: int, S: int) -> dict[str, Any]:
-    """A later micro-batch of another shape: the sender names both ranks; the others stop
-    within the timeout (terminal phase: the group is unusable afterwards)."""
-    from engine import Pipeline
-
-    pipe = Pipeline(
-        stage_factories(S),
-        schedule="gpipe",
-        chunks=4,
-        loss_fn=nn.functional.mse_loss,
-        optimizer=_sgd(),
-        transport="gloo",
-        timeout=5,
-    )
-    t0 = time.perf_counter()
-    try:
-        pipe.step(*batch(0))
-        pipe.step(*batch(1, B=12))  # micro-batches of 3 instead of 2
-        return {"type": None}
-    except Exception as exc:
-        return {
-            "type": type(exc).__name__,
-            "message": str(exc),
-            "seconds": time.perf_counter() - t0,
-        }
-
-
 def phase_kill(rank: int, S: int, victim: int, timeout: float) -> dict[str, Any]:
     """``victim`` exits abruptly after 2 steps; survivors must raise naming a peer, in time."""
     from engine import Pipeline
@@ -602,6 +575,24 @@ def _tree_loss(out: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
     return nn.functional.mse_loss(out, t["y"])
 
 
+def _against_local(pipe: Any, ref: Any, batches: Callable[[int], Any], steps: int) -> dict[str, Any]:
+    """Train the gloo pipeline and its local reference on the same batches; compare."""
+    losses, ref_losses = [], []
+    for t in range(steps):
+        x, y = batches(t)
+        losses.append(pipe.step(x, y).detach().clone())
+        ref_losses.append(ref.step(x, y).detach().clone())
+    pipe.flush()
+    ref.flush()
+    mine = [p.detach() for p in pipe.stages[0].module.parameters()]
+    theirs = [p.detach() for p in ref.stages[pipe.layout.stage].module.parameters()]
+    return {
+        "weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
+        "losses_equal": all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)),
+        "updates": pipe.stages[0].updates,
+    }
+
+
 def phase_trees(rank: int, S: int) -> dict[str, Any]:
     """Stages passing dicts of tensors (bool mask, int ids, a no-grad float, a constant) under
     gloo vs the local run of the same configuration."""
@@ -616,31 +607,18 @@ def phase_trees(rank: int, S: int) -> dict[str, Any]:
         try:
             pipe = Pipeline(tree_factories(first), transport="gloo", timeout=30, **kw)
             ref = Pipeline([f() for f in tree_factories(first)], **kw)
-            losses, ref_losses = [], []
-            for t in range(4):
-                x, y = tree_batch(t)
-                losses.append(pipe.step(x, y).detach().clone())
-                ref_losses.append(ref.step(x, y).detach().clone())
-            pipe.flush()
-            ref.flush()
-            s = pipe.layout.stage
-            mine = [p.detach() for p in pipe.stages[0].module.parameters()]
-            theirs = [p.detach() for p in ref.stages[s].module.parameters()]
+            out[name] = _against_local(pipe, ref, tree_batch, 4)
             tp = pipe._rank.transport
             sent = tp.meta.get(("act", "send"))
             grads = tp.meta.get(("grad", "send"))
-            out[name] = {
-                "weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
-                "losses_equal": all(
-                    torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)
-                ),
-                "updates": pipe.stages[0].updates,
-                "ref_updates": ref.stages[s].updates,
+            out[name] |= {
+                "ref_updates": ref.stages[pipe.layout.stage].updates,
                 "sent": None if sent is None else [
                     (p, m.shape, m.dtype, m.requires_grad) for p, m in sent.metas(grad=False)
                 ],
                 "grads_sent": None if grads is None else [p for p, _ in grads.metas(grad=True)],
                 "leftovers": len(tp._sends) + len(tp._posted),
+                "shape_changes": tp.shape_changes,
             }
         except Exception:
             out[name] = {"error": traceback.format_exc()}
@@ -856,6 +834,161 @@ def phase_first_failure(rank: int, S: int, victim: int) -> dict[str, Any]:
         return {"type": None}
     except Exception as exc:
         return {"type": type(exc).__name__, "message": str(exc)}
+
+
+class LenEmbed(nn.Module):
+    """Stage 0 of the variable-length model: token ids and a padding mask in, trimmed to the
+    micro-batch's longest sequence (so lengths change between micro-batches as well as
+    between steps), a dict with a float and a bool leaf and a constant out."""
+
+    def __init__(self, w: nn.Parameter) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.embed.weight = w
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+        n = int(mask.sum(1).max())
+        return {"h": torch.tanh(self.embed(ids[:, :n])), "mask": mask[:, :n], "scale": 0.5}
+
+
+class LenMiddle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor, scale: float) -> dict[str, Any]:
+        h = torch.tanh(self.lin(h)) * mask.unsqueeze(-1).to(h.dtype)
+        return {"h": h, "mask": mask, "scale": scale}
+
+
+class LenHead(nn.Module):
+    """The last stage: masked mean over the sequence, then the output head, whose weight is
+    the embedding's (a tie across the first and the last stage) unless ``w`` is None."""
+
+    def __init__(self, w: nn.Parameter | None) -> None:
+        super().__init__()
+        self.body = nn.Linear(DIM, DIM)
+        self.weight = w if w is not None else nn.Parameter(torch.randn(VOCAB, DIM) * 0.3)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        m = mask.unsqueeze(-1).to(h.dtype)
+        pooled = (torch.tanh(self.body(h)) * m).sum(1) / m.sum(1).clamp_min(1.0)
+        return scale * pooled @ self.weight.t()
+
+
+def varlen_stages(S: int, tied: bool) -> list[nn.Module]:
+    torch.manual_seed(88)
+    w = nn.Parameter(torch.randn(VOCAB, DIM) * 0.3)
+    return [LenEmbed(w), *[LenMiddle() for _ in range(S - 2)], LenHead(w if tied else None)]
+
+
+def varlen_batch(step: int, B: int = 8) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A random sequence length per step (2..9) and a random true length per sample."""
+    g = torch.Generator().manual_seed(40_000 + step)
+    L = int(torch.randint(2, 10, (1,), generator=g))
+    lengths = torch.randint(1, L + 1, (B,), generator=g)
+    mask = torch.arange(L).unsqueeze(0) < lengths.unsqueeze(1)
+    ids = torch.randint(0, VOCAB, (B, L), generator=g)
+    return {"ids": ids, "mask": mask}, torch.randint(0, VOCAB, (B,), generator=g)
+
+
+def _length_changes(steps: int, M: int) -> int:
+    """How many times the trimmed length changes from one micro-batch to the next."""
+    lengths = [
+        int(mask.sum(1).max())
+        for t in range(steps)
+        for mask in varlen_batch(t)[0]["mask"].chunk(M)
+    ]
+    return sum(a != b for a, b in zip(lengths, lengths[1:], strict=False))
+
+
+def phase_varlen(rank: int, S: int, names: list[str], steps: int = 4) -> dict[str, Any]:
+    """Random sequence lengths (between steps and micro-batches) with trees, masks and, on
+    the synchronous schedules, a tied weight: gloo vs the local run, bit for bit."""
+    from engine import Pipeline
+
+    out: dict[str, Any] = {"expected_changes": _length_changes(steps, 4)}
+    for name in names:
+        schedule, _, tie = name.partition("-")
+        kw = dict(schedule=schedule, chunks=4, loss_fn=nn.functional.cross_entropy,
+                  optimizer=_sgd())
+        try:
+            pipe = Pipeline(varlen_stages(S, bool(tie)), transport="gloo", timeout=30, **kw)
+            ref = Pipeline(varlen_stages(S, bool(tie)), **kw)
+            out[name] = _against_local(pipe, ref, varlen_batch, steps)
+            tp = pipe._rank.transport
+            out[name] |= {
+                "ties": len(pipe.ties),
+                "shape_changes": tp.shape_changes,
+                "leftovers": len(tp._sends) + len(tp._posted) + len(tp._heads)
+                + len(tp._sent_sigs) + len(tp._recv_sigs),
+            }
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+class Flat(nn.Module):
+    """Takes (B, 4, DIM) only: flattens the sequence into its Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4 * DIM, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x.flatten(1))
+
+
+def _reject(rank: int, S: int, step2: tuple[int, int], timeout: float) -> dict[str, Any]:
+    """One step of (B=8, L=4, DIM) inputs, then one of per-sample shape ``step2``: stage 0
+    (a Linear over the last dim) takes any length, the last stage (Flat) only 4."""
+    from engine import Pipeline
+
+    def make(s: int) -> Callable[[], nn.Module]:
+        def build() -> nn.Module:
+            torch.manual_seed(5000 + s)
+            return Flat() if s == S - 1 else nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
+
+        return build
+
+    pipe = Pipeline([make(s) for s in range(S)], schedule="gpipe", chunks=4,
+                    loss_fn=nn.functional.mse_loss, optimizer=_sgd(), transport="gloo",
+                    timeout=timeout)
+    g = torch.Generator().manual_seed(6)
+    pipe.step(torch.randn(8, 4, DIM, generator=g), torch.randn(8, OUT, generator=g))
+    module = pipe.stages[0].module
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    opt = [{k: v.clone() for k, v in st.items()} for st in pipe.stages[0].optimizer.state.values()]
+    t0 = time.perf_counter()
+    try:
+        pipe.step(torch.randn(8, *step2, generator=g), torch.randn(8, OUT, generator=g))
+        return {"type": None}
+    except Exception as exc:
+        now = [dict(st) for st in pipe.stages[0].optimizer.state.values()]
+        return {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "seconds": time.perf_counter() - t0,
+            "unchanged": all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())
+            and all(
+                torch.equal(v, b[k]) if isinstance(v, torch.Tensor) else v == b[k]
+                for a, b in zip(opt, now, strict=True)
+                for k, v in a.items()
+            ),
+            "updates": pipe.stages[0].updates,
+        }
+
+
+def phase_reject_input(rank: int, S: int) -> dict[str, Any]:
+    """Stage 0 cannot take the new input shape: it raises before the step and every later
+    stage raises the same error (the group stays usable)."""
+    return _reject(rank, S, (4, DIM + 1), timeout=20)
+
+
+def phase_reject_later(rank: int, S: int) -> dict[str, Any]:
+    """Stage 0 accepts a longer sequence, the last stage cannot: it raises naming the leaf and
+    both shapes, the stages before it stop within the timeout (terminal phase)."""
+    return _reject(rank, S, (5, DIM), timeout=4)
 
 
 # ---------------------------------------------------------------------- spawning
