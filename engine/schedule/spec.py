@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.schedule.catalog import family
-from engine.schedule.ir import Schedule
+from engine.schedule.ir import Kind, Schedule
 from engine.schedule.lower import add_comms, flushes_every_minibatch
 from engine.schedule.text import parse
 from engine.schedule.validate import validate
@@ -56,6 +56,15 @@ class ScheduleSpec:
         )
 
 
+#: the runtime runs a backward as one autograd call; a schedule splitting it into B and W
+#: (zbh1) is analysed, validated and drawn by engine.schedule but not executed yet
+_NO_SPLIT = (
+    "{what} splits the backward into B (input gradient) and W (weight gradient), which the "
+    "pipeline runtime does not execute yet; analyse it with engine.schedule (generate, "
+    "analyze, render_timeline) and train with '1f1b', the same order with whole backwards"
+)
+
+
 def _looks_like_text(value: str) -> bool:
     return "\n" in value or value.lstrip().startswith("schedule ")
 
@@ -81,6 +90,8 @@ def resolve_schedule(
             f"or its text form, got {type(schedule).__name__}"
         )
     fam = family(schedule)
+    if fam.split_backward:
+        raise ValueError(_NO_SPLIT.format(what=f"schedule {schedule!r}"))
     if chunks is None:
         raise ValueError(f"schedule={schedule!r} needs chunks=M (micro-batches per step)")
     order = fam.check_order(order)
@@ -120,6 +131,8 @@ def _resolve_program(
             + " (a program fixes its stages, chunks, update size and order: leave those "
             "options unset or equal to the program's header)"
         )
+    if any(a.kind is Kind.WEIGHT for acts in program.actions for a in acts):
+        raise ValueError(_NO_SPLIT.format(what=f"the schedule program {program.name!r}"))
     lowered = add_comms(program)
     validate(lowered)
     return ScheduleSpec(
