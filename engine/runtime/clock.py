@@ -18,8 +18,8 @@ from __future__ import annotations
 
 __all__ = ["Clock"]
 
-_F, _B = 0, 1  # the op codes of engine.runtime.program
-_UNIT = {_F: 1.0, _B: 2.0}
+_F, _B, _W = 0, 1, 8  # the op codes of engine.runtime.program
+_UNIT = {_F: 1.0, _B: 2.0, _W: 1.0}
 _BATCH = 8192
 
 
@@ -54,7 +54,7 @@ class _Replay:
             if op == _F:
                 if s > 0:
                     dep = done.pop((s - 1, _F, n), None)
-            elif s < S - 1:
+            elif op == _B and s < S - 1:  # (a W waits for nothing on another stage)
                 dep = done.pop((s + 1, _B, n), None)
             a, b = free_u[s], free_w[s]
             if a < bu:

@@ -43,6 +43,8 @@ class ScheduleSpec:
     weights: str
     synchronous: bool
     program: Schedule | None = None
+    #: every backward is split into B (input gradient) and a later W (weight gradient)
+    split_backward: bool = False
 
     @property
     def is_program(self) -> bool:
@@ -54,15 +56,6 @@ class ScheduleSpec:
             f"{what} {self.name!r} (S={self.stages}, M={self.chunks}, k={self.update_size}, "
             f"order={self.order}, weights={self.weights})"
         )
-
-
-#: the runtime runs a backward as one autograd call; a schedule splitting it into B and W
-#: (zbh1) is analysed, validated and drawn by engine.schedule but not executed yet
-_NO_SPLIT = (
-    "{what} splits the backward into B (input gradient) and W (weight gradient), which the "
-    "pipeline runtime does not execute yet; analyse it with engine.schedule (generate, "
-    "analyze, render_timeline) and train with '1f1b', the same order with whole backwards"
-)
 
 
 def _looks_like_text(value: str) -> bool:
@@ -90,8 +83,6 @@ def resolve_schedule(
             f"or its text form, got {type(schedule).__name__}"
         )
     fam = family(schedule)
-    if fam.split_backward:
-        raise ValueError(_NO_SPLIT.format(what=f"schedule {schedule!r}"))
     if chunks is None:
         raise ValueError(f"schedule={schedule!r} needs chunks=M (micro-batches per step)")
     order = fam.check_order(order)
@@ -104,6 +95,7 @@ def resolve_schedule(
         order=order,
         weights=fam.weights,
         synchronous=fam.synchronous,
+        split_backward=fam.split_backward,
     )
 
 
@@ -131,8 +123,7 @@ def _resolve_program(
             + " (a program fixes its stages, chunks, update size and order: leave those "
             "options unset or equal to the program's header)"
         )
-    if any(a.kind is Kind.WEIGHT for acts in program.actions for a in acts):
-        raise ValueError(_NO_SPLIT.format(what=f"the schedule program {program.name!r}"))
+    split = _split_backward(program)
     lowered = add_comms(program)
     validate(lowered)
     return ScheduleSpec(
@@ -144,4 +135,22 @@ def _resolve_program(
         weights=program.weights,
         synchronous=flushes_every_minibatch(lowered),
         program=lowered,
+        split_backward=split,
     )
+
+
+def _split_backward(program: Schedule) -> bool:
+    """Whether the program splits its backwards into B and W; the runtime needs all or none
+    (a stage runs every B as input-gradient-only, or every B whole)."""
+    split = [program.split_mbs(s) for s in range(program.stages)]
+    if not any(split):
+        return False
+    for s, acts in enumerate(program.actions):
+        missing = sorted({a.mb for a in acts if a.kind is Kind.BACKWARD} - split[s])
+        if missing:
+            raise ValueError(
+                f"the schedule program {program.name!r} splits some backwards into B and W "
+                f"but not those of micro-batches {missing} on stage {s}; the runtime needs a "
+                "W for every B (or none at all)"
+            )
+    return True
