@@ -12,7 +12,7 @@ from torch import nn
 
 from engine import Pipeline
 from engine.errors import PipelineConfigError
-from engine.schedule import generate, parse
+from engine.schedule import analyze, generate, parse
 from engine.schedule.lower import add_comms
 
 
@@ -49,7 +49,10 @@ def test_weight_gradients_accumulate_only_at_w() -> None:
         first_w = [k for k, _, _ in mine].index("W")
         assert [k for k, _, _ in mine[:first_w]].count("B") == s + 1
     # a deferred W keeps its micro-batch's activations: 1f1b's stage-0 peak on every stage
-    assert pipe.stats()["activation_peak"] == [min(M, S)] * S
+    stats = pipe.stats()
+    assert stats["activation_peak"] == [min(M, S)] * S
+    # the engine's clock replays what ran with the analysis' unit costs (F = B = W = 1)
+    assert stats["bubble_fraction"] == pytest.approx(analyze(generate("zbh1", S, M)).bubble_fraction)
     assert pipe._executor.in_flight() == 0
 
 
