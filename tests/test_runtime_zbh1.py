@@ -5,6 +5,7 @@ test_runtime_versions.py, test_runtime_trees.py and the gloo configs)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 
 from engine import Pipeline
 from engine.errors import PipelineConfigError
-from engine.schedule import analyze, generate, parse
+from engine.schedule import Action, Kind, analyze, generate, parse
 from engine.schedule.lower import add_comms
 
 
@@ -86,3 +87,35 @@ def test_partly_split_program_is_refused_naming_the_stage() -> None:
         _pipe(stages, text)
     assert all(torch.equal(p, q) for p, q in
                zip(before, [p.detach() for m in stages for p in m.parameters()], strict=True))
+
+
+def test_asynchronous_program_with_w_equals_whole_backwards() -> None:
+    """An asynchronous program (pb in 1f1b order, live weights) with a W right after every B
+    trains exactly as with whole backwards: the split runs per stage, outside batched calls."""
+    base = generate("pb", stages=2, chunks=2, steps=2, order="1f1b")
+    actions = tuple(
+        tuple(x for a in acts for x in ((a, Action.weight(a.mb)) if a.kind is Kind.BACKWARD else (a,)))
+        for acts in base.actions
+    )
+    program = dataclasses.replace(base, name="pbw", actions=actions, ticks=None)
+    a, b = _stages(2), _stages(2)
+    whole, split = _pipe(a, "pb", chunks=2, order="1f1b"), _pipe(b, program)
+    assert split._executor.spec.split_backward and not split._executor.spec.synchronous
+    at_w: list[float] = []  # k = 1: a stage's gradients are empty when each W starts
+
+    def hook(s: int, kind: str, n: int) -> None:
+        if kind == "W":
+            at_w.append(float(sum(p.grad.abs().sum() for p in b[s].parameters()
+                                  if p.grad is not None)))
+
+    split._executor.action_hook = hook
+    g = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        x, y = torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)
+        assert torch.equal(whole.step(x, y), split.step(x, y))
+    whole.flush()
+    split.flush()
+    assert len(at_w) == 2 * 4 and set(at_w) == {0.0}
+    for p, q in zip([p for m in a for p in m.parameters()],
+                    [q for m in b for q in m.parameters()], strict=True):
+        assert torch.equal(p, q)
