@@ -10,7 +10,8 @@ Run under torchrun, one process per stage (rank 0 writes the results):
 What is compared, in one run on the same machine, the same model (an MLP cut into S equal
 stages), the same micro-batches and the same optimizer (SGD with momentum):
 
-* ``vs_torch``: ``engine`` ``gpipe`` / ``1f1b`` vs torch's ``ScheduleGPipe`` / ``Schedule1F1B``.
+* ``vs_torch``: ``engine`` ``gpipe`` / ``1f1b`` / ``zbh1`` vs torch's ``ScheduleGPipe`` /
+  ``Schedule1F1B`` / ``ScheduleInterleavedZeroBubble`` with one stage per rank (ZB-H1's order).
   No activation recomputation on either side.
 * ``async_vs_gpipe``: ``engine`` ``pipedream`` / ``2bw`` / ``pb`` vs ``engine`` ``gpipe``, next
   to the theoretical time ratio M/(M+S-1) (``extra.theory_ratio``): GPipe's bubble per
@@ -92,15 +93,17 @@ class TorchRunner:
     between torch 2.11 and 2.13, see docs/ENVIRONMENT.md)."""
 
     def __init__(self, schedule: str, S: int, M: int, width: int, layers: int) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed import pipelining as tp
 
         s = dist.get_rank()
         self.module = stage_module(s, width, layers)
-        stage = PipelineStage(
+        stage = tp.PipelineStage(
             submodule=self.module, stage_index=s, num_stages=S, device=torch.device("cpu")
         )
-        cls = {"ScheduleGPipe": ScheduleGPipe, "Schedule1F1B": Schedule1F1B}[schedule]
-        self.schedule = cls(stage, n_microbatches=M, loss_fn=nn.functional.mse_loss)
+        cls = getattr(tp, schedule)
+        # the multi-stage schedules take a list of this rank's stages (here one: ZB-H1's order)
+        arg = [stage] if issubclass(cls, tp.schedules.PipelineScheduleMulti) else stage
+        self.schedule = cls(arg, n_microbatches=M, loss_fn=nn.functional.mse_loss)
         self.opt = torch.optim.SGD(self.module.parameters(), lr=1e-4, momentum=0.9)
         self.first, self.last = s == 0, s == S - 1
 
@@ -175,6 +178,8 @@ def main() -> None:
     ap.add_argument(
         "--ranks", type=int, default=4, help="processes (= stages) when not started by torchrun"
     )
+    ap.add_argument("--cases", nargs="*", default=None,
+                    help="only these cases (gpipe 1f1b zbh1 pipedream 2bw pb); default all")
     args = ap.parse_args()
     if "RANK" not in os.environ:
         # started as a plain script (e.g. by .ci/gpu): launch ourselves under torchrun
@@ -199,9 +204,13 @@ def main() -> None:
     pairs: list[tuple[str, str, str, Runner, str, Runner]] = [
         ("vs_torch", "gpipe", "engine gpipe", gpipe, "torch ScheduleGPipe", theirs("ScheduleGPipe")),
         ("vs_torch", "1f1b", "engine 1f1b", ours("1f1b"), "torch Schedule1F1B", theirs("Schedule1F1B")),
+        ("vs_torch", "zbh1", "engine zbh1", ours("zbh1"),
+         "torch ScheduleInterleavedZeroBubble, 1 stage/rank", theirs("ScheduleInterleavedZeroBubble")),
     ]
     for s in ("pipedream", "2bw", "pb"):
         pairs.append(("async_vs_gpipe", s, f"engine {s}", ours(s), "engine gpipe", gpipe))
+    if args.cases:
+        pairs = [p for p in pairs if p[1] in args.cases]
     cores = os.cpu_count() or 0
     note = (
         f"{S} ranks on {cores} cores: ranks time-share cores, speed-ups are capped near {cores}x"

@@ -72,6 +72,7 @@ def configs(S: int) -> dict[str, dict[str, Any]]:
         ),
         "gpipe": dict(schedule="gpipe", optimizer=_sgd()),
         "1f1b-adam": dict(schedule="1f1b", optimizer=lambda p: eo.Adam(p, lr=1e-2)),
+        "zbh1": dict(schedule="zbh1", optimizer=_sgd()),
         "pipedream": dict(schedule="pipedream", optimizer=_sgd()),
         "pipedream-k2-nockpt": dict(
             schedule="pipedream", update_size=2, checkpoint="never", optimizer=_sgd()

@@ -11,7 +11,7 @@ from torch import nn
 import engine
 from engine import Pipeline
 
-SCHEDULES = ["naive", "gpipe", "1f1b", "pipedream", "2bw", "pb"]
+SCHEDULES = ["naive", "gpipe", "1f1b", "zbh1", "pipedream", "2bw", "pb"]
 
 
 def _model(split_relu: bool) -> list[nn.Module]:

@@ -1,5 +1,6 @@
-"""Transparency of the synchronous schedules: naive, gpipe and 1f1b give the losses, gradients
-and weights of the unpipelined model with a mean-reduced loss, for every recomputation mode."""
+"""Transparency of the synchronous schedules: naive, gpipe, 1f1b and zbh1 (its backward split
+into B and W) give the losses, gradients and weights of the unpipelined model with a
+mean-reduced loss, for every recomputation mode."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def _model(S: int, d: int = 4, seed: int = 0) -> list[nn.Module]:
     return stages
 
 
-@pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b", "zbh1"])
 @pytest.mark.parametrize("S,M", CASES)
 def test_sync_equals_unpipelined(schedule: str, S: int, M: int) -> None:
     checkpoint = ["never", "except_last", "always"][(S + M) % 3]  # every mode across the grid
@@ -56,7 +57,7 @@ def test_sync_equals_unpipelined(schedule: str, S: int, M: int) -> None:
     assert stats["updates"] == [3] * S
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbh1"])
 def test_sync_gradients_match(schedule: str) -> None:
     """The gradient each update applies equals the unpipelined mean-loss gradient."""
     S, M = 3, 4

@@ -24,7 +24,7 @@ from engine.runtime import trees
 from engine.testing import Probe
 
 D, T, VOCAB = 6, 5, 13
-SCHEDULES = ["naive", "gpipe", "1f1b", "pipedream", "2bw", "pb"]
+SCHEDULES = ["naive", "gpipe", "1f1b", "zbh1", "pipedream", "2bw", "pb"]
 
 
 class Embed(nn.Module):
@@ -220,7 +220,9 @@ class ProbeStage(nn.Module):
         return y if self.last else (torch.tanh(y), mask)
 
 
-@pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b", "pipedream", "2bw", "pb", "pb-1f1b"])
+@pytest.mark.parametrize(
+    "schedule", ["naive", "gpipe", "1f1b", "zbh1", "pipedream", "2bw", "pb", "pb-1f1b"]
+)
 def test_versions_with_tree_stages(schedule: str) -> None:
     order = None
     if schedule == "pb-1f1b":

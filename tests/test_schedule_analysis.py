@@ -138,7 +138,7 @@ def test_per_stage_costs() -> None:
     with pytest.raises(ValueError, match="2 per-stage costs for 3 stages"):
         analyze(sched, Costs(forward=[1, 2]))
     with pytest.raises(ValueError, match="unknown cost keys"):
-        analyze(sched, {"W": 1})
+        analyze(sched, {"X": 1})
 
 
 def test_records_times_and_summary() -> None:

@@ -30,7 +30,8 @@ def test_every_generated_schedule_validates(
     sched = generate(name, stages=S, chunks=M, steps=T, order=order)
     validate(sched)
     assert sched.num_micro_batches == M * T
-    assert sched.order == (order or {"naive": "naive", "gpipe": "fill-drain"}.get(name, "1f1b"))
+    default = {"naive": "naive", "gpipe": "fill-drain", "zbh1": "zb-h1"}.get(name, "1f1b")
+    assert sched.order == (order or default)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 6])
@@ -63,7 +64,7 @@ def test_pb_dataflow_within_tick_order() -> None:
 
 
 def test_sync_schedules_flush_every_mini_batch() -> None:
-    for name in ("naive", "gpipe", "1f1b"):
+    for name in ("naive", "gpipe", "1f1b", "zbh1"):
         sched = generate(name, stages=3, chunks=4, steps=3)
         for acts in sched.actions:
             # nothing of mini-batch j+1 runs before mini-batch j's update
@@ -107,7 +108,7 @@ def test_one_f_one_b_warm_up() -> None:
         (
             dict(name="zb-h1", stages=2, chunks=2),
             ValueError,
-            "unknown schedule 'zb-h1'; known schedules: naive, gpipe, 1f1b, pipedream, 2bw, pb",
+            "unknown schedule 'zb-h1'; known schedules: naive, gpipe, 1f1b, zbh1, pipedream, 2bw, pb",
         ),
         (
             dict(name="gpipe", stages=2, chunks=2, order="dataflow"),
@@ -138,7 +139,7 @@ def test_generator_errors(kwargs: dict, exc: type, match: str) -> None:
 
 
 def test_names() -> None:
-    assert SCHEDULES == ("naive", "gpipe", "1f1b", "pipedream", "2bw", "pb")
+    assert SCHEDULES == ("naive", "gpipe", "1f1b", "zbh1", "pipedream", "2bw", "pb")
     assert generate("2bw", stages=3, chunks=3).weights == "2bw"
     assert generate("pipedream", stages=3, chunks=3).weights == "stash"
     assert generate("pb", stages=3, chunks=3).weights == "live"

@@ -26,6 +26,8 @@ CASES: list[tuple[str, int, int, int, int | None, str | None]] = [
     ("gpipe", 3, 4, 1, None, None),
     ("1f1b", 4, 8, 1, None, None),
     ("1f1b", 2, 2, 2, None, None),
+    ("zbh1", 4, 8, 1, None, None),
+    ("zbh1", 2, 2, 2, None, None),
     ("pipedream", 3, 2, 2, None, None),
     ("pipedream", 3, 4, 1, 2, None),
     ("2bw", 3, 3, 2, None, None),

@@ -1,8 +1,8 @@
 """The engine's own clock: bubble fractions of the actions that actually ran.
 
 Why computed afterwards: ``stats()`` reports the bubble a schedule leaves, once with unit
-costs (F = 1, B = 2: the bubble formulas of ALGORITHMS.md hold for any fixed ratio) and once
-with each action's measured wall time. Both are a discrete-event replay of the executed
+costs (F = 1, B = 2, or B = W = 1 for a split backward: the bubble formulas of ALGORITHMS.md
+hold for any fixed ratio) and once with each action's measured wall time. Both are a discrete-event replay of the executed
 actions: an action starts when its stage is free and its producer (the previous stage's
 forward, the next stage's backward) has finished. Doing that replay per action on the hot
 path cost ~12 % of a small model's step; here the executor only appends (stage, kind,
@@ -18,8 +18,11 @@ from __future__ import annotations
 
 __all__ = ["Clock"]
 
-_F, _B = 0, 1  # the op codes of engine.runtime.program
+_F, _B, _W = 0, 1, 8  # the op codes of engine.runtime.program
 _UNIT = {_F: 1.0, _B: 2.0}
+#: a backward split into B and W: the input gradient and the weight gradient one unit each,
+#: as engine.schedule's cost model charges them (the whole backward still costs 2)
+_UNIT_SPLIT = {_F: 1.0, _B: 1.0, _W: 1.0}
 _BATCH = 8192
 
 
@@ -27,8 +30,9 @@ class _Replay:
     """Both replays (unit costs and wall time) in one pass: per action one call, one dict
     lookup, instead of one per cost model (the sync steps' flush replays every step)."""
 
-    def __init__(self, S: int) -> None:
+    def __init__(self, S: int, split: bool = False) -> None:
         self.S = S
+        self.unit = _UNIT_SPLIT if split else _UNIT
         self.free_u = [0.0] * S
         self.free_w = [0.0] * S
         self.busy_u = [0.0] * S
@@ -46,15 +50,16 @@ class _Replay:
         bu, bw = self.barrier_u, self.barrier_w
         end_u, end_w = self.end_u, self.end_w
         busy_u, busy_w = self.busy_u, self.busy_w
+        unit = self.unit
         for j in range(k):
             s, op, n, sec = log[j]  # type: ignore[misc]
             log[j] = None
-            cost = _UNIT[op]
+            cost = unit[op]
             dep: tuple[float, float] | None = None
             if op == _F:
                 if s > 0:
                     dep = done.pop((s - 1, _F, n), None)
-            elif s < S - 1:
+            elif op == _B and s < S - 1:  # (a W waits for nothing on another stage)
                 dep = done.pop((s + 1, _B, n), None)
             a, b = free_u[s], free_w[s]
             if a < bu:
@@ -95,8 +100,9 @@ class _Replay:
 class Clock:
     """Unit-cost and wall-time replay of the executed forwards and backwards."""
 
-    def __init__(self, num_stages: int) -> None:
+    def __init__(self, num_stages: int, split: bool = False) -> None:
         self.num_stages = num_stages
+        self.split = split  # the schedule splits backwards into B and W (unit costs 1 + 1)
         self.reset()
 
     def reset(self) -> None:
@@ -104,7 +110,7 @@ class Clock:
         # fault now and then) in steady state
         self._log: list[tuple[int, int, int, float] | None] = [None] * _BATCH
         self._k = 0
-        self._replayed = _Replay(self.num_stages)
+        self._replayed = _Replay(self.num_stages, self.split)
 
     def record(self, stage: int, op: int, n: int, seconds: float) -> None:
         self._log[self._k] = (stage, op, n, seconds)

@@ -48,7 +48,7 @@ from engine.runtime import labels
 from engine.runtime.clock import Clock
 from engine.runtime.failures import FailureHandling
 from engine.runtime.interrupts import Interrupts
-from engine.runtime.program import BB, OP_NAMES, B, F, StepCompiler, StepProgram, U
+from engine.runtime.program import BB, OP_NAMES, B, F, StepCompiler, StepProgram, U, W
 from engine.runtime.rollback import BufferTracker
 from engine.runtime.stage import DROPPED, Stage
 from engine.runtime.streams import StageStreams
@@ -58,7 +58,7 @@ from engine.schedule.spec import ScheduleSpec
 
 __all__ = ["Executor", "StepResult"]
 
-_KINDS = {F: Kind.FORWARD, B: Kind.BACKWARD}
+_KINDS = {F: Kind.FORWARD, B: Kind.BACKWARD, W: Kind.WEIGHT}
 _NO_ACTIVE: dict[int, tuple[int, str]] = {}
 
 
@@ -112,9 +112,12 @@ class Executor(SynchronousSteps, FailureHandling):
         #: asynchronous schedules act on a non-finite loss at once (one host read per
         #: micro-batch); synchronous ones check the step's losses before its update phase
         self.immediate_nonfinite = not self.sync
-        self.clock = Clock(self.S)
-        #: synchronous steps chain the stages' graphs (one process holds every stage)
-        self.chain_sync = len(stages) == spec.stages
+        self.clock = Clock(self.S, spec.split_backward)
+        #: synchronous steps chain the stages' graphs (one process holds every stage), unless
+        #: the schedule splits backwards into B and W: those run per stage, as scheduled
+        self.chain_sync = len(stages) == spec.stages and not spec.split_backward
+        for st in stages:
+            st.split = spec.split_backward
         self.tracker = BufferTracker([st.module for st in stages])
         self.interrupts = Interrupts()
         #: testing hook, called before every action as hook(stage, kind, micro-batch id);
@@ -308,13 +311,13 @@ class Executor(SynchronousSteps, FailureHandling):
                     if events is not None:
                         start = torch.cuda.Event(enable_timing=True)
                         start.record()
-                    bad = self._forward(st, i) if op == F else self._backward(st, i)
+                    bad = self._compute(st, op, i)
                     if events is not None:
                         end = torch.cuda.Event(enable_timing=True)
                         end.record()
                         events.append((s, OP_NAMES[op], n_base + i, start, end))
             else:
-                bad = self._forward(st, i) if op == F else self._backward(st, i)
+                bad = self._compute(st, op, i)
             clock.record(s, op, n_base + i, perf() - t0)
             if bad:
                 self._in_action = False
@@ -322,6 +325,15 @@ class Executor(SynchronousSteps, FailureHandling):
                 raise self._nonfinite_error([n_base + i])
         self._pc = len(ins)
         self._in_action = False
+
+    def _compute(self, st: Stage, op: int, i: int) -> bool:
+        """F, B or W of micro-batch i on ``st``; True when a non-finite loss must raise now."""
+        if op == F:
+            return self._forward(st, i)
+        if op == W:
+            st.backward_weight(i, self.n_base + i)
+            return False
+        return self._backward(st, i)
 
     def _action(self, op: int, rel: Any, base: int) -> Action:
         g = self.n_base + base

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import NonFiniteLossError
-from engine.runtime.program import BB, OP_NAMES, B, F, U
+from engine.runtime.program import BB, OP_NAMES, B, F, U, W
 from engine.runtime.stage import DROPPED
 
 if TYPE_CHECKING:
@@ -80,7 +80,11 @@ class FailureHandling:
             self._note(exc, action, base, "update skipped")
             return
         i = base + rel
-        if op == F:
+        if op == W:  # B already sent the input gradient: only the weight sums are lost
+            st.discard_gradients()
+            self.dropped += 1
+            self._note(exc, action, base, "weight gradient failed")
+        elif op == F:
             st.drop_forward(i, self.n_base + i, self.scale)
             if not st.is_last:
                 self.acts[(s + 1, i)] = (DROPPED, None)

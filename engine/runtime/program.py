@@ -44,22 +44,26 @@ from engine.schedule.ir import Action, Kind
 from engine.schedule.spec import ScheduleSpec
 from engine.schedule.streams import stage_actions
 
-__all__ = ["F", "B", "U", "SF", "RF", "SB", "RB", "BB", "OP_NAMES", "StepProgram", "StepCompiler"]
+__all__ = [
+    "F", "B", "U", "SF", "RF", "SB", "RB", "BB", "W", "OP_NAMES", "StepProgram", "StepCompiler"
+]
 
 # op codes (ints: the executor dispatches on them per action); BB: a batch of independent
-# backwards of different stages run by one autograd call (in-process programs only)
-F, B, U, SF, RF, SB, RB, BB = range(8)
-OP_NAMES = ("F", "B", "U", "SF", "RF", "SB", "RB", "BB")
+# backwards of different stages run by one autograd call (in-process programs only); W: the
+# weight gradient of a backward split into B (input gradient) and W (zero-bubble schedules)
+F, B, U, SF, RF, SB, RB, BB, W = range(9)
+OP_NAMES = ("F", "B", "U", "SF", "RF", "SB", "RB", "BB", "W")
 _OP = {
     Kind.FORWARD: F,
     Kind.BACKWARD: B,
+    Kind.WEIGHT: W,
     Kind.UPDATE: U,
     Kind.SEND_ACT: SF,
     Kind.RECV_ACT: RF,
     Kind.SEND_GRAD: SB,
     Kind.RECV_GRAD: RB,
 }
-_COST = {F: 1.0, B: 2.0}
+_COST = {F: 1.0, B: 2.0, W: 1.0}
 
 #: one action with a relative micro-batch: (op, mb) or (U, (mb, ...))
 Op = tuple[int, Any]
@@ -137,6 +141,8 @@ def _rounds(
                     sent.add((SB, s, a.mb))
                 elif k is Kind.FORWARD:
                     out.append((F, s, a.mb - base))
+                elif k is Kind.WEIGHT:
+                    out.append((W, s, a.mb - base))
                 elif k is Kind.UPDATE:
                     out.append((U, s, tuple(m - base for m in a.mbs)))
                 pos[s] += 1
@@ -145,7 +151,10 @@ def _rounds(
         ready = [s for s in range(S) if pos[s] < len(acts[s]) and acts[s][pos[s]].kind is Kind.BACKWARD]
         if ready:
             items = tuple((s, acts[s][pos[s]].mb - base) for s in ready)
-            out.append((B, items[0][0], items[0][1]) if len(items) == 1 else (BB, -1, items))
+            if len(items) == 1 or spec.split_backward:  # a split B runs on its own (Stage.split)
+                out.extend((B, s, m) for s, m in items)
+            else:
+                out.append((BB, -1, items))
             for s in ready:
                 pos[s] += 1
             done += len(ready)
@@ -418,7 +427,7 @@ class StepCompiler:
         commit: list[tuple[int, tuple[int, ...]]] = []
         for s, _i, a in order:
             op, mb = _rel(a, base)
-            if op in (F, B):
+            if op in (F, B, W):
                 local.append((op, s, mb))
             elif op == U:
                 if spec.synchronous:
@@ -447,7 +456,7 @@ class StepCompiler:
         if not spec.synchronous:
             # relative ids: _rounds works on absolute ones, so shift afterwards
             local = [
-                (op, st, (m - base) if op in (F, B) else tuple((x, y - base) for x, y in m) if op == BB else tuple(v - base for v in m))
+                (op, st, (m - base) if op in (F, B, W) else tuple((x, y - base) for x, y in m) if op == BB else tuple(v - base for v in m))
                 for op, st, m in _rounds(spec, acts, walker.sent - this_step)
             ]
         return StepProgram(

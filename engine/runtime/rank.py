@@ -27,7 +27,7 @@ from engine.runtime import trees
 from engine.runtime.build import build_module, build_store, resolve_stage_specs
 from engine.runtime.executor import Executor, StepResult
 from engine.runtime.first_failure import report
-from engine.runtime.program import RB, RF, SB, SF, F, StepProgram, U
+from engine.runtime.program import OP_NAMES, RB, RF, SB, SF, F, StepProgram, U, W
 from engine.runtime.stage import DROPPED
 from engine.runtime.streams import StageStreams
 
@@ -190,9 +190,11 @@ class RankExecutor(Executor):
                 tp.send("grad", s, i, self._outbox.pop(("grad", i)))
             else:
                 if hook is not None:
-                    hook(s, "F" if op == F else "B", self.n_base + i)
+                    hook(s, OP_NAMES[op], self.n_base + i)
                 if op == F:
                     self._rank_forward(st, i)
+                elif op == W:
+                    st.backward_weight(i, self.n_base + i)
                 else:
                     self._rank_backward(st, i)
 

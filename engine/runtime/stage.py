@@ -127,6 +127,9 @@ class Stage:
         #: chained (synchronous steps in one process): stage inputs keep the previous stage's
         #: graph and the last stage's backward runs every stage's (set by the executor)
         self.chain = False
+        #: B computes only the input gradient, W(i) the rest (set by the executor); _deferred: Bs awaiting W
+        self.split = False
+        self._deferred: dict[int, BackwardJob] = {}
         remap = policy.remaps_saved_weights and not recompute and not self._all_live()
         weight_bytes = sum(f.numel() * f.element_size() for f in store.live_flats())
         #: rebase instead of remapping (see _rebase_transient): small stages whose backward
@@ -331,6 +334,16 @@ class Stage:
         job = self.begin_backward(i, n, grad)
         if job is None or isinstance(job, _Dropped):
             return job
+        if self.split:  # the input gradient now, the weight gradient at W(i)
+            self.stash.put(job.entry)  # its activations live until W(i): the peak counts them
+            self._deferred[i] = job
+            try:
+                self._split_backward(job, "input")
+            except BaseException:
+                self.stash.pop(self._deferred.pop(i).i)
+                self.end_backward(job)
+                raise
+            return self.finish_backward(job)
         try:
             self.run_backward([job])
         finally:
@@ -390,6 +403,27 @@ class Stage:
                 dst.copy_(src)
         store.invalidate_transient()
 
+    @staticmethod
+    def _enter(job: BackwardJob, stack: contextlib.ExitStack) -> tuple[list[Tensor], list[Any]]:
+        """``job``'s backward roots and output gradients, its weight buffer entered on ``stack``."""
+        st = job.stage
+        out = job.entry.out
+        single = isinstance(out, Tensor)
+        if single:
+            if not out.requires_grad or (not st.is_last and job.grad is None):
+                return [], []
+        elif not out:  # dropped, or a tree none of whose leaves requires grad
+            return [], []
+        if job.buf != st.store.active:
+            stack.enter_context(st.store.use(job.buf))
+        if st._saved is not None:
+            stack.enter_context(st._saved.unpacking(job.buf))
+        if single:
+            return [out], [None if st.is_last else job.grad]
+        # a tree's leaves that require grad, one gradient each (trees.py)
+        assert len(job.grad) == len(out), (len(job.grad), len(out))
+        return list(out), list(job.grad)
+
     def run_backward(self, jobs: list[BackwardJob]) -> None:
         """One autograd call for ``jobs`` of *different* stages (disjoint parameters, so the
         result equals running them one by one), each under its own weight buffer."""
@@ -397,27 +431,39 @@ class Stage:
         grads: list[Any] = []
         with contextlib.ExitStack() as stack:
             for job in jobs:
-                st = job.stage
-                out = job.entry.out
-                single = isinstance(out, Tensor)
-                if single:
-                    if not out.requires_grad or (not st.is_last and job.grad is None):
-                        continue
-                elif not out:  # dropped, or a tree none of whose leaves requires grad
-                    continue
-                if job.buf != st.store.active:
-                    stack.enter_context(st.store.use(job.buf))
-                if st._saved is not None:
-                    stack.enter_context(st._saved.unpacking(job.buf))
-                if single:
-                    roots.append(out)
-                    grads.append(None if st.is_last else job.grad)
-                else:  # a tree's leaves that require grad, one gradient each (trees.py)
-                    assert len(job.grad) == len(out), (len(job.grad), len(out))
-                    roots.extend(out)
-                    grads.extend(job.grad)
+                r, g = self._enter(job, stack)
+                roots += r
+                grads += g
             if roots:
                 torch.autograd.backward(roots, grads)
+
+    def _split_backward(self, job: BackwardJob, part: str) -> None:
+        """Half of a backward split into B and W (zero-bubble schedules): "input" accumulates
+        only the stage input's gradient and keeps the graph for "weight", which accumulates
+        only the parameters' gradients and frees it: together, one whole backward."""
+        if part == "input":
+            inputs = [t for t in trees.tensors(job.entry.x) if t.requires_grad]
+        else:
+            inputs = [p for p in self.module.parameters() if p.requires_grad]
+        with contextlib.ExitStack() as stack:
+            roots, grads = self._enter(job, stack)
+            if roots and inputs:
+                torch.autograd.backward(roots, grads, inputs=inputs, retain_graph=part == "input")
+
+    def backward_weight(self, i: int, n: int) -> None:
+        """W(i): the weight gradient of micro-batch i, whose B(i) computed only the input
+        gradient (nothing for a dropped micro-batch or one whose B failed)."""
+        job = self._deferred.pop(i, None)
+        if job is None:
+            return
+        self.stash.pop(i)
+        with record_function(f"stage{self.index}/W{n}") if labels.profiling() else _NULL:
+            labels.CURRENT = (self.index, n, "W")
+            try:
+                self._split_backward(job, "weight")
+            finally:
+                labels.CURRENT = None
+                self.end_backward(job)
 
     def end_backward(self, job: BackwardJob) -> None:
         """Release what the job pinned (also when its backward raised)."""
@@ -499,5 +545,6 @@ class Stage:
     def reset_in_flight(self) -> None:
         """Drop stashed activations and kept weight versions (rollback, end of a segment)."""
         self.stash.clear()
+        self._deferred.clear()
         self._t_f.clear()
         self.store.release_all()

@@ -1,8 +1,8 @@
 """Pipeline schedules as data: IR, generators, validator, analysis and pictures.
 
-Why this package exists: every schedule of ALGORITHMS.md (naive, gpipe, 1f1b, pipedream,
-2bw, pb in dataflow or 1f1b order) is written once as per-stage action lists. The runtime
-executes those lists (in one process or over gloo/NCCL), the validator proves them
+Why this package exists: every schedule of ALGORITHMS.md (naive, gpipe, 1f1b, zbh1,
+pipedream, 2bw, pb in dataflow or 1f1b order) is written once as per-stage action lists. The
+runtime executes those lists (in one process or over gloo/NCCL), the validator proves them
 deadlock-free and well formed before anything runs, and the analysis derives each stage's
 delay D_s, weight versions and activation peak from them -- never from hand-typed formulas.
 

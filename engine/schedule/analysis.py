@@ -27,7 +27,8 @@ Definitions used (per stage s):
 * ``versions[s]``: the most weight versions the stage must hold at once: the live weights
   plus every distinct version an in-flight micro-batch (F done, B not yet) will use in its
   backward; 1 under the ``live`` policy.
-* ``activation_peak[s]``: the most micro-batches between F and B at once.
+* ``activation_peak[s]``: the most micro-batches between F and B at once (F and W for a
+  backward split into B and W: the weight gradient still reads the activations).
 * ``bubble_fraction``: 1 - (busy time of all stages) / (S * makespan) under the cost model;
   ``idle_fraction[s]`` the same per stage.
 """
@@ -101,15 +102,15 @@ class ScheduleReport:
 
 
 def as_costs(costs: Costs | Mapping[str, object] | None) -> Costs:
-    """Accept a :class:`Costs` or a mapping with keys F, B, U, comm (numbers or per-stage lists)."""
+    """Accept a :class:`Costs` or a mapping with keys F, B, W, U, comm (numbers or per-stage lists)."""
     if costs is None:
         return Costs()
     if isinstance(costs, Costs):
         return costs
-    names = {"F": "forward", "B": "backward", "U": "update", "comm": "comm"}
+    names = {"F": "forward", "B": "backward", "W": "weight", "U": "update", "comm": "comm"}
     unknown = set(costs) - set(names) - set(names.values())
     if unknown:
-        raise ValueError(f"unknown cost keys {sorted(unknown)}; use F, B, U and comm")
+        raise ValueError(f"unknown cost keys {sorted(unknown)}; use F, B, W, U and comm")
     return Costs(**{names.get(k, k): v for k, v in costs.items()})  # type: ignore[arg-type]
 
 
@@ -191,10 +192,11 @@ def analyze(
         in_flight: dict[int, int] = {}
         peak = 0
         held_versions = 1
+        split = schedule.split_mbs(s)
         for a in schedule.actions[s]:
             if a.kind is Kind.FORWARD:
                 in_flight[a.mb] = vs[a.mb].version_B
-            elif a.kind is Kind.BACKWARD:
+            elif schedule.releases_activations(s, a, split):
                 in_flight.pop(a.mb, None)
             elif a.kind is Kind.UPDATE:
                 t += 1

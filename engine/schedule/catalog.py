@@ -16,6 +16,8 @@ What a row holds (ALGORITHMS.md, "Schedules" and "Weight versions"):
 * ``per_minibatch``: the update size k is fixed to M (synchronous families and 2bw);
   otherwise k defaults to 1 and any k >= 1 is allowed;
 * ``needs_chunks_ge_stages``: 2bw's M >= S (two weight versions suffice only then);
+* ``split_backward``: B computes only the input gradient and a later W the weight gradient
+  (zbh1);
 * :meth:`Family.activation_bound` and :meth:`Family.weight_versions`: the per-stage memory
   footprint the validator, the partitioner and the runtime's memory tests rely on.
 
@@ -42,6 +44,8 @@ class Family:
     per_minibatch: bool
     needs_chunks_ge_stages: bool
     summary: str
+    #: the backward is split into B (input gradient) and W (weight gradient, run later)
+    split_backward: bool = False
 
     @property
     def default_order(self) -> str:
@@ -75,6 +79,8 @@ class Family:
             return 1
         if self.name == "gpipe":
             return chunks
+        if self.split_backward:  # deferred Ws keep activations: ZB-H1 holds 1f1b's peak S
+            return min(chunks, S)
         if order == "dataflow":
             return 2 * (S - 1 - s) + 1
         if self.synchronous:  # a flushed mini-batch never has more than M in flight
@@ -131,6 +137,9 @@ FAMILIES: dict[str, Family] = {
                "all forwards, all backwards, one update, flush"),
         Family("1f1b", True, ("1f1b",), "live", True, False,
                "PipeDream-Flush: warm-up, one forward one backward, flush"),
+        Family("zbh1", True, ("zb-h1",), "live", True, False,
+               "ZB-H1 zero bubble: 1f1b with the weight gradient W split off B and deferred",
+               split_backward=True),
         Family("pipedream", False, ("1f1b",), "stash", False, False,
                "asynchronous 1F1B with weight stashing, never flushes"),
         Family("2bw", False, ("1f1b",), "2bw", True, True,

@@ -24,19 +24,20 @@ from dataclasses import replace
 from engine._checks import check_positive_int
 from engine.schedule.catalog import SCHEDULES, family
 from engine.schedule.ir import Action, Kind, Schedule
-from engine.schedule.simulate import UNIT_COSTS, simulate
+from engine.schedule.simulate import UNIT_COSTS, UNIT_SPLIT_COSTS, simulate
 from engine.schedule.streams import stage_ticks, truncate_ticks
 
 __all__ = ["SCHEDULES", "generate"]
 
 
 def _unit_ticks(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
-    """Ticks from an as-soon-as-possible run where F and B take one tick each.
+    """Ticks from an as-soon-as-possible run where F and B (and W) take one tick each.
 
     Sends and updates share the tick of the compute before them, receives that of the
     compute after them, so a column of the text form reads like a pipeline diagram.
     """
-    tl = simulate(schedule, UNIT_COSTS)
+    split = any(a.kind is Kind.WEIGHT for acts in schedule.actions for a in acts)
+    tl = simulate(schedule, UNIT_SPLIT_COSTS if split else UNIT_COSTS)
     out: list[tuple[int, ...]] = []
     for acts, starts in zip(schedule.actions, tl.start, strict=True):
         compute = [i for i, a in enumerate(acts) if a.kind.is_compute]

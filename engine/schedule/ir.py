@@ -10,7 +10,10 @@ everything else reads it.
 Action kinds (the text token in brackets, see :mod:`engine.schedule.text`):
 
 * ``F`` [``F3``]: forward of micro-batch 3 on this stage.
-* ``B`` [``B3``]: backward of micro-batch 3 (input and weight gradient together).
+* ``B`` [``B3``]: backward of micro-batch 3 (input and weight gradient together), or only
+  the input gradient when a ``W3`` of the same micro-batch appears on the stage.
+* ``W`` [``W3``]: the weight gradient of micro-batch 3, split off its ``B3`` (zero-bubble
+  schedules, Qi et al. 2023): it runs after ``B3`` and before the update that applies it.
 * ``U`` [``U0-3``, ``U5``, ``U0-1+4``]: one optimizer step on this stage applying the summed
   gradients of exactly the listed micro-batches. The list *is* the update's content, so the
   runtime knows which gradients to coalesce and the validator can check that each gradient
@@ -60,6 +63,7 @@ class Kind(str, enum.Enum):
 
     FORWARD = "F"
     BACKWARD = "B"
+    WEIGHT = "W"
     UPDATE = "U"
     SEND_ACT = "SF"
     RECV_ACT = "RF"
@@ -68,7 +72,7 @@ class Kind(str, enum.Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (Kind.FORWARD, Kind.BACKWARD)
+        return self in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
 
     @property
     def is_comm(self) -> bool:
@@ -127,6 +131,10 @@ class Action:
     @classmethod
     def backward(cls, mb: int) -> Action:
         return cls(Kind.BACKWARD, (mb,))
+
+    @classmethod
+    def weight(cls, mb: int) -> Action:
+        return cls(Kind.WEIGHT, (mb,))
 
     @classmethod
     def update(cls, mbs: Iterable[int]) -> Action:
@@ -250,6 +258,17 @@ class Schedule:
     def has_comms(self) -> bool:
         """Whether the schedule spells out sends and receives."""
         return any(a.kind.is_comm for acts in self.actions for a in acts)
+
+    def split_mbs(self, stage: int) -> frozenset[int]:
+        """Micro-batches whose backward ``stage`` splits into B (input gradient) and W."""
+        return frozenset(a.mb for a in self.actions[stage] if a.kind is Kind.WEIGHT)
+
+    def releases_activations(self, stage: int, action: Action, split: frozenset[int]) -> bool:
+        """Whether ``action`` ends the life of its micro-batch's activations on ``stage``: the
+        W of a split backward (it still reads them), else the B. ``split``: split_mbs(stage)."""
+        if action.kind is Kind.WEIGHT:
+            return True
+        return action.kind is Kind.BACKWARD and action.mb not in split
 
     def stage_actions(self, stage: int, kinds: Sequence[Kind] | None = None) -> list[Action]:
         """Stage ``stage``'s actions, optionally only those of the given kinds."""

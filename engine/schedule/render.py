@@ -20,8 +20,18 @@ from engine.schedule.analysis import analyze
 from engine.schedule.ir import Kind, Schedule
 from engine.schedule.simulate import Costs
 
-_COLOURS = {Kind.FORWARD: "#4C72B0", Kind.BACKWARD: "#55A868", Kind.UPDATE: "#C44E52"}
-_CATEGORY = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.UPDATE: "update"}
+_COLOURS = {
+    Kind.FORWARD: "#4C72B0",
+    Kind.BACKWARD: "#55A868",
+    Kind.WEIGHT: "#8172B2",
+    Kind.UPDATE: "#C44E52",
+}
+_CATEGORY = {
+    Kind.FORWARD: "forward",
+    Kind.BACKWARD: "backward",
+    Kind.WEIGHT: "weight gradient",
+    Kind.UPDATE: "update",
+}
 
 
 def render_timeline(
@@ -31,7 +41,7 @@ def render_timeline(
     *,
     title: str | None = None,
 ) -> str:
-    """Draw stages as rows and F/B/U as coloured boxes labelled by micro-batch; save a PNG.
+    """Draw stages as rows and F/B/W/U as coloured boxes labelled by micro-batch; save a PNG.
 
     Zero-cost updates are drawn as thin red bars. Returns the path written.
     """

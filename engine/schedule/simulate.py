@@ -35,20 +35,32 @@ class Costs:
     """Duration of each kind of action, a number or one number per stage.
 
     Defaults: F = 1, B = 2 (backward costs about twice a forward), updates and
-    communication free.
+    communication free. ``backward`` is the cost of a whole backward: a ``B`` split from its
+    ``W`` (zero-bubble schedules) costs ``backward - weight`` and the ``W`` costs ``weight``
+    (None: half of ``backward``), so splitting never changes a stage's total work.
     """
 
     forward: CostValue = 1.0
     backward: CostValue = 2.0
     update: CostValue = 0.0
     comm: CostValue = 0.0
+    weight: CostValue | None = None
 
-    def of(self, kind: Kind, stage: int) -> float:
+    def of(self, kind: Kind, stage: int, split: bool = False) -> float:
+        """Duration of a ``kind`` action on ``stage``; ``split``: a B whose W runs apart."""
+        if kind is Kind.WEIGHT or (kind is Kind.BACKWARD and split):
+            full = self._value(self.backward, stage)
+            w = full / 2 if self.weight is None else self._value(self.weight, stage)
+            return w if kind is Kind.WEIGHT else full - w
         value = {
             Kind.FORWARD: self.forward,
             Kind.BACKWARD: self.backward,
             Kind.UPDATE: self.update,
         }.get(kind, self.comm)
+        return self._value(value, stage)
+
+    @staticmethod
+    def _value(value: CostValue, stage: int) -> float:
         if isinstance(value, (int, float)):
             return float(value)
         try:
@@ -60,8 +72,10 @@ class Costs:
             ) from None
 
     def check(self, stages: int) -> None:
-        for name in ("forward", "backward", "update", "comm"):
+        for name in ("forward", "backward", "update", "comm", "weight"):
             value = getattr(self, name)
+            if value is None:
+                continue
             values = [value] if isinstance(value, (int, float)) else list(value)
             if not isinstance(value, (int, float)) and len(values) != stages:
                 raise ValueError(
@@ -69,9 +83,19 @@ class Costs:
                 )
             if any(v < 0 for v in values):
                 raise ValueError(f"costs.{name} must be >= 0, got {value}")
+        if self.weight is not None:
+            for st in range(stages):
+                if self.of(Kind.WEIGHT, st) > self._value(self.backward, st):
+                    raise ValueError(
+                        f"costs.weight ({self.of(Kind.WEIGHT, st)}) exceeds costs.backward "
+                        f"({self._value(self.backward, st)}) at stage {st}: the weight "
+                        "gradient is part of the whole backward"
+                    )
 
 
 UNIT_COSTS = Costs(forward=1.0, backward=1.0, update=0.0, comm=0.0)
+#: one tick for each of F, input-gradient B and W (the ticks of a split-backward schedule)
+UNIT_SPLIT_COSTS = Costs(forward=1.0, backward=2.0, update=0.0, comm=0.0, weight=1.0)
 
 
 @dataclass(frozen=True)
@@ -160,7 +184,9 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
                         break
                     ready = end[r][j]
                 t0 = max(free[s], ready)
-                t1 = t0 + costs.of(acts[s][i].kind, s)
+                a = acts[s][i]
+                split = a.kind is Kind.BACKWARD and (Kind.WEIGHT, a.mb) in where[s]
+                t1 = t0 + costs.of(a.kind, s, split)
                 start[s][i], end[s][i] = t0, t1
                 free[s] = t1
                 pos[s] += 1

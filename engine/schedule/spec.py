@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.schedule.catalog import family
-from engine.schedule.ir import Schedule
+from engine.schedule.ir import Kind, Schedule
 from engine.schedule.lower import add_comms, flushes_every_minibatch
 from engine.schedule.text import parse
 from engine.schedule.validate import validate
@@ -43,6 +43,8 @@ class ScheduleSpec:
     weights: str
     synchronous: bool
     program: Schedule | None = None
+    #: every backward is split into B (input gradient) and a later W (weight gradient)
+    split_backward: bool = False
 
     @property
     def is_program(self) -> bool:
@@ -93,6 +95,7 @@ def resolve_schedule(
         order=order,
         weights=fam.weights,
         synchronous=fam.synchronous,
+        split_backward=fam.split_backward,
     )
 
 
@@ -120,6 +123,7 @@ def _resolve_program(
             + " (a program fixes its stages, chunks, update size and order: leave those "
             "options unset or equal to the program's header)"
         )
+    split = _split_backward(program)
     lowered = add_comms(program)
     validate(lowered)
     return ScheduleSpec(
@@ -131,4 +135,22 @@ def _resolve_program(
         weights=program.weights,
         synchronous=flushes_every_minibatch(lowered),
         program=lowered,
+        split_backward=split,
     )
+
+
+def _split_backward(program: Schedule) -> bool:
+    """Whether the program splits its backwards into B and W; the runtime needs all or none
+    (a stage runs every B as input-gradient-only, or every B whole)."""
+    split = [program.split_mbs(s) for s in range(program.stages)]
+    if not any(split):
+        return False
+    for s, acts in enumerate(program.actions):
+        missing = sorted({a.mb for a in acts if a.kind is Kind.BACKWARD} - split[s])
+        if missing:
+            raise ValueError(
+                f"the schedule program {program.name!r} splits some backwards into B and W "
+                f"but not those of micro-batches {missing} on stage {s}; the runtime needs a "
+                "W for every B (or none at all)"
+            )
+    return True

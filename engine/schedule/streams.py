@@ -8,7 +8,8 @@ the validator proves and the analysis measures is exactly what executes.
 
 A stream yields :class:`~engine.schedule.ir.Action` s, communication included (RF before a
 forward on s > 0, SF after it on s < S-1, RB before a backward on s < S-1, SB after it on
-s > 0), and an update ``U`` after every k-th backward naming the micro-batches it applies.
+s > 0), and an update ``U`` after every k-th backward (weight gradient ``W`` when the family
+splits the backward) naming the micro-batches it applies.
 Micro-batches are numbered from 0 at the start of the stream (the runtime restarts the
 stream after a flush). Synchronous schedules repeat their mini-batch pattern forever, one
 ``U`` (k = M) closing each mini-batch.
@@ -46,6 +47,32 @@ def _with_comms(stage: int, S: int, a: Action) -> Iterator[Action]:
         yield a
 
 
+def _zbh1(s: int, S: int, base: int, M: int) -> Iterator[Action]:
+    """ZB-H1 (Qi et al. 2023) for one mini-batch: 1f1b's F/B order, B computing only the
+    input gradient, and stage s deferring its weight gradients by s backwards (the W of the
+    oldest waiting one after every later B) so the deferred Ws fill the cool-down bubble,
+    which grows towards the last stage; the rest run before the update. This is the order
+    torch.distributed.pipelining's zero-bubble ops take with one stage per rank."""
+    warm = min(S - 1 - s, M)
+    waiting: list[int] = []
+
+    def backward(n: int) -> Iterator[Action]:
+        yield Action.backward(n)
+        waiting.append(n)
+        if len(waiting) > s:
+            yield Action.weight(waiting.pop(0))
+
+    for n in range(base, base + warm):
+        yield Action.forward(n)
+    for i in range(M - warm):
+        yield Action.forward(base + warm + i)
+        yield from backward(base + i)
+    for n in range(base + M - warm, base + M):
+        yield from backward(n)
+    for n in waiting:
+        yield Action.weight(n)
+
+
 def _compute(name: str, order: str, s: int, S: int, M: int) -> Iterator[tuple[Action, int]]:
     """F and B of stage s as (action, dataflow tick or -1), without updates or comms."""
     if order == "dataflow":
@@ -70,6 +97,8 @@ def _compute(name: str, order: str, s: int, S: int, M: int) -> Iterator[tuple[Ac
                     yield Action.forward(n), -1
                 for n in range(base, base + M):
                     yield Action.backward(n), -1
+            elif name == "zbh1":
+                yield from ((a, -1) for a in _zbh1(s, S, base, M))
             else:  # 1f1b, flushed every mini-batch
                 warm = min(S - 1 - s, M)
                 for n in range(base, base + warm):
@@ -104,7 +133,7 @@ def _stream(
     for a, tick in _compute(name, order, stage, stages, chunks):
         for c in _with_comms(stage, stages, a):
             yield c, tick
-        if a.kind is Kind.BACKWARD:
+        if a.kind is (Kind.WEIGHT if fam.split_backward else Kind.BACKWARD):
             done.append(a.mb)
             if len(done) == k:
                 yield Action.update(done), tick

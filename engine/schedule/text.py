@@ -22,7 +22,8 @@ Grammar:
 * With ``ticks=1`` a line is a sequence of tick groups separated by ``|``; group c holds the
   stage's actions in tick c (``.`` for an idle tick). Padding spaces are ignored on parse.
   With ``ticks=0`` the actions are separated by single spaces.
-* Action tokens: ``F3`` ``B3`` (forward/backward of micro-batch 3), ``SF3``/``RF3`` (send
+* Action tokens: ``F3`` ``B3`` (forward/backward of micro-batch 3), ``W3`` (its weight
+  gradient, split off ``B3``), ``SF3``/``RF3`` (send
   activation to s+1 / receive from s-1), ``SB3``/``RB3`` (send input gradient to s-1 /
   receive from s+1), ``U0-3`` (update applying micro-batches 0..3; ``U5`` one micro-batch,
   ``U0-1+4`` any set: ranges joined by ``+``).
@@ -36,7 +37,7 @@ from dataclasses import replace
 
 from engine.schedule.ir import Action, Kind, Schedule, format_action
 
-_TOKEN = re.compile(r"^(SF|RF|SB|RB|F|B|U)([0-9][0-9+\-]*)$")
+_TOKEN = re.compile(r"^(SF|RF|SB|RB|F|B|W|U)([0-9][0-9+\-]*)$")
 _HEADER_KEYS = ("stages", "chunks", "steps", "update_size", "order", "weights", "ticks")
 
 
@@ -45,7 +46,7 @@ def parse_action(token: str) -> Action:
     m = _TOKEN.match(token.strip())
     if m is None:
         raise ValueError(
-            f"cannot parse action {token!r}: expected F<n>, B<n>, SF<n>, RF<n>, SB<n>, RB<n> "
+            f"cannot parse action {token!r}: expected F<n>, B<n>, W<n>, SF<n>, RF<n>, SB<n>, RB<n> "
             f"or U<ranges> such as U0-3 or U0-1+4"
         )
     prefix, body = m.groups()

@@ -15,7 +15,8 @@ Rules, in the order they are checked:
    B(n); a send after the compute that produced it; with communication actions, RF(n)
    before F(n) (s > 0) and RB(n) before B(n) (s < S-1); no send or receive towards a
    stage that does not exist; an update only applies gradients already computed and not
-   yet applied, and applies ``update_size`` of them.
+   yet applied, and applies ``update_size`` of them; a W(n) (weight gradient split off
+   B(n)) comes after B(n), and the update applying n after W(n).
 2. Every micro-batch has F and B on every stage, and every gradient is applied by exactly
    one update on every stage.
 3. A global-clock simulation finishes (no deadlock).
@@ -24,7 +25,8 @@ Rules, in the order they are checked:
 5. Weights: under ``2bw`` the version a forward needs has been produced when it runs.
 6. Activation memory (micro-batches between F and B on a stage) stays within the bound of
    ALGORITHMS.md for the schedule: gpipe M; 1f1b, pipedream, 2bw (and pb in 1f1b order) S-s;
-   pb in dataflow order 2(S-1-s)+1; naive 1. Schedules with other names are checked
+   pb in dataflow order 2(S-1-s)+1; naive 1; zbh1 min(M, S) (a split backward holds its
+   activations until W). Schedules with other names are checked
    against ``activation_bounds`` only if given.
 """
 
@@ -53,6 +55,7 @@ def _static_stage(schedule: Schedule, s: int) -> None:
     comms = schedule.has_comms
     seen: dict[tuple[Kind, int], int] = {}
     applied: dict[int, int] = {}
+    split = schedule.split_mbs(s)
     for i, a in enumerate(schedule.actions[s]):
 
         def fail(msg: str, i: int = i, a: Action = a) -> ScheduleError:
@@ -79,6 +82,11 @@ def _static_stage(schedule: Schedule, s: int) -> None:
                         f"update applies the gradient of micro-batch {m}, but its backward "
                         f"B{m} has not run on this stage yet; move the update after B{m}"
                     )
+                if m in split and (Kind.WEIGHT, m) not in seen:
+                    raise fail(
+                        f"update applies the gradient of micro-batch {m}, but its weight "
+                        f"gradient W{m} has not run on this stage yet; move the update after W{m}"
+                    )
                 if m in applied:
                     raise fail(
                         f"gradient of micro-batch {m} is applied twice (first by action "
@@ -98,6 +106,9 @@ def _static_stage(schedule: Schedule, s: int) -> None:
                 raise fail(f"backward before its forward F{n}")
             if comms and s < S - 1 and (Kind.RECV_GRAD, n) not in seen:
                 raise fail(f"backward before receiving its output gradient; put RB{n} before it")
+        elif a.kind is Kind.WEIGHT:
+            if (Kind.BACKWARD, n) not in seen:
+                raise fail(f"weight gradient before its input-gradient backward B{n}")
         elif a.kind is Kind.SEND_ACT:
             if (Kind.FORWARD, n) not in seen:
                 raise fail(f"sends the activation of micro-batch {n} before computing it (F{n})")
@@ -218,6 +229,7 @@ def _weights_and_memory(schedule: Schedule, bounds: Sequence[int] | None) -> Non
         if bound is None:
             continue
         held = 0
+        split = schedule.split_mbs(s)
         for i, a in enumerate(schedule.actions[s]):
             if a.kind is Kind.FORWARD:
                 held += 1
@@ -230,7 +242,7 @@ def _weights_and_memory(schedule: Schedule, bounds: Sequence[int] | None) -> Non
                         index=i,
                         action=a,
                     )
-            elif a.kind is Kind.BACKWARD:
+            elif schedule.releases_activations(s, a, split):
                 held -= 1
 
 

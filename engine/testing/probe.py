@@ -37,7 +37,8 @@ class _ProbeFn(torch.autograd.Function):
 
 class Probe(nn.Module):
     """y = x * weight with a record of every read: ``log`` holds dicts with keys stage, mb,
-    kind ("F", "R" for a recomputed forward, "B") and value (a clone of the weight read)."""
+    kind ("F", "R" for a recomputed forward, "B", "W" for the weight-gradient half of a split
+    backward) and value (a clone of the weight read)."""
 
     def __init__(self, dim: int, init: float = 1.0) -> None:
         super().__init__()
@@ -57,8 +58,10 @@ class Probe(nn.Module):
                 self._stage = stage  # a probe belongs to the stage whose forward runs it
         else:
             return
-        if kind == "F" and action == "B":
+        if kind == "F" and action in ("B", "W"):
             kind = "R"  # forward re-run inside a backward: recomputation
+        elif kind == "B" and action == "W":
+            kind = "W"  # the weight-gradient half of a split backward
         self.log.append({"stage": stage, "mb": mb, "kind": kind, "value": weight.detach().clone()})
 
     def forward(self, x: Tensor) -> Tensor:
