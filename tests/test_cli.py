@@ -89,6 +89,22 @@ def test_train_runs_every_schedule_and_mitigation(
     assert 0.0 <= float(rows[-1]["test_acc"]) <= 1.0
 
 
+def test_train_zbh1_equals_1f1b_bit_for_bit(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Every catalog schedule trains from the command line; zbh1 only splits 1f1b's backward
+    into B and W, so its weights equal 1f1b's bit for bit."""
+    from safetensors.torch import load_file
+
+    ckpts = []
+    for schedule in ("1f1b", "zbh1"):
+        out = tmp_path / schedule
+        code, _, err = _run(capsys, "train", *TINY, "--stages", "2", "--chunks", "2",
+                            "--epochs", "1", "--out", str(out), "--schedule", schedule)
+        assert code == 0, err
+        ckpts.append(load_file(str(out / "checkpoint.safetensors")))
+    weights = [k for k in ckpts[0] if "weight" in k or "bias" in k]
+    assert weights and all(torch.equal(ckpts[0][k], ckpts[1][k]) for k in weights)
+
+
 def test_train_learns_digits_beyond_chance(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

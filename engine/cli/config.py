@@ -27,10 +27,13 @@ import math
 from dataclasses import dataclass
 
 from engine.cli import CLIError
+from engine.schedule.catalog import SCHEDULES as _CATALOG
+from engine.schedule.catalog import SYNCHRONOUS
 
 __all__ = ["SCHEDULES", "PREDICTIONS", "TrainConfig", "config_from_args", "check_config"]
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "pipedream", "2bw", "pb")
+#: every schedule family of the catalog (a new family is trainable from the command line)
+SCHEDULES: tuple[str, ...] = _CATALOG
 PREDICTIONS = ("lwp", "spectrain", "spectrain_reuse")
 
 
@@ -75,7 +78,7 @@ class TrainConfig:
 
     def samples_per_update(self) -> int:
         """B: samples whose gradients one optimizer step applies."""
-        if self.schedule in ("naive", "gpipe", "1f1b", "2bw"):
+        if self.schedule in SYNCHRONOUS or self.schedule == "2bw":
             k = self.chunks
         else:
             k = self.update_size or 1
