@@ -477,7 +477,8 @@ class Pipeline:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume bit-identically (requires a flushed pipeline)."""
+        """Everything needed to resume bit-identically (flushed, or pipedream/2bw with micro-batches
+        in flight: those are saved and rebuilt on load; see engine.runtime.inflight)."""
         from engine.runtime.state import pipeline_state_dict
 
         return pipeline_state_dict(self)

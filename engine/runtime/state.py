@@ -6,8 +6,9 @@ update count and runtime-owned state (PipeMare's fallback delta), plus step coun
 RNG -- and validates a state completely against a pipeline before anything changes. The file
 format only knows nested dicts of tensors.
 
-Only a flushed pipeline has a well-defined state (no activations or gradients in flight), so
-both directions require one and say so otherwise.
+An unflushed asynchronous pipeline also saves its micro-batches in flight under
+``"in_flight"`` (:mod:`~engine.runtime.inflight`, rebuilt on load); a flushed one's state has
+no such key, so older checkpoints load unchanged. Loading needs a flushed (e.g. fresh) pipeline.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor
 
 from engine.errors import CheckpointError, PipelineConfigError
+from engine.runtime import inflight
 
 if TYPE_CHECKING:
     from engine.runtime.pipeline import Pipeline
@@ -54,7 +56,7 @@ def pipeline_state_dict(pipe: Pipeline) -> dict[str, Any]:
     """Everything needed to resume: per stage the module's tensors, optimizer and scheduler
     state, update count and runtime-owned state; plus counters and the torch RNG state."""
     _require_local(pipe, "state_dict()")
-    pipe.require_flushed("state_dict()")
+    in_flight = inflight.capture(pipe)  # None when flushed; raises when it cannot be rebuilt
     stages = []
     for st in pipe.stages:
         stages.append(
@@ -73,7 +75,7 @@ def pipeline_state_dict(pipe: Pipeline) -> dict[str, Any]:
             }
         )
     ex = pipe._executor
-    return {
+    state = {
         "format": FORMAT,
         "config": _config(pipe),
         "steps": ex.steps,
@@ -82,6 +84,9 @@ def pipeline_state_dict(pipe: Pipeline) -> dict[str, Any]:
         "stages": stages,
         "rng": torch.get_rng_state(),
     }
+    if in_flight is not None:
+        state["in_flight"] = in_flight
+    return state
 
 
 def _type_name(obj: Any) -> str:
@@ -184,6 +189,8 @@ def _check(pipe: Pipeline, state: Any, override_hyperparameters: bool = False) -
             )
         if not isinstance(sd.get("updates"), int):
             raise _fail(f"{where}: update count missing")
+    if "in_flight" in state:
+        inflight.check(pipe, state["in_flight"])
     rng = state.get("rng")
     if rng is not None and (not isinstance(rng, Tensor) or rng.dtype != torch.uint8):
         raise _fail("rng state must be a uint8 tensor")
@@ -216,5 +223,7 @@ def load_pipeline_state_dict(
     ex.n_base = int(state.get("microbatches", 0))
     ex.j = 0
     ex.active = False
+    if "in_flight" in state:
+        inflight.restore(pipe, state["in_flight"])
     if state.get("rng") is not None:
         torch.set_rng_state(state["rng"])
