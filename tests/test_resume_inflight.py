@@ -14,18 +14,36 @@ from engine.serialization import load, save
 
 optim = pytest.importorskip("engine.optim")
 
-#: (schedule, chunks, update_size, optimizer, checkpoint)
-CASES = {
-    "pipedream-k1": ("pipedream", 3, 1, "sgd", "never"),
-    "pipedream-k2": ("pipedream", 3, 2, "adam", "never"),
-    "pipedream-k3-recompute": ("pipedream", 3, 3, "sgd", "always"),
-    "2bw": ("2bw", 3, None, "adam", "never"),
-    "2bw-recompute": ("2bw", 4, None, "sgd", "always"),
+#: name -> Pipeline keywords (chunks, optimizer, opt: optimizer options, t1: PipeMareLR)
+CASES: dict[str, dict] = {
+    "pipedream-k1": dict(schedule="pipedream", chunks=3, update_size=1),
+    "pipedream-k2": dict(schedule="pipedream", chunks=3, update_size=2, optimizer="adam"),
+    "pipedream-k3-recompute": dict(schedule="pipedream", chunks=3, update_size=3, checkpoint="always"),
+    "2bw": dict(schedule="2bw", chunks=3, optimizer="adam"),
+    "2bw-recompute": dict(schedule="2bw", chunks=4, checkpoint="always"),
+    "pb": dict(schedule="pb", chunks=3, checkpoint="always"),
+    "pb-1f1b-k2": dict(schedule="pb", chunks=3, order="1f1b", update_size=2, checkpoint="always"),
+    "pb-lwp": dict(schedule="pb", chunks=3, checkpoint="always", opt=dict(prediction="linear")),
+    "pb-spectrain": dict(
+        schedule="pb", chunks=3, checkpoint="always", weight_prediction="spectrain",
+        opt=dict(prediction="linear"),
+    ),
+    "pb-spectrain-reuse-k2": dict(
+        schedule="pb", chunks=3, update_size=2, weight_prediction="spectrain_reuse",
+        opt=dict(prediction="linear"),
+    ),
+    "pb-t2": dict(schedule="pb", chunks=3, checkpoint="always", opt=dict(discrepancy_correction=True)),
+    "pb-sc-t1": dict(
+        schedule="pb", chunks=2, checkpoint="always", opt=dict(spike_compensation=True), t1=True
+    ),
 }
 
 
-def _pipe(case: str, seed: int = 0, schedule: str | None = None, **kw) -> Pipeline:
-    name, chunks, k, opt, ckpt = CASES[case]
+def _pipe(case: str, seed: int = 0, **over) -> Pipeline:
+    cfg = {**CASES[case], **over}
+    opt_kw = cfg.pop("opt", {})
+    adam = cfg.pop("optimizer", "sgd") == "adam"
+    t1 = cfg.pop("t1", False)
     torch.manual_seed(seed)
     stages = [
         nn.Sequential(nn.Linear(4, 6), nn.Tanh()),
@@ -34,14 +52,13 @@ def _pipe(case: str, seed: int = 0, schedule: str | None = None, **kw) -> Pipeli
     ]
 
     def make(p):
-        if opt == "adam":
-            return optim.Adam(p, lr=1e-2, **kw)
-        return optim.SGD(p, lr=0.05, momentum=0.9, **kw)
+        if adam:
+            return optim.Adam(p, lr=1e-2, **opt_kw)
+        return optim.SGD(p, lr=0.05, momentum=0.9, **opt_kw)
 
-    extra = {} if k is None else {"update_size": k}
     return Pipeline(
-        stages, chunks=chunks, loss_fn=nn.functional.mse_loss, optimizer=make,
-        schedule=schedule or name, checkpoint=ckpt, **extra,
+        stages, loss_fn=nn.functional.mse_loss, optimizer=make,
+        lr_scheduler=(lambda o: optim.PipeMareLR(o, 5)) if t1 else None, **cfg,
     )
 
 
@@ -71,9 +88,9 @@ def _assert_same(a: Pipeline, b: Pipeline, la: list, lb: list) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_resume_unflushed_is_bitwise(case: str, tmp_path) -> None:
-    chunks = CASES[case][1]
-    data = _data(7, chunks)
-    k = 3
+    chunks = CASES[case]["chunks"]
+    data = _data(5, chunks)
+    k = 2
     a = _pipe(case)
     for x, y in data[:k]:
         a.step(x, y)
@@ -105,7 +122,7 @@ def test_saving_does_not_change_the_run() -> None:
 def test_in_memory_state_dict_roundtrip_at_every_step() -> None:
     """Save after every step of one run (saving changes nothing), each into a fresh pipeline
     that continues to the end: all equal the uninterrupted run."""
-    data = _data(5, 3)
+    data = _data(4, 3)
     ref = _pipe("2bw")
     la = [ref.step(x, y) for x, y in data]
     src = _pipe("2bw")
@@ -117,18 +134,17 @@ def test_in_memory_state_dict_roundtrip_at_every_step() -> None:
         _assert_same(ref, b, la[n:], lb)
 
 
-def test_unrebuildable_policies_refuse_clearly() -> None:
-    torch.manual_seed(0)
-    pipe = Pipeline(
-        [nn.Linear(4, 4), nn.Linear(4, 1)], chunks=2, loss_fn=nn.functional.mse_loss,
-        optimizer=lambda p: optim.SGD(p, lr=0.1), schedule="pb",
-    )
-    x, y = _data(1, 2)[0]
-    pipe.step(x, y)
-    with pytest.raises(NotFlushedError, match="'pb'.*flush"):
-        pipe.state_dict()
-    pipe.flush()
-    pipe.state_dict()  # flushed: fine
+def test_overwritten_live_weights_refuse_clearly() -> None:
+    """pb without recomputation: a forward in flight read weights that later updates
+    overwrote, so it cannot be re-run; state_dict() says so and changes nothing."""
+    data = _data(4, 3)
+    a, ref = _pipe("pb", checkpoint="never"), _pipe("pb", checkpoint="never")
+    la = [a.step(x, y) for x, y in data[:2]]
+    with pytest.raises(NotFlushedError, match=r"stage 0's forward of micro-batch \d+ read weight version"):
+        a.state_dict()
+    la += [a.step(x, y) for x, y in data[2:]]
+    lr = [ref.step(x, y) for x, y in data]
+    _assert_same(a, ref, la, lr)
 
 
 def test_loading_into_another_configuration_changes_nothing() -> None:

@@ -35,10 +35,7 @@ from engine.runtime.stash import StashEntry
 if TYPE_CHECKING:
     from engine.runtime.pipeline import Pipeline
 
-__all__ = ["capture", "check", "restore", "REBUILDABLE"]
-
-#: weight policies whose in-flight forwards can be re-run on load (module docstring)
-REBUILDABLE = ("pipedream", "2bw")
+__all__ = ["capture", "check", "restore"]
 
 
 def _refuse(pipe: Pipeline, why: str) -> NotFlushedError:
@@ -64,20 +61,48 @@ def _unmail(d: dict[str, Any], grad: bool = False) -> Any:
     return d["value"].clone().requires_grad_(grad)  # an output's flag: a gradient comes back
 
 
+def _rebuildable(pipe: Pipeline, st: Stage, e: StashEntry) -> None:
+    """A forward can be re-run when it pinned its weights, when its stage recomputes (the
+    backward re-runs it on the backward's weights, whatever the forward read), or when no
+    update has overwritten the weights it read since."""
+    if e.dropped or e.pin is not None or st.recompute or e.t_f == st.updates:
+        return
+    raise _refuse(
+        pipe,
+        f"stage {st.index}'s forward of micro-batch {pipe._executor.n_base + e.i} read weight "
+        f"version {e.t_f}, which updates have overwritten since (policy {st.policy.name!r} "
+        "keeps no old versions to re-run it on); build the pipeline with "
+        "checkpoint='always' to save it unflushed",
+    )
+
+
+def _slots(store: Any) -> list[dict[str, Any]]:
+    """Kept versions, pinned transients (SpecTrain's reuse) and the transient's content."""
+    out = [
+        {
+            "slot": slot,
+            "version": entry["version"],
+            "flats": [f.clone() for f in store.flats(slot)],
+            "pins": sorted(entry["pins"]),
+            "held": bool(entry["held"]),
+        }
+        for slot, entry in sorted(store._slots.items())
+    ]
+    t = store._transient
+    if t is not None and t not in store._slots and store._transient_key is not None:
+        out.append({"slot": t, "version": None, "flats": [f.clone() for f in store.flats(t)],
+                    "pins": None, "held": False, "key": store._transient_key})
+    return out
+
+
 def _stage_state(pipe: Pipeline, st: Stage) -> dict[str, Any]:
-    if st.policy.name not in REBUILDABLE:
-        raise _refuse(
-            pipe,
-            f"stage {st.index}'s weight policy {st.policy.name!r} reads weights that updates "
-            f"overwrite in place, so its forwards in flight cannot be rebuilt (only "
-            f"{', '.join(REBUILDABLE)} can be saved unflushed)",
-        )
     for name, m in st.module.named_modules():
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0:
             raise _refuse(pipe, f"stage {st.index}'s {name or 'module'} is an active dropout")
     store = st.store
     stash = []
     for e in sorted(st.stash.entries(), key=lambda e: e.i):
+        _rebuildable(pipe, st, e)
         if not e.dropped and not isinstance(e.x, Tensor):
             raise _refuse(pipe, f"stage {st.index}'s input of micro-batch {e.i} is not a tensor")
         stash.append({
@@ -103,15 +128,8 @@ def _stage_state(pipe: Pipeline, st: Stage) -> dict[str, Any]:
         "t_f": [[n, t] for n, t in st._t_f.items()],
         "grads": [g.clone() for g in store.grad_flats()],
         "used": list(store._used),
-        "versions": [
-            {
-                "version": v,
-                "flats": [f.clone() for f in store.flats(slot)],
-                "pins": sorted(store._slots[slot]["pins"]),
-                "held": bool(store._slots[slot]["held"]),
-            }
-            for v, slot in sorted(store._by_version.items())
-        ],
+        "slots": _slots(store),
+        "transient": store._transient,
         "live_pins": sorted(store._live_pins),
         "held": store._held,
         "stash": stash,
@@ -174,28 +192,38 @@ def check(pipe: Pipeline, state: Any) -> None:
         if sd.get("policy") != st.policy.name:
             raise _fail(f"{where}: weight policy {sd.get('policy')!r} saved, {st.policy.name!r} here")
         _same(sd.get("grads", []), st.store.grad_flats(), f"{where}: pending gradients")
-        for v in sd.get("versions", []):
-            _same(v.get("flats", []), st.store.live_flats(), f"{where}: weight version {v.get('version')}")
+        for v in sd.get("slots", []):
+            _same(v.get("flats", []), st.store.live_flats(), f"{where}: weight buffer {v.get('slot')}")
         for e in sd.get("stash", []):
             if not e["dropped"] and not isinstance(e.get("x"), Tensor):
                 raise _fail(f"{where}: micro-batch {e.get('i')} has no saved input")
 
 
-def _restore_store(st: Stage, sd: dict[str, Any]) -> None:
+def _restore_store(st: Stage, sd: dict[str, Any]) -> dict[int, int]:
+    """Kept buffers into fresh arena slots; returns saved slot id -> new slot id."""
     store = st.store
+    moved: dict[int, int] = {}
     with torch.no_grad():
         for g, saved in zip(store.grad_flats(), sd["grads"], strict=True):
             g.copy_(saved)
         store._used[:] = bytes(sd["used"])
-        for v in sd["versions"]:
+        for v in sd["slots"]:
             slot = store.arena.new_slot()
+            moved[v["slot"]] = slot
             for dst, src in zip(store.flats(slot), v["flats"], strict=True):
                 dst.copy_(src)
+            if v["pins"] is None:  # the transient, holding a prediction or correction
+                store._transient_key = v["key"]
+                continue
             store._slots[slot] = {"version": v["version"], "pins": set(v["pins"]), "held": v["held"]}
-            store._by_version[v["version"]] = slot
+            if v["version"] is not None:
+                store._by_version[v["version"]] = slot
+    if sd["transient"] is not None and sd["transient"] in moved:
+        store._transient = moved[sd["transient"]]
     store._live_pins = set(sd["live_pins"])
     store._held = sd["held"]
     store._count()
+    return moved
 
 
 def restore(pipe: Pipeline, state: dict[str, Any]) -> None:
@@ -205,24 +233,8 @@ def restore(pipe: Pipeline, state: dict[str, Any]) -> None:
     updates (BatchNorm statistics) are put back afterwards; the caller restores the RNG."""
     ex = pipe._executor
     for st, sd in zip(pipe.stages, state["stages"], strict=True):
-        _restore_store(st, sd)
-        st.forwards = sd["forwards"]
-        st.segment_updates = sd["segment_updates"]
-        st.pending = sd["pending"]
-        st.pending_weight = float(sd["pending_weight"])
-        st.pending_mbs = list(sd["pending_mbs"])
-        st._t_f = {int(n): int(t) for n, t in sd["t_f"]}
-        kept = [b.clone() for b in st.module.buffers()]
-        with torch.enable_grad():
-            for e in sd["stash"]:
-                pin = tuple(e["pin"]) if e["pin"] is not None else None
-                if e["dropped"]:
-                    st.stash.put(_dropped_entry(e, pin))
-                    continue
-                xin = e["x"].clone().requires_grad_(e["x_grad"])
-                st.rebuild_forward(e["i"], xin, e["target"], pin, e["t_f"], e["scale"])
-        for b, k in zip(st.module.buffers(), kept, strict=True):
-            b.data.copy_(k)  # through .data: the rebuilt graphs saved them at this version
+        moved = _restore_store(st, sd)
+        _rebuild(st, sd, moved, int(state["n_base"]))
     ex.n_base = int(state["n_base"])
     ex.j = int(state["j"])
     ex.active = True
@@ -233,5 +245,30 @@ def restore(pipe: Pipeline, state: dict[str, Any]) -> None:
     ex.grads = {(d["s"], d["i"]): (_unmail(d), None) for d in state["grads"]}
 
 
-def _dropped_entry(e: dict[str, Any], pin: Any) -> StashEntry:
-    return StashEntry(e["i"], None, None, pin, e["t_f"], e["scale"], dropped=True)
+def _rebuild(st: Stage, sd: dict[str, Any], moved: dict[int, int], n_base: int) -> None:
+    """Re-run the stage's stashed forwards (``_rebuildable`` says which path) and restore
+    its counters; module buffers a forward updates (BatchNorm statistics) are put back."""
+    kept = [b.clone() for b in st.module.buffers()]
+    with torch.enable_grad():
+        for e in sd["stash"]:
+            pin = None
+            if e["pin"] is not None:
+                kind, key = e["pin"]
+                pin = (kind, moved[key] if kind == "t" else key)
+            if e["dropped"]:
+                st.stash.put(StashEntry(e["i"], None, None, pin, e["t_f"], e["scale"], dropped=True))
+                continue
+            xin = e["x"].clone().requires_grad_(e["x_grad"])
+            if pin is not None or st.recompute:
+                st.rebuild_forward(e["i"], xin, e["target"], pin, e["t_f"], e["scale"])
+            else:  # nothing overwrote the weights it read: the forward itself, as it ran
+                st.forward(e["i"], n_base + e["i"], xin, e["target"], e["scale"])
+    st.settle()
+    for b, k in zip(st.module.buffers(), kept, strict=True):
+        b.data.copy_(k)  # through .data: the rebuilt graphs saved them at this version
+    st.forwards = sd["forwards"]
+    st.segment_updates = sd["segment_updates"]
+    st.pending = sd["pending"]
+    st.pending_weight = float(sd["pending_weight"])
+    st.pending_mbs = list(sd["pending_mbs"])
+    st._t_f = {int(n): int(t) for n, t in sd["t_f"]}
