@@ -477,8 +477,8 @@ class Pipeline:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume bit-identically (flushed, or pipedream/2bw with micro-batches
-        in flight: those are saved and rebuilt on load; see engine.runtime.inflight)."""
+        """Everything needed to resume bit-identically; micro-batches in flight are saved and
+        rebuilt on load (engine.runtime.inflight says when that is possible)."""
         from engine.runtime.state import pipeline_state_dict
 
         return pipeline_state_dict(self)
