@@ -10,14 +10,20 @@ counters. All of it is tensors plus JSON-able metadata, so it flows through ``en
 and any per-rank writer of state dicts.
 
 Why re-run the forwards rather than save activations: an autograd graph cannot be
-serialized, and the backward needs one. The forward of a micro-batch in flight is a pure
-function of its stage input and the weight version it pinned, both saved, so re-running it
-on the restored version rebuilds the same graph and the same values (CPU: bitwise). That
-holds for the policies whose forward pins its weights (``pipedream``'s stashing, ``2bw``);
-pb and its mitigations read weights that later updates overwrite in place (the point of
-pb), so their in-flight forwards cannot be re-run and saving them still needs a flush.
-Dropout in training mode draws from the RNG inside the forward, so a stage holding an active
-``nn.Dropout`` is refused too (the re-run would draw other masks).
+serialized, and the backward needs one. A forward in flight is re-run (CPU: bitwise the same
+graph and values) from its saved stage input
+
+* on the weight version it pinned (pipedream's stashing, 2bw, SpecTrain's reuse), restored
+  from the saved kept buffers;
+* on any weights when its stage recomputes (``checkpoint="always"``): the forward keeps only
+  its input and the backward re-runs it on the backward's weights;
+* on the live weights (or the saved transient) when no update has overwritten them since.
+
+Otherwise -- pb and its mitigations without recomputation, once an update overwrote the live
+weights a forward read (pb keeps no old versions: its point) -- the forward cannot be re-run,
+and ``capture`` raises naming the stage and micro-batch. So does a stage with an active
+``nn.Dropout`` (the re-run would draw other masks) and a multi-process pipeline, whose sends
+in transit between ranks are not captured yet.
 """
 
 from __future__ import annotations
@@ -144,6 +150,8 @@ def capture(pipe: Pipeline) -> dict[str, Any] | None:
         return None
     if ex.tail is not None:
         raise _refuse(pipe, "a step was interrupted and the rest of its program is pending")
+    if pipe.config.distributed:  # a rank's sends may still be on the wire: not captured here
+        raise _refuse(pipe, "in-flight state under gloo/NCCL (messages between ranks) is not saved yet")
     stages = [_stage_state(pipe, st) for st in pipe.stages]
     return {
         "n_base": ex.n_base,
