@@ -22,8 +22,10 @@ graph and values) from its saved stage input
 Otherwise -- pb and its mitigations without recomputation, once an update overwrote the live
 weights a forward read (pb keeps no old versions: its point) -- the forward cannot be re-run,
 and ``capture`` raises naming the stage and micro-batch. So does a stage with an active
-``nn.Dropout`` (the re-run would draw other masks) and a multi-process pipeline, whose sends
-in transit between ranks are not captured yet.
+``nn.Dropout`` (the re-run would draw other masks).
+
+Under gloo/NCCL each rank saves its own stage, plus the messages on the wire
+(``RankExecutor.wire_state``): every rank must call ``state_dict()`` at the same step.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.errors import CheckpointError, NotFlushedError
+from engine.runtime import trees
 from engine.runtime.executor import _Input
 from engine.runtime.stage import DROPPED, Stage
 from engine.runtime.stash import StashEntry
@@ -115,7 +118,7 @@ def _stage_state(pipe: Pipeline, st: Stage) -> dict[str, Any]:
             "i": e.i,
             "x": None if e.dropped else e.x.detach().clone(),
             "x_grad": bool(not e.dropped and e.x.requires_grad),
-            "target": e.target if isinstance(e.target, Tensor) or e.target is None else None,
+            "target": e.target.detach().clone() if isinstance(e.target, Tensor) else None,
             "pin": list(e.pin) if e.pin is not None else None,
             "t_f": e.t_f,
             "scale": e.scale,
@@ -146,18 +149,19 @@ def capture(pipe: Pipeline) -> dict[str, Any] | None:
     """The in-flight state of ``pipe`` (None when flushed); changes nothing. Raises
     NotFlushedError naming why when it cannot be rebuilt on load (module docstring)."""
     ex = pipe._executor
-    if ex.in_flight() == 0:
-        return None
+    if ex.in_flight() == 0 and not (pipe.config.distributed and ex.active):
+        return None  # (a rank with nothing in flight may still have messages on the wire)
     if ex.tail is not None:
         raise _refuse(pipe, "a step was interrupted and the rest of its program is pending")
-    if pipe.config.distributed:  # a rank's sends may still be on the wire: not captured here
-        raise _refuse(pipe, "in-flight state under gloo/NCCL (messages between ranks) is not saved yet")
     stages = [_stage_state(pipe, st) for st in pipe.stages]
+    wire = ex.wire_state() if pipe.config.distributed else None  # messages between ranks
     return {
+        "wire": wire,
         "n_base": ex.n_base,
         "j": ex.j,
         "inputs": [
-            {"i": i, "x": inp.x, "target": inp.target, "samples": inp.samples, "readers": inp.readers}
+            {"i": i, "x": _copy(inp.x), "target": _copy(inp.target), "samples": inp.samples,
+             "readers": inp.readers}
             for i, inp in sorted(ex.inputs.items())
         ],
         "acts": [
@@ -171,6 +175,11 @@ def capture(pipe: Pipeline) -> dict[str, Any] | None:
         ],
         "stages": stages,
     }
+
+
+def _copy(tree: Any) -> Any:
+    """A copy of the caller's tensors: the state must not change if the caller's do."""
+    return trees.map_tensors(lambda t: t.detach().clone(), tree) if tree is not None else None
 
 
 def _fail(msg: str) -> CheckpointError:
@@ -189,6 +198,8 @@ def check(pipe: Pipeline, state: Any) -> None:
     """Validate in-flight ``state`` against ``pipe`` before anything changes."""
     if not isinstance(state, dict) or not isinstance(state.get("stages"), list):
         raise _fail("not an in-flight state dict")
+    if (state.get("wire") is not None) != pipe.config.distributed:
+        raise _fail("saved by a pipeline of another transport (messages between ranks)")
     stages = state["stages"]
     if [sd.get("index") for sd in stages] != [st.index for st in pipe.stages]:
         raise _fail(
@@ -251,6 +262,8 @@ def restore(pipe: Pipeline, state: dict[str, Any]) -> None:
     }
     ex.acts = {(d["s"], d["i"]): (_unmail(d, d["grad"]), None) for d in state["acts"]}
     ex.grads = {(d["s"], d["i"]): (_unmail(d), None) for d in state["grads"]}
+    if state.get("wire") is not None:
+        ex.load_wire_state(state["wire"])
 
 
 def _rebuild(st: Stage, sd: dict[str, Any], moved: dict[int, int], n_base: int) -> None:

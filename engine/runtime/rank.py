@@ -218,6 +218,64 @@ class RankExecutor(Executor):
                 )
             self._outbox[("grad", i)] = gin  # None / []: no input leaf carries a gradient
 
+    # ------------------------------------------------------------------ saving in flight
+
+    def _in_transit(self, channel: str) -> list[int]:
+        """Micro-batches whose ``channel`` message the neighbour sent in this segment's steps
+        so far and this rank has not received (the schedule says: both run the same programs;
+        a message is received within a few steps of its send, 4S+4 is ample)."""
+        s = self.s
+        peer = s - 1 if channel == "act" else s + 1
+        if not 0 <= peer < self.S:
+            return []
+        send, recv = (SF, RF) if channel == "act" else (SB, RB)
+        sent: set[int] = set()
+        got: set[int] = set()
+        for jj in range(max(0, self.j - 4 * self.S - 4), self.j):
+            prog, base = self.compiler.step(jj), jj * self.M
+            sent.update(base + rel for op, rel in prog.stages[peer] if op == send)
+            got.update(base + rel for op, rel in prog.stages[s] if op == recv)
+        return sorted(sent - got)
+
+    def wire_state(self) -> dict[str, Any]:
+        """Messages at a step boundary, for the in-flight state (:mod:`~engine.runtime.inflight`;
+        every rank calls it): what the neighbours sent and this rank has not received is
+        received now and kept as completed receives (the run does not change), this rank's own
+        sends are waited for (its neighbours receive them in their call), and the outbox holds
+        what it will send. A rank loading the result starts with those receives completed."""
+        tp = self.transport
+        pending = []
+        for channel in ("act", "grad"):
+            agreed = tp.meta.get((channel, "recv"))
+            if agreed is None or (channel == "grad" and not agreed.grad_at):
+                continue  # nothing travels on this channel
+            src = tp.peer_stage(channel, "recv")
+            for mb in self._in_transit(channel):
+                posted = tp._posted.pop((channel, mb), None) or tp._post(channel, mb, agreed, src)
+                pending.append((channel, mb, posted))
+        tp.wait_sends()
+        received = []
+        for channel, mb, (works, bufs) in pending:
+            tp._wait_all(works, f"receiving the {channel} of micro-batch {mb} to save it", None)
+            tp._posted[(channel, mb)] = ([], bufs)
+        for (channel, mb), (works, bufs) in sorted(tp._posted.items()):
+            if not works:  # completed: received here or by an earlier save
+                received.append({"channel": channel, "mb": mb, "bufs": [b.clone() for b in bufs]})
+        outbox = [
+            {"channel": channel, "mb": mb, "value": v.detach().clone()}
+            for (channel, mb), v in sorted(self._outbox.items())
+            if isinstance(v, Tensor)
+        ]
+        if len(outbox) != len(self._outbox):
+            raise PipelineInputError("a message waiting to be sent is not a tensor (tree-valued stages)")
+        return {"received": received, "outbox": outbox}
+
+    def load_wire_state(self, state: dict[str, Any]) -> None:
+        """Undo :meth:`wire_state` in a fresh rank: completed receives and the outbox."""
+        for d in state["received"]:
+            self.transport._posted[(d["channel"], d["mb"])] = ([], [b.clone() for b in d["bufs"]])
+        self._outbox = {(d["channel"], d["mb"]): d["value"].clone() for d in state["outbox"]}
+
     # ------------------------------------------------------------------ the step protocol
 
     def run_step(self, xs: list[Any], targets: list[Any], samples: list[int]) -> StepResult:

@@ -6,6 +6,9 @@ update count and runtime-owned state (PipeMare's fallback delta), plus step coun
 RNG -- and validates a state completely against a pipeline before anything changes. The file
 format only knows nested dicts of tensors.
 
+Under gloo/NCCL a process holds one stage, and its state dict holds that stage (each entry of
+``stages`` names its ``index``); :mod:`engine.checkpoint_dir` writes one file per rank.
+
 An unflushed asynchronous pipeline also saves its micro-batches in flight under
 ``"in_flight"`` (:mod:`~engine.runtime.inflight`, rebuilt on load); a flushed one's state has
 no such key, so older checkpoints load unchanged. Loading needs a flushed (e.g. fresh) pipeline.
@@ -18,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from engine.errors import CheckpointError, PipelineConfigError
+from engine.errors import CheckpointError
 from engine.runtime import inflight
 
 if TYPE_CHECKING:
@@ -41,30 +44,21 @@ def _config(pipe: Pipeline) -> dict[str, Any]:
     }
 
 
-def _require_local(pipe: Pipeline, what: str) -> None:
-    if pipe.config.distributed:
-        raise PipelineConfigError(
-            f"{what} of a transport={pipe.transport!r} pipeline: each rank holds only its stage "
-            f"(stage {pipe.layout.stage}), and the whole-pipeline checkpoint format needs all "
-            "of them in one process. Save per rank with "
-            "torch.save(pipe.stages[0].module.state_dict(), f'stage{pipe.layout.stage}.pt') "
-            "after pipe.flush(), or train with transport='local' to use engine.save."
-        )
-
-
 def pipeline_state_dict(pipe: Pipeline) -> dict[str, Any]:
     """Everything needed to resume: per stage the module's tensors, optimizer and scheduler
     state, update count and runtime-owned state; plus counters and the torch RNG state."""
-    _require_local(pipe, "state_dict()")
     in_flight = inflight.capture(pipe)  # None when flushed; raises when it cannot be rebuilt
     stages = []
     for st in pipe.stages:
         stages.append(
             {
                 "module": {k: v.detach().clone() for k, v in st.module.state_dict().items()},
-                "optimizer": st.optimizer.state_dict() if st.bridge is not None else None,
+                # cloned: torch's optimizer state_dict() returns the live tensors, which
+                # later steps would change under a state dict held in memory
+                "optimizer": _cloned(st.optimizer.state_dict()) if st.bridge is not None else None,
                 "optimizer_type": _type_name(st.optimizer) if st.bridge is not None else None,
                 "scheduler": st.scheduler.state_dict() if st.scheduler is not None else None,
+                "index": st.index,
                 "updates": st.updates,
                 "delay": pipe.delays[st.index],
                 "extra": (
@@ -87,6 +81,16 @@ def pipeline_state_dict(pipe: Pipeline) -> dict[str, Any]:
     if in_flight is not None:
         state["in_flight"] = in_flight
     return state
+
+
+def _cloned(obj: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _cloned(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cloned(v) for v in obj)
+    return obj
 
 
 def _type_name(obj: Any) -> str:
@@ -148,11 +152,13 @@ def _check(pipe: Pipeline, state: Any, override_hyperparameters: bool = False) -
             "checkpoint was written by a differently configured pipeline (" + "; ".join(diff) + ")"
         )
     stages = state.get("stages")
-    if not isinstance(stages, list) or len(stages) != pipe.num_stages:
+    if not isinstance(stages, list) or len(stages) != len(pipe.stages):
         n = len(stages) if isinstance(stages, list) else "?"
-        raise _fail(f"checkpoint has {n} stages, pipeline {pipe.num_stages}")
+        raise _fail(f"checkpoint has {n} stages, this process {len(pipe.stages)}")
     for st, sd in zip(pipe.stages, stages, strict=True):
         where = f"stage {st.index}"
+        if sd.get("index", st.index) != st.index:
+            raise _fail(f"{where}: the checkpoint holds stage {sd.get('index')} here")
         own = st.module.state_dict()
         theirs = sd.get("module", {})
         if set(own) != set(theirs):
@@ -201,7 +207,6 @@ def load_pipeline_state_dict(
 ) -> None:
     """Load ``pipeline_state_dict`` output into a flushed pipeline of the same configuration
     (with ``override_hyperparameters``, optimizers whose hyper-parameters differ too)."""
-    _require_local(pipe, "load_state_dict()")
     pipe.require_flushed("load_state_dict()")
     _check(pipe, state, override_hyperparameters)
     for st, sd in zip(pipe.stages, state["stages"], strict=True):
