@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 from typing import Any, Protocol
 
@@ -28,7 +29,7 @@ from torch import Tensor
 
 from engine.errors import CheckpointError
 
-__all__ = ["save", "load", "write_state", "read_state", "FORMAT"]
+__all__ = ["save", "load", "write_state", "read_state", "file_sha256", "FORMAT"]
 
 FORMAT = "engine.pipeline/2"
 _READABLE = ("engine.pipeline/1", FORMAT)
@@ -100,6 +101,15 @@ def _digest(tensors: dict[str, Tensor], skeleton: Any = None) -> str:
     return h.hexdigest()
 
 
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """SHA-256 of a whole file's bytes (what a manifest or a run log records for it)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def write_state(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Write a state dict to ``path`` (safetensors + JSON metadata), atomically."""
     from safetensors.torch import save_file
@@ -109,8 +119,18 @@ def write_state(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
     meta = {"format": FORMAT, "sha256": _digest(tensors, skeleton), "state": skeleton}
     path = os.fspath(path)
     tmp = f"{path}.tmp-{os.getpid()}"
+    # created here first so a missing folder or a read-only one is an OSError naming the path
+    # (errno intact, as a caller that handles a full disk expects), not safetensors' own error
+    open(tmp, "wb").close()
     try:
-        save_file(tensors, tmp, metadata={_META_KEY: json.dumps(meta)})
+        try:
+            save_file(tensors, tmp, metadata={_META_KEY: json.dumps(meta)})
+        except Exception as exc:  # SafetensorError: an I/O failure mid-write (e.g. a full disk)
+            found = re.search(r"os error (\d+)", str(exc))
+            if found is None:
+                raise
+            code = int(found.group(1))
+            raise OSError(code, f"cannot write checkpoint {path!r}: {os.strerror(code)}", path) from exc
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

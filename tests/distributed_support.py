@@ -348,33 +348,6 @@ def phase_handshake_mismatch(rank: int, S: int) -> dict[str, Any]:
         }
 
 
-def phase_shape_change(rank: int, S: int) -> dict[str, Any]:
-    """A later micro-batch of another shape: the sender names both ranks; the others stop
-    within the timeout (terminal phase: the group is unusable afterwards)."""
-    from engine import Pipeline
-
-    pipe = Pipeline(
-        stage_factories(S),
-        schedule="gpipe",
-        chunks=4,
-        loss_fn=nn.functional.mse_loss,
-        optimizer=_sgd(),
-        transport="gloo",
-        timeout=5,
-    )
-    t0 = time.perf_counter()
-    try:
-        pipe.step(*batch(0))
-        pipe.step(*batch(1, B=12))  # micro-batches of 3 instead of 2
-        return {"type": None}
-    except Exception as exc:
-        return {
-            "type": type(exc).__name__,
-            "message": str(exc),
-            "seconds": time.perf_counter() - t0,
-        }
-
-
 def phase_kill(rank: int, S: int, victim: int, timeout: float) -> dict[str, Any]:
     """``victim`` exits abruptly after 2 steps; survivors must raise naming a peer, in time."""
     from engine import Pipeline
@@ -602,6 +575,24 @@ def _tree_loss(out: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
     return nn.functional.mse_loss(out, t["y"])
 
 
+def _against_local(pipe: Any, ref: Any, batches: Callable[[int], Any], steps: int) -> dict[str, Any]:
+    """Train the gloo pipeline and its local reference on the same batches; compare."""
+    losses, ref_losses = [], []
+    for t in range(steps):
+        x, y = batches(t)
+        losses.append(pipe.step(x, y).detach().clone())
+        ref_losses.append(ref.step(x, y).detach().clone())
+    pipe.flush()
+    ref.flush()
+    mine = [p.detach() for p in pipe.stages[0].module.parameters()]
+    theirs = [p.detach() for p in ref.stages[pipe.layout.stage].module.parameters()]
+    return {
+        "weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
+        "losses_equal": all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)),
+        "updates": pipe.stages[0].updates,
+    }
+
+
 def phase_trees(rank: int, S: int) -> dict[str, Any]:
     """Stages passing dicts of tensors (bool mask, int ids, a no-grad float, a constant) under
     gloo vs the local run of the same configuration."""
@@ -616,31 +607,18 @@ def phase_trees(rank: int, S: int) -> dict[str, Any]:
         try:
             pipe = Pipeline(tree_factories(first), transport="gloo", timeout=30, **kw)
             ref = Pipeline([f() for f in tree_factories(first)], **kw)
-            losses, ref_losses = [], []
-            for t in range(4):
-                x, y = tree_batch(t)
-                losses.append(pipe.step(x, y).detach().clone())
-                ref_losses.append(ref.step(x, y).detach().clone())
-            pipe.flush()
-            ref.flush()
-            s = pipe.layout.stage
-            mine = [p.detach() for p in pipe.stages[0].module.parameters()]
-            theirs = [p.detach() for p in ref.stages[s].module.parameters()]
+            out[name] = _against_local(pipe, ref, tree_batch, 4)
             tp = pipe._rank.transport
             sent = tp.meta.get(("act", "send"))
             grads = tp.meta.get(("grad", "send"))
-            out[name] = {
-                "weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
-                "losses_equal": all(
-                    torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)
-                ),
-                "updates": pipe.stages[0].updates,
-                "ref_updates": ref.stages[s].updates,
+            out[name] |= {
+                "ref_updates": ref.stages[pipe.layout.stage].updates,
                 "sent": None if sent is None else [
                     (p, m.shape, m.dtype, m.requires_grad) for p, m in sent.metas(grad=False)
                 ],
                 "grads_sent": None if grads is None else [p for p, _ in grads.metas(grad=True)],
                 "leftovers": len(tp._sends) + len(tp._posted),
+                "shape_changes": tp.shape_changes,
             }
         except Exception:
             out[name] = {"error": traceback.format_exc()}
@@ -668,6 +646,50 @@ def phase_disagree(rank: int, S: int, key: str) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0}
 
 
+#: bad multi-process starts: rank 1's Pipeline keywords differ from the others' (1f1b, M=4)
+BAD_STARTS: dict[str, dict[str, Any]] = {
+    "chunks": {"chunks": 2},
+    "schedule": {"schedule": "gpipe"},
+    "checkpoint": {"checkpoint": "never"},
+    "on_nonfinite": {"on_nonfinite": "skip"},
+    "deferred_batch_norm": {"deferred_batch_norm": True},
+    "spike_compensation": {"optimizer": _sgd(spike_compensation=True)},
+    "stage_shapes": {"wrong_input_at": 1},
+}
+
+
+def phase_bad_starts(rank: int, S: int, names: list[str]) -> dict[str, Any]:
+    """Every case of BAD_STARTS in turn on the same process group: each must fail on every
+    rank at construction with the error and leave the modules it was given untouched."""
+    from engine import Pipeline
+
+    out: dict[str, Any] = {}
+    for name in names:
+        kw: dict[str, Any] = dict(schedule="1f1b", chunks=4, optimizer=_sgd(), timeout=30.0)
+        wrong = None
+        if rank == 1:
+            odd = dict(BAD_STARTS[name])
+            wrong = odd.pop("wrong_input_at", None)
+            kw.update(odd)
+        stages = [f() for f in stage_factories(S, wrong_input_at=wrong)]
+        before = [p.detach().clone() for m in stages for p in m.parameters()]
+        t0 = time.perf_counter()
+        try:
+            pipe = Pipeline(stages, loss_fn=nn.functional.mse_loss, transport="gloo", **kw)
+            if name == "stage_shapes":  # a wiring error shows at the first step's handshake
+                pipe.step(*batch(0))
+            out[name] = {"error": None}
+        except Exception as exc:
+            after = [p.detach() for m in stages for p in m.parameters()]
+            out[name] = {
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "unchanged": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+                "seconds": time.perf_counter() - t0,
+            }
+    return out
+
+
 def phase_parameterless(rank: int, S: int) -> dict[str, Any]:
     """A stage without parameters (no optimizer) under gloo: the ranks still agree, and the
     run equals the local one."""
@@ -691,6 +713,282 @@ def phase_parameterless(rank: int, S: int) -> dict[str, Any]:
                 and all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))}
     except Exception:
         return {"error": traceback.format_exc()}
+
+
+def _params(pipe: Any) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in pipe.stages[0].module.parameters()]
+
+
+def _gloo(S: int, kw: dict[str, Any], timeout: float = 30) -> Any:
+    from engine import Pipeline
+
+    return Pipeline(
+        stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo", timeout=timeout, **kw
+    )
+
+
+def _refused(pipe: Any, path: str) -> str:
+    """engine.load's error on this rank ("" if it loaded), checking that nothing changed."""
+    import engine
+
+    before = _params(pipe)
+    try:
+        engine.load(pipe, path)
+    except engine.CheckpointError as exc:
+        same = all(torch.equal(a, b) for a, b in zip(before, _params(pipe), strict=True))
+        return str(exc) if same else f"CHANGED WEIGHTS: {exc}"
+    return ""
+
+
+def phase_checkpoint(rank: int, S: int, root: str, names: list[str]) -> dict[str, Any]:
+    """Save at step k, load into a fresh pipeline, continue: equal to the uninterrupted run;
+    then every refusal (each rank's message, weights unchanged)."""
+    import engine
+    import engine.checkpoint_dir as cd
+
+    out: dict[str, Any] = {}
+    k, n = 3, 6
+    for name in names:
+        kw = configs(S)[name]
+        path = os.path.join(root, name)
+        a = _gloo(S, kw)
+        for t in range(k):
+            a.step(*batch(t))
+        a.flush()
+        engine.save(a, path)
+        a_losses = [a.step(*batch(t)) for t in range(k, n)]
+        a.flush()
+        b = _gloo(S, kw)
+        fresh = _params(b)
+        engine.load(b, path)
+        b_steps = b.steps
+        b_losses = [b.step(*batch(t)) for t in range(k, n)]
+        b.flush()
+        opt_a, opt_b = a.state_dict()["stages"][0], b.state_dict()["stages"][0]
+        out[name] = {
+            "steps_after_load": b_steps,
+            "changed_by_load": not all(torch.equal(x, y) for x, y in zip(fresh, _params(b), strict=True)),
+            "weights_equal": all(torch.equal(x, y) for x, y in zip(_params(a), _params(b), strict=True)),
+            "losses_equal": all(torch.equal(x, y) for x, y in zip(a_losses, b_losses, strict=True)),
+            "optimizer_equal": str(opt_a["optimizer"]) == str(opt_b["optimizer"]),
+            "files": sorted(os.listdir(path)),
+        }
+    path = os.path.join(root, names[0])
+    pipe = _gloo(S, configs(S)[names[0]])
+    man = cd.read_manifest(path)
+    victim_file = os.path.join(path, man["ranks"][1]["file"])
+    refusals: dict[str, str] = {"missing manifest": _refused(pipe, os.path.join(root, "empty"))}
+    data = open(victim_file, "rb").read()
+
+    def edit(change: Callable[[], None]) -> None:
+        dist.barrier()
+        if rank == 0:
+            change()
+        dist.barrier()
+
+    edit(lambda: open(victim_file, "wb").write(data[:-1] + bytes([data[-1] ^ 1])))
+    refusals["corrupt rank file"] = _refused(pipe, path)
+    edit(lambda: os.remove(victim_file))
+    refusals["missing rank file"] = _refused(pipe, path)
+    edit(lambda: open(victim_file, "wb").write(data))
+    bigger = {**man, "layout": {**man["layout"], "world": 4, "stages": 4}}
+    bigger.pop("sha256")
+    bigger["sha256"] = cd._body_sha256(bigger)
+    other = os.path.join(root, "other-layout")
+    edit(lambda: (os.makedirs(other), open(os.path.join(other, cd.MANIFEST), "w").write(__import__("json").dumps(bigger))))
+    refusals["world layout"] = _refused(pipe, other)
+    # a save that fails on rank 1 after writing leaves the previous checkpoint loadable
+    real = cd.write_state
+
+    def failing(state: Any, target: str) -> None:
+        real(state, target)
+        raise OSError("disk full (simulated)")
+
+    cd.write_state = failing if rank == 1 else real  # type: ignore[assignment]
+    try:
+        engine.save(pipe, path)
+        refusals["failed save"] = ""
+    except engine.CheckpointError as exc:
+        refusals["failed save"] = str(exc)
+    finally:
+        cd.write_state = real  # type: ignore[assignment]
+    dist.barrier()
+    out["files_after_failed_save"] = sorted(os.listdir(path))
+    out["loads_after_failed_save"] = _refused(pipe, path) == "" and pipe.steps == k
+    out["refusals"] = refusals
+    return out
+
+
+def phase_first_failure(rank: int, S: int, victim: int) -> dict[str, Any]:
+    """``victim``'s forward raises at step 2; every other rank's error names it (terminal)."""
+    pipe = _gloo(S, dict(schedule="1f1b", chunks=4, optimizer=_sgd()), timeout=4)
+    try:
+        for t in range(4):
+            if t == 2 and rank == victim:
+
+                def boom(*a: Any) -> None:
+                    raise RuntimeError("boom in the forward")
+
+                pipe.stages[0].module.forward = boom
+            pipe.step(*batch(t))
+        return {"type": None}
+    except Exception as exc:
+        return {"type": type(exc).__name__, "message": str(exc)}
+
+
+class LenEmbed(nn.Module):
+    """Stage 0 of the variable-length model: token ids and a padding mask in, trimmed to the
+    micro-batch's longest sequence (so lengths change between micro-batches as well as
+    between steps), a dict with a float and a bool leaf and a constant out."""
+
+    def __init__(self, w: nn.Parameter) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.embed.weight = w
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+        n = int(mask.sum(1).max())
+        return {"h": torch.tanh(self.embed(ids[:, :n])), "mask": mask[:, :n], "scale": 0.5}
+
+
+class LenMiddle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor, scale: float) -> dict[str, Any]:
+        h = torch.tanh(self.lin(h)) * mask.unsqueeze(-1).to(h.dtype)
+        return {"h": h, "mask": mask, "scale": scale}
+
+
+class LenHead(nn.Module):
+    """The last stage: masked mean over the sequence, then the output head, whose weight is
+    the embedding's (a tie across the first and the last stage) unless ``w`` is None."""
+
+    def __init__(self, w: nn.Parameter | None) -> None:
+        super().__init__()
+        self.body = nn.Linear(DIM, DIM)
+        self.weight = w if w is not None else nn.Parameter(torch.randn(VOCAB, DIM) * 0.3)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        m = mask.unsqueeze(-1).to(h.dtype)
+        pooled = (torch.tanh(self.body(h)) * m).sum(1) / m.sum(1).clamp_min(1.0)
+        return scale * pooled @ self.weight.t()
+
+
+def varlen_stages(S: int, tied: bool) -> list[nn.Module]:
+    torch.manual_seed(88)
+    w = nn.Parameter(torch.randn(VOCAB, DIM) * 0.3)
+    return [LenEmbed(w), *[LenMiddle() for _ in range(S - 2)], LenHead(w if tied else None)]
+
+
+def varlen_batch(step: int, B: int = 8) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A random sequence length per step (2..9) and a random true length per sample."""
+    g = torch.Generator().manual_seed(40_000 + step)
+    L = int(torch.randint(2, 10, (1,), generator=g))
+    lengths = torch.randint(1, L + 1, (B,), generator=g)
+    mask = torch.arange(L).unsqueeze(0) < lengths.unsqueeze(1)
+    ids = torch.randint(0, VOCAB, (B, L), generator=g)
+    return {"ids": ids, "mask": mask}, torch.randint(0, VOCAB, (B,), generator=g)
+
+
+def _length_changes(steps: int, M: int) -> int:
+    """How many times the trimmed length changes from one micro-batch to the next."""
+    lengths = [
+        int(mask.sum(1).max())
+        for t in range(steps)
+        for mask in varlen_batch(t)[0]["mask"].chunk(M)
+    ]
+    return sum(a != b for a, b in zip(lengths, lengths[1:], strict=False))
+
+
+def phase_varlen(rank: int, S: int, names: list[str], steps: int = 4) -> dict[str, Any]:
+    """Random sequence lengths (between steps and micro-batches) with trees, masks and, on
+    the synchronous schedules, a tied weight: gloo vs the local run, bit for bit."""
+    from engine import Pipeline
+
+    out: dict[str, Any] = {"expected_changes": _length_changes(steps, 4)}
+    for name in names:
+        schedule, _, tie = name.partition("-")
+        kw = dict(schedule=schedule, chunks=4, loss_fn=nn.functional.cross_entropy,
+                  optimizer=_sgd())
+        try:
+            pipe = Pipeline(varlen_stages(S, bool(tie)), transport="gloo", timeout=30, **kw)
+            ref = Pipeline(varlen_stages(S, bool(tie)), **kw)
+            out[name] = _against_local(pipe, ref, varlen_batch, steps)
+            tp = pipe._rank.transport
+            out[name] |= {
+                "ties": len(pipe.ties),
+                "shape_changes": tp.shape_changes,
+                "leftovers": len(tp._sends) + len(tp._posted) + len(tp._heads)
+                + len(tp._sent_sigs) + len(tp._recv_sigs),
+            }
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+class Flat(nn.Module):
+    """Takes (B, 4, DIM) only: flattens the sequence into its Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4 * DIM, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x.flatten(1))
+
+
+def _reject(rank: int, S: int, step2: tuple[int, int], timeout: float) -> dict[str, Any]:
+    """One step of (B=8, L=4, DIM) inputs, then one of per-sample shape ``step2``: stage 0
+    (a Linear over the last dim) takes any length, the last stage (Flat) only 4."""
+    from engine import Pipeline
+
+    def make(s: int) -> Callable[[], nn.Module]:
+        def build() -> nn.Module:
+            torch.manual_seed(5000 + s)
+            return Flat() if s == S - 1 else nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
+
+        return build
+
+    pipe = Pipeline([make(s) for s in range(S)], schedule="gpipe", chunks=4,
+                    loss_fn=nn.functional.mse_loss, optimizer=_sgd(), transport="gloo",
+                    timeout=timeout)
+    g = torch.Generator().manual_seed(6)
+    pipe.step(torch.randn(8, 4, DIM, generator=g), torch.randn(8, OUT, generator=g))
+    module = pipe.stages[0].module
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    opt = [{k: v.clone() for k, v in st.items()} for st in pipe.stages[0].optimizer.state.values()]
+    t0 = time.perf_counter()
+    try:
+        pipe.step(torch.randn(8, *step2, generator=g), torch.randn(8, OUT, generator=g))
+        return {"type": None}
+    except Exception as exc:
+        now = [dict(st) for st in pipe.stages[0].optimizer.state.values()]
+        return {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "seconds": time.perf_counter() - t0,
+            "unchanged": all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())
+            and all(
+                torch.equal(v, b[k]) if isinstance(v, torch.Tensor) else v == b[k]
+                for a, b in zip(opt, now, strict=True)
+                for k, v in a.items()
+            ),
+            "updates": pipe.stages[0].updates,
+        }
+
+
+def phase_reject_input(rank: int, S: int) -> dict[str, Any]:
+    """Stage 0 cannot take the new input shape: it raises before the step and every later
+    stage raises the same error (the group stays usable)."""
+    return _reject(rank, S, (4, DIM + 1), timeout=20)
+
+
+def phase_reject_later(rank: int, S: int) -> dict[str, Any]:
+    """Stage 0 accepts a longer sequence, the last stage cannot: it raises naming the leaf and
+    both shapes, the stages before it stop within the timeout (terminal phase)."""
+    return _reject(rank, S, (5, DIM), timeout=4)
 
 
 # ---------------------------------------------------------------------- spawning

@@ -153,6 +153,50 @@ def test_resume_continues_exactly_where_it_stopped(
         }
 
 
+@pytest.mark.parametrize(
+    "method",
+    [["--schedule", "1f1b"], ["--schedule", "pb", "--spike-compensation", "--pipemare-lr"]],
+    ids=["1f1b", "pb+sc+T1"],
+)
+def test_resume_continues_mid_epoch_exactly(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    method: list[str],
+) -> None:
+    """Interrupted at step 25 (epoch 2, between --checkpoint-every 4's commits at 24 and 28
+    and after epoch 2's first metric row), the resumed run ends bitwise as the whole one."""
+    import engine
+
+    # iris: 120 samples / (2 chunks x 4) = 15 steps per epoch
+    common = [*TINY, "--stages", "3", "--chunks", "2", "--checkpoint-every", "4", *method]
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert _run(capsys, "train", *common, "--epochs", "3", "--out", str(full))[0] == 0
+    real, calls = engine.Pipeline.step, []
+
+    def interrupted(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 25:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(engine.Pipeline, "step", interrupted)
+    assert _run(capsys, "train", *common, "--epochs", "3", "--out", str(split))[0] == 130
+    monkeypatch.setattr(engine.Pipeline, "step", real)
+    state = json.loads((split / "train_state.json").read_text())
+    assert (state["epoch"], state["step_in_epoch"]) == (1, 9)
+    assert len(_rows(split / "metrics.csv")) == 3  # epoch 1's two rows and epoch 2's first
+    code, _, err = _run(capsys, "train", *common, "--epochs", "1", "--out", str(split), "--resume")
+    assert code == 2 and "has trained 1 epochs and 9 steps already" in err
+    assert _run(capsys, "train", *common, "--epochs", "3", "--out", str(split), "--resume")[0] == 0
+    _same_checkpoint(full, split)
+    timing = {"samples_per_s", "elapsed_s"}
+    ra, rb = _rows(full / "metrics.csv"), _rows(split / "metrics.csv")
+    assert len(ra) == len(rb) == 6
+    for x, y in zip(ra, rb, strict=True):
+        assert {k: v for k, v in x.items() if k not in timing} == {
+            k: v for k, v in y.items() if k not in timing
+        }
+
+
 def test_resume_refuses_different_options(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

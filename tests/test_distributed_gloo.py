@@ -1,10 +1,12 @@
 """Multi-process pipelines over gloo: every schedule and mitigation gives the local run's
 weights (and losses) bit for bit with S = 2 and 4 processes; data-parallel replicas equal one
-replica with the larger batch; shape disagreements and dead ranks give clear errors naming
-the ranks, within the timeout, on every survivor.
+replica with the larger batch; random sequence lengths (with trees, masks and ties) equal
+the local run too; shape disagreements, shapes a stage cannot accept and dead ranks give
+clear errors naming the ranks, within the timeout, on every survivor.
 
 Cost: one 2-process and two 4-process spawns (module-scoped fixtures), each running many
-configurations; ~40 s in all on 2 cores.
+configurations; ~40 s in all on 2 cores (the variable-length phases add ~15-25 s on 2 busy
+cores).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ def two() -> list[dict[str, Any]]:
             ("equal", dict(S=2, names=None)),
             ("balance", dict(S=2)),
             ("handshake_mismatch", dict(S=2)),
-            ("shape_change", dict(S=2)),  # terminal: breaks the group on purpose
+            ("varlen", dict(S=2, names=["gpipe-tied", "1f1b-tied", "pipedream", "pb"])),
+            ("reject_input", dict(S=2)),
+            ("reject_later", dict(S=2)),  # terminal: the last stage stops mid-step
         ],
     )
 
@@ -43,6 +47,7 @@ def four() -> list[dict[str, Any]]:
         4,
         [
             ("equal", dict(S=4, names=None)),
+            ("varlen", dict(S=4, names=["1f1b-tied", "pb"])),
             ("kill", dict(S=4, victim=2, timeout=KILL_TIMEOUT)),  # terminal
         ],
     )
@@ -99,15 +104,51 @@ def test_handshake_mismatch_names_both_ranks_on_every_rank(two: list[dict[str, A
         assert got["unchanged"]
 
 
-def test_later_shape_change_is_a_clear_error(two: list[dict[str, Any]]) -> None:
-    sender = two[0]["shape_change"]
-    assert sender["type"] == "ShapeAgreementError", sender
-    assert "stage 0 (rank 0) produced an activation of (3, 6)" in sender["message"]
-    assert "stage 1 (rank 1) agreed to receive (2, 6)" in sender["message"]
-    receiver = two[1]["shape_change"]
-    assert receiver["type"] == "PeerError", receiver
-    assert "stage 0 (rank 0)" in receiver["message"]
-    assert receiver["seconds"] < 5 + 5
+@pytest.mark.parametrize("world", [2, 4])
+def test_variable_lengths_equal_local_bit_for_bit(
+    two: list[dict[str, Any]], four: list[dict[str, Any]], world: int
+) -> None:
+    """Random sequence lengths per step and per micro-batch, dict activations with a bool
+    mask and a constant, a weight tied between the first and the last stage (synchronous
+    schedules); a new Signature travels exactly when the length changes."""
+    results = two if world == 2 else four
+    for rank, res in enumerate(results):
+        assert "fatal" not in res, res.get("fatal")
+        got = res["varlen"]
+        expected = got.pop("expected_changes")
+        assert expected > 4
+        for name, r in got.items():
+            assert "error" not in r, f"rank {rank} ({name}): {r.get('error')}"
+            assert r["weights_equal"] and r["losses_equal"], (rank, name, r)
+            assert r["updates"] > 0 and r["leftovers"] == 0, (rank, name, r)
+            assert r["ties"] == (1 if name.endswith("tied") else 0), (rank, name, r)
+            assert r["shape_changes"] == (expected if rank < world - 1 else 0), (rank, name, r)
+
+
+def test_input_shape_a_stage_cannot_accept_stops_every_rank_before_the_step(
+    two: list[dict[str, Any]],
+) -> None:
+    for rank in range(2):
+        got = two[rank]["reject_input"]
+        assert got["type"] == "PipelineInputError", got
+        msg = got["message"]
+        assert "stage 0 (rank 0) cannot accept it" in msg and "(2, 4, 6) -> (2, 4, 7)" in msg, msg
+        assert "in_features=6" in msg, msg
+        assert got["unchanged"] and got["updates"] == 1, got
+
+
+def test_later_shape_a_stage_cannot_accept_is_a_clear_error(two: list[dict[str, Any]]) -> None:
+    receiver = two[1]["reject_later"]
+    assert receiver["type"] == "PipelineInputError", receiver
+    msg = receiver["message"]
+    assert "the output of stage 0 (rank 0) changed at micro-batch 4" in msg, msg
+    assert "(2, 4, 6) -> (2, 5, 6)" in msg and "stage 1 (rank 1) cannot accept it" in msg, msg
+    assert "in_features=24" in msg, msg
+    sender = two[0]["reject_later"]
+    assert sender["type"] == "PeerError" and "stage 1 (rank 1)" in sender["message"], sender
+    assert sender["seconds"] < 4 + 5
+    for got in (receiver, sender):  # a synchronous step: no rank updated anything
+        assert got["unchanged"] and got["updates"] == 1, got
 
 
 def test_killed_rank_makes_every_survivor_fail_in_time(four: list[dict[str, Any]]) -> None:

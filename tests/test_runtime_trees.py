@@ -368,6 +368,7 @@ def test_gloo_trees_equal_local_bit_for_bit() -> None:
         for name, r in res["trees"].items():
             assert "error" not in r, r.get("error")
             assert r["weights_equal"] and r["losses_equal"], (rank, name, r)
+            assert r["shape_changes"] == 0, (rank, name, r)  # fixed shapes: no metadata
             assert r["updates"] == r["ref_updates"] > 0 and r["leftovers"] == 0, (rank, name, r)
     # the handshake agreed every leaf; only the hidden state carries a gradient back
     sig = results[0]["trees"]["gpipe"]["sent"]
@@ -394,3 +395,21 @@ def test_tree_helpers_rebuild_containers() -> None:
     assert type(again) is OrderedDict and type(again["p"]) is Pair and again["q"][1] is None
     assert [p for p, _ in trees.with_paths(tree, "x")] == ["x['p'][0]", "x['p'][1]", "x['q'][0]", "x['q'][1]"]
     assert trees.key(copy.deepcopy(tree)) == trees.key(tree)
+
+
+def test_signature_allows_new_shapes_only() -> None:
+    """A shape change travels as a new Signature; anything else stays an error."""
+    h = torch.zeros(2, 3, 4, requires_grad=True)
+    tree = {"h": h, "mask": torch.ones(2, 3, dtype=torch.bool), "n": 2}
+    sig = trees.Signature.of(tree)
+    longer = {"h": torch.zeros(2, 5, 4, requires_grad=True), "mask": torch.ones(2, 5, dtype=torch.bool), "n": 2}
+    new = sig.reshaped(longer)
+    assert new is not None and new.mismatch(longer) == ""
+    assert sig.changes(new) == "['h'] (2, 3, 4) -> (2, 5, 4), ['mask'] (2, 3) -> (2, 5)"
+    assert sig.reshaped({**longer, "n": 3}) is None  # constants are sent once
+    assert sig.reshaped({**longer, "h": longer["h"].detach()}) is None  # requires_grad fixed
+    assert sig.reshaped({**longer, "mask": longer["mask"].int()}) is None  # dtypes fixed
+    assert sig.reshaped((longer["h"], longer["mask"])) is None  # structure fixed
+    one = trees.Signature.of(h)
+    assert one.reshaped(torch.zeros(7, 4, requires_grad=True)) is not None
+    assert one.changes(one.reshaped(torch.zeros(7, 4, requires_grad=True))) == "the tensor (2, 3, 4) -> (7, 4)"

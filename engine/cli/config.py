@@ -63,6 +63,7 @@ class TrainConfig:
     checkpoint: str = "never"
     epochs: int = 3
     evals_per_epoch: int = 4
+    checkpoint_every: int | None = None
     seed: int = 0
     device: str = "cpu"
     threads: int = 1
@@ -148,6 +149,13 @@ def check_config(cfg: TrainConfig) -> None:
                 raise CLIError(
                     f"{flag} applies to --schedule pb only (got --schedule {cfg.schedule})"
                 )
+    if cfg.update_size is not None and cfg.schedule not in ("pb", "pipedream"):
+        raise CLIError(
+            f"--update-size applies to --schedule pb and pipedream only (got --schedule "
+            f"{cfg.schedule}, which updates once per {cfg.chunks} --chunks micro-batches)"
+        )
+    if cfg.checkpoint_every is not None and cfg.checkpoint_every < 1:
+        raise CLIError(f"--checkpoint-every {cfg.checkpoint_every} must be >= 1 (steps)")
     if cfg.pipemare_warmup is not None and cfg.pipemare_warmup < 0:
         raise CLIError(f"--pipemare-warmup {cfg.pipemare_warmup} must be >= 0")
     if cfg.prediction is not None and cfg.momentum == 0 and cfg.optimizer == "sgd":

@@ -5,8 +5,14 @@ Why it looks like this: training is epoch-structured. Every epoch ends with ``pi
 checkpoint (``engine.save``) and the metrics CSV (``runlog``). Because the data order of an
 epoch depends only on (seed, epoch) and the checkpoint restores every weight, optimizer and
 scheduler state, a run resumed with ``--resume`` produces the same weights and metrics as an
-uninterrupted one. ``compare`` calls :func:`train` once per method in one process, so what
-the loop adds around ``pipe.step`` is paid by every run.
+uninterrupted one. ``--checkpoint-every N`` also commits after every N-th step inside an epoch;
+the state then holds the loop's position too (step in the epoch, the running sums of the metric
+row in progress, torch's RNG), so a resumption continues mid-epoch to the same bits. Saving
+needs a flushed pipeline, so asynchronous schedules drain at those steps; the option is part
+of the resume key, so the uninterrupted run drains at the same steps (restricting it to
+synchronous schedules would have left the asynchronous ones, the long runs, without it).
+``compare`` calls :func:`train` once per method in one process, so what the loop adds around
+``pipe.step`` is paid by every run.
 
 torch and the engine are imported inside the functions: ``python -m engine --help`` imports
 this module and must stay fast.
@@ -14,6 +20,7 @@ this module and must stay fast.
 
 from __future__ import annotations
 
+import base64
 import math
 import sys
 import time
@@ -74,6 +81,8 @@ class _AccuracyLoss:
         self._torch = torch
         self._logits: list[Any] = []
         self._targets: list[Any] = []
+        self.correct = 0  # counts folded from the kept calls (a mid-epoch checkpoint saves them)
+        self.seen = 0
 
     def __call__(self, out: Any, target: Any) -> Any:
         torch = self._torch
@@ -82,17 +91,23 @@ class _AccuracyLoss:
             self._targets.append(target)
         return torch.nn.functional.cross_entropy(out, target)
 
-    def take(self) -> float:
-        """Training accuracy of the counted calls since the last ``take``; NaN if none."""
+    def fold(self) -> None:
+        """Count the kept calls into ``correct`` / ``seen`` and release their tensors."""
         if not self._targets:
-            return float("nan")
+            return
         torch = self._torch
         target = torch.cat(self._targets)
         # int() waits for the comparison, so the kept tensors are read before they are released
-        correct = int((torch.cat(self._logits).argmax(dim=1) == target).sum())
-        seen = target.numel()
+        self.correct += int((torch.cat(self._logits).argmax(dim=1) == target).sum())
+        self.seen += target.numel()
         self._logits.clear()
         self._targets.clear()
+
+    def take(self) -> float:
+        """Training accuracy of the counted calls since the last ``take``; NaN if none."""
+        self.fold()
+        correct, seen = self.correct, self.seen
+        self.correct = self.seen = 0
         return correct / seen if seen else float("nan")
 
 
@@ -252,27 +267,38 @@ def train(
     result.stage_activation_bytes = activation_bytes(modules, data.train_x[: cfg.batch_size])
     out = Path(cfg.out)
     start_epoch = 0
+    start_step = 0  # steps of epoch start_epoch done before a mid-epoch checkpoint
     samples = 0
     train_seconds = 0.0
+    loss_sum, loss_n, seg_samples = 0.0, 0, 0
     if cfg.resume:
         state = read_state(out, cfg)
+        start_epoch = int(state["epoch"])
+        start_step = int(state.get("step_in_epoch", 0))
+        if cfg.epochs < start_epoch or (start_step and cfg.epochs == start_epoch):
+            done = f"{start_epoch} epochs" + (f" and {start_step} steps" if start_step else "")
+            raise CLIError(
+                f"--resume: the run in {out} has trained {done} already; "
+                f"--epochs {cfg.epochs} is below that: pass --epochs > {start_epoch} to continue it"
+            )
         try:
             engine.load(pipe, out / CHECKPOINT_FILE)
         except ValueError as exc:
             raise CLIError(f"--resume: {exc}") from None
-        start_epoch = int(state["epoch"])
-        if cfg.epochs < start_epoch:
-            raise CLIError(
-                f"--resume: the run in {out} has trained {start_epoch} epochs already; "
-                f"--epochs {cfg.epochs} is below that: pass --epochs > {start_epoch} to continue it"
-            )
+        # the loop's own position: running sums of the metric row in progress, and the RNG
+        loss_sum, loss_n = float(state.get("loss_sum", 0.0)), int(state.get("loss_n", 0))
+        seg_samples = int(state.get("seg_samples", 0))
+        loss_fn.correct, loss_fn.seen = int(state.get("acc_correct", 0)), int(state.get("acc_seen", 0))
+        if "rng" in state:
+            torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["rng"])), dtype=torch.uint8))
         if cfg.epochs == start_epoch:
             print(f"--resume: the run in {out} has trained its {start_epoch} epochs already; "
                   "nothing to do (raise --epochs to continue it)", file=sys.stderr)
         samples = int(state["samples"])
         train_seconds = float(state["train_seconds"])
         if (out / METRICS_FILE).exists():
-            result.rows = [r for r in read_metrics(out / METRICS_FILE) if r["epoch"] <= start_epoch]
+            done = start_epoch * steps_per_epoch + start_step
+            result.rows = [r for r in read_metrics(out / METRICS_FILE) if r["step"] <= done]
     if save:
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -298,13 +324,36 @@ def train(
         dynamic_ncols=True,
         file=sys.stderr,
     )
-    loss_sum, loss_n = 0.0, 0
+    def commit(epochs_done: int, step_in_epoch: int) -> None:
+        """Checkpoint + train state (+ metrics) after ``step_in_epoch`` steps of the next epoch."""
+        loss_fn.fold()
+        rng = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+        state = {
+            "config": resume_key(cfg),
+            "epoch": epochs_done,
+            "step_in_epoch": step_in_epoch,
+            "samples": samples,
+            "train_seconds": train_seconds,
+            "loss_sum": loss_sum,
+            "loss_n": loss_n,
+            "seg_samples": seg_samples,
+            "acc_correct": loss_fn.correct,
+            "acc_seen": loss_fn.seen,
+            "rng": rng,
+            "lr": lr,
+            "momentum": momentum,
+        }
+        commit_epoch(out, pipe, state)
+        try:  # rows are filtered by the committed step on resume
+            write_metrics(out / METRICS_FILE, result.rows)
+        except OSError as exc:
+            raise CLIFailure(f"cannot write {METRICS_FILE} to {out}: {exc.strerror or exc}") from None
+
     try:
         for epoch in range(start_epoch, cfg.epochs):
             order = epoch_order(n_train, cfg.seed, epoch).to(data.train_x.device)
             t0 = time.perf_counter()
-            seg_samples = 0
-            for step in range(steps_per_epoch):
+            for step in range(start_step if epoch == start_epoch else 0, steps_per_epoch):
                 idx = order[step * per_step : (step + 1) * per_step]
                 try:
                     loss = pipe.step(data.train_x[idx], data.train_y[idx])
@@ -349,6 +398,14 @@ def train(
                         sps=f"{row['samples_per_s']:.0f}",
                     )
                     t0 = time.perf_counter()
+                every = cfg.checkpoint_every
+                if every and not last and (epoch * steps_per_epoch + step + 1) % every == 0:
+                    # state_dict needs a flushed pipeline; the drain is part of the run's
+                    # trajectory (checkpoint_every is in the resume key), so a resumed run and
+                    # an uninterrupted one drain at the same steps
+                    pipe.flush()
+                    if save:
+                        commit(epoch, step + 1)
             if epoch_lines and result.rows:
                 r = result.rows[-1]
                 print(
@@ -358,19 +415,7 @@ def train(
                     file=sys.stderr, flush=True,
                 )
             if save:
-                state = {
-                    "config": resume_key(cfg),
-                    "epoch": epoch + 1,
-                    "samples": samples,
-                    "train_seconds": train_seconds,
-                    "lr": lr,
-                    "momentum": momentum,
-                }
-                commit_epoch(out, pipe, state)
-                try:  # rows are filtered by the committed epoch on resume
-                    write_metrics(out / METRICS_FILE, result.rows)
-                except OSError as exc:
-                    raise CLIFailure(f"cannot write {METRICS_FILE} to {out}: {exc.strerror or exc}") from None
+                commit(epoch + 1, 0)
             stats_mark = pipe.stats()
     except FloatingPointError as exc:
         result.diverged = result.diverged or str(exc)

@@ -3,7 +3,8 @@
 Why: ``--resume`` must continue exactly where an earlier run stopped, and only with the same
 options; so ``train_state.json`` records the configuration (minus the options that may change
 between a run and its resumption, e.g. ``--epochs``) beside the epoch, sample count and
-training time, and a resumed run is refused with the differing options named. Every file is
+training time (after a ``--checkpoint-every`` commit also the loop's position inside the
+epoch, see ``loop``), and a resumed run is refused with the differing options named. Every file is
 written to a temporary name and moved into place with ``os.replace``. The checkpoint and the
 state are one unit (:func:`commit_epoch`): the state records the checkpoint's SHA-256, so a
 crash between their two renames is detected on resume and finished from the ``.next`` file,
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import hashlib
 import json
 import os
 from dataclasses import asdict
@@ -24,6 +24,7 @@ from typing import Any
 
 from engine.cli import CLIError, CLIFailure
 from engine.cli.config import TrainConfig
+from engine.serialization import file_sha256
 
 __all__ = [
     "CHECKPOINT_FILE",
@@ -61,14 +62,6 @@ def resume_key(cfg: TrainConfig) -> dict[str, Any]:
     return {k: v for k, v in asdict(cfg).items() if k not in _RESUME_FREE}
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _json(path: Path) -> dict[str, Any]:
     try:
         state = json.loads(path.read_text())
@@ -92,7 +85,7 @@ def commit_epoch(out: Path, pipe: Any, state: dict[str, Any]) -> None:
     state_next = out / (STATE_FILE + ".next")
     try:
         engine.save(pipe, ckpt_next)
-        state = dict(state, checkpoint_sha256=_sha256(ckpt_next))
+        state = dict(state, checkpoint_sha256=file_sha256(ckpt_next))
         tmp = out / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state, indent=1))
         os.replace(tmp, state_next)
@@ -118,7 +111,7 @@ def read_state(out: Path, cfg: TrainConfig) -> dict[str, Any]:
         )
     state = _json(state_path)
     want = state.get("checkpoint_sha256")
-    have = _sha256(out / CHECKPOINT_FILE) if want is not None else None
+    have = file_sha256(out / CHECKPOINT_FILE) if want is not None else None
     if have != want:
         pending = out / (STATE_FILE + ".next")
         nxt = _json(pending) if pending.exists() else None

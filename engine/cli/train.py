@@ -186,6 +186,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--out", default="out/train", help="folder for checkpoint, metrics.csv, train_state.json"
     )
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument(
+        "--checkpoint-every",
+        type=_positive("--checkpoint-every"),
+        default=None,
+        help="also commit a checkpoint every N steps inside an epoch, so --resume continues "
+        "mid-epoch (asynchronous schedules drain there: part of the run, fixed on --resume)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

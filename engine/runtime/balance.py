@@ -33,6 +33,10 @@ def auto_balance(
     per layer (median), ``profile`` a JSON file of layer costs to reuse or write."""
     if not isinstance(stages, nn.Sequential):
         raise PipelineConfigError(f"balance={balance!r} needs `stages` to be an nn.Sequential")
+    if balance not in ("time", "memory"):  # before asking for what only profiling needs
+        raise PipelineConfigError(
+            f"unknown balance {balance!r}; use 'time', 'memory' or a list of layer counts"
+        )
     if num_stages is None or sample is None:
         raise PipelineConfigError(
             f"balance={balance!r} profiles the model: also pass num_stages=S and sample=<one "

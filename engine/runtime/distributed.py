@@ -11,6 +11,11 @@ stage ``r % S``; see transport/layout.py). Around the executor this module adds:
   against them). The dry runs record autograd (in eval mode) because requires_grad is part
   of the agreement: it says which leaves carry a gradient back. Every rank learns whether
   any rank failed, and all raise the same error naming both ranks, so none is left waiting.
+* later shapes: tensor shapes may change between steps and micro-batches (the transport sends
+  a new Signature only when they do). Each stage dry-runs its module once per new set of
+  input shapes (:meth:`RankRuntime.accepts`; stage 0 on its micro-batches before the step,
+  the others when a new Signature arrives) and raises a clear error, passed downstream,
+  instead of failing inside a step.
 * the loss: the last stage's mean loss is sent to every stage of its replica (tagged
   point-to-point messages under gloo, a broadcast under NCCL, which has no tags) and averaged
   over the replicas, so ``pipe.step`` returns the same value on every rank;
@@ -54,6 +59,9 @@ class RankRuntime:
         self._loss_work: Any = None
         self._loss_msg = torch.zeros(3, dtype=torch.float64)
         self._loss_sends: list[Any] = []
+        # the input shapes this stage's module was seen to accept (one dry run each)
+        self._accepted: set[tuple[tuple[int, ...], ...]] = set()
+        self._first_in: trees.Signature | None = None  # the handshake's input shapes
 
     @property
     def device(self) -> torch.device:
@@ -99,6 +107,10 @@ class RankRuntime:
         )
         if int(codes.item()) == 0:
             self.handshaken = True
+            if inp is not None:
+                self._first_in = trees.Signature.of(inp)
+                self._accepted.add(_shapes(self._first_in))
+            tp.accept = lambda old, new, mb: self.accepts(module, old, new, mb)
             return
         messages: list[Any] = [None] * S
         dist.all_gather_object(
@@ -106,6 +118,39 @@ class RankRuntime:
         )
         first = next(m for m in messages if m)
         raise PipelineInputError(f"handshake failed, no weight changed: {first}")
+
+    def accepts(
+        self, module: nn.Module, old: trees.Signature, new: trees.Signature, mb: int
+    ) -> str:
+        """Why this stage's module cannot take inputs of ``new``'s shapes ("" when it can);
+        one dry run per new set of shapes (no weight, mode or RNG state changes)."""
+        key = _shapes(new)
+        if key in self._accepted:
+            return ""
+        zeros = [torch.zeros(m.shape, dtype=m.dtype, device=self.device) for _, m in new.metas(False)]
+        _, problem = self._dry_run(module, new.build(zeros), None, None)
+        if problem:
+            s = self.layout.stage
+            src = "its input micro-batch" if s == 0 else f"the output of {self.transport.who(s - 1)}"
+            return (
+                f"the shape of {src} changed at micro-batch {mb} ({old.changes(new)}) and "
+                f"{self.transport.who(s)} cannot accept it (micro-batch {mb} did not run). "
+                f"{problem}"
+            )
+        self._accepted.add(key)
+        return ""
+
+    def check_inputs(self, module: nn.Module, xs: list[Any], base: int) -> None:
+        """Stage 0, before a step: dry-run the module on micro-batch shapes not seen yet; on
+        failure tell the later stages (in place of the step's first activation) and raise."""
+        for i, x in enumerate(xs):
+            sig = trees.Signature.of(x)
+            if _shapes(sig) in self._accepted:
+                continue
+            problem = self.accepts(module, self._first_in or sig, sig, base + i)
+            if problem:
+                self.transport.poison(problem)
+                raise PipelineInputError(problem)
 
     def _dry_run(
         self,
@@ -245,6 +290,10 @@ class RankRuntime:
                 f"all-reducing stage {lay.stage}'s gradients over {lay.replicas} replicas",
             )
             flat.div_(lay.replicas)
+
+
+def _shapes(sig: trees.Signature) -> tuple[tuple[int, ...], ...]:
+    return tuple(m.shape for _, m in sig.metas(False))
 
 
 def _words(target: Any) -> str:

@@ -71,11 +71,16 @@ def evaluate(pipe: Pipeline, inputs: Any, chunks: int | None = None) -> Any:
         from engine.runtime.inputs import split
 
         pieces = split(inputs, None, M)[0]
+    from engine.runtime.inputs import stage_input_error
+
     outs = []
     with _eval_mode(modules):
         for x in pieces:
-            for module in modules:
-                x = module(x) if isinstance(x, Tensor) else trees.call(module, x)
+            for s, module in enumerate(modules):
+                try:
+                    x = module(x) if isinstance(x, Tensor) else trees.call(module, x)
+                except Exception as exc:  # no weight changes in evaluation: name the stage
+                    raise stage_input_error(s, module, x, exc) from exc
             outs.append(x)
     if all(isinstance(o, Tensor) for o in outs):
         return torch.cat(outs)

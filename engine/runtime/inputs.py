@@ -147,6 +147,22 @@ def input_key(x: Any, target: Any) -> tuple[Any, Any]:
     return (_key_of(x), _key_of(target))
 
 
+def stage_input_error(s: int, mod: nn.Module, h: Any, exc: Exception) -> PipelineInputError:
+    """The error for stage ``s`` failing on its input ``h``: names the stage, the shape, what
+    its first layer expects and, past stage 0, the stage whose output it was."""
+    shape = trees.describe(h)
+    if s == 0:
+        return PipelineInputError(
+            f"stage 0 ({describe(mod)}) cannot run on an input micro-batch of "
+            f"shape {shape}{first_layer_expectation(mod)}: {exc}"
+        )
+    return PipelineInputError(
+        f"stage {s - 1} outputs shape {shape} but stage {s} ({describe(mod)}) "
+        f"cannot take it as input{first_layer_expectation(mod)}: {exc}. Make stage "
+        f"{s - 1}'s output match stage {s}'s input (layer sizes or balance)."
+    )
+
+
 def dry_run(
     modules: Sequence[nn.Module],
     x: Any,
@@ -168,17 +184,7 @@ def dry_run(
                 try:
                     out = mod(h) if isinstance(h, Tensor) else trees.call(mod, h)
                 except Exception as exc:  # a wiring error: teach the fix
-                    shape = trees.describe(h)
-                    if s == 0:
-                        raise PipelineInputError(
-                            f"stage 0 ({describe(mod)}) cannot run on an input micro-batch of "
-                            f"shape {shape}{first_layer_expectation(mod)}: {exc}"
-                        ) from exc
-                    raise PipelineInputError(
-                        f"stage {s - 1} outputs shape {shape} but stage {s} ({describe(mod)}) "
-                        f"cannot take it as input{first_layer_expectation(mod)}: {exc}. Make stage "
-                        f"{s - 1}'s output match stage {s}'s input (layer sizes or balance)."
-                    ) from exc
+                    raise stage_input_error(s, mod, h, exc) from exc
                 problem = trees.check_output(out, f"stage {s}") if s < len(modules) - 1 else ""
                 if problem:
                     raise PipelineInputError(problem)

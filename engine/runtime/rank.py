@@ -26,6 +26,7 @@ from engine.runtime import inputs as _inputs
 from engine.runtime import trees
 from engine.runtime.build import build_module, build_store, resolve_stage_specs
 from engine.runtime.executor import Executor, StepResult
+from engine.runtime.first_failure import report
 from engine.runtime.program import RB, RF, SB, SF, F, StepProgram, U
 from engine.runtime.stage import DROPPED
 from engine.runtime.streams import StageStreams
@@ -151,6 +152,9 @@ class RankExecutor(Executor):
         self.chain_sync = False
         #: ("act" | "grad", micro-batch) -> the tensor this rank sends at its SF/SB op
         self._outbox: dict[tuple[str, int], Any] = {}
+        #: ("act" | "grad", micro-batch) -> a message received before its RF/RB op: at a save
+        #: of the in-flight state (wire_state), or loaded with it
+        self._early: dict[tuple[str, int], Any] = {}
 
     # ------------------------------------------------------------------ running
 
@@ -177,12 +181,16 @@ class RankExecutor(Executor):
                 continue
             i = base + rel
             if op == RF:
-                self.acts[(s, i)] = (tp.recv("act", s, i, base + certain[pc]), None)
+                early = self._early.pop(("act", i), None) if self._early else None
+                self.acts[(s, i)] = (early if early is not None else tp.recv("act", s, i, base + certain[pc]), None)
                 got = releases.get(pc)
                 if got:
                     tp.release("grad", [base + m for m in got])
             elif op == RB:
-                self.grads[(s, i)] = (tp.recv("grad", s, i, base + certain[pc]), None)
+                if ("grad", i) in self._early:
+                    self.grads[(s, i)] = (self._early.pop(("grad", i)), None)
+                else:
+                    self.grads[(s, i)] = (tp.recv("grad", s, i, base + certain[pc]), None)
             elif op == SF:
                 tp.send("act", s, i, self._outbox.pop(("act", i)))
             elif op == SB:
@@ -239,42 +247,37 @@ class RankExecutor(Executor):
 
     def wire_state(self) -> dict[str, Any]:
         """Messages at a step boundary, for the in-flight state (:mod:`~engine.runtime.inflight`;
-        every rank calls it): what the neighbours sent and this rank has not received is
-        received now and kept as completed receives (the run does not change), this rank's own
-        sends are waited for (its neighbours receive them in their call), and the outbox holds
-        what it will send. A rank loading the result starts with those receives completed."""
+        every rank calls it at the same step): what the neighbours sent and this rank has not
+        received is received now and kept for its RF/RB op (the run does not change), this
+        rank's own sends are waited for (its neighbours receive them in their call), and the
+        outbox holds what it will send. A rank loading the result starts with those."""
         tp = self.transport
-        pending = []
         for channel in ("act", "grad"):
-            agreed = tp.meta.get((channel, "recv"))
-            if agreed is None or (channel == "grad" and not agreed.grad_at):
-                continue  # nothing travels on this channel
-            src = tp.peer_stage(channel, "recv")
             for mb in self._in_transit(channel):
-                posted = tp._posted.pop((channel, mb), None) or tp._post(channel, mb, agreed, src)
-                pending.append((channel, mb, posted))
+                if (channel, mb) not in self._early:  # (an earlier save received it)
+                    value = tp.recv(channel, self.s, mb)
+                    if value is not None:  # None: no leaf carries a gradient, nothing travels
+                        self._early[(channel, mb)] = value
         tp.wait_sends()
-        received = []
-        for channel, mb, (works, bufs) in pending:
-            tp._wait_all(works, f"receiving the {channel} of micro-batch {mb} to save it", None)
-            tp._posted[(channel, mb)] = ([], bufs)
-        for (channel, mb), (works, bufs) in sorted(tp._posted.items()):
-            if not works:  # completed: received here or by an earlier save
-                received.append({"channel": channel, "mb": mb, "bufs": [b.clone() for b in bufs]})
-        outbox = [
-            {"channel": channel, "mb": mb, "value": v.detach().clone()}
-            for (channel, mb), v in sorted(self._outbox.items())
-            if isinstance(v, Tensor)
-        ]
-        if len(outbox) != len(self._outbox):
-            raise PipelineInputError("a message waiting to be sent is not a tensor (tree-valued stages)")
-        return {"received": received, "outbox": outbox}
+        mail = [("received", self._early), ("outbox", self._outbox)]
+        out: dict[str, Any] = {}
+        for key, box in mail:
+            if any(not isinstance(v, Tensor) for v in box.values()):
+                raise PipelineInputError(
+                    f"a message {key} at stage {self.s} is not a tensor (tree-valued stages)"
+                )
+            out[key] = [
+                {"channel": c, "mb": mb, "value": v.detach().clone(), "grad": v.requires_grad}
+                for (c, mb), v in sorted(box.items())
+            ]
+        return out
 
     def load_wire_state(self, state: dict[str, Any]) -> None:
-        """Undo :meth:`wire_state` in a fresh rank: completed receives and the outbox."""
-        for d in state["received"]:
-            self.transport._posted[(d["channel"], d["mb"])] = ([], [b.clone() for b in d["bufs"]])
-        self._outbox = {(d["channel"], d["mb"]): d["value"].clone() for d in state["outbox"]}
+        """Undo :meth:`wire_state` in a fresh rank: early receives and the outbox."""
+        for key, box in (("received", self._early), ("outbox", self._outbox)):
+            box.clear()
+            for d in state[key]:
+                box[(d["channel"], d["mb"])] = d["value"].clone().requires_grad_(d["grad"])
 
     # ------------------------------------------------------------------ the step protocol
 
@@ -342,6 +345,13 @@ class RankExecutor(Executor):
     def drain(self) -> Tensor | None:
         if self.sync or not self.active:
             return None
+        try:
+            return self._rank_drain()
+        except BaseException as exc:
+            report(self.rank.layout.rank, exc)
+            raise
+
+    def _rank_drain(self) -> Tensor | None:
         first = len(self.losses)
         prog = self.compiler.drain(self.j)
         self._ops(prog, 0, self.j * self.M, skip_updates=False)
@@ -381,8 +391,14 @@ def rank_step(pipe: Pipeline, inputs: Any, targets: Any) -> Tensor:
     else:
         xs, ts, sizes = [None] * M, [None] * M, [1] * M
     rk = pipe._rank
-    if not rk.handshaken:
-        st = pipe.stages[0]
-        rk.handshake(st.module, xs[0], ts[0], st.loss_fn)
-    result = pipe._executor.run_step(xs, ts, sizes)
+    try:
+        if not rk.handshaken:
+            st = pipe.stages[0]
+            rk.handshake(st.module, xs[0], ts[0], st.loss_fn)
+        elif first:  # new shapes: a clear error before the step instead of one inside it
+            rk.check_inputs(pipe.stages[0].module, xs, pipe._executor.j * M)
+        result = pipe._executor.run_step(xs, ts, sizes)
+    except BaseException as exc:  # the first rank to fail is named in its peers' errors
+        report(lay.rank, exc)
+        raise
     return result.loss if result.loss is not None else torch.tensor(float("nan"))

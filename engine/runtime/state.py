@@ -193,13 +193,20 @@ def _check(pipe: Pipeline, state: Any, override_hyperparameters: bool = False) -
                 f"{where}: delay {sd.get('delay')} in the checkpoint, {pipe.delays[st.index]} "
                 "derived by the pipeline"
             )
-        if not isinstance(sd.get("updates"), int):
-            raise _fail(f"{where}: update count missing")
+        if not _count(sd.get("updates")):
+            raise _fail(f"{where}: update count {sd.get('updates')!r} must be an int >= 0")
+    for key in ("steps", "skipped_steps"):  # a hand-made state dict: counts the run goes on from
+        if not _count(state.get(key, 0 if key == "skipped_steps" else None)):
+            raise _fail(f"{key}={state.get(key)!r} must be an int >= 0")
     if "in_flight" in state:
         inflight.check(pipe, state["in_flight"])
     rng = state.get("rng")
     if rng is not None and (not isinstance(rng, Tensor) or rng.dtype != torch.uint8):
         raise _fail("rng state must be a uint8 tensor")
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def load_pipeline_state_dict(

@@ -324,6 +324,32 @@ class Signature:
                 return why
         return ""
 
+    def reshaped(self, value: Any) -> Signature | None:
+        """The Signature of the activation ``value`` if it differs from this one in tensor
+        shapes only (same structure, constants, dtypes and requires_grad), else None."""
+        new = Signature.of(value)
+        if new.spec != self.spec:
+            return None
+        for got, want in zip(new.leaves, self.leaves, strict=True):
+            if isinstance(want, LeafMeta):
+                if not isinstance(got, LeafMeta) or (got.dtype, got.requires_grad) != (
+                    want.dtype,
+                    want.requires_grad,
+                ):
+                    return None
+            elif type(got) is not type(want) or (got is not want and got != want):
+                return None
+        return new
+
+    def changes(self, new: Signature) -> str:
+        """The tensor leaves whose shape differs in ``new``: "['h'] (2, 4, 6) -> (2, 5, 6)"."""
+        moved = [
+            f"{path or 'the tensor'} {a.shape} -> {b.shape}"
+            for (path, a), (_, b) in zip(self.metas(False), new.metas(False), strict=True)
+            if a.shape != b.shape
+        ]
+        return ", ".join(moved) or "no shape"
+
     def build(self, tensors: list[Tensor]) -> Any:
         """The received tree: ``tensors`` in the tensor leaves (flagged as requiring grad
         where agreed), the agreed constants elsewhere."""

@@ -73,7 +73,20 @@ def init_distributed(backend: str, timeout: float) -> None:
         )
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    td = datetime.timedelta(seconds=timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun shares its rendezvous store with the workers across --max-restarts
+        # attempts, so a restarted job would read the dead attempt's gloo/NCCL addresses
+        # (pytorch/pytorch#135712): give every attempt its own key prefix
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        base = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, td
+        )
+        store = dist.PrefixStore(f"engine/attempt_{attempt}/", base)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td)
+        return
+    dist.init_process_group(backend, timeout=td)
 
 
 def make_layout(stages: int, replicas: int) -> Layout:

@@ -6,15 +6,34 @@ timeout, so a dead or stuck peer surfaces as a :class:`PeerError` naming it inst
 hang. Every collective the runtime issues (handshake, loss broadcast, gradient all-reduce)
 goes through :meth:`P2PTransport.wait` with the same timeout.
 
-Shapes and dtypes are agreed once, at the first step (:meth:`send_meta` / :meth:`recv_meta`,
-driven by the pipeline's handshake): a receiver then allocates its buffers without any
-per-message header, and every later send is checked against the agreement, so a mismatch is
-a :class:`ShapeAgreementError` naming both ranks rather than a garbled tensor. A stage may
-pass a tree of tensors (:mod:`engine.runtime.trees`): the agreement is its
-:class:`~engine.runtime.trees.Signature` (structure, constants, and each tensor leaf's path,
-shape, dtype and requires_grad), sent once as a pickled skeleton. Per micro-batch an
-activation is one message per tensor leaf, in leaf order, and a gradient one per leaf that
-requires grad (none at all when no leaf does); constants are never sent again.
+Shapes and dtypes are agreed at the first step (:meth:`send_meta` / :meth:`recv_meta`,
+driven by the pipeline's handshake), and every later send is checked against the agreement,
+so a mismatch is a :class:`ShapeAgreementError` naming both ranks rather than a garbled
+tensor. A stage may pass a tree of tensors (:mod:`engine.runtime.trees`): the agreement is
+its :class:`~engine.runtime.trees.Signature` (structure, constants, and each tensor leaf's
+path, shape, dtype and requires_grad), sent as a pickled skeleton. Per micro-batch an
+activation is one 8-byte header (tag :data:`HEADER_TAG`) and one message per tensor leaf, in
+leaf order; a gradient is one message per leaf that requires grad (none at all when no leaf
+does); constants are never sent again.
+
+Variable shapes: the structure, constants, dtypes and requires_grad are fixed at the
+handshake, but tensor shapes may change from one micro-batch to the next (sequence length,
+batch size). The header says 0 when the activation has the shapes of the sender's previous
+one, and n > 0 when a new Signature follows as an n-byte metadata message (tag
+:data:`META_TAG`), so the metadata travels only when shapes change. The receiving stage then
+checks once per new set of shapes that its module accepts them (:attr:`accept`, a dry run);
+if not, it raises naming the stage, the leaf paths and both shapes, and sends the error text
+downstream in place of the next header (n < 0), so later stages raise it too instead of
+waiting. Gradients need no header: the gradient of micro-batch i has the shapes of the
+activation of i, which both ends remember until it travelled.
+
+Under gloo the receiver still posts each activation's tensors before its header arrives, for
+the shapes of the previous activation (the sender then finds its receive waiting; see the
+rendezvous below). When the shapes changed, the sender first sends a fill of at most one byte
+per tensor leaf, which completes those receives (gloo takes a message smaller than the posted
+buffer), and the tensors of the new shapes follow: a change costs the header, the metadata
+message and the fills; an unchanged activation only the 8-byte header. NCCL needs equal
+sizes at both ends and posts nothing ahead, so it receives the header first.
 
 gloo specifics (measured on 4 ranks time-sharing 2 CPU cores, see bench/README.md):
 
@@ -62,6 +81,7 @@ the pipeline's ``timeout``.
 from __future__ import annotations
 
 import datetime
+import math
 import pickle
 from typing import Any
 
@@ -69,10 +89,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from engine.errors import PipelineInputError
+from engine.runtime.first_failure import first
 from engine.runtime.transport.base import PeerError, ShapeAgreementError, Transport
 from engine.runtime.trees import Signature, flatten
 
-__all__ = ["P2PTransport", "DTYPES", "MAX_DIMS"]
+__all__ = ["P2PTransport", "DTYPES", "MAX_DIMS", "HEADER_TAG", "META_TAG"]
 
 DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
@@ -88,6 +110,8 @@ DTYPES: tuple[torch.dtype, ...] = (
 )
 MAX_DIMS = 8
 _ERROR = -1  # length of a meta message that says "the sender failed its dry run"
+#: gloo tags of the per-activation header and of a new Signature (data: tag 0; loss: 7)
+HEADER_TAG, META_TAG = 8, 9
 
 
 class P2PTransport(Transport):
@@ -103,8 +127,8 @@ class P2PTransport(Transport):
     """
 
     blocking = True
-    #: receives of a channel kept posted ahead of the one being waited for (gloo); each holds
-    #: one buffer of the agreed shape
+    #: receives of a channel kept posted ahead of the one being waited for (gloo): the
+    #: activation headers, and the gradients (whose shapes are known from the activation)
     prepost = 2
 
     def __init__(
@@ -130,11 +154,23 @@ class P2PTransport(Transport):
         # (channel, micro-batch) -> (works, tensors kept alive, what it was); one work per
         # tensor leaf; insertion-ordered
         self._sends: dict[tuple[str, int], tuple[list[Any], list[Tensor], str]] = {}
-        # receives posted ahead (gloo): (channel, micro-batch) -> (works, buffers)
-        self._posted: dict[tuple[str, int], tuple[list[Any], list[Tensor]]] = {}
+        # receives posted ahead (gloo): (channel, micro-batch) -> (works, buffers, the
+        # Signature they were posted for)
+        self._posted: dict[tuple[str, int], tuple[list[Any], list[Tensor], Signature]] = {}
         # the agreed activation Signature per direction: ("act"|"grad", "send"|"recv"); the
         # grad channel carries the leaves of the same Signature that require grad
         self.meta: dict[tuple[str, str], Signature] = {}
+        # the Signature each micro-batch's activation travelled with (sent / received), until
+        # its gradient travelled back with the same shapes
+        self._sent_sigs: dict[int, Signature] = {}
+        self._recv_sigs: dict[int, Signature] = {}
+        # activation headers posted ahead (gloo): micro-batch -> (work, header)
+        self._heads: dict[int, tuple[Any, Tensor]] = {}
+        #: called as accept(old, new, mb) when an activation arrives with new shapes: why this
+        #: stage cannot take them ("" when it can); set by the rank's runtime
+        self.accept: Any = None
+        #: how many metadata messages (new Signatures) this rank sent since the handshake
+        self.shape_changes = 0
         self.comm_stream: Any = None
         if backend == "nccl":
             if device.type != "cuda":
@@ -176,6 +212,7 @@ class P2PTransport(Transport):
                 f"({type(exc).__name__}: {text[:300]}). The peer rank most likely died or is "
                 "stuck: check its log for the first error. This rank stops instead of hanging "
                 "(raise Pipeline(timeout=...) if a stage is legitimately slower)."
+                + first(self.ranks[self.stage])
             ) from exc
 
     # ------------------------------------------------------------------ handshake
@@ -235,8 +272,11 @@ class P2PTransport(Transport):
 
     # ------------------------------------------------------------------ data
 
-    def _check(self, channel: str, mb: int, value: Any) -> list[Tensor]:
-        """The tensors to send for ``value`` on ``channel``, checked against the agreement."""
+    def _check(
+        self, channel: str, mb: int, value: Any
+    ) -> tuple[list[Tensor], Signature | None]:
+        """The tensors to send for ``value`` on ``channel``, checked against the agreement,
+        and the activation's new Signature when only its shapes changed (else None)."""
         agreed = self.meta.get((channel, "send"))
         peer = self.peer_stage(channel, "send")
         if agreed is None:
@@ -245,38 +285,24 @@ class P2PTransport(Transport):
                 "the shapes were agreed; the pipeline's first step performs the handshake"
             )
         what = "activation" if channel == "act" else "input gradient"
-        if agreed.single and isinstance(value, Tensor):
-            (meta,) = agreed.leaves
-            if channel == "grad" and not meta.requires_grad:
-                raise ShapeAgreementError(
-                    f"{self.who(self.stage)} has an input gradient for micro-batch {mb}, but "
-                    f"{self.who(peer)} agreed at the handshake that its output needs none"
-                )
-            if tuple(value.shape) != meta.shape or value.dtype != meta.dtype:
-                raise ShapeAgreementError(
-                    f"{self.who(self.stage)} produced an {what} of {self.describe(value)} for "
-                    f"micro-batch {mb}, but {self.who(peer)} agreed to receive {meta.shape} "
-                    f"{str(meta.dtype).replace('torch.', '')} at the first step's handshake. Under "
-                    "transport='gloo'/'nccl' every micro-batch must have the shape of the first one "
-                    "(use equal batch sizes, e.g. drop_last=True, and keep stage outputs fixed)."
-                )
-            why = agreed.mismatch(value) if channel == "act" else ""
-            if not why:
-                return [value]
-        elif channel == "act":
+        if channel == "act":
             why = agreed.mismatch(value)
-            if not why:
-                return [t for t in flatten(value)[0] if isinstance(t, Tensor)]
+            new = agreed.reshaped(value) if why else None
+            if not why or new is not None:
+                if agreed.single:
+                    return [value], new
+                return [t for t in flatten(value)[0] if isinstance(t, Tensor)], new
         else:
+            agreed = self._recv_sigs.pop(mb, agreed)  # the shapes of micro-batch mb
             grads = [] if value is None else [value] if isinstance(value, Tensor) else list(value)
             why = agreed.grad_mismatch(grads)
             if not why:
-                return grads
+                return grads, None
         raise ShapeAgreementError(
             f"{self.who(self.stage)} produced an {what} for micro-batch {mb} that does not fit "
             f"what {self.who(peer)} agreed to receive at the first step's handshake: {why}. Under "
-            "transport='gloo'/'nccl' every micro-batch must have the structure, shapes and "
-            "dtypes of the first one."
+            "transport='gloo'/'nccl' every micro-batch must have the structure, constants, dtypes "
+            "and requires_grad of the first one (only tensor shapes may change)."
         )
 
     def send(self, channel: str, stage: int, mb: int, value: Any) -> None:
@@ -287,27 +313,108 @@ class P2PTransport(Transport):
                 f"{self.who(self.stage)} has no tensor to send on the {channel} channel for "
                 f"micro-batch {mb} (got {value!r}); distributed transports carry tensors only"
             )
-        tensors = self._check(channel, mb, value)
-        if not tensors:
+        tensors, new = self._check(channel, mb, value)
+        if not tensors and channel == "grad":
             return  # no leaf carries a gradient: nothing travels
-        peer = self.ranks[self.peer_stage(channel, "send")]
+        tags = [0] * len(tensors)
         ts = [t.detach().contiguous() for t in tensors]
-        if self.backend == "gloo":
-            works = [dist.isend(t, peer, group=self.group) for t in ts]
-        else:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.comm_stream):
-                self.comm_stream.wait_event(ready)
-                works = dist.batch_isend_irecv(
-                    [dist.P2POp(dist.isend, t, peer, self.group) for t in ts]
-                )
+        if channel == "act":
+            body = b"" if new is None else pickle.dumps(new.skeleton)
+            head = [self._small(torch.tensor([len(body)], dtype=torch.int64))]
+            if new is not None:
+                head.append(self._small(torch.frombuffer(bytearray(body), dtype=torch.uint8)))
+                if self.backend == "gloo":  # fill the receive posted for the old shapes
+                    fill = self._fill(self.meta[("act", "send")])
+                    ts, tags = fill + ts, [0] * len(fill) + tags
+                self._agree("act", "send", new)
+                self.shape_changes += 1
+            self._sent_sigs[mb] = self.meta[("act", "send")]
+            ts, tags = head + ts, [HEADER_TAG, META_TAG][: len(head)] + tags
+        works = self._isend(ts, tags, self.ranks[self.peer_stage(channel, "send")])
         earlier = self._sends.pop((channel, mb), None)
         if earlier is not None:  # a send of an earlier segment that nobody waited for
             self._wait_all(earlier[0], earlier[2])
         self._sends[(channel, mb)] = (works, ts, f"sending the {channel} of micro-batch {mb}")
         if self.backend == "nccl":
             self._reap()
+
+    @staticmethod
+    def _fill(posted_for: Signature) -> list[Tensor]:
+        """At most one byte per tensor leaf: completes the receives posted for those shapes."""
+        return [torch.zeros(min(1, math.prod(m.shape)), dtype=torch.uint8) for _, m in posted_for.metas(False)]
+
+    def _small(self, t: Tensor) -> Tensor:
+        return t.to(self._meta_device())
+
+    def _isend(self, ts: list[Tensor], tags: list[int], peer: int) -> list[Any]:
+        if self.backend == "gloo":
+            return [dist.isend(t, peer, group=self.group, tag=g) for t, g in zip(ts, tags, strict=True)]
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.comm_stream):
+            self.comm_stream.wait_event(ready)
+            return dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend, t, peer, self.group, g) for t, g in zip(ts, tags, strict=True)]
+            )
+
+    def _irecv(self, buf: Tensor, src: int, tag: int) -> Any:
+        if self.backend == "gloo":
+            return dist.irecv(buf, self.ranks[src], group=self.group, tag=tag)
+        with torch.cuda.stream(self.comm_stream):
+            (work,) = dist.batch_isend_irecv(
+                [dist.P2POp(dist.irecv, buf, self.ranks[src], self.group, tag)]
+            )
+        return work
+
+    def _signature(self, mb: int, src: int, tensors: Any) -> Signature:
+        """Receive micro-batch ``mb``'s activation header (and a new Signature if its shapes
+        changed): the Signature its tensors arrive with. ``tensors``: the receive already
+        posted for its tensors (gloo), which an error from upstream fills."""
+        posted = self._heads.pop(mb, None) or self._post_head(src)
+        what = f"receiving the header of micro-batch {mb}'s activation"
+        self.wait(posted[0], what, src)
+        n = int(posted[1].cpu()[0])
+        current = self.meta[("act", "recv")]
+        if n == 0:
+            return current
+        body = torch.empty(abs(n), dtype=torch.uint8, device=self._meta_device())
+        self.wait(self._irecv(body, src, META_TAG), what, src)
+        data = body.cpu().numpy().tobytes()
+        if n < 0:  # an earlier stage stopped the step: pass its error on, then raise it
+            if tensors is not None:
+                self._wait_all(tensors[0], what, src)
+            self.poison(data.decode())
+            raise PipelineInputError(data.decode())
+        sig = Signature(pickle.loads(data))
+        problem = self.accept(current, sig, mb) if self.accept is not None else ""
+        if problem:
+            self.poison(problem)
+            raise PipelineInputError(problem)
+        self._agree("act", "recv", sig)
+        return sig
+
+    def _post_head(self, src: int) -> tuple[Any, Tensor]:
+        head = torch.zeros(1, dtype=torch.int64, device=self._meta_device())
+        return self._irecv(head, src, HEADER_TAG), head
+
+    def poison(self, message: str) -> None:
+        """Send ``message`` to the next stage in place of the next activation header, so that
+        it (and every later stage, which it tells in turn) raises it instead of waiting. Waits
+        at most ``timeout`` for the next stage to take it; a dead one is not an error here."""
+        if self.stage == self.S - 1:
+            return
+        body = message.encode()
+        ts = [torch.tensor([-len(body)], dtype=torch.int64), torch.frombuffer(bytearray(body), dtype=torch.uint8)]
+        ts, tags = [self._small(t) for t in ts], [HEADER_TAG, META_TAG]
+        sent = self.meta.get(("act", "send"))
+        if sent is not None and self.backend == "gloo":  # the receive posted for the tensors
+            fill = self._fill(sent)
+            ts, tags = ts + fill, tags + [0] * len(fill)
+        works = self._isend(ts, tags, self.ranks[self.stage + 1])
+        try:
+            self._wait_all(works, "sending a step's error downstream")
+        except PeerError:
+            pass
 
     def _wait_all(self, works: list[Any], what: str, peer: int | None = None) -> None:
         for work in works:
@@ -328,6 +435,8 @@ class P2PTransport(Transport):
                 f"{self.who(self.stage)} receives on the {channel} channel from {self.who(src)} "
                 "before the shapes were agreed; the pipeline's first step performs the handshake"
             )
+        if channel == "grad":
+            agreed = self._sent_sigs.pop(mb, agreed)  # the shapes mb's activation left with
         if channel == "grad" and not agreed.grad_at:
             # no leaf carries a gradient, so no message proves that the activation arrived:
             # wait for its send instead (the peer receives it before it would send a gradient)
@@ -336,14 +445,28 @@ class P2PTransport(Transport):
                 self._wait_all(sent[0], sent[2], self.peer_stage("act", "send"))
             return None if agreed.single else []
         posted = self._posted.pop((channel, mb), None)
+        if channel == "act":
+            if posted is None and self.backend == "gloo":  # for the previous shapes
+                posted = self._post(channel, mb, agreed, src)
+            agreed = self._signature(mb, src, posted)
+            self._recv_sigs[mb] = agreed
+            if posted is not None and posted[2] is not agreed:
+                self._wait_all(posted[0], f"receiving micro-batch {mb}'s fill", src)
+                posted = None  # the shapes changed: that receive took the sender's fill
         if posted is None:
             posted = self._post(channel, mb, agreed, src)
         if certain is not None and self.backend == "gloo":
             # messages of one (peer, tag) match receives in posting order: post mb+1, mb+2, ...
+            # (activations: their fixed-size headers, and the next one's tensors for the
+            # shapes of this one; gradients: once their activation left)
             for ahead in range(mb + 1, min(certain, mb + 1 + self.prepost)):
-                if (channel, ahead) not in self._posted:
-                    self._posted[(channel, ahead)] = self._post(channel, ahead, agreed, src)
-        works, bufs = posted
+                if channel == "act" and ahead not in self._heads:
+                    self._heads[ahead] = self._post_head(src)
+                    if ahead == mb + 1:
+                        self._posted[(channel, ahead)] = self._post(channel, ahead, agreed, src)
+                elif channel == "grad" and ahead in self._sent_sigs and (channel, ahead) not in self._posted:
+                    self._posted[(channel, ahead)] = self._post(channel, ahead, self._sent_sigs[ahead], src)
+        works, bufs, _ = posted
         what = (
             f"receiving the {'activation' if channel == 'act' else 'gradient'} of micro-batch {mb}"
         )
@@ -372,19 +495,19 @@ class P2PTransport(Transport):
 
     def _post(
         self, channel: str, mb: int, agreed: Signature, src: int
-    ) -> tuple[list[Any], list[Tensor]]:
+    ) -> tuple[list[Any], list[Tensor], Signature]:
         bufs = [
             torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
             for _, meta in agreed.metas(grad=channel == "grad")
         ]
         if self.backend == "gloo":
-            return [dist.irecv(b, self.ranks[src], group=self.group) for b in bufs], bufs
+            return [dist.irecv(b, self.ranks[src], group=self.group) for b in bufs], bufs, agreed
         with torch.cuda.stream(self.comm_stream):
             works = dist.batch_isend_irecv(
                 [dist.P2POp(dist.irecv, b, self.ranks[src], self.group) for b in bufs]
             )
         # waited on from the compute stream: it waits (on the device) for the transfer
-        return works, bufs
+        return works, bufs, agreed
 
     def _reap(self) -> None:
         """NCCL: forget sends that completed. Until then the transport holds each sent
@@ -407,3 +530,6 @@ class P2PTransport(Transport):
     def close(self) -> None:
         self._sends.clear()
         self._posted.clear()
+        self._heads.clear()
+        self._sent_sigs.clear()
+        self._recv_sigs.clear()

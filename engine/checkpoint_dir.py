@@ -1,0 +1,227 @@
+"""Checkpoint directories: one file per rank of a gloo/NCCL pipeline, committed by a manifest.
+
+``engine.save``/``engine.load`` are defined here: a single-process pipeline goes to the
+single-file format of :mod:`engine.serialization` unchanged, a multi-process one to a directory.
+
+Why a directory and not one file: under ``torchrun`` each process holds only its stage, so
+each rank writes what its own ``state_dict()`` holds (weights, optimizer and scheduler state,
+counters, RNG, and anything else a later engine adds to it) with
+:func:`engine.serialization.write_state` -- safetensors + JSON, never pickle -- to
+``rank<r>-<nonce>.safetensors``. Rank 0 writes ``manifest.json`` *last*, after every rank has
+reported its file's SHA-256, with ``os.replace``: the manifest switch is the only commit
+point, so a crash at any moment leaves either the previous manifest (and the files it names,
+which are only deleted after the switch) or the new one. The manifest names every rank's
+file and hash, the world layout (world, stages, replicas, schedule) and the format, and
+carries a SHA-256 of its own body.
+
+Why not ``torch.distributed.checkpoint``: its safetensors storage still writes its planner
+metadata (``.metadata``) with pickle and reads it back with ``pickle.load``, so loading an
+untrusted directory would unpickle; and it reshards, which a pipeline whose ranks hold
+different stages never needs. The per-rank files here reuse the single-file format, its
+checksum and its validation.
+
+Both directions are collective: every rank checks its own part first, the ranks exchange
+a fixed-size status (hash + first error line, plain bytes), and either every rank proceeds
+or every rank raises the same :class:`~engine.errors.CheckpointError` naming the first rank
+that failed. On error nothing is loaded, and a failed save leaves the previous checkpoint
+loadable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from engine import serialization
+from engine.errors import CheckpointError
+from engine.serialization import file_sha256, read_state, write_state
+
+if TYPE_CHECKING:
+    from engine.runtime.pipeline import Pipeline
+
+__all__ = ["save", "load", "save_dir", "load_dir", "read_manifest", "MANIFEST", "DIR_FORMAT"]
+
+DIR_FORMAT = "engine.checkpoint-dir/1"
+MANIFEST = "manifest.json"
+_RANK_FILE = re.compile(r"rank\d+-[0-9a-f]{16}\.safetensors(\.tmp-\d+)?$")
+_HASH, _TEXT = 64, 960  # bytes of a rank's status: hex SHA-256, then its error (utf-8)
+
+
+def _exchange(pipe: Pipeline, digest: str, error: str) -> list[tuple[str, str]]:
+    """Every rank's (sha256, error) -- plain bytes over an all_gather, no pickle."""
+    msg = torch.zeros(_HASH + _TEXT, dtype=torch.uint8)
+    msg[: len(digest)] = torch.tensor(list(digest.encode()), dtype=torch.uint8)
+    text = error.encode()[:_TEXT]
+    if text:
+        msg[_HASH : _HASH + len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    dev = pipe.device if pipe.transport == "nccl" else torch.device("cpu")
+    parts = [torch.empty_like(msg, device=dev) for _ in range(pipe.layout.world)]
+    dist.all_gather(parts, msg.to(dev))
+    out = []
+    for p in parts:
+        b = bytes(p.cpu().tolist())
+        out.append((b[:_HASH].rstrip(b"\0").decode(), b[_HASH:].rstrip(b"\0").decode(errors="replace")))
+    return out
+
+
+def _raise_first(statuses: list[tuple[str, str]], what: str) -> None:
+    bad = [(r, err) for r, (_, err) in enumerate(statuses) if err]
+    if bad:
+        r, err = bad[0]
+        more = f" (ranks {[b[0] for b in bad]} failed)" if len(bad) > 1 else ""
+        raise CheckpointError(f"{what} failed on rank {r}{more}: {err}")
+
+
+def _layout(pipe: Pipeline) -> dict[str, Any]:
+    lay = pipe.layout
+    return {"world": lay.world, "stages": lay.stages, "replicas": lay.replicas, "schedule": pipe.spec.name}
+
+
+def _body_sha256(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def save_dir(pipe: Pipeline, path: str | os.PathLike[str]) -> None:
+    """Collective: every rank writes its state into directory ``path``; rank 0 commits."""
+    path = os.fspath(path)
+    lay = pipe.layout
+    # one fresh name suffix for the whole checkpoint, never from torch's RNG (part of the state)
+    dev = pipe.device if pipe.transport == "nccl" else torch.device("cpu")
+    nonce = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=dev)
+    dist.broadcast(nonce, 0)
+    name = f"rank{lay.rank:05d}-{int(nonce.item()):016x}.safetensors"
+    target = os.path.join(path, name)
+    digest, error = "", ""
+    try:
+        os.makedirs(path, exist_ok=True)
+        write_state(pipe.state_dict(), target)
+        digest = file_sha256(target)
+    except Exception as exc:  # reported to every rank below
+        error = f"{type(exc).__name__}: {exc}"
+    statuses = _exchange(pipe, digest, error)
+    try:
+        _raise_first(statuses, f"saving checkpoint {path!r}")
+    except CheckpointError:
+        if os.path.exists(target):
+            os.remove(target)  # a fresh name: the previous manifest never named it
+        raise
+    error = ""
+    if lay.rank == 0:
+        try:
+            _commit(pipe, path, nonce_name=name.split("-", 1)[1], statuses=statuses)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    _raise_first(_exchange(pipe, "", error), f"committing checkpoint {path!r}")
+
+
+def _commit(pipe: Pipeline, path: str, nonce_name: str, statuses: list[tuple[str, str]]) -> None:
+    """Rank 0: write the manifest atomically, then delete rank files it does not name."""
+    S = pipe.layout.stages
+    ranks = [
+        {"rank": r, "stage": r % S, "replica": r // S, "file": f"rank{r:05d}-{nonce_name}", "sha256": h}
+        for r, (h, _) in enumerate(statuses)
+    ]
+    body = {"format": DIR_FORMAT, "layout": _layout(pipe), "steps": pipe.steps, "ranks": ranks}
+    manifest = os.path.join(path, MANIFEST)
+    tmp = f"{manifest}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({**body, "sha256": _body_sha256(body)}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, manifest)
+    keep = {e["file"] for e in ranks}
+    for old in os.listdir(path):
+        if _RANK_FILE.match(old) and old not in keep:
+            os.remove(os.path.join(path, old))
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of checkpoint directory ``path``, checked; CheckpointError otherwise."""
+    manifest = os.path.join(os.fspath(path), MANIFEST)
+    try:
+        with open(manifest) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{manifest!r} does not exist: no complete checkpoint in {os.fspath(path)!r} "
+            "(a save that crashed before its manifest leaves none)"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {manifest!r}: {exc}") from exc
+    if not isinstance(data, dict) or data.get("format") != DIR_FORMAT:
+        got = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise CheckpointError(f"{manifest!r} has format {got!r}; this engine reads {DIR_FORMAT!r}")
+    body = {k: v for k, v in data.items() if k != "sha256"}
+    if _body_sha256(body) != data.get("sha256"):
+        raise CheckpointError(f"{manifest!r} is corrupted: it does not match its SHA-256 checksum")
+    return data
+
+
+def _read_own(pipe: Pipeline, path: str) -> dict[str, Any]:
+    """This rank's state from directory ``path`` (manifest, layout and hash checked)."""
+    man = read_manifest(path)
+    mine = _layout(pipe)
+    if man["layout"] != mine:
+        diff = "; ".join(
+            f"{k}: checkpoint {man['layout'].get(k)!r} vs this job {v!r}"
+            for k, v in mine.items()
+            if man["layout"].get(k) != v
+        )
+        raise CheckpointError(
+            f"checkpoint {path!r} was written by a different world layout ({diff}); load it "
+            "with the same number of processes, stages and data_parallel replicas"
+        )
+    r = pipe.layout.rank
+    entry = man["ranks"][r]
+    file = os.path.join(path, entry["file"])
+    if not os.path.exists(file):
+        raise CheckpointError(f"rank {r}'s file {file!r}, named by the manifest, is missing")
+    if file_sha256(file) != entry["sha256"]:
+        raise CheckpointError(f"rank {r}'s file {file!r} is corrupted: its SHA-256 differs from the manifest's")
+    pipe.require_flushed("engine.load")
+    return read_state(file)
+
+
+def load_dir(pipe: Pipeline, path: str | os.PathLike[str], override_hyperparameters: bool = False) -> None:
+    """Collective: every rank loads its file from directory ``path``, or none does."""
+    from engine.runtime.state import _check, load_pipeline_state_dict
+
+    path = os.fspath(path)
+    state: dict[str, Any] | None = None
+    error = ""
+    try:
+        state = _read_own(pipe, path)
+        _check(pipe, state, override_hyperparameters)
+    except Exception as exc:  # reported to every rank below
+        error = f"{type(exc).__name__}: {exc}"
+    _raise_first(_exchange(pipe, "", error), f"loading checkpoint {path!r}")
+    assert state is not None
+    load_pipeline_state_dict(pipe, state, override_hyperparameters)
+
+
+def save(pipe: Any, path: str | os.PathLike[str]) -> None:
+    """Write ``pipe``'s state to ``path``, atomically: one safetensors + JSON file (single
+    process), or under gloo/NCCL (every rank calls it) a directory of one file per rank and a
+    manifest rank 0 writes last."""
+    if pipe.config.distributed:
+        save_dir(pipe, path)
+    else:
+        serialization.save(pipe, path)
+
+
+def load(pipe: Any, path: str | os.PathLike[str], *, override_hyperparameters: bool = False) -> None:
+    """Load what ``save`` wrote into a flushed pipeline of the same configuration; never
+    unpickles. Errors (CheckpointError) leave the pipeline unchanged -- under gloo/NCCL on
+    every rank, each naming the first rank that failed. ``override_hyperparameters``: see
+    :func:`engine.serialization.load`."""
+    if pipe.config.distributed:
+        load_dir(pipe, path, override_hyperparameters)
+    else:
+        serialization.load(pipe, path, override_hyperparameters=override_hyperparameters)
