@@ -1044,3 +1044,51 @@ def spawn(
         path = os.path.join(outdir, f"rank{r}.pt")
         out.append(torch.load(path, weights_only=False) if os.path.exists(path) else {})
     return out
+
+
+def phase_resume_inflight(rank: int, S: int, names: list[str], k: int, steps: int) -> dict[str, Any]:
+    """Each rank saves its unflushed stage at step k (pipe.state_dict() in memory), the run
+    continues; a fresh pipeline loads the state and runs the same steps: losses, weights and
+    optimizer state must be equal bit for bit (engine.runtime.inflight)."""
+    from engine import Pipeline
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return bool(torch.equal(a, b) or (a.isnan().all() and b.isnan().all()))
+
+    def tensors(pipe: Any) -> list[torch.Tensor]:
+        st = pipe.stages[0]
+        out = [t.detach().clone() for t in st.module.state_dict().values()]
+        for s in st.optimizer.state.values():
+            out += [v.clone() for v in s.values() if isinstance(v, torch.Tensor)]
+        return out
+
+    out: dict[str, Any] = {}
+    for name in names:
+        kw = configs(S)[name]
+        try:
+            def make(kw: dict[str, Any] = kw) -> Any:
+                return Pipeline(
+                    stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo",
+                    timeout=30, **kw,
+                )
+
+            a = make()
+            la = [a.step(*batch(t)).clone() for t in range(k)]
+            state = a.state_dict()
+            la += [a.step(*batch(t)).clone() for t in range(k, steps)]
+            a.flush()
+            b = make()
+            b.load_state_dict(state)
+            lb = [b.step(*batch(t)).clone() for t in range(k, steps)]
+            b.flush()
+            ta, tb = tensors(a), tensors(b)
+            out[name] = {
+                "in_flight": "in_flight" in state,
+                "losses_equal": all(same(x, y) for x, y in zip(la[k:], lb, strict=True)),
+                "state_equal": len(ta) == len(tb) and all(
+                    torch.equal(x, y) for x, y in zip(ta, tb, strict=True)
+                ),
+            }
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+    return out

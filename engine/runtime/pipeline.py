@@ -477,7 +477,8 @@ class Pipeline:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume bit-identically (requires a flushed pipeline)."""
+        """Everything needed to resume bit-identically; micro-batches in flight are saved and
+        rebuilt on load (engine.runtime.inflight says when that is possible)."""
         from engine.runtime.state import pipeline_state_dict
 
         return pipeline_state_dict(self)

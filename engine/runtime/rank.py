@@ -152,6 +152,9 @@ class RankExecutor(Executor):
         self.chain_sync = False
         #: ("act" | "grad", micro-batch) -> the tensor this rank sends at its SF/SB op
         self._outbox: dict[tuple[str, int], Any] = {}
+        #: ("act" | "grad", micro-batch) -> a message received before its RF/RB op: at a save
+        #: of the in-flight state (wire_state), or loaded with it
+        self._early: dict[tuple[str, int], Any] = {}
 
     # ------------------------------------------------------------------ running
 
@@ -178,12 +181,16 @@ class RankExecutor(Executor):
                 continue
             i = base + rel
             if op == RF:
-                self.acts[(s, i)] = (tp.recv("act", s, i, base + certain[pc]), None)
+                early = self._early.pop(("act", i), None) if self._early else None
+                self.acts[(s, i)] = (early if early is not None else tp.recv("act", s, i, base + certain[pc]), None)
                 got = releases.get(pc)
                 if got:
                     tp.release("grad", [base + m for m in got])
             elif op == RB:
-                self.grads[(s, i)] = (tp.recv("grad", s, i, base + certain[pc]), None)
+                if ("grad", i) in self._early:
+                    self.grads[(s, i)] = (self._early.pop(("grad", i)), None)
+                else:
+                    self.grads[(s, i)] = (tp.recv("grad", s, i, base + certain[pc]), None)
             elif op == SF:
                 tp.send("act", s, i, self._outbox.pop(("act", i)))
             elif op == SB:
@@ -220,6 +227,59 @@ class RankExecutor(Executor):
                     "it was dropped, which needs every stage in one process"
                 )
             self._outbox[("grad", i)] = gin  # None / []: no input leaf carries a gradient
+
+    # ------------------------------------------------------------------ saving in flight
+
+    def _in_transit(self, channel: str) -> list[int]:
+        """Micro-batches whose ``channel`` message the neighbour sent in this segment's steps
+        so far and this rank has not received (the schedule says: both run the same programs;
+        a message is received within a few steps of its send, 4S+4 is ample)."""
+        s = self.s
+        peer = s - 1 if channel == "act" else s + 1
+        if not 0 <= peer < self.S:
+            return []
+        send, recv = (SF, RF) if channel == "act" else (SB, RB)
+        sent: set[int] = set()
+        got: set[int] = set()
+        for jj in range(max(0, self.j - 4 * self.S - 4), self.j):
+            prog, base = self.compiler.step(jj), jj * self.M
+            sent.update(base + rel for op, rel in prog.stages[peer] if op == send)
+            got.update(base + rel for op, rel in prog.stages[s] if op == recv)
+        return sorted(sent - got)
+
+    def wire_state(self) -> dict[str, Any]:
+        """Messages at a step boundary, for the in-flight state (:mod:`~engine.runtime.inflight`;
+        every rank calls it at the same step): what the neighbours sent and this rank has not
+        received is received now and kept for its RF/RB op (the run does not change), this
+        rank's own sends are waited for (its neighbours receive them in their call), and the
+        outbox holds what it will send. A rank loading the result starts with those."""
+        tp = self.transport
+        for channel in ("act", "grad"):
+            for mb in self._in_transit(channel):
+                if (channel, mb) not in self._early:  # (an earlier save received it)
+                    value = tp.recv(channel, self.s, mb)
+                    if value is not None:  # None: no leaf carries a gradient, nothing travels
+                        self._early[(channel, mb)] = value
+        tp.wait_sends()
+        mail = [("received", self._early), ("outbox", self._outbox)]
+        out: dict[str, Any] = {}
+        for key, box in mail:
+            if any(not isinstance(v, Tensor) for v in box.values()):
+                raise PipelineInputError(
+                    f"a message {key} at stage {self.s} is not a tensor (tree-valued stages)"
+                )
+            out[key] = [
+                {"channel": c, "mb": mb, "value": v.detach().clone(), "grad": v.requires_grad}
+                for (c, mb), v in sorted(box.items())
+            ]
+        return out
+
+    def load_wire_state(self, state: dict[str, Any]) -> None:
+        """Undo :meth:`wire_state` in a fresh rank: early receives and the outbox."""
+        for key, box in (("received", self._early), ("outbox", self._outbox)):
+            box.clear()
+            for d in state[key]:
+                box[(d["channel"], d["mb"])] = d["value"].clone().requires_grad_(d["grad"])
 
     # ------------------------------------------------------------------ the step protocol
 

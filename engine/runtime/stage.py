@@ -235,16 +235,11 @@ class Stage:
             store.point(buf)  # kept through the backward and later forwards until settle()
         try:
             with store.use(buf) if buf != store.active else _NULL:
-                if self.recompute:
-                    out = torch.utils.checkpoint.checkpoint(
-                        self._recomputable(), xin, target, use_reentrant=False,
-                        preserve_rng_state=True,
-                    )
-                elif self._saved is not None:
+                if self._saved is not None and not self.recompute:
                     with self._saved.packing(buf):
                         out = self._run(xin, target)
                 else:
-                    out = self._run(xin, target)
+                    out = self._call(xin, target)
             if self.is_last:
                 loss = out
                 keep: Any = out * scale
@@ -256,7 +251,7 @@ class Stage:
         finally:
             if not ok and pin is not None:
                 store.release(pin, i)
-        self.stash.put(StashEntry(i, xin, keep, pin, t_f, scale, buf=buf))
+        self.stash.put(StashEntry(i, xin, keep, pin, t_f, scale, buf=buf, target=target))
         self.forwards += 1
         self._t_f[n] = t_f
         if self.trace:
@@ -267,6 +262,25 @@ class Stage:
         # passed on with its graph: the next stage detaches it (and a tensor's requires_grad
         # there says whether a gradient comes back), so one detach per hand-off
         return out, None
+
+    def _call(self, xin: Any, target: Any) -> Any:
+        """The stage function on ``xin``: under ``torch.utils.checkpoint`` when recomputing."""
+        if self.recompute:
+            return torch.utils.checkpoint.checkpoint(
+                self._recomputable(), xin, target, use_reentrant=False, preserve_rng_state=True
+            )
+        return self._run(xin, target)
+
+    def rebuild_forward(self, i: int, xin: Tensor, target: Any, pin: Any, t_f: int, scale: float) -> None:
+        """Re-run F(i) of a resumed in-flight micro-batch on the weight version it pinned
+        (restored with the store by :mod:`~engine.runtime.inflight`) and stash it as F(i)
+        did (its output, if still unread by the next stage, was saved with the mailboxes).
+        Only for policies whose forward pins its weights."""
+        buf = self.store.resolve(pin) if pin is not None else LIVE_BUFFER
+        with self.store.use(buf):
+            out = self._call(xin, target)
+        keep = out * scale if self.is_last else out
+        self.stash.put(StashEntry(i, xin, keep, pin, t_f, scale, buf=buf, target=target))
 
     def _recomputable(self) -> Callable[[Any, Any], Tensor]:
         """The stage function for ``torch.utils.checkpoint``: its first call is the forward;

@@ -29,6 +29,7 @@ class StashEntry:
     scale: float
     dropped: bool = False
     buf: int = -1  # the weight buffer the forward ran on (-1: live)
+    target: Any = None  # the last stage's target (a resumed pipeline re-runs the forward)
 
 
 class ActivationStash:

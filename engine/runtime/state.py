@@ -9,8 +9,9 @@ format only knows nested dicts of tensors.
 Under gloo/NCCL a process holds one stage, and its state dict holds that stage (each entry of
 ``stages`` names its ``index``); :mod:`engine.checkpoint_dir` writes one file per rank.
 
-Only a flushed pipeline has a well-defined state (no activations or gradients in flight), so
-both directions require one and say so otherwise.
+An unflushed asynchronous pipeline also saves its micro-batches in flight under
+``"in_flight"`` (:mod:`~engine.runtime.inflight`, rebuilt on load); a flushed one's state has
+no such key, so older checkpoints load unchanged. Loading needs a flushed (e.g. fresh) pipeline.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import Tensor
 
 from engine.errors import CheckpointError
+from engine.runtime import inflight
 
 if TYPE_CHECKING:
     from engine.runtime.pipeline import Pipeline
@@ -45,13 +47,15 @@ def _config(pipe: Pipeline) -> dict[str, Any]:
 def pipeline_state_dict(pipe: Pipeline) -> dict[str, Any]:
     """Everything needed to resume: per stage the module's tensors, optimizer and scheduler
     state, update count and runtime-owned state; plus counters and the torch RNG state."""
-    pipe.require_flushed("state_dict()")
+    in_flight = inflight.capture(pipe)  # None when flushed; raises when it cannot be rebuilt
     stages = []
     for st in pipe.stages:
         stages.append(
             {
                 "module": {k: v.detach().clone() for k, v in st.module.state_dict().items()},
-                "optimizer": st.optimizer.state_dict() if st.bridge is not None else None,
+                # cloned: torch's optimizer state_dict() returns the live tensors, which
+                # later steps would change under a state dict held in memory
+                "optimizer": _cloned(st.optimizer.state_dict()) if st.bridge is not None else None,
                 "optimizer_type": _type_name(st.optimizer) if st.bridge is not None else None,
                 "scheduler": st.scheduler.state_dict() if st.scheduler is not None else None,
                 "index": st.index,
@@ -65,7 +69,7 @@ def pipeline_state_dict(pipe: Pipeline) -> dict[str, Any]:
             }
         )
     ex = pipe._executor
-    return {
+    state = {
         "format": FORMAT,
         "config": _config(pipe),
         "steps": ex.steps,
@@ -74,6 +78,19 @@ def pipeline_state_dict(pipe: Pipeline) -> dict[str, Any]:
         "stages": stages,
         "rng": torch.get_rng_state(),
     }
+    if in_flight is not None:
+        state["in_flight"] = in_flight
+    return state
+
+
+def _cloned(obj: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _cloned(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cloned(v) for v in obj)
+    return obj
 
 
 def _type_name(obj: Any) -> str:
@@ -181,6 +198,8 @@ def _check(pipe: Pipeline, state: Any, override_hyperparameters: bool = False) -
     for key in ("steps", "skipped_steps"):  # a hand-made state dict: counts the run goes on from
         if not _count(state.get(key, 0 if key == "skipped_steps" else None)):
             raise _fail(f"{key}={state.get(key)!r} must be an int >= 0")
+    if "in_flight" in state:
+        inflight.check(pipe, state["in_flight"])
     rng = state.get("rng")
     if rng is not None and (not isinstance(rng, Tensor) or rng.dtype != torch.uint8):
         raise _fail("rng state must be a uint8 tensor")
@@ -216,5 +235,7 @@ def load_pipeline_state_dict(
     ex.n_base = int(state.get("microbatches", 0))
     ex.j = 0
     ex.active = False
+    if "in_flight" in state:
+        inflight.restore(pipe, state["in_flight"])
     if state.get("rng") is not None:
         torch.set_rng_state(state["rng"])

@@ -1,0 +1,295 @@
+"""In-flight state of an unflushed asynchronous pipeline: saved with its state dict, rebuilt
+on load, so that save at step k + load + continue equals the never-interrupted run bit for bit.
+
+Why a module of its own (:mod:`~engine.runtime.state` holds the flushed part): between two
+steps an asynchronous pipeline holds micro-batches in flight -- per stage the stashed
+forwards (input, pinned weight version, loss scale), the kept weight versions, the gradient
+accumulated for the current update group and its bookkeeping; in the executor the fed inputs
+not yet read, the activations and gradients in the mailboxes between stages and the segment
+counters. All of it is tensors plus JSON-able metadata, so it flows through ``engine.save``
+and any per-rank writer of state dicts.
+
+Why re-run the forwards rather than save activations: an autograd graph cannot be
+serialized, and the backward needs one. A forward in flight is re-run (CPU: bitwise the same
+graph and values) from its saved stage input
+
+* on the weight version it pinned (pipedream's stashing, 2bw, SpecTrain's reuse), restored
+  from the saved kept buffers;
+* on any weights when its stage recomputes (``checkpoint="always"``): the forward keeps only
+  its input and the backward re-runs it on the backward's weights;
+* on the live weights (or the saved transient) when no update has overwritten them since.
+
+Otherwise -- pb and its mitigations without recomputation, once an update overwrote the live
+weights a forward read (pb keeps no old versions: its point) -- the forward cannot be re-run,
+and ``capture`` raises naming the stage and micro-batch. So does a stage with an active
+``nn.Dropout`` (the re-run would draw other masks).
+
+Under gloo/NCCL each rank saves its own stage, plus the messages on the wire
+(``RankExecutor.wire_state``): every rank must call ``state_dict()`` at the same step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from engine.errors import CheckpointError, NotFlushedError
+from engine.runtime import trees
+from engine.runtime.executor import _Input
+from engine.runtime.stage import DROPPED, Stage
+from engine.runtime.stash import StashEntry
+
+if TYPE_CHECKING:
+    from engine.runtime.pipeline import Pipeline
+
+__all__ = ["capture", "check", "restore"]
+
+
+def _refuse(pipe: Pipeline, why: str) -> NotFlushedError:
+    return NotFlushedError(
+        f"state_dict() of an unflushed {pipe.spec.describe()} pipeline: {why}; call "
+        "pipe.flush() first"
+    )
+
+
+def _mail(v: Any, where: str, pipe: Pipeline) -> dict[str, Any]:
+    if v is DROPPED:
+        return {"kind": "dropped"}
+    if v is None:
+        return {"kind": "none"}
+    if isinstance(v, Tensor):
+        return {"kind": "tensor", "value": v.detach().clone()}
+    raise _refuse(pipe, f"{where} is a {type(v).__name__}, not a tensor (tree-valued stages)")
+
+
+def _unmail(d: dict[str, Any], grad: bool = False) -> Any:
+    if d["kind"] != "tensor":
+        return DROPPED if d["kind"] == "dropped" else None
+    return d["value"].clone().requires_grad_(grad)  # an output's flag: a gradient comes back
+
+
+def _rebuildable(pipe: Pipeline, st: Stage, e: StashEntry) -> None:
+    """A forward can be re-run when it pinned its weights, when its stage recomputes (the
+    backward re-runs it on the backward's weights, whatever the forward read), or when no
+    update has overwritten the weights it read since."""
+    if e.dropped or e.pin is not None or st.recompute or e.t_f == st.updates:
+        return
+    raise _refuse(
+        pipe,
+        f"stage {st.index}'s forward of micro-batch {pipe._executor.n_base + e.i} read weight "
+        f"version {e.t_f}, which updates have overwritten since (policy {st.policy.name!r} "
+        "keeps no old versions to re-run it on); build the pipeline with "
+        "checkpoint='always' to save it unflushed",
+    )
+
+
+def _slots(store: Any) -> list[dict[str, Any]]:
+    """Kept versions, pinned transients (SpecTrain's reuse) and the transient's content."""
+    out = [
+        {
+            "slot": slot,
+            "version": entry["version"],
+            "flats": [f.clone() for f in store.flats(slot)],
+            "pins": sorted(entry["pins"]),
+            "held": bool(entry["held"]),
+        }
+        for slot, entry in sorted(store._slots.items())
+    ]
+    t = store._transient
+    if t is not None and t not in store._slots and store._transient_key is not None:
+        out.append({"slot": t, "version": None, "flats": [f.clone() for f in store.flats(t)],
+                    "pins": None, "held": False, "key": store._transient_key})
+    return out
+
+
+def _stage_state(pipe: Pipeline, st: Stage) -> dict[str, Any]:
+    for name, m in st.module.named_modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0:
+            raise _refuse(pipe, f"stage {st.index}'s {name or 'module'} is an active dropout")
+    store = st.store
+    stash = []
+    for e in sorted(st.stash.entries(), key=lambda e: e.i):
+        _rebuildable(pipe, st, e)
+        if not e.dropped and not isinstance(e.x, Tensor):
+            raise _refuse(pipe, f"stage {st.index}'s input of micro-batch {e.i} is not a tensor")
+        stash.append({
+            "i": e.i,
+            "x": None if e.dropped else e.x.detach().clone(),
+            "x_grad": bool(not e.dropped and e.x.requires_grad),
+            "target": e.target.detach().clone() if isinstance(e.target, Tensor) else None,
+            "pin": list(e.pin) if e.pin is not None else None,
+            "t_f": e.t_f,
+            "scale": e.scale,
+            "dropped": e.dropped,
+        })
+    if any(not e["dropped"] and st.is_last and e["target"] is None for e in stash):
+        raise _refuse(pipe, f"stage {st.index}: a target in flight is not a tensor")
+    return {
+        "index": st.index,
+        "policy": st.policy.name,
+        "forwards": st.forwards,
+        "segment_updates": st.segment_updates,
+        "pending": st.pending,
+        "pending_weight": st.pending_weight,
+        "pending_mbs": list(st.pending_mbs),
+        "t_f": [[n, t] for n, t in st._t_f.items()],
+        "grads": [g.clone() for g in store.grad_flats()],
+        "used": list(store._used),
+        "slots": _slots(store),
+        "transient": store._transient,
+        "live_pins": sorted(store._live_pins),
+        "held": store._held,
+        "stash": stash,
+    }
+
+
+def capture(pipe: Pipeline) -> dict[str, Any] | None:
+    """The in-flight state of ``pipe`` (None when flushed); changes nothing. Raises
+    NotFlushedError naming why when it cannot be rebuilt on load (module docstring)."""
+    ex = pipe._executor
+    if ex.in_flight() == 0 and not (pipe.config.distributed and ex.active):
+        return None  # (a rank with nothing in flight may still have messages on the wire)
+    if ex.tail is not None:
+        raise _refuse(pipe, "a step was interrupted and the rest of its program is pending")
+    stages = [_stage_state(pipe, st) for st in pipe.stages]
+    wire = ex.wire_state() if pipe.config.distributed else None  # messages between ranks
+    return {
+        "wire": wire,
+        "n_base": ex.n_base,
+        "j": ex.j,
+        "inputs": [
+            {"i": i, "x": _copy(inp.x), "target": _copy(inp.target), "samples": inp.samples,
+             "readers": inp.readers}
+            for i, inp in sorted(ex.inputs.items())
+        ],
+        "acts": [
+            {"s": s, "i": i, "grad": bool(getattr(v[0], "requires_grad", False)),
+             **_mail(v[0], f"the activation for stage {s} of micro-batch {i}", pipe)}
+            for (s, i), v in sorted(ex.acts.items())
+        ],
+        "grads": [
+            {"s": s, "i": i, **_mail(v[0], f"the gradient for stage {s} of micro-batch {i}", pipe)}
+            for (s, i), v in sorted(ex.grads.items())
+        ],
+        "stages": stages,
+    }
+
+
+def _copy(tree: Any) -> Any:
+    """A copy of the caller's tensors: the state must not change if the caller's do."""
+    return trees.map_tensors(lambda t: t.detach().clone(), tree) if tree is not None else None
+
+
+def _fail(msg: str) -> CheckpointError:
+    return CheckpointError(f"in-flight state: {msg} -- nothing was loaded")
+
+
+def _same(theirs: list[Any], ours: list[Tensor], what: str) -> None:
+    if len(theirs) != len(ours) or any(
+        not isinstance(a, Tensor) or a.shape != b.shape or a.dtype != b.dtype
+        for a, b in zip(theirs, ours, strict=False)
+    ):
+        raise _fail(f"{what} do not match the pipeline's buffers")
+
+
+def check(pipe: Pipeline, state: Any) -> None:
+    """Validate in-flight ``state`` against ``pipe`` before anything changes."""
+    if not isinstance(state, dict) or not isinstance(state.get("stages"), list):
+        raise _fail("not an in-flight state dict")
+    if (state.get("wire") is not None) != pipe.config.distributed:
+        raise _fail("saved by a pipeline of another transport (messages between ranks)")
+    stages = state["stages"]
+    if [sd.get("index") for sd in stages] != [st.index for st in pipe.stages]:
+        raise _fail(
+            f"saved for stages {[sd.get('index') for sd in stages]}, this pipeline holds "
+            f"{[st.index for st in pipe.stages]}"
+        )
+    for st, sd in zip(pipe.stages, stages, strict=True):
+        where = f"stage {st.index}"
+        if sd.get("policy") != st.policy.name:
+            raise _fail(f"{where}: weight policy {sd.get('policy')!r} saved, {st.policy.name!r} here")
+        _same(sd.get("grads", []), st.store.grad_flats(), f"{where}: pending gradients")
+        for v in sd.get("slots", []):
+            _same(v.get("flats", []), st.store.live_flats(), f"{where}: weight buffer {v.get('slot')}")
+        for e in sd.get("stash", []):
+            if not e["dropped"] and not isinstance(e.get("x"), Tensor):
+                raise _fail(f"{where}: micro-batch {e.get('i')} has no saved input")
+
+
+def _restore_store(st: Stage, sd: dict[str, Any]) -> dict[int, int]:
+    """Kept buffers into fresh arena slots; returns saved slot id -> new slot id."""
+    store = st.store
+    moved: dict[int, int] = {}
+    with torch.no_grad():
+        for g, saved in zip(store.grad_flats(), sd["grads"], strict=True):
+            g.copy_(saved)
+        store._used[:] = bytes(sd["used"])
+        for v in sd["slots"]:
+            slot = store.arena.new_slot()
+            moved[v["slot"]] = slot
+            for dst, src in zip(store.flats(slot), v["flats"], strict=True):
+                dst.copy_(src)
+            if v["pins"] is None:  # the transient, holding a prediction or correction
+                store._transient_key = v["key"]
+                continue
+            store._slots[slot] = {"version": v["version"], "pins": set(v["pins"]), "held": v["held"]}
+            if v["version"] is not None:
+                store._by_version[v["version"]] = slot
+    if sd["transient"] is not None and sd["transient"] in moved:
+        store._transient = moved[sd["transient"]]
+    store._live_pins = set(sd["live_pins"])
+    store._held = sd["held"]
+    store._count()
+    return moved
+
+
+def restore(pipe: Pipeline, state: dict[str, Any]) -> None:
+    """Rebuild the in-flight state (``check``-ed) into ``pipe``, whose flushed state was just
+    loaded: kept versions and pending gradients, then every stashed forward re-run on its
+    pinned version, then the executor's mailboxes and counters. Module buffers a forward
+    updates (BatchNorm statistics) are put back afterwards; the caller restores the RNG."""
+    ex = pipe._executor
+    for st, sd in zip(pipe.stages, state["stages"], strict=True):
+        moved = _restore_store(st, sd)
+        _rebuild(st, sd, moved, int(state["n_base"]))
+    ex.n_base = int(state["n_base"])
+    ex.j = int(state["j"])
+    ex.active = True
+    ex.inputs = {
+        d["i"]: _Input(d["x"], d["target"], d["samples"], d["readers"]) for d in state["inputs"]
+    }
+    ex.acts = {(d["s"], d["i"]): (_unmail(d, d["grad"]), None) for d in state["acts"]}
+    ex.grads = {(d["s"], d["i"]): (_unmail(d), None) for d in state["grads"]}
+    if state.get("wire") is not None:
+        ex.load_wire_state(state["wire"])
+
+
+def _rebuild(st: Stage, sd: dict[str, Any], moved: dict[int, int], n_base: int) -> None:
+    """Re-run the stage's stashed forwards (``_rebuildable`` says which path) and restore
+    its counters; module buffers a forward updates (BatchNorm statistics) are put back."""
+    kept = [b.clone() for b in st.module.buffers()]
+    with torch.enable_grad():
+        for e in sd["stash"]:
+            pin = None
+            if e["pin"] is not None:
+                kind, key = e["pin"]
+                pin = (kind, moved[key] if kind == "t" else key)
+            if e["dropped"]:
+                st.stash.put(StashEntry(e["i"], None, None, pin, e["t_f"], e["scale"], dropped=True))
+                continue
+            xin = e["x"].clone().requires_grad_(e["x_grad"])
+            if pin is not None or st.recompute:
+                st.rebuild_forward(e["i"], xin, e["target"], pin, e["t_f"], e["scale"])
+            else:  # nothing overwrote the weights it read: the forward itself, as it ran
+                st.forward(e["i"], n_base + e["i"], xin, e["target"], e["scale"])
+    st.settle()
+    for b, k in zip(st.module.buffers(), kept, strict=True):
+        b.data.copy_(k)  # through .data: the rebuilt graphs saved them at this version
+    st.forwards = sd["forwards"]
+    st.segment_updates = sd["segment_updates"]
+    st.pending = sd["pending"]
+    st.pending_weight = float(sd["pending_weight"])
+    st.pending_mbs = list(sd["pending_mbs"])
+    st._t_f = {int(n): int(t) for n, t in sd["t_f"]}

@@ -1,0 +1,27 @@
+"""Resume without a flush under gloo: each rank saves and loads its own stage's in-flight
+state (including the messages on the wire between ranks); S=2, a few representative cases."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from distributed_support import spawn
+
+NAMES = ["pipedream", "2bw", "pb-k2", "pb-spectrain-reuse"]
+
+
+@pytest.fixture(scope="module")
+def two() -> list[dict[str, Any]]:
+    return spawn(2, [("resume_inflight", dict(S=2, names=NAMES, k=3, steps=6))])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_gloo_resume_unflushed_is_bitwise(two: list[dict[str, Any]], name: str) -> None:
+    for rank, res in enumerate(two):
+        assert "fatal" not in res, res.get("fatal")
+        r = res["resume_inflight"][name]
+        assert "error" not in r, f"rank {rank}: {r.get('error')}"
+        assert r["in_flight"], f"rank {rank}: nothing was in flight at the save"
+        assert r["losses_equal"] and r["state_equal"], (rank, r)
