@@ -1046,10 +1046,16 @@ def spawn(
     return out
 
 
-def phase_resume_inflight(rank: int, S: int, names: list[str], k: int, steps: int) -> dict[str, Any]:
-    """Each rank saves its unflushed stage at step k (pipe.state_dict() in memory), the run
-    continues; a fresh pipeline loads the state and runs the same steps: losses, weights and
-    optimizer state must be equal bit for bit (engine.runtime.inflight)."""
+def phase_resume_inflight(
+    rank: int, S: int, names: list[str], k: int, steps: int, root: str | None = None,
+    dir_names: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """Each rank saves its unflushed stage at step k (pipe.state_dict() in memory, or for
+    ``dir_names`` engine.save into a checkpoint directory under ``root``), the run continues;
+    a fresh pipeline loads the state and runs the same steps: losses, weights and optimizer
+    state must be equal bit for bit (engine.runtime.inflight)."""
+    import engine
+    import engine.checkpoint_dir
     from engine import Pipeline
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -1074,16 +1080,28 @@ def phase_resume_inflight(rank: int, S: int, names: list[str], k: int, steps: in
 
             a = make()
             la = [a.step(*batch(t)).clone() for t in range(k)]
-            state = a.state_dict()
+            if name in dir_names:
+                assert root is not None
+                path = os.path.join(root, name)
+                engine.save(a, path)
+                state = engine.checkpoint_dir.read_state(
+                    os.path.join(path, engine.checkpoint_dir.read_manifest(path)["ranks"][rank]["file"])
+                )
+            else:
+                state = a.state_dict()
             la += [a.step(*batch(t)).clone() for t in range(k, steps)]
             a.flush()
             b = make()
-            b.load_state_dict(state)
+            if name in dir_names:
+                engine.load(b, path)
+            else:
+                b.load_state_dict(state)
             lb = [b.step(*batch(t)).clone() for t in range(k, steps)]
             b.flush()
             ta, tb = tensors(a), tensors(b)
             out[name] = {
                 "in_flight": "in_flight" in state,
+                "in_flight_in_file": name in dir_names and "in_flight" in state,
                 "losses_equal": all(same(x, y) for x, y in zip(la[k:], lb, strict=True)),
                 "state_equal": len(ta) == len(tb) and all(
                     torch.equal(x, y) for x, y in zip(ta, tb, strict=True)

@@ -1,5 +1,6 @@
 """Resume without a flush under gloo: each rank saves and loads its own stage's in-flight
-state (including the messages on the wire between ranks); S=2, a few representative cases."""
+state (including the messages on the wire between ranks); S=2, a few representative cases,
+two of them through engine.save/engine.load's checkpoint directory."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import pytest
 from distributed_support import spawn
 
 NAMES = ["pipedream", "2bw", "pb-k2", "pb-spectrain-reuse"]
+THROUGH_DIRECTORY = ("2bw", "pb-k2")
 
 
 @pytest.fixture(scope="module")
-def two() -> list[dict[str, Any]]:
-    return spawn(2, [("resume_inflight", dict(S=2, names=NAMES, k=3, steps=6))])
+def two(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    root = str(tmp_path_factory.mktemp("inflight"))
+    kw = dict(S=2, names=NAMES, k=3, steps=6, root=root, dir_names=THROUGH_DIRECTORY)
+    return spawn(2, [("resume_inflight", kw)])
 
 
 @pytest.mark.slow
@@ -24,4 +28,6 @@ def test_gloo_resume_unflushed_is_bitwise(two: list[dict[str, Any]], name: str) 
         r = res["resume_inflight"][name]
         assert "error" not in r, f"rank {rank}: {r.get('error')}"
         assert r["in_flight"], f"rank {rank}: nothing was in flight at the save"
+        if name in THROUGH_DIRECTORY:  # the state the directory holds, not one in memory
+            assert r["in_flight_in_file"], (rank, r)
         assert r["losses_equal"] and r["state_equal"], (rank, r)
