@@ -122,3 +122,23 @@ def test_task_lm_refuses_a_dataset(capsys) -> None:
     code = main(["train", "--task", "lm", "--dataset", "wine", "--no-progress"])
     assert code == 2
     assert "--dataset wine applies to --task classify" in capsys.readouterr().err
+
+
+def test_task_defaults_leave_the_digits_job_unchanged() -> None:
+    import argparse
+
+    from engine.cli import compare, train
+    from engine.cli.config import config_from_args
+
+    for add in (train.add_arguments, compare.add_arguments):
+        p = argparse.ArgumentParser()
+        add(p)
+        digits = config_from_args(p.parse_args([]))
+        assert (digits.task, digits.layers, digits.width, digits.lr) == ("classify", 16, 64, 0.03)
+        lm = config_from_args(p.parse_args(["--task", "lm", "--width", "48"]))
+        assert (lm.layers, lm.width, lm.lr) == (4, 48, 0.3)  # the command line wins
+    p = argparse.ArgumentParser()
+    train.add_arguments(p)
+    assert config_from_args(p.parse_args([])).stages == 8
+    assert config_from_args(p.parse_args(["--task", "lm"])).stages == 4
+    assert config_from_args(p.parse_args(["--no-scaling"])).ref_batch is None
