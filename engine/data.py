@@ -15,7 +15,13 @@ do, so they are not used).
   which is why the harder choice is a seeded generator.
 * ``breast_cancer``, ``wine``, ``iris``: the other bundled sklearn tables, for quick checks.
 
-Every dataset is split once into train/test with a fixed seed (stratified) and standardised
+* ``lm`` (``--task lm``): next-character prediction on the generated corpus of
+  ``engine.corpus`` (120,000 ASCII bytes, 29 symbols, sha256-checked by the tests), cut into
+  non-overlapping windows of ``LM_CONTEXT`` + 1 characters; x is a window's first
+  ``LM_CONTEXT`` characters and y the same shifted by one. The last 10% of the windows are the
+  test set (a contiguous tail, not a shuffle, so no test text overlaps training text).
+
+Every classification dataset is split once into train/test with a fixed seed (stratified) and standardised
 with the *training* mean and standard deviation (per feature; digits' pixels share one
 unit and one std). :func:`epoch_order` gives the shuffled order
 of an epoch as a pure function of (seed, epoch), so a run resumed at an epoch boundary sees
@@ -33,7 +39,18 @@ if TYPE_CHECKING:  # numpy and torch load on first use: `python -m engine --help
     import torch
     from torch import Tensor
 
-__all__ = ["DATASETS", "Dataset", "load_dataset", "epoch_order", "DatasetError"]
+__all__ = [
+    "DATASETS",
+    "Dataset",
+    "load_dataset",
+    "load_lm_dataset",
+    "LM_CONTEXT",
+    "epoch_order",
+    "DatasetError",
+]
+
+#: characters per language-model sample (the model's context)
+LM_CONTEXT = 32
 
 
 class DatasetError(ValueError):
@@ -166,6 +183,33 @@ def load_dataset(name: str, *, test_fraction: float = 0.2, split_seed: int = 0) 
         torch.tensor(y[test]),
         int(y.max()) + 1,
         description,
+    )
+
+
+def load_lm_dataset(context: int = LM_CONTEXT, *, test_fraction: float = 0.1) -> Dataset:
+    """The corpus as (window, next-character window) pairs of token ids, split by position."""
+    if context < 1:
+        raise DatasetError(f"context={context} must be >= 1")
+    if not 0.0 < test_fraction < 1.0:
+        raise DatasetError(f"test_fraction={test_fraction!r} must lie strictly between 0 and 1")
+    import torch
+
+    from engine.corpus import ALPHABET, CORPUS_SEED, encode, generate_corpus
+
+    ids = torch.tensor(encode(generate_corpus()), dtype=torch.int64)
+    n = len(ids) // (context + 1)
+    windows = ids[: n * (context + 1)].view(n, context + 1)
+    n_test = max(1, int(round(n * test_fraction)))
+    x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    return Dataset(
+        "lm",
+        x[:-n_test],
+        y[:-n_test],
+        x[-n_test:],
+        y[-n_test:],
+        len(ALPHABET),
+        f"generated corpus (engine/corpus.py, seed {CORPUS_SEED}): {len(ids):,} characters, "
+        f"{len(ALPHABET)} symbols, windows of {context}",
     )
 
 

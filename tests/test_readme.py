@@ -37,7 +37,7 @@ def test_readme_starts_with_the_two_commands() -> None:
 
 
 def test_training_snippet_runs(tmp_path, monkeypatch) -> None:
-    (snippet,) = [b for b in _blocks("python") if "engine.Pipeline(" in b]
+    (snippet,) = [b for b in _blocks("python") if "engine.Pipeline(" in b and "Embedding" not in b]
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
     scope = {"x": torch.randn(16, 64), "y": torch.randint(0, 10, (16,))}
@@ -65,3 +65,23 @@ def test_handwritten_schedule_equals_builtin() -> None:
 
     for a, b in zip(run(program), run(family), strict=True):
         assert torch.equal(a, b)
+
+
+def test_transformer_snippet_keeps_the_tie_and_equals_the_unpipelined_model(capsys) -> None:
+    (snippet,) = [b for b in _blocks("python") if "engine.Pipeline(" in b and "Embedding" in b]
+    torch.manual_seed(0)
+    scope: dict = {}
+    exec(compile(snippet, "README.md", "exec"), scope)
+    pipe = scope["pipe"]
+    assert torch.isfinite(scope["loss"])
+    assert "holders=[(0, 'tok.weight'), (3, 'weight')]" in capsys.readouterr().out
+    assert pipe.ties and pipe.ties[0].stages == [0, 3]
+    embed, head = pipe.stages[0].module.tok.weight, pipe.stages[3].module.weight
+    assert embed is not head and torch.equal(embed, head)  # one update, two equal copies
+    x = scope["tokens"][:, :-1]
+    h = x
+    for st in pipe.stages:  # the unpipelined model: the same modules, called in sequence
+        st.module.eval()
+        h = st.module(*h) if isinstance(h, tuple) else st.module(h)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.evaluate(x, chunks=1), h, rtol=1e-5, atol=1e-5)

@@ -106,8 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--stages",
-        default="8",
-        help="pipeline depth S, or a comma list for a depth sweep, e.g. 4,8,16 (default 8)",
+        default=None,
+        help="pipeline depth S, or a comma list for a depth sweep, e.g. 4,8,16 (default 8; lm: 4)",
     )
     p.add_argument(
         "--chunks",
@@ -306,7 +306,9 @@ def write_report(
         "",
         f"Wall time: {wall:.0f} s. Machine: {machine_line()}.",
         "",
-        f"Data: {base.dataset}. Model: residual MLP, {base.layers} layers, width {base.width}, "
+        f"Data: {base.data_name}. Model: "
+        + ("GPT-style decoder" if base.task == "lm" else "residual MLP")
+        + f", {base.layers} layers, width {base.width}, "
         f"split evenly into S = {', '.join(map(str, depths))} stages; {base.batch_size} sample(s) per micro-batch; "
         f"{base.epochs} epochs; seed {base.seed}; activation recomputation `{base.checkpoint}`.",
         "",
@@ -354,11 +356,11 @@ def write_summary(path: Path, rows: list[dict[str, Any]]) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from engine.cli.config import check_config, config_from_args
+    from engine.cli.config import TASK_DEFAULTS, check_config, config_from_args
 
     t_start = time.perf_counter()
     methods = _parse_methods(args.methods)
-    depths = _parse_stages(args.stages)
+    depths = _parse_stages(args.stages or str(TASK_DEFAULTS[args.task]["stages"]))
     if args.chunks is not None and args.chunks < 1:
         raise CLIError(f"--chunks {args.chunks} must be >= 1")
     if args.update_size < 1:
@@ -411,12 +413,12 @@ def run(args: argparse.Namespace) -> int:
         plot_curves(
             results,
             p,
-            f"{base.dataset}: S={S} stages, {base.layers} layers, {base.batch_size} sample/micro-batch",
+            f"{base.data_name}: S={S} stages, {base.layers} layers, {base.batch_size} sample/micro-batch",
         )
         images.append(p)
     if len(depths) > 1:
         p = out / "depth.png"
-        plot_depth(rows, p, f"{base.dataset}: accuracy and loss vs pipeline depth")
+        plot_depth(rows, p, f"{base.data_name}: accuracy and loss vs pipeline depth")
         images.append(p)
     scheds = [s for s in TIMELINE_SCHEDULES if any(m.schedule == s for m in methods)]
     images += render_timelines(out, depths[-1], args.chunks or depths[-1], scheds)

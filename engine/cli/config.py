@@ -17,6 +17,11 @@ synchronous SGD at B = 1 diverges on digits with it (measured). The default
 sample's total contribution fixed: it is the linear rule written for the dampened (EMA)
 momentum convention, translated to PyTorch's. ``--no-scaling`` uses --lr/--momentum as given.
 
+Tasks: ``--task classify`` (default) trains the residual MLP on ``--dataset``;
+``--task lm`` trains the GPT-style decoder of ``engine.models.gpt`` on the generated corpus
+(``engine.data.load_lm_dataset``). ``--layers``, ``--width``, ``--stages`` and ``--lr`` default
+per task (:data:`TASK_DEFAULTS`); an option given on the command line always wins.
+
 Only the standard library is imported at module level, so ``python -m engine --help`` stays fast.
 """
 
@@ -30,17 +35,35 @@ from engine.cli import CLIError
 from engine.schedule.catalog import SCHEDULES as _CATALOG
 from engine.schedule.catalog import SYNCHRONOUS
 
-__all__ = ["SCHEDULES", "PREDICTIONS", "TrainConfig", "config_from_args", "check_config"]
+__all__ = [
+    "SCHEDULES",
+    "PREDICTIONS",
+    "TASKS",
+    "TASK_DEFAULTS",
+    "TrainConfig",
+    "config_from_args",
+    "check_config",
+]
 
 #: every schedule family of the catalog (a new family is trainable from the command line)
 SCHEDULES: tuple[str, ...] = _CATALOG
 PREDICTIONS = ("lwp", "spectrain", "spectrain_reuse")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+TASKS = ("classify", "lm")
+SYNC_SCHEDULES = ("naive", "gpipe", "1f1b")
+
+#: per-task defaults of the options whose parser default is None (the command line wins)
+TASK_DEFAULTS: dict[str, dict[str, int | float]] = {
+    "classify": {"layers": 16, "width": 64, "stages": 8, "lr": 0.03},
+    "lm": {"layers": 4, "width": 32, "stages": 4, "lr": 0.3},
+}
 
 
 @dataclass
 class TrainConfig:
     """Everything that determines a training run (saved next to the checkpoint)."""
 
+    task: str = "classify"
     dataset: str = "digits"
     schedule: str = "pb"
     stages: int = 8
@@ -97,6 +120,11 @@ class TrainConfig:
             lr *= (1 - m) / (1 - self.momentum)
         return lr, m
 
+    @property
+    def data_name(self) -> str:
+        """What the run trains on: the dataset, or "lm" (the generated corpus)."""
+        return "lm" if self.task == "lm" else self.dataset
+
     def label(self) -> str:
         parts = [self.schedule]
         if self.spike_compensation:
@@ -113,7 +141,14 @@ class TrainConfig:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The TrainConfig of parsed options; other attributes (compare's own options) are ignored."""
     names = {f for f in TrainConfig.__dataclass_fields__}
-    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    per_task = TASK_DEFAULTS["classify"].keys()
+    given = {
+        k: v for k, v in vars(args).items() if k in names and not (v is None and k in per_task)
+    }
+    task = given.get("task", "classify")
+    if task not in TASK_DEFAULTS:
+        raise CLIError(f"unknown --task {task!r}; choose one of {', '.join(TASKS)}")
+    return TrainConfig(**{**TASK_DEFAULTS[task], **given})
 
 
 def check_config(cfg: TrainConfig) -> None:
@@ -121,6 +156,15 @@ def check_config(cfg: TrainConfig) -> None:
     from engine.data import DATASETS
     from engine.models import ModelError, even_balance
 
+    if cfg.task not in TASKS:
+        raise CLIError(f"unknown --task {cfg.task!r}; choose one of {', '.join(TASKS)}")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise CLIError(f"unknown --optimizer {cfg.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    if cfg.task == "lm" and cfg.dataset != "digits":
+        raise CLIError(
+            f"--dataset {cfg.dataset} applies to --task classify; --task lm trains on the "
+            "generated corpus (engine/corpus.py)"
+        )
     if cfg.dataset not in DATASETS:
         raise CLIError(f"unknown dataset {cfg.dataset!r}; choose one of {', '.join(DATASETS)}")
     if cfg.schedule not in SCHEDULES:

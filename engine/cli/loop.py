@@ -134,12 +134,16 @@ def build_pipeline(
     import torch
 
     import engine
-    from engine.models import even_balance, residual_mlp
-    from engine.partition import split_sequential
+    from engine.cli.config import SYNC_SCHEDULES
+    from engine.models import even_balance, gpt, residual_mlp, split_layers
 
     torch.manual_seed(cfg.seed)
-    seq = residual_mlp(num_features, num_classes, cfg.layers, cfg.width).to(cfg.device)
-    modules = split_sequential(seq, even_balance(cfg.layers, cfg.stages))
+    if cfg.task == "lm":  # asynchronous schedules refuse ties: their head gets its own copy
+        tie = cfg.schedule in SYNC_SCHEDULES
+        seq = gpt(num_classes, num_features, cfg.layers, cfg.width, tie=tie).to(cfg.device)
+    else:
+        seq = residual_mlp(num_features, num_classes, cfg.layers, cfg.width).to(cfg.device)
+    modules = split_layers(seq, even_balance(cfg.layers, cfg.stages))
     lr, momentum = cfg.effective_hparams()
     opt_kwargs: dict[str, Any] = {
         "spike_compensation": cfg.spike_compensation,
@@ -150,8 +154,9 @@ def build_pipeline(
     }
 
     def make_optimizer(params: list[Any]) -> torch.optim.Optimizer:
-        if cfg.optimizer == "adam":
-            return engine.optim.Adam(params, lr=lr, betas=(momentum, 0.999), **opt_kwargs)
+        if cfg.optimizer in ("adam", "adamw"):
+            cls = engine.optim.AdamW if cfg.optimizer == "adamw" else engine.optim.Adam
+            return cls(params, lr=lr, betas=(momentum, 0.999), **opt_kwargs)
         return engine.optim.SGD(params, lr=lr, momentum=momentum, **opt_kwargs)
 
     scheduler = None
@@ -189,6 +194,8 @@ def activation_bytes(modules: list[Any], x: Any) -> list[int]:
     """
     import torch
 
+    from engine.runtime.trees import call, map_tensors, tensors
+
     out = []
     h = x
     for m in modules:
@@ -202,12 +209,13 @@ def activation_bytes(modules: list[Any], x: Any) -> list[int]:
                 saved[t.data_ptr()] = t.numel() * t.element_size()
             return t
 
-        inp = h.detach().requires_grad_(True)
+        # a tensor or a tree such as (h, mask); integer leaves (token ids, masks) take no grad
+        inp = map_tensors(lambda t: t.detach().requires_grad_(t.is_floating_point()), h)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            h = m(inp)
-        saved.pop(inp.data_ptr(), None)
-        out.append(inp.numel() * inp.element_size() + sum(saved.values()))
-        h = h.detach()
+            h = call(m, inp)
+        for t in tensors(inp):
+            saved.pop(t.data_ptr(), None)
+        out.append(sum(t.numel() * t.element_size() for t in tensors(inp)) + sum(saved.values()))
     return out
 
 
@@ -215,13 +223,15 @@ def evaluate(modules: list[Any], x: Any, y: Any) -> tuple[float, float]:
     """(mean cross-entropy, accuracy) of the stages run in sequence on (x, y), no grad."""
     import torch
 
+    from engine.runtime.trees import call
+
     modes = [m.training for m in modules]
     try:
         with torch.no_grad():
             h = x
             for m in modules:
                 m.eval()
-                h = m(h)
+                h = call(m, h)
             loss = float(torch.nn.functional.cross_entropy(h, y))
             acc = float((h.argmax(dim=1) == y).float().mean())
     finally:
@@ -245,11 +255,11 @@ def train(
     from tqdm import tqdm
 
     import engine
-    from engine.data import epoch_order, load_dataset
+    from engine.data import epoch_order, load_dataset, load_lm_dataset
 
     check_config(cfg)
     torch.set_num_threads(cfg.threads)
-    data = load_dataset(cfg.dataset).to(cfg.device)
+    data = (load_lm_dataset() if cfg.task == "lm" else load_dataset(cfg.dataset)).to(cfg.device)
     steps_per_epoch = _steps_per_epoch(cfg, len(data.train_y))
     mbs_per_epoch = steps_per_epoch * cfg.chunks
     updates_per_epoch = max(1, mbs_per_epoch * cfg.batch_size // cfg.samples_per_update())

@@ -23,8 +23,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from engine.cli.config import (
+    OPTIMIZERS,
     PREDICTIONS,
     SCHEDULES,
+    TASK_DEFAULTS,
+    TASKS,
     TrainConfig,
     check_config,
     config_from_args,
@@ -58,18 +61,34 @@ def _positive(name: str) -> Callable[[str], int]:
     return parse
 
 
+def _per_task(option: str) -> str:
+    """The per-task default of ``option`` as help text: "16; lm: 6"."""
+    return "; ".join(
+        f"{v[option]}" if t == "classify" else f"{t}: {v[option]}" for t, v in TASK_DEFAULTS.items()
+    )
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Options shared by ``train`` and ``compare``: data, model, optimizer, run length."""
     from engine.data import DATASETS
 
     p.add_argument(
+        "--task",
+        choices=TASKS,
+        default="classify",
+        help="classify (default: residual MLP on --dataset) or lm (GPT-style decoder on the "
+        "generated character corpus, engine/corpus.py)",
+    )
+    p.add_argument(
         "--dataset", default="digits", help=f"one of {', '.join(DATASETS)} (default digits)"
     )
     p.add_argument(
-        "--layers", type=_positive("--layers"), default=16, help="model layers L (default 16)"
+        "--layers", type=_positive("--layers"), default=None,
+        help=f"model layers L (default {_per_task('layers')})",
     )
     p.add_argument(
-        "--width", type=_positive("--width"), default=64, help="hidden width (default 64)"
+        "--width", type=_positive("--width"), default=None,
+        help=f"hidden width (default {_per_task('width')})",
     )
     p.add_argument(
         "--batch-size",
@@ -77,7 +96,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="samples per micro-batch (default 1)",
     )
-    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument(
         "--checkpoint",
@@ -109,8 +128,8 @@ def add_hparam_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lr",
         type=float,
-        default=0.03,
-        help="learning rate for --ref-batch samples per update (default 0.03)",
+        default=None,
+        help=f"learning rate for --ref-batch samples per update (default {_per_task('lr')})",
     )
     p.add_argument(
         "--momentum",
@@ -145,7 +164,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--schedule", default="pb", help=f"one of {', '.join(SCHEDULES)} (default pb)")
     p.add_argument(
-        "--stages", type=_positive("--stages"), default=8, help="pipeline stages S (default 8)"
+        "--stages", type=_positive("--stages"), default=None,
+        help=f"pipeline stages S (default {_per_task('stages')})",
     )
     p.add_argument(
         "--chunks",
@@ -207,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     st = res.stats
     print(
-        f"{cfg.label()} on {cfg.dataset}: S={cfg.stages} M={cfg.chunks} B/update={cfg.samples_per_update()} "
+        f"{cfg.label()} on {cfg.data_name}: S={cfg.stages} M={cfg.chunks} B/update={cfg.samples_per_update()} "
         f"lr={lr:.4g} momentum={m:.4g} delays={st.get('delays')}"
     )
     print(
