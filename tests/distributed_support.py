@@ -1070,16 +1070,21 @@ def phase_resume_inflight(
 
     out: dict[str, Any] = {}
     for name in names:
-        kw = configs(S)[name]
+        tree = name.startswith("tree-")
+        kw = configs(S)[name.removeprefix("tree-")]
+        data = varlen_batch if tree else batch
         try:
-            def make(kw: dict[str, Any] = kw) -> Any:
+            def make(kw: dict[str, Any] = kw, tree: bool = tree) -> Any:
+                if tree:  # dict activations with a mask and a constant, random lengths
+                    return Pipeline(varlen_stages(S, tied=False), loss_fn=nn.functional.cross_entropy,
+                                    transport="gloo", timeout=30, **kw)
                 return Pipeline(
                     stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo",
                     timeout=30, **kw,
                 )
 
             a = make()
-            la = [a.step(*batch(t)).clone() for t in range(k)]
+            la = [a.step(*data(t)).clone() for t in range(k)]
             if name in dir_names:
                 assert root is not None
                 path = os.path.join(root, name)
@@ -1089,14 +1094,14 @@ def phase_resume_inflight(
                 )
             else:
                 state = a.state_dict()
-            la += [a.step(*batch(t)).clone() for t in range(k, steps)]
+            la += [a.step(*data(t)).clone() for t in range(k, steps)]
             a.flush()
             b = make()
             if name in dir_names:
                 engine.load(b, path)
             else:
                 b.load_state_dict(state)
-            lb = [b.step(*batch(t)).clone() for t in range(k, steps)]
+            lb = [b.step(*data(t)).clone() for t in range(k, steps)]
             b.flush()
             ta, tb = tensors(a), tensors(b)
             out[name] = {

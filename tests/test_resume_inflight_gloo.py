@@ -1,6 +1,7 @@
 """Resume without a flush under gloo: each rank saves and loads its own stage's in-flight
 state (including the messages on the wire between ranks); S=2, a few representative cases,
-two of them through engine.save/engine.load's checkpoint directory."""
+some through engine.save/engine.load's checkpoint directory, two with tree-valued stages
+(a dict with a mask and a constant between stages) and random sequence lengths."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from typing import Any
 import pytest
 from distributed_support import spawn
 
-NAMES = ["pipedream", "2bw", "pb-k2", "pb-spectrain-reuse"]
-THROUGH_DIRECTORY = ("2bw", "pb-k2")
+NAMES = ["pipedream", "2bw", "pb-k2", "pb-spectrain-reuse", "tree-pipedream", "tree-pb-k2"]
+THROUGH_DIRECTORY = ("2bw", "pb-k2", "tree-pb-k2")
 
 
 @pytest.fixture(scope="module")

@@ -54,20 +54,20 @@ def _refuse(pipe: Pipeline, why: str) -> NotFlushedError:
     )
 
 
-def _mail(v: Any, where: str, pipe: Pipeline) -> dict[str, Any]:
+def _mail(v: Any) -> dict[str, Any]:
+    """A mailbox value (a tensor or a tensor tree, DROPPED, or None) as saved state."""
     if v is DROPPED:
         return {"kind": "dropped"}
     if v is None:
         return {"kind": "none"}
-    if isinstance(v, Tensor):
-        return {"kind": "tensor", "value": v.detach().clone()}
-    raise _refuse(pipe, f"{where} is a {type(v).__name__}, not a tensor (tree-valued stages)")
+    value, flags = trees.detached_copy(v)
+    return {"kind": "value", "value": value, "grad": flags}
 
 
-def _unmail(d: dict[str, Any], grad: bool = False) -> Any:
-    if d["kind"] != "tensor":
+def _unmail(d: dict[str, Any]) -> Any:
+    if d["kind"] != "value":
         return DROPPED if d["kind"] == "dropped" else None
-    return d["value"].clone().requires_grad_(grad)  # an output's flag: a gradient comes back
+    return trees.with_grad_flags(d["value"], d["grad"])  # an output's flags: a gradient comes back
 
 
 def _rebuildable(pipe: Pipeline, st: Stage, e: StashEntry) -> None:
@@ -112,20 +112,17 @@ def _stage_state(pipe: Pipeline, st: Stage) -> dict[str, Any]:
     stash = []
     for e in sorted(st.stash.entries(), key=lambda e: e.i):
         _rebuildable(pipe, st, e)
-        if not e.dropped and not isinstance(e.x, Tensor):
-            raise _refuse(pipe, f"stage {st.index}'s input of micro-batch {e.i} is not a tensor")
+        x, flags = (None, []) if e.dropped else trees.detached_copy(e.x)
         stash.append({
             "i": e.i,
-            "x": None if e.dropped else e.x.detach().clone(),
-            "x_grad": bool(not e.dropped and e.x.requires_grad),
-            "target": e.target.detach().clone() if isinstance(e.target, Tensor) else None,
+            "x": x,
+            "x_grad": flags,
+            "target": _copy(e.target),
             "pin": list(e.pin) if e.pin is not None else None,
             "t_f": e.t_f,
             "scale": e.scale,
             "dropped": e.dropped,
         })
-    if any(not e["dropped"] and st.is_last and e["target"] is None for e in stash):
-        raise _refuse(pipe, f"stage {st.index}: a target in flight is not a tensor")
     return {
         "index": st.index,
         "policy": st.policy.name,
@@ -165,12 +162,12 @@ def capture(pipe: Pipeline) -> dict[str, Any] | None:
             for i, inp in sorted(ex.inputs.items())
         ],
         "acts": [
-            {"s": s, "i": i, "grad": bool(getattr(v[0], "requires_grad", False)),
-             **_mail(v[0], f"the activation for stage {s} of micro-batch {i}", pipe)}
+            {"s": s, "i": i,
+             **_mail(v[0])}
             for (s, i), v in sorted(ex.acts.items())
         ],
         "grads": [
-            {"s": s, "i": i, **_mail(v[0], f"the gradient for stage {s} of micro-batch {i}", pipe)}
+            {"s": s, "i": i, **_mail(v[0])}
             for (s, i), v in sorted(ex.grads.items())
         ],
         "stages": stages,
@@ -214,7 +211,7 @@ def check(pipe: Pipeline, state: Any) -> None:
         for v in sd.get("slots", []):
             _same(v.get("flats", []), st.store.live_flats(), f"{where}: weight buffer {v.get('slot')}")
         for e in sd.get("stash", []):
-            if not e["dropped"] and not isinstance(e.get("x"), Tensor):
+            if not e["dropped"] and not trees.tensors(e.get("x")):
                 raise _fail(f"{where}: micro-batch {e.get('i')} has no saved input")
 
 
@@ -260,7 +257,7 @@ def restore(pipe: Pipeline, state: dict[str, Any]) -> None:
     ex.inputs = {
         d["i"]: _Input(d["x"], d["target"], d["samples"], d["readers"]) for d in state["inputs"]
     }
-    ex.acts = {(d["s"], d["i"]): (_unmail(d, d["grad"]), None) for d in state["acts"]}
+    ex.acts = {(d["s"], d["i"]): (_unmail(d), None) for d in state["acts"]}
     ex.grads = {(d["s"], d["i"]): (_unmail(d), None) for d in state["grads"]}
     if state.get("wire") is not None:
         ex.load_wire_state(state["wire"])
@@ -279,7 +276,7 @@ def _rebuild(st: Stage, sd: dict[str, Any], moved: dict[int, int], n_base: int) 
             if e["dropped"]:
                 st.stash.put(StashEntry(e["i"], None, None, pin, e["t_f"], e["scale"], dropped=True))
                 continue
-            xin = e["x"].clone().requires_grad_(e["x_grad"])
+            xin = trees.with_grad_flags(e["x"], e["x_grad"])
             if pin is not None or st.recompute:
                 st.rebuild_forward(e["i"], xin, e["target"], pin, e["t_f"], e["scale"])
             else:  # nothing overwrote the weights it read: the forward itself, as it ran

@@ -264,14 +264,10 @@ class RankExecutor(Executor):
         mail = [("received", self._early), ("outbox", self._outbox)]
         out: dict[str, Any] = {}
         for key, box in mail:
-            if any(not isinstance(v, Tensor) for v in box.values()):
-                raise PipelineInputError(
-                    f"a message {key} at stage {self.s} is not a tensor (tree-valued stages)"
-                )
-            out[key] = [
-                {"channel": c, "mb": mb, "value": v.detach().clone(), "grad": v.requires_grad}
-                for (c, mb), v in sorted(box.items())
-            ]
+            out[key] = []
+            for (c, mb), v in sorted(box.items()):
+                value, flags = trees.detached_copy(v)  # a tensor, or a tree of them
+                out[key].append({"channel": c, "mb": mb, "value": value, "grad": flags})
         return out
 
     def load_wire_state(self, state: dict[str, Any]) -> None:
@@ -279,7 +275,7 @@ class RankExecutor(Executor):
         for key, box in (("received", self._early), ("outbox", self._outbox)):
             box.clear()
             for d in state[key]:
-                box[(d["channel"], d["mb"])] = d["value"].clone().requires_grad_(d["grad"])
+                box[(d["channel"], d["mb"])] = trees.with_grad_flags(d["value"], d["grad"])
 
     # ------------------------------------------------------------------ the step protocol
 

@@ -240,13 +240,8 @@ class Stage:
                         out = self._run(xin, target)
                 else:
                     out = self._call(xin, target)
-            if self.is_last:
-                loss = out
-                keep: Any = out * scale
-            elif isinstance(out, Tensor):
-                keep = out
-            else:  # a tree: the backward needs only the leaves that require grad
-                keep = trees.grad_roots(out)
+            loss = out if self.is_last else None
+            keep = self._kept(out, scale)
             ok = True
         finally:
             if not ok and pin is not None:
@@ -279,8 +274,14 @@ class Stage:
         buf = self.store.resolve(pin) if pin is not None else LIVE_BUFFER
         with self.store.use(buf):
             out = self._call(xin, target)
-        keep = out * scale if self.is_last else out
-        self.stash.put(StashEntry(i, xin, keep, pin, t_f, scale, buf=buf, target=target))
+        self.stash.put(StashEntry(i, xin, self._kept(out, scale), pin, t_f, scale, buf=buf, target=target))
+
+    def _kept(self, out: Any, scale: float) -> Any:
+        """What the stash keeps of a forward's output for its backward: the scaled loss on
+        the last stage; else the output, or of a tree only the leaves that require grad."""
+        if self.is_last:
+            return out * scale
+        return out if isinstance(out, Tensor) else trees.grad_roots(out)
 
     def _recomputable(self) -> Callable[[Any, Any], Tensor]:
         """The stage function for ``torch.utils.checkpoint``: its first call is the forward;

@@ -183,6 +183,21 @@ def check_output(out: Any, who: str) -> str:
     return ""
 
 
+def detached_copy(tree: Any) -> tuple[Any, list[bool]]:
+    """(a copy of ``tree`` with detached tensor leaves, each leaf's requires_grad flag in
+    leaf order): what a saved state holds of a tree in flight (no graph, no aliasing)."""
+    return map_tensors(lambda t: t.detach().clone(), tree), [t.requires_grad for t in tensors(tree)]
+
+
+def with_grad_flags(tree: Any, flags: list[bool]) -> Any:
+    """Undo :func:`detached_copy`: fresh tensor leaves with the saved requires_grad flags."""
+    it = iter(flags)
+    out = map_tensors(lambda t: t.clone().requires_grad_(bool(next(it))), tree)
+    if next(it, None) is not None:
+        raise ValueError(f"{len(flags)} gradient flags for a tree of {len(tensors(tree))} tensors")
+    return out
+
+
 def stage_input(x: Any, grads: bool) -> Any:
     """A stage's own leaves for its input tree (the producer's output, graph attached):
     gradients land in them where ``grads`` and the producer's leaf requires grad."""
