@@ -118,3 +118,20 @@ def test_render_rows_are_ranks(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = render_timeline(interleaved(2, 2, 2), tmp_path / "i.png")
     assert Path(out).stat().st_size > 0
+
+
+def test_cli_prints_the_interleaved_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.__main__ import main
+
+    assert main(["schedule", "interleaved", "-S", "4", "-v", "2", "-M", "8", "--compact"]) == 0
+    out = capsys.readouterr().out
+    assert "virtual=2" in out and "r3:" in out
+    assert "rank 0 (stages [0, 4]): bubble ratio idle/busy 0.1875" in out  # (4-1)/(2*8)
+    for argv, needle in (
+        (["schedule", "1f1b", "-v", "2"], "--virtual-stages is only for interleaved"),
+        (["schedule", "interleaved", "-S", "2", "-M", "5"], "multiple of max(1, M // R)"),
+        (["schedule", "interleaved", "-k", "2"], "neither --update-size nor --order"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err

@@ -91,7 +91,9 @@ class ScheduleReport:
         """A few human-readable lines (what ``pipe.stats()`` prints)."""
         s = self.schedule
         lines = [
-            f"{s.name} (order {s.order}, weights {s.weights}) S={s.stages} M={s.chunks} "
+            f"{s.name} (order {s.order}, weights {s.weights}) S={s.stages}"
+            + (f" (R={s.ranks} ranks x v={s.virtual_stages})" if s.rank_order is not None else "")
+            + f" M={s.chunks} "
             f"T={s.steps} k={s.update_size}: bubble {self.bubble_fraction:.3f}, "
             f"makespan {self.makespan:g}"
         ]
@@ -101,6 +103,12 @@ class ScheduleReport:
             lines.append(
                 f"  stage {st}: delay {self.delays[st]}{extra}, versions {self.versions[st]}, "
                 f"activation peak {self.activation_peak[st]}, idle {self.idle_fraction[st]:.3f}"
+            )
+        if s.rank_order is not None:
+            lines.extend(
+                f"  rank {r} (stages {list(range(r, s.stages, s.ranks))}): bubble ratio "
+                f"idle/busy {b:.4f}"
+                for r, b in enumerate(self.rank_bubble)
             )
         return "\n".join(lines)
 
