@@ -8,20 +8,17 @@ import copy
 
 import pytest
 import torch
+from test_runtime_sync import _model
 from test_runtime_versions import check_versions, run
 from torch import nn
 
 from engine import Pipeline, PipelineConfigError
-from engine.schedule import analyze, interleaved
+from engine.schedule import analyze, format_schedule, interleaved
+from engine.schedule.lower import add_comms
+from engine.schedule.text import strip
 
 # (ranks, v, M)
 CASES = [(1, 2, 1), (1, 2, 3), (2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 3, 4), (3, 2, 3), (4, 2, 8)]
-
-
-def _model(S: int, d: int = 4) -> list[nn.Module]:
-    torch.manual_seed(0)
-    stages: list[nn.Module] = [nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(S - 1)]
-    return [*stages, nn.Sequential(nn.Linear(d, 2))]
 
 
 def _pipe(stages: list[nn.Module], M: int, **kw) -> Pipeline:
@@ -81,7 +78,9 @@ def test_interleaved_probe_versions(R: int, v: int, M: int) -> None:
         (dict(schedule="interleaved", virtual_stages=2, update_size=2), "update_size must equal"),
         (dict(schedule="interleaved", virtual_stages=2, order="1f1b"), "its own order"),
         (dict(schedule="1f1b", virtual_stages=2), "only for schedule='interleaved'"),
-        (dict(schedule="interleaved", virtual_stages=2, transport="gloo"), "does not run under"),
+        (dict(schedule="interleaved", virtual_stages=2, transport="gloo"), "do not run under"),
+        (dict(schedule=interleaved(2, 2, 4), transport="gloo"), "do not run under"),
+        (dict(schedule=format_schedule(interleaved(2, 2, 4)), transport="nccl"), "do not run under"),
     ],
 )
 def test_bad_options_are_refused(kw: dict, match: str) -> None:
@@ -90,3 +89,21 @@ def test_bad_options_are_refused(kw: dict, match: str) -> None:
     with pytest.raises(PipelineConfigError, match=match):
         _pipe(stages, 4, **kw)
     assert all(torch.equal(a, b) for a, b in zip(before, [p for st in stages for p in st.parameters()], strict=True))
+
+
+def test_compact_program_lowers_to_the_generated_one() -> None:
+    """A hand-written compute-only interleaved program gets its sends and receives, and its
+    rank order grows with them: it lowers to the generator's program and trains the same."""
+    sched = interleaved(2, 2, 4)
+    compact = strip(sched, comms=False, ticks=False)
+    lowered = add_comms(compact)
+    assert lowered.actions == sched.actions and lowered.rank_order == sched.rank_order
+    a, b = _model(4), _model(4)
+    built_in = _pipe(a, 4, schedule="interleaved", virtual_stages=2)
+    program = _pipe(b, None, schedule=format_schedule(compact))
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    assert torch.equal(built_in.step(x, y), program.step(x, y))
+    assert all(torch.equal(p, q) for p, q in zip(
+        [p for st in a for p in st.parameters()], [p for st in b for p in st.parameters()],
+        strict=True,
+    ))

@@ -34,7 +34,7 @@ from engine.runtime.streams import StageStreams
 from engine.runtime.ties import TiedGradients, tie_stages
 from engine.schedule.analysis import analyze, schedule_delays
 from engine.schedule.catalog import FAMILIES
-from engine.schedule.spec import ScheduleSpec, resolve_schedule
+from engine.schedule.spec import ScheduleSpec, has_virtual_stages, resolve_schedule
 
 __all__ = ["Pipeline"]
 
@@ -171,11 +171,12 @@ class Pipeline:
             schedule_name=schedule if isinstance(schedule, str) else "",
             l2_persistence=l2_persistence,
         )
-        if self.config.distributed and (schedule == "interleaved" or virtual_stages is not None):
+        if self.config.distributed and has_virtual_stages(schedule, virtual_stages):
             raise PipelineConfigError(
-                f"schedule={schedule!r} with virtual_stages={virtual_stages!r} does not run under "
-                f"transport={transport!r} yet (one stage per process); use transport='local', or "
-                "'1f1b'/'zbh1' across processes"
+                f"virtual stages (schedule {getattr(schedule, 'name', schedule)!r}, "
+                f"virtual_stages={virtual_stages!r}) do not run under transport={transport!r} "
+                "yet (one stage per process); use transport='local', or '1f1b'/'zbh1' across "
+                "processes"
             )
         if self.config.distributed:
             from engine.runtime.rank import build_distributed

@@ -79,12 +79,6 @@ def build_distributed(
     specs = resolve_stage_specs(stages, balance)
     pipe.balance = list(balance) if balance is not None else None
     spec = pipe._resolve(schedule, len(specs), chunks, update_size, order)
-    if spec.program is not None and spec.program.rank_order is not None:
-        raise PipelineConfigError(
-            f"{spec.describe()} has {spec.program.virtual_stages} virtual stages per rank, "
-            f"which transport={cfg.transport!r} does not run yet (one stage per process); run "
-            "it with transport='local', or use '1f1b' or 'zbh1' across processes"
-        )
     try:
         layout = make_layout(spec.stages, cfg.data_parallel)
     except ValueError as exc:
