@@ -8,7 +8,9 @@ import copy
 
 import pytest
 import torch
+from test_runtime_support import History, reads
 from test_runtime_sync import _model
+from test_runtime_trees import ProbeStage
 from test_runtime_versions import check_versions, run
 from torch import nn
 
@@ -21,14 +23,11 @@ from engine.schedule.text import strip
 CASES = [(1, 2, 1), (1, 2, 3), (2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 3, 4), (3, 2, 3), (4, 2, 8)]
 
 
-def _pipe(stages: list[nn.Module], M: int, **kw) -> Pipeline:
-    return Pipeline(
-        stages,
-        chunks=M,
-        loss_fn=nn.functional.mse_loss,
-        optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),
-        **kw,
+def _pipe(stages: list[nn.Module], M: int | None, **kw) -> Pipeline:
+    kw.setdefault(
+        "optimizer", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01)
     )
+    return Pipeline(stages, chunks=M, loss_fn=nn.functional.mse_loss, **kw)
 
 
 @pytest.mark.parametrize("R,v,M", CASES)
@@ -68,6 +67,24 @@ def test_interleaved_probe_versions(R: int, v: int, M: int) -> None:
         virtual_stages=v, checkpoint="except_last",
     )
     check_versions(pipe, got, hist, N, "1f1b")
+
+
+def test_interleaved_probe_versions_with_tree_stages() -> None:
+    """Tuple activations (a float mask that needs no gradient) through 4 virtual stages."""
+    S, M, steps = 4, 2, 3
+    torch.manual_seed(0)
+    mods = [ProbeStage(s, s == S - 1) for s in range(S)]
+    hist = History(S)
+    pipe = _pipe(
+        mods, M, schedule="interleaved", virtual_stages=2, trace=True, checkpoint="except_last",
+        optimizer=hist.factory(lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+    )
+    g = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        x = torch.randn(M, 3, generator=g)
+        mask = (torch.rand(M, 3, generator=g) > 0.2).float()
+        pipe.step((x, mask), torch.randn(M, 1, generator=g))
+    check_versions(pipe, reads([m.probe for m in mods]), hist, steps * M, "1f1b")
 
 
 @pytest.mark.parametrize(
