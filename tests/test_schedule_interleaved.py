@@ -135,3 +135,28 @@ def test_cli_prints_the_interleaved_schedule(capsys: pytest.CaptureFixture[str])
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert needle in err and "Traceback" not in err
+
+
+@pytest.mark.slow  # importing torch.distributed.pipelining takes ~4 s
+def test_same_order_as_torch_interleaved_1f1b() -> None:
+    """Every rank's compute order equals torch.distributed.pipelining's ScheduleInterleaved1F1B
+    (its per-rank op lists, idle slots dropped), including M < R and M not a multiple of R."""
+    from types import SimpleNamespace
+
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    calc = schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations
+    fwd = schedules._ComputationType.FORWARD
+    for R, v, M in itertools.product((1, 2, 3, 4), (2, 3), (1, 2, 3, 4, 6, 8)):
+        rounds = max(1, M // R)
+        if M % rounds:
+            continue
+        ns = SimpleNamespace(
+            n_local_stages=v, pp_group_size=R, _n_microbatches=M, microbatches_per_round=M // rounds
+        )
+        for r in range(R):
+            theirs = [
+                (o.stage_index, Kind.FORWARD if o.computation_type == fwd else Kind.BACKWARD,
+                 o.microbatch_index)
+                for o in calc(ns, r) if o is not None
+            ]
+            assert rank_compute_order(R, v, M, r) == theirs, (R, v, M, r)
