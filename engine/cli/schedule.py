@@ -20,8 +20,14 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", help=f"schedule: one of {', '.join(NAMES)}")
-    p.add_argument("-S", "--stages", type=int, default=4, help="pipeline stages (default 4)")
+    p.add_argument("name", help=f"schedule: one of {', '.join(NAMES)} or interleaved")
+    p.add_argument(
+        "-S", "--stages", type=int, default=4, help="pipeline stages (ranks for interleaved; 4)"
+    )
+    p.add_argument(
+        "-v", "--virtual-stages", type=int, default=None,
+        help="interleaved only: virtual stages per rank (default 2)",
+    )
     p.add_argument(
         "-M", "--chunks", type=int, default=8, help="micro-batches per mini-batch (default 8)"
     )
@@ -42,11 +48,16 @@ def run(args: argparse.Namespace) -> int:
         chrome_trace,
         format_schedule,
         generate,
+        interleaved,
         render_timeline,
     )
 
-    if args.name not in NAMES:
-        raise CLIError(f"unknown schedule {args.name!r}; choose one of {', '.join(NAMES)}")
+    if args.name not in (*NAMES, "interleaved"):
+        raise CLIError(
+            f"unknown schedule {args.name!r}; choose one of {', '.join(NAMES)}, interleaved"
+        )
+    if args.virtual_stages is not None and args.name != "interleaved":
+        raise CLIError(f"--virtual-stages is only for interleaved, not {args.name!r}")
     for flag, v in (("--stages", args.stages), ("--chunks", args.chunks), ("--steps", args.steps)):
         if v < 1:
             raise CLIError(f"{flag} {v} must be >= 1")
@@ -54,7 +65,15 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--update-size {args.update_size} must be >= 1")
     order = None if args.order == "dataflow" else args.order
     try:
-        sched = generate(args.name, args.stages, args.chunks, args.steps, args.update_size, order)
+        if args.name == "interleaved":
+            if args.update_size is not None or args.order is not None:
+                raise ValueError("interleaved takes neither --update-size nor --order")
+            v = 2 if args.virtual_stages is None else args.virtual_stages
+            sched = interleaved(args.stages, v, args.chunks, args.steps)
+        else:
+            sched = generate(
+                args.name, args.stages, args.chunks, args.steps, args.update_size, order
+            )
     except (ScheduleError, ValueError, TypeError) as exc:
         raise CLIError(str(exc)) from None
     print(format_schedule(sched, comms=not args.compact, ticks=not args.compact), end="")

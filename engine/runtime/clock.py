@@ -12,6 +12,8 @@ and when ``stats()`` asks).
 Inputs count as available at once, so pauses between ``step()`` calls never show up as
 bubbles; a synchronous step starts after the previous step's last action (its flush). With
 one stage per process the clock sees only its own stage, so no bubble is reported there.
+With virtual stages (interleaved 1F1B) the resource is the rank: stage s waits for rank
+s % ranks to be free, so the bubble is per rank as in the analysis.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ class _Replay:
     """Both replays (unit costs and wall time) in one pass: per action one call, one dict
     lookup, instead of one per cost model (the sync steps' flush replays every step)."""
 
-    def __init__(self, S: int, split: bool = False) -> None:
+    def __init__(self, S: int, split: bool = False, ranks: int | None = None) -> None:
         self.S = S
+        self.L = S if ranks is None else ranks  # lanes: a stage runs on lane s % L
         self.unit = _UNIT_SPLIT if split else _UNIT
-        self.free_u = [0.0] * S
-        self.free_w = [0.0] * S
-        self.busy_u = [0.0] * S
-        self.busy_w = [0.0] * S
+        self.free_u = [0.0] * self.L
+        self.free_w = [0.0] * self.L
+        self.busy_u = [0.0] * self.L
+        self.busy_w = [0.0] * self.L
         self.done: dict[tuple[int, int, int], tuple[float, float]] = {}
         self.start: tuple[float, float] | None = None
         self.end_u = 0.0
@@ -45,7 +48,7 @@ class _Replay:
         self.barrier_w = 0.0
 
     def run(self, log: list[tuple[int, int, int, float] | None], k: int) -> None:
-        S = self.S
+        S, L = self.S, self.L
         free_u, free_w, done = self.free_u, self.free_w, self.done
         bu, bw = self.barrier_u, self.barrier_w
         end_u, end_w = self.end_u, self.end_w
@@ -61,7 +64,8 @@ class _Replay:
                     dep = done.pop((s - 1, _F, n), None)
             elif op == _B and s < S - 1:  # (a W waits for nothing on another stage)
                 dep = done.pop((s + 1, _B, n), None)
-            a, b = free_u[s], free_w[s]
+            r = s % L
+            a, b = free_u[r], free_w[r]
             if a < bu:
                 a = bu
             if b < bw:
@@ -75,10 +79,10 @@ class _Replay:
                 self.start = (a, b)
             a += cost
             b += sec
-            free_u[s] = a
-            free_w[s] = b
-            busy_u[s] += cost
-            busy_w[s] += sec
+            free_u[r] = a
+            free_w[r] = b
+            busy_u[r] += cost
+            busy_w[r] += sec
             if a > end_u:
                 end_u = a
             if b > end_w:
@@ -93,16 +97,17 @@ class _Replay:
         out = []
         for begin, end, busy in ((self.start[0], self.end_u, self.busy_u),
                                  (self.start[1], self.end_w, self.busy_w)):
-            out.append(0.0 if end <= begin else 1.0 - sum(busy) / (self.S * (end - begin)))
+            out.append(0.0 if end <= begin else 1.0 - sum(busy) / (self.L * (end - begin)))
         return out[0], out[1]
 
 
 class Clock:
     """Unit-cost and wall-time replay of the executed forwards and backwards."""
 
-    def __init__(self, num_stages: int, split: bool = False) -> None:
+    def __init__(self, num_stages: int, split: bool = False, ranks: int | None = None) -> None:
         self.num_stages = num_stages
         self.split = split  # the schedule splits backwards into B and W (unit costs 1 + 1)
+        self.ranks = ranks  # virtual stages: stage s runs on rank s % ranks
         self.reset()
 
     def reset(self) -> None:
@@ -110,7 +115,7 @@ class Clock:
         # fault now and then) in steady state
         self._log: list[tuple[int, int, int, float] | None] = [None] * _BATCH
         self._k = 0
-        self._replayed = _Replay(self.num_stages, self.split)
+        self._replayed = _Replay(self.num_stages, self.split, self.ranks)
 
     def record(self, stage: int, op: int, n: int, seconds: float) -> None:
         self._log[self._k] = (stage, op, n, seconds)

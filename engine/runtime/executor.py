@@ -112,7 +112,9 @@ class Executor(SynchronousSteps, FailureHandling):
         #: asynchronous schedules act on a non-finite loss at once (one host read per
         #: micro-batch); synchronous ones check the step's losses before its update phase
         self.immediate_nonfinite = not self.sync
-        self.clock = Clock(self.S, spec.split_backward)
+        program = spec.program
+        ranks = program.ranks if program is not None and program.rank_order is not None else None
+        self.clock = Clock(self.S, spec.split_backward, ranks)
         #: synchronous steps chain the stages' graphs (one process holds every stage), unless
         #: the schedule splits backwards into B and W: those run per stage, as scheduled
         self.chain_sync = len(stages) == spec.stages and not spec.split_backward

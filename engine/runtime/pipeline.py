@@ -34,7 +34,7 @@ from engine.runtime.streams import StageStreams
 from engine.runtime.ties import TiedGradients, tie_stages
 from engine.schedule.analysis import analyze, schedule_delays
 from engine.schedule.catalog import FAMILIES
-from engine.schedule.spec import ScheduleSpec, resolve_schedule
+from engine.schedule.spec import ScheduleSpec, has_virtual_stages, resolve_schedule
 
 __all__ = ["Pipeline"]
 
@@ -60,7 +60,8 @@ class Pipeline:
             (engine/runtime/trees.py).
         schedule: a family name -- "naive", "gpipe", "1f1b" (synchronous: gradients equal an
             unpipelined model's), "pipedream" (weight stashing), "2bw" (double buffering) or
-            "pb" (pipelined backprop with live weights) -- or a schedule *program*: an
+            "pb" (pipelined backprop with live weights), "interleaved" (with
+            ``virtual_stages``) -- or a schedule *program*: an
             :class:`engine.schedule.Schedule` or its text form (see ``engine.schedule.parse``),
             compute-only or with communication; it is lowered, validated and compiled once.
         chunks: M, micro-batches per mini-batch (per ``step()``); a program fixes its own.
@@ -116,6 +117,9 @@ class Pipeline:
             CPU, or where the GPU or the build cannot persist, nothing is set, a warning says
             why and every stage reports 0 bytes: a warning, not an error, so that one training
             script runs in CPU CI and on a GPU. Local transport only.
+        virtual_stages: v for ``schedule="interleaved"`` (interleaved 1F1B, synchronous):
+            the stage modules are the ranks*v virtual stages, rank r running r, r+ranks, ...
+            in Megatron's order. Local transport only (gloo/NCCL refuse it for now).
     """
 
     def __init__(
@@ -147,8 +151,10 @@ class Pipeline:
         cuda_streams: bool | None = None,
         deferred_batch_norm: bool = False,
         l2_persistence: bool | float = False,
+        virtual_stages: int | None = None,
     ) -> None:
         fam = FAMILIES.get(schedule) if isinstance(schedule, str) else None
+        self._virtual_stages = virtual_stages
         self.config: PipelineConfig = check_options(
             transport=transport,
             checkpoint=checkpoint,
@@ -165,6 +171,13 @@ class Pipeline:
             schedule_name=schedule if isinstance(schedule, str) else "",
             l2_persistence=l2_persistence,
         )
+        if self.config.distributed and has_virtual_stages(schedule, virtual_stages):
+            raise PipelineConfigError(
+                f"virtual stages (schedule {getattr(schedule, 'name', schedule)!r}, "
+                f"virtual_stages={virtual_stages!r}) do not run under transport={transport!r} "
+                "yet (one stage per process); use transport='local', or '1f1b'/'zbh1' across "
+                "processes"
+            )
         if self.config.distributed:
             from engine.runtime.rank import build_distributed
 
@@ -201,13 +214,13 @@ class Pipeline:
 
     # ------------------------------------------------------------------ construction
 
-    @staticmethod
     def _resolve(
-        schedule: Any, S: int, chunks: int | None, update_size: int | None, order: str | None
+        self, schedule: Any, S: int, chunks: int | None, update_size: int | None, order: str | None
     ) -> ScheduleSpec:
         try:
             return resolve_schedule(
-                schedule, stages=S, chunks=chunks, update_size=update_size, order=order
+                schedule, stages=S, chunks=chunks, update_size=update_size, order=order,
+                virtual_stages=self._virtual_stages,
             )
         except ScheduleError:
             raise  # a broken program: the error names the stage, the action and the rule

@@ -278,24 +278,45 @@ def _rel(a: Action, base: int) -> Op:
     return (op, a.mb - base)
 
 
+def _lanes(spec: ScheduleSpec, acts: list[list[Action]]) -> list[list[tuple[int, int]]]:
+    """The (stage, index in ``acts[stage]``) sequences that run one action at a time: every
+    stage on its own, or with virtual stages each rank in its ``rank_order`` (restricted to
+    this step's actions; an action occurs once per stage, so it is found by value)."""
+    program = spec.program
+    if program is None or program.rank_order is None:
+        return [[(s, i) for i in range(len(a))] for s, a in enumerate(acts)]
+    here = [{a: i for i, a in enumerate(stage_acts)} for stage_acts in acts]
+    lanes: list[list[tuple[int, int]]] = []
+    for r in range(program.ranks):
+        lane = []
+        for vs, i in program.rank_sequence(r):
+            j = here[vs].get(program.actions[vs][i])
+            if j is not None:
+                lane.append((vs, j))
+        lanes.append(lane)
+    return lanes
+
+
 def _merge(
     spec: ScheduleSpec, acts: list[list[Action]], sent_before: set[tuple[int, int, int]]
 ) -> tuple[list[tuple[int, int, Action]], float]:
     """A valid cross-stage order of one step's actions (list scheduling, earliest start first)
     and the step's makespan under unit costs (F = 1, B = 2). Raises ScheduleError when the
-    step cannot finish on its own (a receive whose send comes in a later step)."""
-    S = spec.stages
-    pos = [0] * S
-    free = [0.0] * S
+    step cannot finish on its own (a receive whose send comes in a later step). With virtual
+    stages a rank runs its stages' actions one at a time, in its order."""
+    lanes = _lanes(spec, acts)
+    pos = [0] * len(lanes)
+    free = [0.0] * len(lanes)
     sent_now: dict[tuple[int, int, int], float] = {}
     order: list[tuple[int, int, Action]] = []
     total = sum(len(a) for a in acts)
     while len(order) < total:
         best: tuple[float, int] | None = None
-        for s in range(S):
-            if pos[s] >= len(acts[s]):
+        for r, lane in enumerate(lanes):
+            if pos[r] >= len(lane):
                 continue
-            a = acts[s][pos[s]]
+            s, i = lane[pos[r]]
+            a = acts[s][i]
             ready = 0.0
             if a.kind is Kind.RECV_ACT or a.kind is Kind.RECV_GRAD:
                 peer = s - 1 if a.kind is Kind.RECV_ACT else s + 1
@@ -304,21 +325,30 @@ def _merge(
                     ready = sent_now[key]
                 elif key not in sent_before:
                     continue
-            start = max(free[s], ready)
-            if best is None or (start, s) < best:
-                best = (start, s)
+            start = max(free[r], ready)
+            if best is None or (start, r) < best:
+                best = (start, r)
         if best is None:
-            raise _stuck(spec, acts, pos)
-        start, s = best
-        a = acts[s][pos[s]]
+            raise _stuck(spec, acts, _positions(acts, order))
+        start, r = best
+        s, i = lanes[r][pos[r]]
+        a = acts[s][i]
         op = _OP[a.kind]
         end = start + _COST.get(op, 0.0)
-        free[s] = end
+        free[r] = end
         if op == SF or op == SB:
             sent_now[(op, s, a.mb)] = end
-        order.append((s, pos[s], a))
-        pos[s] += 1
+        order.append((s, i, a))
+        pos[r] += 1
     return order, max(free, default=0.0)
+
+
+def _positions(acts: list[list[Action]], order: list[tuple[int, int, Action]]) -> list[int]:
+    """Per stage, how many of its actions are ordered (they are ordered as a prefix)."""
+    pos = [0] * len(acts)
+    for s, _i, _a in order:
+        pos[s] += 1
+    return pos
 
 
 class StepCompiler:

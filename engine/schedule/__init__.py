@@ -17,6 +17,7 @@ delay D_s, weight versions and activation peak from them -- never from hand-type
 Modules: ``ir`` (Action, Schedule), ``streams`` (stage_actions: the open-ended per-stage
 streams every runtime transport executes), ``text`` (format/parse), ``generators`` (generate,
 the streams cut at T*M micro-batches),
+``interleaved`` (interleaved 1F1B: v virtual stages per rank and each rank's order),
 ``simulate`` (global clock, deadlock detection), ``validate``, ``versions`` (t_F/t_B and
 weight versions per policy), ``analysis`` (analyze), ``render`` (PNG, Chrome trace).
 Importing this package does not import torch or matplotlib.
@@ -33,6 +34,7 @@ from engine.schedule.analysis import (
 )
 from engine.schedule.errors import ScheduleError
 from engine.schedule.generators import SCHEDULES, generate
+from engine.schedule.interleaved import interleaved
 from engine.schedule.ir import Action, Kind, Schedule
 from engine.schedule.render import chrome_trace, render_timeline
 from engine.schedule.simulate import Costs, Timeline, simulate
@@ -57,6 +59,7 @@ __all__ = [
     "chrome_trace",
     "format_schedule",
     "generate",
+    "interleaved",
     "parse",
     "render_timeline",
     "schedule_delays",

@@ -29,8 +29,11 @@ Definitions used (per stage s):
   backward; 1 under the ``live`` policy.
 * ``activation_peak[s]``: the most micro-batches between F and B at once (F and W for a
   backward split into B and W: the weight gradient still reads the activations).
-* ``bubble_fraction``: 1 - (busy time of all stages) / (S * makespan) under the cost model;
-  ``idle_fraction[s]`` the same per stage.
+* ``bubble_fraction``: 1 - (busy time of all ranks) / (R * makespan) under the cost model
+  (R = S without virtual stages); ``idle_fraction[s]`` the same per (virtual) stage.
+* ``rank_bubble[r]``: Megatron's bubble ratio of rank r, idle time / busy time. For
+  interleaved 1F1B with equal costs per virtual stage it is exactly (R-1)/(v*M) whenever
+  M >= R (and max(1, M // R) divides M); with M < R it is larger (tests/test_schedule_interleaved.py).
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class ScheduleReport:
     makespan: float
     records: tuple[tuple[MicroBatchRecord, ...], ...]
     timeline: Timeline
+    rank_bubble: tuple[float, ...] = ()
 
     def record(self, stage: int, mb: int) -> MicroBatchRecord:
         """The record of micro-batch ``mb`` on ``stage``."""
@@ -87,7 +91,9 @@ class ScheduleReport:
         """A few human-readable lines (what ``pipe.stats()`` prints)."""
         s = self.schedule
         lines = [
-            f"{s.name} (order {s.order}, weights {s.weights}) S={s.stages} M={s.chunks} "
+            f"{s.name} (order {s.order}, weights {s.weights}) S={s.stages}"
+            + (f" (R={s.ranks} ranks x v={s.virtual_stages})" if s.rank_order is not None else "")
+            + f" M={s.chunks} "
             f"T={s.steps} k={s.update_size}: bubble {self.bubble_fraction:.3f}, "
             f"makespan {self.makespan:g}"
         ]
@@ -97,6 +103,12 @@ class ScheduleReport:
             lines.append(
                 f"  stage {st}: delay {self.delays[st]}{extra}, versions {self.versions[st]}, "
                 f"activation peak {self.activation_peak[st]}, idle {self.idle_fraction[st]:.3f}"
+            )
+        if s.rank_order is not None:
+            lines.extend(
+                f"  rank {r} (stages {list(range(r, s.stages, s.ranks))}): bubble ratio "
+                f"idle/busy {b:.4f}"
+                for r, b in enumerate(self.rank_bubble)
             )
         return "\n".join(lines)
 
@@ -208,7 +220,14 @@ def analyze(
         busy = sum(e - b for b, e in zip(timeline.start[s], timeline.end[s], strict=True))
         busy_total += busy
         idle.append(1.0 - busy / makespan if makespan > 0 else 0.0)
-    bubble = 1.0 - busy_total / (S * makespan) if makespan > 0 else 0.0
+    rank_busy = [0.0] * schedule.ranks
+    for s in range(S):
+        rank_busy[schedule.rank_of(s)] += sum(
+            e - b for b, e in zip(timeline.start[s], timeline.end[s], strict=True)
+        )
+    rank_bubble = tuple((makespan - b) / b if b > 0 else 0.0 for b in rank_busy)
+    R = schedule.ranks
+    bubble = 1.0 - busy_total / (R * makespan) if makespan > 0 else 0.0
     return ScheduleReport(
         schedule=schedule,
         costs=cost,
@@ -221,4 +240,5 @@ def analyze(
         makespan=makespan,
         records=tuple(records),
         timeline=timeline,
+        rank_bubble=rank_bubble,
     )

@@ -49,6 +49,14 @@ column of the text form). For ``pb`` in dataflow order it is the tick of Kosson 
 tick t stage s runs F(t-s) and B(t-2(S-1)+s)); for the other generated schedules it is the
 slot each action gets when forwards and backwards take one tick each. Rule: ticks never
 decrease along a stage, and a dependency on another stage lies in a strictly earlier tick.
+
+Virtual stages (interleaved 1F1B, Narayanan et al. 2021): with ``virtual_stages`` v > 1 the
+``stages`` action lists are the S*v *virtual* stages, so every per-stage consumer works
+unchanged, and rank r = s % R (R = stages / v ranks) runs virtual stages r, r+R, r+2R, ...
+``rank_order[r]`` says in which order rank r runs them: it names, one entry per action, the
+virtual stage whose next action runs, so the rank executes its stages' lists merged in that
+order, one action at a time. The simulator and the validator execute ranks sequentially in
+this order (the deadlock check that matters for one process per rank).
 """
 
 from __future__ import annotations
@@ -217,6 +225,10 @@ class Schedule:
     weights: str
     actions: tuple[Stage, ...]
     ticks: tuple[tuple[int, ...], ...] | None = field(default=None)
+    #: v: virtual stages per rank (1: one stage per rank, ``rank_order`` None)
+    virtual_stages: int = 1
+    #: per rank, the virtual stage of each action in the order the rank runs them
+    rank_order: tuple[tuple[int, ...], ...] | None = field(default=None)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", tuple(tuple(a) for a in self.actions))
@@ -248,6 +260,59 @@ class Schedule:
                     "ticks must give one tick per action on every stage "
                     "(same shape as actions), or be None"
                 )
+        self._check_ranks()
+
+    def _check_ranks(self) -> None:
+        v = self.virtual_stages
+        if v == 1 and self.rank_order is None:
+            return
+        if not isinstance(v, int) or v < 2 or self.stages % v:
+            raise ValueError(
+                f"virtual_stages={v!r} must be an int >= 2 dividing stages={self.stages} "
+                "(or 1 without a rank_order)"
+            )
+        if self.rank_order is None:
+            raise ValueError(f"virtual_stages={v} needs a rank_order (one list per rank)")
+        order = tuple(tuple(int(x) for x in r) for r in self.rank_order)
+        object.__setattr__(self, "rank_order", order)
+        R = self.ranks
+        if len(order) != R:
+            raise ValueError(f"rank_order has {len(order)} lists for {R} ranks (stages / v)")
+        for r, seq in enumerate(order):
+            own = range(r, self.stages, R)
+            for vs in own:
+                if seq.count(vs) != len(self.actions[vs]):
+                    raise ValueError(
+                        f"rank {r}'s order names virtual stage {vs} {seq.count(vs)} times but "
+                        f"that stage has {len(self.actions[vs])} actions"
+                    )
+            foreign = sorted(set(seq) - set(own))
+            if foreign:
+                raise ValueError(
+                    f"rank {r}'s order names virtual stages {foreign}, which run on other ranks "
+                    f"(rank r runs the stages s with s % {R} == r)"
+                )
+
+    @property
+    def ranks(self) -> int:
+        """R: processes the schedule runs on (``stages`` when there are no virtual stages)."""
+        return self.stages // self.virtual_stages
+
+    def rank_of(self, stage: int) -> int:
+        """The rank that runs (virtual) stage ``stage``."""
+        return stage % self.ranks
+
+    def rank_sequence(self, rank: int) -> list[tuple[int, int]]:
+        """Rank ``rank``'s actions in the order it runs them, as (stage, index) pairs."""
+        if self.rank_order is None:
+            return [(rank, i) for i in range(len(self.actions[rank]))]
+        nxt: dict[int, int] = {}
+        out = []
+        for vs in self.rank_order[rank]:
+            i = nxt.get(vs, 0)
+            nxt[vs] = i + 1
+            out.append((vs, i))
+        return out
 
     @property
     def num_micro_batches(self) -> int:

@@ -47,21 +47,31 @@ def add_comms(program: Schedule) -> Schedule:
     S = program.stages
     actions: list[tuple[Action, ...]] = []
     ticks: list[tuple[int, ...]] | None = [] if program.ticks is not None else None
+    sizes: list[list[int]] = []  # actions each original action became (for the rank order)
     for s, acts in enumerate(program.actions):
         out: list[Action] = []
         tks: list[int] = []
+        sizes.append([])
         for i, a in enumerate(acts):
             wrapped = _wrapped(s, S, a)
             out.extend(wrapped)
+            sizes[s].append(len(wrapped))
             if program.ticks is not None:
                 tks.extend([program.ticks[s][i]] * len(wrapped))
         actions.append(tuple(out))
         if ticks is not None:
             ticks.append(tuple(tks))
+    order = program.rank_order
+    if order is not None:
+        order = tuple(
+            tuple(vs for vs, i in program.rank_sequence(r) for _ in range(sizes[vs][i]))
+            for r in range(program.ranks)
+        )
     return replace(
         program,
         actions=tuple(actions),
         ticks=None if ticks is None else tuple(ticks),
+        rank_order=order,
     )
 
 

@@ -7,7 +7,9 @@ stage, ``ph: "X"`` complete events named like the text form, ``F3``, ``B3``, ``U
 
 Times come from :func:`engine.schedule.analyze`'s cost-model clock (F = 1, B = 2 by default),
 so the pictures show the same bubbles the analysis counts. Sends and receives are free in
-the default cost model and are not drawn.
+the default cost model and are not drawn. With virtual stages (interleaved 1F1B) the PNG has
+one row per rank and a box reads ``stage:micro-batch``; the trace keeps one thread per
+virtual stage.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def render_timeline(
     *,
     title: str | None = None,
 ) -> str:
-    """Draw stages as rows and F/B/W/U as coloured boxes labelled by micro-batch; save a PNG.
+    """Draw stages (ranks) as rows, F/B/W/U as coloured boxes labelled by micro-batch; save a PNG.
 
     Zero-cost updates are drawn as thin red bars. Returns the path written.
     """
@@ -54,12 +56,13 @@ def render_timeline(
     report = analyze(schedule, costs)
     tl = report.timeline
     makespan = max(report.makespan, 1e-9)
-    S = schedule.stages
+    S = schedule.ranks  # rows: one per rank (= stage without virtual stages)
+    virtual = schedule.rank_order is not None
     width = min(max(6.0, makespan * 0.25), 60.0)
     fig, ax = plt.subplots(figsize=(width, 0.6 * S + 1.4))
     thin = makespan / 400.0
-    for s in range(S):
-        y = S - 1 - s
+    for s in range(schedule.stages):
+        y = S - 1 - schedule.rank_of(s)
         for i, a in enumerate(schedule.actions[s]):
             if a.kind not in _COLOURS:
                 continue
@@ -76,16 +79,20 @@ def render_timeline(
                 )
             )
             label = "U" if a.kind is Kind.UPDATE else str(a.mb)
+            if virtual and a.kind is not Kind.UPDATE:
+                label = f"{s}:{a.mb}"
             ax.text(t0 + dur / 2, y, label, ha="center", va="center", fontsize=7, color="white")
     ax.set_xlim(0, makespan)
     ax.set_ylim(-0.6, S - 0.4)
     ax.set_yticks(range(S))
-    ax.set_yticklabels([f"stage {S - 1 - y}" for y in range(S)])
+    ax.set_yticklabels([f"{'rank' if virtual else 'stage'} {S - 1 - y}" for y in range(S)])
     ax.set_xlabel("time (cost units)")
     ax.set_title(
         title
         or (
-            f"{schedule.name} ({schedule.order}) S={S} M={schedule.chunks} T={schedule.steps} "
+            f"{schedule.name} ({schedule.order}) S={S}"
+            + (f" v={schedule.virtual_stages}" if virtual else "")
+            + f" M={schedule.chunks} T={schedule.steps} "
             f"k={schedule.update_size}: bubble {report.bubble_fraction:.3f}"
         )
     )

@@ -152,8 +152,11 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     where = _index(schedule)
     start: list[list[float]] = [[0.0] * len(a) for a in acts]
     end: list[list[float]] = [[0.0] * len(a) for a in acts]
-    pos = [0] * S
-    free = [0.0] * S
+    done: list[list[bool]] = [[False] * len(a) for a in acts]
+    # a lane runs its actions one at a time: a stage, or a rank of virtual stages
+    lanes = [schedule.rank_sequence(r) for r in range(schedule.ranks)]
+    pos = [0] * len(lanes)
+    free = [0.0] * len(lanes)
     deps: list[list[tuple[int, int] | None | str]] = []
     for s in range(S):
         row: list[tuple[int, int] | None | str] = []
@@ -171,45 +174,48 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
 
     while True:
         progress = False
-        for s in range(S):
-            while pos[s] < len(acts[s]):
-                i = pos[s]
+        for lane, seq in enumerate(lanes):
+            while pos[lane] < len(seq):
+                s, i = seq[pos[lane]]
                 dep = deps[s][i]
                 ready = 0.0
                 if dep == "missing":
                     break
                 if isinstance(dep, tuple):
                     r, j = dep
-                    if pos[r] <= j:
+                    if not done[r][j]:
                         break
                     ready = end[r][j]
-                t0 = max(free[s], ready)
+                t0 = max(free[lane], ready)
                 a = acts[s][i]
                 split = a.kind is Kind.BACKWARD and (Kind.WEIGHT, a.mb) in where[s]
                 t1 = t0 + costs.of(a.kind, s, split)
                 start[s][i], end[s][i] = t0, t1
-                free[s] = t1
-                pos[s] += 1
+                done[s][i] = True
+                free[lane] = t1
+                pos[lane] += 1
                 progress = True
-        if all(pos[s] == len(acts[s]) for s in range(S)):
+        if all(p == len(seq) for p, seq in zip(pos, lanes, strict=True)):
             break
         if not progress:
-            _raise_deadlock(schedule, pos, deps, comms)
+            _raise_deadlock(schedule, lanes, pos, deps, comms)
     return Timeline(tuple(map(tuple, start)), tuple(map(tuple, end)))
 
 
 def _raise_deadlock(
     schedule: Schedule,
+    lanes: list[list[tuple[int, int]]],
     pos: list[int],
     deps: list[list[tuple[int, int] | None | str]],
     comms: bool,
 ) -> None:
     parts: list[str] = []
     first: tuple[int, int, Action] | None = None
-    for s in range(schedule.stages):
-        i = pos[s]
-        if i == len(schedule.actions[s]):
+    where = "rank" if schedule.rank_order is not None else "stage"
+    for lane, seq in enumerate(lanes):
+        if pos[lane] == len(seq):
             continue
+        s, i = seq[pos[lane]]
         a = schedule.actions[s][i]
         dep = remote_dependency(schedule, s, a, comms)
         assert dep is not None
@@ -223,11 +229,19 @@ def _raise_deadlock(
             )
         else:
             assert isinstance(d, tuple)
-            rb = schedule.actions[r][pos[r]] if pos[r] < len(schedule.actions[r]) else None
+            other = schedule.rank_of(r)
+            op = pos[other]
+            if op < len(lanes[other]):
+                rs, ri = lanes[other][op]
+                rb = f"{schedule.actions[rs][ri]}" + (f" of stage {rs}" if rs != r else "")
+            else:
+                rb = "None"
             why = (
-                f"(stage {r}'s action {d[1]}), but stage {r} is stuck at its action {pos[r]} ({rb})"
+                f"(stage {r}'s action {d[1]}), but {where} {other} is stuck at its action "
+                f"{op} ({rb})"
             )
-        parts.append(f"stage {s} action {i} ({a}) waits for {da} on stage {r} {why}")
+        lead = f"stage {s}" if where == "stage" else f"rank {lane} (stage {s})"
+        parts.append(f"{lead} action {i} ({a}) waits for {da} on stage {r} {why}")
         if first is None:
             first = (s, i, a)
     assert first is not None

@@ -21,12 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.schedule.catalog import family
+from engine.schedule.interleaved import NAME as INTERLEAVED
+from engine.schedule.interleaved import interleaved
 from engine.schedule.ir import Kind, Schedule
 from engine.schedule.lower import add_comms, flushes_every_minibatch
 from engine.schedule.text import parse
 from engine.schedule.validate import validate
 
-__all__ = ["ScheduleSpec", "resolve_schedule"]
+__all__ = ["ScheduleSpec", "has_virtual_stages", "resolve_schedule"]
 
 
 @dataclass(frozen=True)
@@ -69,10 +71,22 @@ def resolve_schedule(
     chunks: int | None,
     update_size: int | None = None,
     order: str | None = None,
+    virtual_stages: int | None = None,
 ) -> ScheduleSpec:
     """Resolve ``schedule`` (a family name, a :class:`Schedule` or its text) for a pipeline of
     ``stages`` stages. Raises ValueError (``ScheduleError`` for a broken program) naming what
-    is wrong; nothing is built yet when it does."""
+    is wrong; nothing is built yet when it does.
+
+    ``"interleaved"`` (interleaved 1F1B) needs ``virtual_stages`` v >= 2 dividing ``stages``
+    (the stage modules are the S*v virtual stages, rank r running r, r+S, ...); it resolves
+    to the one-mini-batch program :func:`~engine.schedule.interleaved.interleaved` builds."""
+    if schedule == INTERLEAVED:
+        schedule = _interleaved_program(stages, chunks, update_size, order, virtual_stages)
+    elif virtual_stages is not None:
+        raise ValueError(
+            f"virtual_stages={virtual_stages!r} is only for schedule='interleaved' (or a "
+            f"program with virtual stages), not {schedule!r}; leave it unset"
+        )
     if isinstance(schedule, str) and _looks_like_text(schedule):
         schedule = parse(schedule)
     if isinstance(schedule, Schedule):
@@ -97,6 +111,44 @@ def resolve_schedule(
         synchronous=fam.synchronous,
         split_backward=fam.split_backward,
     )
+
+
+def has_virtual_stages(schedule: object, virtual_stages: int | None) -> bool:
+    """Whether ``schedule`` (as given to a Pipeline) runs several stages per rank: the
+    ``interleaved`` family, ``virtual_stages``, or a program (object or text) with a rank
+    order. Text that does not parse counts as not virtual (resolving reports the error)."""
+    if schedule == INTERLEAVED or virtual_stages is not None:
+        return True
+    if isinstance(schedule, str) and _looks_like_text(schedule):
+        try:
+            schedule = parse(schedule)
+        except ValueError:
+            return False
+    return isinstance(schedule, Schedule) and schedule.rank_order is not None
+
+
+def _interleaved_program(
+    stages: int, chunks: int | None, update_size: int | None, order: str | None, v: int | None
+) -> Schedule:
+    if v is None:
+        raise ValueError(
+            "schedule='interleaved' needs virtual_stages=v (stage modules per rank, >= 2)"
+        )
+    if isinstance(v, bool) or not isinstance(v, int) or v < 2 or stages % v:
+        raise ValueError(
+            f"virtual_stages={v!r} must be an int >= 2 dividing the number of stage modules "
+            f"({stages}): the modules are the ranks * v virtual stages"
+        )
+    if chunks is None:
+        raise ValueError("schedule='interleaved' needs chunks=M (micro-batches per step)")
+    if update_size not in (None, chunks):
+        raise ValueError(
+            f"'interleaved' updates once per mini-batch, so update_size must equal chunks "
+            f"(M={chunks}), got {update_size}; drop update_size"
+        )
+    if order not in (None, INTERLEAVED):
+        raise ValueError(f"schedule 'interleaved' runs in its own order, not {order!r}")
+    return interleaved(stages // v, v, chunks)
 
 
 def _resolve_program(

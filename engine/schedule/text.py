@@ -27,6 +27,10 @@ Grammar:
   activation to s+1 / receive from s-1), ``SB3``/``RB3`` (send input gradient to s-1 /
   receive from s+1), ``U0-3`` (update applying micro-batches 0..3; ``U5`` one micro-batch,
   ``U0-1+4`` any set: ranges joined by ``+``).
+* Virtual stages (interleaved 1F1B): the header ends with ``virtual=v`` and the stage lines
+  (one per virtual stage) are followed by one line per rank, ``r<index>: 0*3 2*3 0*1 ...``:
+  the rank's order as runs ``stage*count`` (run ``count`` next actions of that virtual
+  stage). Schedules without virtual stages print neither.
 * Blank lines and lines starting with ``#`` are ignored.
 """
 
@@ -39,6 +43,27 @@ from engine.schedule.ir import Action, Kind, Schedule, format_action
 
 _TOKEN = re.compile(r"^(SF|RF|SB|RB|F|B|W|U)([0-9][0-9+\-]*)$")
 _HEADER_KEYS = ("stages", "chunks", "steps", "update_size", "order", "weights", "ticks")
+_OPTIONAL_KEYS = ("virtual",)
+
+
+def _format_rank_order(seq: tuple[int, ...]) -> str:
+    runs: list[list[int]] = []
+    for vs in seq:
+        if runs and runs[-1][0] == vs:
+            runs[-1][1] += 1
+        else:
+            runs.append([vs, 1])
+    return " ".join(f"{vs}*{n}" for vs, n in runs)
+
+
+def _parse_rank_order(no: int, body: str) -> tuple[int, ...]:
+    out: list[int] = []
+    for tok in body.split():
+        vs, star, n = tok.partition("*")
+        if not star or not vs.isdigit() or not n.isdigit() or int(n) < 1:
+            raise ValueError(f"line {no}: bad rank-order run {tok!r}; write stage*count, e.g. 2*3")
+        out.extend([int(vs)] * int(n))
+    return tuple(out)
 
 
 def parse_action(token: str) -> Action:
@@ -83,7 +108,14 @@ def strip(schedule: Schedule, *, comms: bool = False, ticks: bool = False) -> Sc
     tks = None
     if ticks and schedule.ticks is not None:
         tks = tuple(tuple(ts[i] for i in k) for ts, k in zip(schedule.ticks, keep, strict=True))
-    return replace(schedule, actions=actions, ticks=tks)
+    order = schedule.rank_order
+    if order is not None:  # drop the dropped actions' entries from each rank's order
+        kept = [set(k) for k in keep]
+        order = tuple(
+            tuple(vs for vs, i in schedule.rank_sequence(r) if i in kept[vs])
+            for r in range(schedule.ranks)
+        )
+    return replace(schedule, actions=actions, ticks=tks, rank_order=order)
 
 
 def format_schedule(schedule: Schedule, *, comms: bool = True, ticks: bool = True) -> str:
@@ -98,6 +130,12 @@ def format_schedule(schedule: Schedule, *, comms: bool = True, ticks: bool = Tru
         f"schedule {s.name} stages={s.stages} chunks={s.chunks} steps={s.steps} "
         f"update_size={s.update_size} order={s.order} weights={s.weights} "
         f"ticks={0 if s.ticks is None else 1}"
+        + (f" virtual={s.virtual_stages}" if s.rank_order is not None else "")
+    )
+    ranks = (
+        []
+        if s.rank_order is None
+        else [f"r{r}: {_format_rank_order(seq)}" for r, seq in enumerate(s.rank_order)]
     )
     if " " in s.name or not s.name:
         raise ValueError(f"schedule name {s.name!r} must be one non-empty word for the text form")
@@ -107,7 +145,7 @@ def format_schedule(schedule: Schedule, *, comms: bool = True, ticks: bool = Tru
     if s.ticks is None:
         for label, acts in zip(labels, s.actions, strict=True):
             lines.append((label.ljust(width) + " " + " ".join(map(format_action, acts))).rstrip())
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + ranks) + "\n"
     groups: list[list[str]] = []
     for acts, ticks in zip(s.actions, s.ticks, strict=True):
         n = (max(ticks) + 1) if ticks else 0
@@ -122,7 +160,7 @@ def format_schedule(schedule: Schedule, *, comms: bool = True, ticks: bool = Tru
     for label, g in zip(labels, groups, strict=True):
         body = " | ".join(txt.ljust(col_w[c]) for c, txt in enumerate(g))
         lines.append((label.ljust(width) + " " + body).rstrip())
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ranks) + "\n"
 
 
 def parse(text: str) -> Schedule:
@@ -148,8 +186,10 @@ def parse(text: str) -> Schedule:
     fields: dict[str, str] = {}
     for w in words[2:]:
         key, eq, val = w.partition("=")
-        if not eq or key not in _HEADER_KEYS:
-            raise ValueError(f"line {no}: unknown header field {w!r}; known: {_HEADER_KEYS}")
+        if not eq or key not in _HEADER_KEYS + _OPTIONAL_KEYS:
+            raise ValueError(
+                f"line {no}: unknown header field {w!r}; known: {_HEADER_KEYS + _OPTIONAL_KEYS}"
+            )
         fields[key] = val
     missing = [k for k in _HEADER_KEYS if k not in fields]
     if missing:
@@ -165,7 +205,20 @@ def parse(text: str) -> Schedule:
     if fields["ticks"] not in ("0", "1"):
         raise ValueError(f"line {no}: ticks must be 0 or 1, got {fields['ticks']!r}")
     with_ticks = fields["ticks"] == "1"
-    body = lines[1:]
+    virtual = fields.get("virtual")
+    if virtual is not None and not virtual.isdigit():
+        raise ValueError(f"line {no}: virtual must be an integer, got {virtual!r}")
+    v = int(virtual) if virtual is not None else 1
+    body = [(n, ln) for n, ln in lines[1:] if not ln.startswith("r")]
+    rank_lines = [(n, ln) for n, ln in lines[1:] if ln.startswith("r")]
+    if virtual is None and rank_lines:
+        raise ValueError(f"line {rank_lines[0][0]}: rank-order lines need virtual=v in the header")
+    rank_order: list[tuple[int, ...]] = []
+    for r, (n, ln) in enumerate(rank_lines):
+        label, colon, rest = ln.partition(":")
+        if not colon or label.strip() != f"r{r}":
+            raise ValueError(f"line {n}: expected rank line 'r{r}: ...', got {ln!r}")
+        rank_order.append(_parse_rank_order(n, rest))
     if len(body) != S:
         raise ValueError(f"header says stages={S} but {len(body)} stage lines follow")
     actions: list[tuple[Action, ...]] = []
@@ -203,4 +256,6 @@ def parse(text: str) -> Schedule:
         weights=fields["weights"],
         actions=tuple(actions),
         ticks=tuple(ticks) if with_ticks else None,
+        virtual_stages=v,
+        rank_order=tuple(rank_order) if virtual is not None else None,
     )

@@ -19,7 +19,8 @@ Rules, in the order they are checked:
    B(n)) comes after B(n), and the update applying n after W(n).
 2. Every micro-batch has F and B on every stage, and every gradient is applied by exactly
    one update on every stage.
-3. A global-clock simulation finishes (no deadlock).
+3. A global-clock simulation finishes (no deadlock). With virtual stages it runs each rank's
+   actions one at a time in ``rank_order`` (what one process per rank does).
 4. If ticks are given: they never decrease along a stage and every cross-stage dependency
    lies in a strictly earlier tick.
 5. Weights: under ``2bw`` the version a forward needs has been produced when it runs.
