@@ -40,6 +40,7 @@ from engine.runtime import trees
 from engine.runtime.executor import _Input
 from engine.runtime.stage import DROPPED, Stage
 from engine.runtime.stash import StashEntry
+from engine.runtime.weight_store import LIVE as LIVE_BUFFER
 
 if TYPE_CHECKING:
     from engine.runtime.pipeline import Pipeline
@@ -263,6 +264,17 @@ def restore(pipe: Pipeline, state: dict[str, Any]) -> None:
         ex.load_wire_state(state["wire"])
 
 
+def _rerun_forward(st: Stage, i: int, xin: Any, target: Any, pin: Any, t_f: int, scale: float) -> None:
+    """Re-run F(i) of a resumed micro-batch on the weight buffer it pinned (restored with the
+    store; the live weights when it pinned none, where its stage recomputes in the backward)
+    and stash it as F(i) did (its output, if the next stage has not read it yet, was saved
+    with the mailboxes)."""
+    buf = st.store.resolve(pin) if pin is not None else LIVE_BUFFER
+    with st.store.use(buf):
+        out = st._call(xin, target)
+    st.stash.put(StashEntry(i, xin, st.kept(out, scale), pin, t_f, scale, buf=buf, target=target))
+
+
 def _rebuild(st: Stage, sd: dict[str, Any], moved: dict[int, int], n_base: int) -> None:
     """Re-run the stage's stashed forwards (``_rebuildable`` says which path) and restore
     its counters; module buffers a forward updates (BatchNorm statistics) are put back."""
@@ -278,7 +290,7 @@ def _rebuild(st: Stage, sd: dict[str, Any], moved: dict[int, int], n_base: int) 
                 continue
             xin = trees.with_grad_flags(e["x"], e["x_grad"])
             if pin is not None or st.recompute:
-                st.rebuild_forward(e["i"], xin, e["target"], pin, e["t_f"], e["scale"])
+                _rerun_forward(st, e["i"], xin, e["target"], pin, e["t_f"], e["scale"])
             else:  # nothing overwrote the weights it read: the forward itself, as it ran
                 st.forward(e["i"], n_base + e["i"], xin, e["target"], e["scale"])
     st.settle()

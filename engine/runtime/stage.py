@@ -45,21 +45,13 @@ from engine.runtime import labels, trees
 from engine.runtime.optim_bridge import OptimizerBridge
 from engine.runtime.policy import LIVE, PINNED, Transient, WeightPolicy
 from engine.runtime.saved_weights import SavedWeights
-from engine.runtime.stash import ActivationStash, StashEntry
+from engine.runtime.stash import DROPPED, ActivationStash, StashEntry, _Dropped
 from engine.runtime.weight_store import LIVE as LIVE_BUFFER
 from engine.runtime.weight_store import WeightStore
 
 __all__ = ["Stage", "DROPPED", "BackwardJob"]
 
 
-class _Dropped:
-    """Marker passed on instead of an activation or a gradient of a dropped micro-batch."""
-
-    def __repr__(self) -> str:
-        return "DROPPED"
-
-
-DROPPED = _Dropped()
 _NULL = contextlib.nullcontext()
 
 #: stages with at most this many weight bytes make a backward read the live weights by
@@ -241,7 +233,7 @@ class Stage:
                 else:
                     out = self._call(xin, target)
             loss = out if self.is_last else None
-            keep = self._kept(out, scale)
+            keep = self.kept(out, scale)
             ok = True
         finally:
             if not ok and pin is not None:
@@ -266,17 +258,7 @@ class Stage:
             )
         return self._run(xin, target)
 
-    def rebuild_forward(self, i: int, xin: Tensor, target: Any, pin: Any, t_f: int, scale: float) -> None:
-        """Re-run F(i) of a resumed in-flight micro-batch on the weight version it pinned
-        (restored with the store by :mod:`~engine.runtime.inflight`) and stash it as F(i)
-        did (its output, if still unread by the next stage, was saved with the mailboxes).
-        Only for policies whose forward pins its weights."""
-        buf = self.store.resolve(pin) if pin is not None else LIVE_BUFFER
-        with self.store.use(buf):
-            out = self._call(xin, target)
-        self.stash.put(StashEntry(i, xin, self._kept(out, scale), pin, t_f, scale, buf=buf, target=target))
-
-    def _kept(self, out: Any, scale: float) -> Any:
+    def kept(self, out: Any, scale: float) -> Any:
         """What the stash keeps of a forward's output for its backward: the scaled loss on
         the last stage; else the output, or of a tree only the leaves that require grad."""
         if self.is_last:

@@ -10,7 +10,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["StashEntry", "ActivationStash"]
+__all__ = ["StashEntry", "ActivationStash", "DROPPED"]
+
+
+class _Dropped:
+    """Marker passed on instead of an activation or a gradient of a dropped micro-batch."""
+
+    def __repr__(self) -> str:
+        return "DROPPED"
+
+
+DROPPED = _Dropped()
 
 
 @dataclasses.dataclass
