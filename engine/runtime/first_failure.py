@@ -6,7 +6,11 @@ first rank whose step raises writes one line ("rank r: <exception>") into the jo
 key-value store (the one ``torch.distributed`` rendezvoused through) with ``compare_set``,
 so only the first writer wins; a peer's :class:`~engine.errors.PeerError` then quotes it.
 The key carries ``TORCHELASTIC_RESTART_COUNT`` so a job restarted by ``torchrun
---max-restarts`` does not read the previous attempt's note. Best effort: a store that is
+--max-restarts`` does not read the previous attempt's note, and the number of collective calls
+(steps and drains, which every rank makes in the same order) so a note from an earlier failure
+the job survived (a dropped micro-batch, a rejected input) is not quoted for a later one; a
+peer reads the current call's note and the previous one's (an asynchronous rank may already
+wait inside the next step when its neighbour fails). Best effort: a store that is
 unreachable (its host died) just leaves the message as it was.
 """
 
@@ -17,11 +21,20 @@ from typing import Any
 
 from engine.errors import NonFiniteLossError
 
-__all__ = ["report", "first"]
+__all__ = ["begin", "report", "first"]
+
+_call = 0  # the collective call (step or drain) this process is in
 
 
-def _key() -> str:
-    return f"engine/first_failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+def begin() -> None:
+    """A step or drain starts: notes of earlier calls no longer describe this one's failure."""
+    global _call
+    _call += 1
+
+
+def _key(call: int | None = None) -> str:
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"engine/first_failure/{restart}/{_call if call is None else call}"
 
 
 def _store() -> Any:
@@ -52,12 +65,14 @@ def first(rank: int) -> str:
     store = _store()
     if store is None:
         return ""
-    try:
-        if not store.check([_key()]):
+    line = ""
+    for call in (_call, _call - 1):
+        try:
+            if store.check([_key(call)]):
+                line = store.get(_key(call)).decode(errors="replace")
+                break
+        except Exception:
             return ""
-        line = store.get(_key()).decode(errors="replace")
-    except Exception:
-        return ""
     if not line or line.startswith(f"rank {rank}:"):
         return ""
     return f" The first rank to fail in this job was {line}"

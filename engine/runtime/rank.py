@@ -26,7 +26,7 @@ from engine.runtime import inputs as _inputs
 from engine.runtime import trees
 from engine.runtime.build import build_module, build_store, resolve_stage_specs
 from engine.runtime.executor import Executor, StepResult
-from engine.runtime.first_failure import report
+from engine.runtime.first_failure import begin, report
 from engine.runtime.program import OP_NAMES, RB, RF, SB, SF, F, StepProgram, U, W
 from engine.runtime.stage import DROPPED
 from engine.runtime.streams import StageStreams
@@ -343,6 +343,7 @@ class RankExecutor(Executor):
     def drain(self) -> Tensor | None:
         if self.sync or not self.active:
             return None
+        begin()
         try:
             return self._rank_drain()
         except BaseException as exc:
@@ -360,6 +361,7 @@ class RankExecutor(Executor):
 
 def rank_step(pipe: Pipeline, inputs: Any, targets: Any) -> Tensor:
     """``Pipeline.step`` on one rank: split what this rank reads, handshake once, run."""
+    begin()  # first thing: every rank counts every step call, even one that fails early
     lay = pipe.layout
     s, S, M = lay.stage, lay.stages, pipe.spec.chunks
     first, last = s == 0, s == S - 1
