@@ -85,3 +85,20 @@ def test_transformer_snippet_keeps_the_tie_and_equals_the_unpipelined_model(caps
         h = st.module(*h) if isinstance(h, tuple) else st.module(h)
     with torch.no_grad():
         torch.testing.assert_close(pipe.evaluate(x, chunks=1), h, rtol=1e-5, atol=1e-5)
+
+
+def test_transformer_snippet_under_zbh1_equals_1f1b_bit_for_bit() -> None:
+    """The README lists zbh1 among the schedules that keep ties: the split backward sums the
+    tied gradients the same way, so its weights equal 1f1b's bit for bit."""
+    (snippet,) = [b for b in _blocks("python") if "engine.Pipeline(" in b and "Embedding" in b]
+    weights = {}
+    for schedule in ("1f1b", "zbh1"):
+        torch.manual_seed(0)
+        scope: dict = {}
+        code = snippet.replace('schedule="1f1b"', f'schedule="{schedule}"').replace("print(", "(")
+        exec(compile(code, "README.md", "exec"), scope)
+        pipe, tokens = scope["pipe"], scope["tokens"]
+        pipe.step(tokens[:, :-1], tokens[:, 1:])
+        assert pipe.ties and pipe.spec.name == schedule
+        weights[schedule] = [p.detach().clone() for st in pipe.stages for p in st.module.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(weights["1f1b"], weights["zbh1"], strict=True))
