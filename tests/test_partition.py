@@ -169,6 +169,8 @@ def random_case(rng: random.Random):
         for bal in compositions(n, S)
     )
     cap = rng.choice([None, rng.choice(mems), rng.choice(mems) - 1, mems[0] - 1, mems[-1]])
+    if cap is not None and cap < 0:  # every split needs 0 bytes: no cap is infeasible (a
+        cap = 0  # negative one is a ValueError of its own, test_bad_cap_is_refused)
     return costs, S, objective, schedule, order, M, factor, cap
 
 
