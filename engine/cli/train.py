@@ -192,6 +192,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--prediction-mode", choices=("linear", "momentum"), default="linear")
     p.add_argument(
+        "--stage-beta1",
+        type=float,
+        default=None,
+        metavar="B",
+        help="--optimizer nadam: AsyncPP's per-stage beta1, m + D_s (B - m) / S (e.g. 0.99)",
+    )
+    p.add_argument(
         "--pipemare-lr", action="store_true", help="PipeMare T1 learning-rate rescheduling"
     )
     p.add_argument(
