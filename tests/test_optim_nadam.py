@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import torch.optim.nadam as torch_nadam
+from kernel_support import DEVICE, needs_kernels
 
 import engine.optim as eo
 from engine.optim.functional_nadam import stage_beta1
@@ -34,7 +35,7 @@ def _run(opt: torch.optim.Optimizer, params: list[torch.Tensor], steps: int, see
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         for p in params:
-            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype).to(p.device)
         opt.step()
 
 
@@ -158,11 +159,13 @@ def test_formula_against_slow_reference(decoupled):
                                torch.tensor(pred, dtype=torch.float64), rtol=1e-9, atol=1e-9)
 
 
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_fused_optimizer_matches_reference(dtype):
     kw = dict(lr=0.01, betas=(0.99, 0.999), weight_decay=0.1, decoupled_weight_decay=True,
               delay=2, prediction="linear", discrepancy_correction=True)
-    a, b = _params(dtype), _params(dtype)
+    a = [p.to(DEVICE) for p in _params(dtype)]
+    b = [p.to(DEVICE) for p in _params(dtype)]
     ref, fused = eo.NAdam(a, fused=False, **kw), eo.NAdam(b, fused=True, **kw)
     _run(ref, a, 3)
     _run(fused, b, 3)

@@ -24,13 +24,13 @@ from torch import Tensor
 from engine.optim.functional_nadam import nadam_mu, validate_nadam_args
 from engine.triton_kernels._launch import (
     GPU_WARPS,
-    cast_rne,
     check_launchable,
     default_block,
     grid_for,
     interpreting,
     placeholder,
 )
+from engine.triton_kernels.adam import adam_moments, store_step
 
 __all__ = ["fused_nadam_update", "nadam_kernel", "launch_nadam"]
 
@@ -65,37 +65,13 @@ def nadam_kernel(
         else:
             g = g + weight_decay * w
 
-    m = tl.load(m_ptr + offs, mask=mask)
-    # torch's lerp: self + wt * (end - self) for |wt| < 0.5, else end - (end - self) * (1 - wt)
-    if LERP_SMALL:
-        m = m + w1 * (g - m)
-    else:
-        m = g - (g - m) * (1.0 - w1)
-    v = tl.load(v_ptr + offs, mask=mask)
-    v = v * beta2 + (keep2 * g) * g
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
-
+    m, v = adam_moments(m_ptr, v_ptr, offs, mask, g, w1, beta2, keep2, LERP_SMALL)
     denom = tl.sqrt_rn(tl.div_rn(v, bc2)) + eps
     w = w + coef_g * tl.div_rn(g, denom)
     w = w + coef_m * tl.div_rn(m, denom)
 
-    w_new = cast_rne(w, param_ptr.dtype.element_ty)
-    tl.store(param_ptr + offs, w_new, mask=mask)
-
-    if LAST or PREDICT or DELTA:
-        # derived buffers use the weights as stored, as the reference does
-        w_st = w_new.to(tl.float32)
-        applied = w_old - w_st
-        if LAST:
-            tl.store(last_ptr + offs, applied, mask=mask)
-        if PREDICT:
-            pred = cast_rne(w_st - horizon * applied, pred_ptr.dtype.element_ty)
-            tl.store(pred_ptr + offs, pred, mask=mask)
-        if DELTA:
-            d = tl.load(delta_ptr + offs, mask=mask)
-            d = d * gamma + keep_gamma * (w_st - w_old)
-            tl.store(delta_ptr + offs, d, mask=mask)
+    store_step(param_ptr, last_ptr, pred_ptr, delta_ptr, offs, mask, w, w_old, horizon, gamma,
+               keep_gamma, LAST, PREDICT, DELTA)
 
 
 def launch_nadam(
