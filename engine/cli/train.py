@@ -152,6 +152,13 @@ def add_hparam_arguments(p: argparse.ArgumentParser) -> None:
         "step fixed) or linear (lr*B/B_ref as in ALGORITHMS.md; diverges at B=1)",
     )
     p.add_argument(
+        "--stage-beta1",
+        type=float,
+        default=None,
+        metavar="B",
+        help="--optimizer nadam: AsyncPP's per-stage beta1, m + D_s (B - m) / S (e.g. 0.99)",
+    )
+    p.add_argument(
         "--no-scaling",
         dest="ref_batch",
         action="store_const",
@@ -191,13 +198,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="pb only: lwp (linear weight prediction), spectrain, spectrain_reuse",
     )
     p.add_argument("--prediction-mode", choices=("linear", "momentum"), default="linear")
-    p.add_argument(
-        "--stage-beta1",
-        type=float,
-        default=None,
-        metavar="B",
-        help="--optimizer nadam: AsyncPP's per-stage beta1, m + D_s (B - m) / S (e.g. 0.99)",
-    )
     p.add_argument(
         "--pipemare-lr", action="store_true", help="PipeMare T1 learning-rate rescheduling"
     )
