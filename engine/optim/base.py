@@ -78,9 +78,9 @@ def _functional() -> Any:
 
 
 class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
-    """Base class of ``engine.optim.SGD``, ``Adam`` and ``AdamW``.
+    """Base class of ``engine.optim.SGD``, ``Adam``, ``AdamW`` and ``NAdam``.
 
-    Subclasses provide the family name (``"sgd"`` / ``"adam"``), the per-param state keys a
+    Subclasses provide the family name (``"sgd"``, ``"adam"``, ``"nadam"``), the state keys a
     group needs, their own option checks, and the call into the update function. Everything
     else (validation before any state change, AMP arguments, the fused/reference and the
     flat/per-tensor dispatch, predicted and backward weights) lives here so the two families
