@@ -28,6 +28,7 @@ CASES = {
     "maximize": dict(maximize=True, beta1=0.3),  # torch's other lerp branch
     "predict_delta": dict(pred=True, last=True, delta=True, decoupled=True, weight_decay=1e-2),
     "amp": dict(scale=True, pred=True, delta=True),
+    "host": dict(host=True, scale=True, delta=True, weight_decay=1e-2),  # torch's CPU layout
 }
 STATE = ("exp_avg", "exp_avg_sq")
 
@@ -51,7 +52,8 @@ def _run_case(n, dtype, case, block=None, steps=3):
     fused = {k: (v.clone() if v is not None else None) for k, v in ref.items()}
     gen = torch.Generator(device="cpu").manual_seed(n + 1)
     scale = torch.tensor(512.0)
-    kw = {k: v for k, v in {**BASE, **case}.items() if k not in ("pred", "last", "delta", "scale")}
+    kw = {k: v for k, v in {**BASE, **case}.items()
+          if k not in ("pred", "last", "delta", "scale", "host")}
     kw.update(predict_horizon=2.0, delta_gamma=0.1 ** 0.5)
     if case.get("scale"):
         kw.update(grad_scale=scale, found_inf=torch.tensor(0.0))
@@ -61,7 +63,7 @@ def _run_case(n, dtype, case, block=None, steps=3):
             g = (g.float() * scale).to(dtype)
         before = ref["param"].clone()
         for t, fn in ((ref, nadam_update), (fused, launch_nadam)):
-            extra = {"block": block} if fn is launch_nadam else {}
+            extra = {"block": block, "device_step": not case.get("host")} if fn is launch_nadam else {}
             fn(t["param"], g, t["exp_avg"], t["exp_avg_sq"], t["mu_product"], step=t["step"],
                last_update=t["last_update"], predicted=t["predicted"], delta=t["delta"],
                **kw, **extra)
@@ -95,13 +97,14 @@ def test_fused_nadam_many_programs():
     _run_case(1023, torch.float32, CASES["amp"], block=128)
 
 
-def test_found_inf_writes_nothing():
+@pytest.mark.parametrize("host", [False, True])
+def test_found_inf_writes_nothing(host):
     t = _make(100, torch.float32, CASES["predict_delta"], seed=3)
     t["exp_avg"].normal_()
     before = {k: v.clone() for k, v in t.items() if v is not None}
     launch_nadam(t["param"], torch.randn(100), t["exp_avg"], t["exp_avg_sq"], t["mu_product"],
                  step=t["step"], last_update=t["last_update"], predicted=None, delta=t["delta"],
-                 grad_scale=torch.tensor(2.0), found_inf=torch.tensor(1.0),
+                 grad_scale=torch.tensor(2.0), found_inf=torch.tensor(1.0), device_step=not host,
                  **{**BASE, "decoupled": True, "weight_decay": 0.1})
     for k, v in before.items():
         assert torch.equal(t[k], v), k
