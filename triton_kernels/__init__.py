@@ -6,8 +6,8 @@ Installed as ``engine.triton_kernels`` (the folder keeps its name): a top-level
 ``sgd``: fused momentum-SGD step (weight decay, Nesterov, dampening, maximize, spike
 compensation, weight prediction, PipeMare's delta, AMP unscale / skip).
 ``adam``: fused Adam / AdamW step (AMSGrad, the same mitigations, on-device bias correction).
-``nadam``: fused NAdam / NAdamW step (the same mitigations but spike compensation; host-side
-momentum schedule).
+``nadam``: fused NAdam / NAdamW step (prediction, PipeMare's delta, AMP; momentum schedule
+computed in the kernel from the device step and mu_product).
 ``_launch``: what the launchers share (block sizes, argument checks, bf16 rounding).
 
 The launchers have exactly the signatures of the reference functions in
