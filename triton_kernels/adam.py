@@ -40,7 +40,7 @@ from engine.triton_kernels._launch import (
     placeholder,
 )
 
-__all__ = ["fused_adam_update", "adam_kernel", "launch_adam", "adam_moments", "store_step"]
+__all__ = ["fused_adam_update", "adam_kernel", "launch_adam", "adam_moments", "load_and_decay", "store_step"]
 
 
 @triton.jit
@@ -83,18 +83,8 @@ def adam_kernel(
         bc2_sqrt = host_bc2_sqrt
         sc_coef = host_sc_coef
 
-    w = tl.load(param_ptr + offs, mask=mask).to(tl.float32)
-    g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
-    if SCALE:
-        g = tl.div_rn(g, tl.load(scale_ptr).to(tl.float32))
-    if MAXIMIZE:
-        g = -g
-    w_old = w
-    if WEIGHT_DECAY:
-        if DECOUPLED:
-            w = w * decay
-        else:
-            g = g + weight_decay * w
+    w, g, w_old = load_and_decay(param_ptr, grad_ptr, scale_ptr, offs, mask, weight_decay, decay,
+                                 SCALE, MAXIMIZE, WEIGHT_DECAY, DECOUPLED)
 
     m, v = adam_moments(m_ptr, v_ptr, offs, mask, g, w1, beta2, keep2, LERP_SMALL)
     if AMSGRAD:
@@ -112,6 +102,28 @@ def adam_kernel(
 
     store_step(param_ptr, last_ptr, pred_ptr, delta_ptr, offs, mask, w, w_old, horizon, gamma,
                keep_gamma, LAST, PREDICT, DELTA)
+
+
+@triton.jit
+def load_and_decay(param_ptr, grad_ptr, scale_ptr, offs, mask, weight_decay, decay,
+                   SCALE: tl.constexpr, MAXIMIZE: tl.constexpr, WEIGHT_DECAY: tl.constexpr,
+                   DECOUPLED: tl.constexpr):
+    """Load w and g in fp32, unscale (AMP) and negate (maximize) g, apply the weight decay
+    (decoupled: w *= 1 - lr * wd; else g += wd * w); returns (w, g, w before the decay)
+    (shared with NAdam's kernel)."""
+    w = tl.load(param_ptr + offs, mask=mask).to(tl.float32)
+    g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
+    if SCALE:
+        g = tl.div_rn(g, tl.load(scale_ptr).to(tl.float32))
+    if MAXIMIZE:
+        g = -g
+    w_old = w
+    if WEIGHT_DECAY:
+        if DECOUPLED:
+            w = w * decay
+        else:
+            g = g + weight_decay * w
+    return w, g, w_old
 
 
 @triton.jit

@@ -35,7 +35,13 @@ from engine.triton_kernels._launch import (
     interpreting,
     placeholder,
 )
-from engine.triton_kernels.adam import _advance_step, _log, adam_moments, store_step
+from engine.triton_kernels.adam import (
+    _advance_step,
+    _log,
+    adam_moments,
+    load_and_decay,
+    store_step,
+)
 
 __all__ = ["fused_nadam_update", "nadam_kernel", "launch_nadam"]
 
@@ -77,18 +83,8 @@ def nadam_kernel(
         coef_g = host_coef_g
         coef_m = host_coef_m
         bc2 = host_bc2
-    w = tl.load(param_ptr + offs, mask=mask).to(tl.float32)
-    g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
-    if SCALE:
-        g = tl.div_rn(g, tl.load(scale_ptr).to(tl.float32))
-    if MAXIMIZE:
-        g = -g
-    w_old = w
-    if WEIGHT_DECAY:
-        if DECOUPLED:
-            w = w * decay
-        else:
-            g = g + weight_decay * w
+    w, g, w_old = load_and_decay(param_ptr, grad_ptr, scale_ptr, offs, mask, weight_decay, decay,
+                                 SCALE, MAXIMIZE, WEIGHT_DECAY, DECOUPLED)
 
     m, v = adam_moments(m_ptr, v_ptr, offs, mask, g, w1, beta2, keep2, LERP_SMALL)
     denom = tl.sqrt_rn(tl.div_rn(v, bc2)) + eps
