@@ -6,7 +6,7 @@ compiler sees: type errors in constexpr branches, unsupported ops, layouts, vect
 TRITON_INTERPRET is unset (the conftest sets it here), hence the subprocesses.
 
 What is compiled is what a launch would compile: each case calls the real launcher
-(``launch_sgd`` / ``launch_adam``) on meta tensors, so the constexpr flags, block size, warps,
+(``launch_sgd`` / ``launch_adam`` / ``launch_nadam``) on meta tensors, so the constexpr flags, block size, warps,
 placeholder pointers and dtypes are the launcher's own, and Triton's own binder (built for the
 CUDA backend) turns the arguments into the signature and specialization of a GPU launch:
 ``tt.divisibility=16`` for 16-byte aligned pointers and for ints divisible by 16, i64 for
@@ -18,7 +18,8 @@ multiple of 16) every block access is vectorized to the expected width (fp32: 12
 bf16/fp16: 128 bits where all swept tensors are 16-bit, 64 bits beside fp32 tensors, see
 triton_kernels/_launch.py); and no variant the launchers pick goes through shared memory.
 
-The default set (105 cases, 103 variants, ~25 CPU-s: ~15-40 s on 2 cores) covers every dtype
+The default set (129 cases, 127 variants; NAdam's 24 of them: every dtype pair off and on,
+the host path, odd and unaligned sizes; ~25 CPU-s: ~15-40 s on 2 cores) covers every dtype
 pair, each flag alone, everything on, and the unhinted, i64 and n == 1 specializations; the
 ``slow`` sweep (1,985 cases, 1,950 variants, ~5 CPU-min) adds SGD's full flag product per dtype, Adam's full product of the flags that change memory
 traffic (the arithmetic-only flags rotate through their combinations), and the mixed-dtype
@@ -54,6 +55,10 @@ ADAM_OFF = dict(wd=False, decoupled=False, amsgrad=False, maximize=False, sc=Fal
                 predict=False, delta=False, scale=False, inf=False, device_step=False,
                 lerp_small=True)
 ADAM_ON = {k: True for k in ADAM_OFF}
+# NAdam: Adam's kernel shape without AMSGrad and spike compensation; device_step also loads
+# mu_product
+NADAM_OFF = {k: v for k, v in ADAM_OFF.items() if k not in ("amsgrad", "sc")}
+NADAM_ON = {k: True for k in NADAM_OFF}
 ADAM_TRAFFIC = ("amsgrad", "last", "predict", "delta", "scale", "inf", "device_step")
 ADAM_ARITH = [dict(wd=w, decoupled=d, maximize=m, sc=s, lerp_small=ls)
               for w, d in ((False, False), (True, False), (True, True))
@@ -61,7 +66,7 @@ ADAM_ARITH = [dict(wd=w, decoupled=d, maximize=m, sc=s, lerp_small=ls)
 
 
 def _case(family, dtype, grad=None, n=N_ARENA, odd=(), block=None, **opts):
-    base = SGD_OFF if family == "sgd" else ADAM_OFF
+    base = {"sgd": SGD_OFF, "adam": ADAM_OFF, "nadam": NADAM_OFF}[family]
     assert set(opts) <= set(base), opts
     return dict(family=family, dtype=dtype, grad=grad or dtype, n=n, odd=list(odd),
                 block=block, opts=dict(base, **opts))
@@ -101,6 +106,15 @@ def default_cases() -> dict[str, dict]:
     # an explicit 1024 block with bf16 beside fp32 state: the layout conversion the default
     # block avoids, compiled so the test shows its shared-memory detector fires
     cases["adam_bfloat16_off_block1024"] = _case("adam", "bfloat16", block=1024)
+    for dtype, grad in itertools.product(DTYPES, DTYPES):
+        cases[f"nadam_{dtype}_{grad}_off"] = _case("nadam", dtype, grad)
+        cases[f"nadam_{dtype}_{grad}_on"] = _case("nadam", dtype, grad, **NADAM_ON)
+    for name in ("device_step", "inf", "last", "lerp_small"):  # the host path, alone
+        cases[f"nadam_float32_host_{name}"] = _case("nadam", "float32",
+                                                    **{**NADAM_ON, name: False})
+    cases["nadam_float32_on_n_odd"] = _case("nadam", "float32", n=N_ODD, **NADAM_ON)
+    cases["nadam_bfloat16_on_unaligned"] = _case("nadam", "bfloat16", n=N_ODD, odd=["all"],
+                                                 **NADAM_ON)
     return cases
 
 
@@ -141,6 +155,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 import engine.triton_kernels.adam as adam_mod
+import engine.triton_kernels.nadam as nadam_mod
 import engine.triton_kernels.sgd as sgd_mod
 
 cases = json.load(open(sys.argv[1]))
@@ -168,6 +183,8 @@ class Capture:
 sgd_mod.sgd_kernel = Capture(sgd_mod.sgd_kernel)
 adam_mod.adam_kernel = Capture(adam_mod.adam_kernel)
 adam_mod._advance_step = lambda step, found_inf: None  # a device op beside the kernel
+nadam_mod.nadam_kernel = Capture(nadam_mod.nadam_kernel)
+nadam_mod._advance_step = lambda step, found_inf: None
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -191,6 +208,19 @@ def launch(case):
             weight_decay=0.01 if o["wd"] else 0.0, nesterov=o["nesterov"],
             maximize=o["maximize"], init_momentum=o["init"], sc_delay=2 if o["sc"] else 0,
             predict_coeff=0.2, delta_gamma=0.5, **common)
+    elif case["family"] == "nadam":
+        # step and mu_product beside the params: the kernel derives the coefficients; on the
+        # CPU: the host (a real CPU tensor, it is read)
+        dev = "meta" if o["device_step"] else "cpu"
+        nadam_mod.launch_nadam(
+            t("param", p), t("grad", DT[case["grad"]]), t("m", st), t("v", st),
+            torch.full((), 0.5, device=dev), step=torch.ones((), device=dev), lr=1e-3,
+            beta1=0.9 if o["lerp_small"] else 0.3, beta2=0.999, eps=1e-8,
+            weight_decay=0.01 if o["wd"] else 0.0, momentum_decay=4e-3,
+            decoupled=o["decoupled"], maximize=o["maximize"],
+            last_update=t("last", st, o["last"]), predict_horizon=2.0, delta_gamma=0.5,
+            # the host path reads found_inf on the host: a meta tensor cannot be read
+            **dict(common, found_inf=one(o["inf"] and o["device_step"])))
     else:
         # step beside the params: the kernel derives the bias corrections; on the CPU: the host
         step = torch.ones(1, device="meta" if o["device_step"] else "cpu")
@@ -344,6 +374,10 @@ def test_specialized_as_a_gpu_launch(compiled):
                     "inf_ptr": o["inf"]}
         if spec["family"] == "sgd":
             opt_ptrs["buf_ptr"] = o["momentum"]
+        elif spec["family"] == "nadam":
+            # found_inf reaches the kernel on the device path only (the host reads it)
+            opt_ptrs |= {"last_ptr": o["last"], "step_ptr": o["device_step"],
+                         "prod_ptr": o["device_step"], "inf_ptr": o["inf"] and o["device_step"]}
         else:
             opt_ptrs |= {"vmax_ptr": o["amsgrad"], "last_ptr": o["last"],
                          "step_ptr": o["device_step"]}
@@ -360,7 +394,8 @@ def test_specialized_as_a_gpu_launch(compiled):
             assert ptrs <= hinted, (name, ptrs - hinted)
         elif spec["odd"] == ["all"]:
             # placeholders are the (unaligned) param; the one-element tensors stay aligned
-            scalars = {"scale_ptr", "inf_ptr"} | ({"step_ptr"} if o.get("device_step") else set())
+            scalars = {"scale_ptr", "inf_ptr"} | (
+                {"step_ptr", "prod_ptr"} if o.get("device_step") else set())
             assert not hinted & (ptrs - scalars), (name, hinted)
         else:
             assert not hinted & {f"{r}_ptr" for r in spec["odd"]}, (name, hinted)
@@ -376,7 +411,7 @@ def test_ieee_division_and_square_root_only(compiled):
     for name, spec in compiled["specs"].items():
         v = _variant(compiled, name)
         assert v["approx"] == 0, (name, "approximate div/sqrt/rcp in the PTX")
-        if spec["family"] == "adam":
+        if spec["family"] in ("adam", "nadam"):
             assert v["rn_div"] > 0 and v["rn_sqrt"] > 0, name
 
 
@@ -387,8 +422,9 @@ def _expected_accesses(spec) -> tuple[Counter, Counter]:
         loads = ["param", "grad"] + ["buf"] * (o["momentum"] and not o["init"])
         stores = ["param"] + ["buf"] * o["momentum"] + ["pred"] * o["predict"]
     else:
-        loads = ["param", "grad", "m", "v"] + ["vmax"] * o["amsgrad"]
-        stores = ["param", "m", "v"] + ["vmax"] * o["amsgrad"] + ["last"] * o["last"]
+        vmax = o.get("amsgrad", False)
+        loads = ["param", "grad", "m", "v"] + ["vmax"] * vmax
+        stores = ["param", "m", "v"] + ["vmax"] * vmax + ["last"] * o["last"]
         stores += ["pred"] * o["predict"]
     loads += ["delta"] * o["delta"]
     stores += ["delta"] * o["delta"]
@@ -407,7 +443,12 @@ def _expected_accesses(spec) -> tuple[Counter, Counter]:
             out[min(bits, 128)] += max(1, bits // 128)
         return out
 
-    scalar = Counter({32: sum(bool(o.get(k)) for k in SCALAR_FLAGS)})
+    scalars = sum(bool(o.get(k)) for k in SCALAR_FLAGS)
+    if spec["family"] == "nadam" and o["device_step"]:
+        scalars += 1  # mu_product beside the step
+    if spec["family"] == "nadam" and o["inf"] and not o["device_step"]:
+        scalars -= 1  # the host read found_inf
+    scalar = Counter({32: scalars})
     return widths(loads) + scalar, widths(stores)
 
 

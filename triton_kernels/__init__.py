@@ -6,6 +6,8 @@ Installed as ``engine.triton_kernels`` (the folder keeps its name): a top-level
 ``sgd``: fused momentum-SGD step (weight decay, Nesterov, dampening, maximize, spike
 compensation, weight prediction, PipeMare's delta, AMP unscale / skip).
 ``adam``: fused Adam / AdamW step (AMSGrad, the same mitigations, on-device bias correction).
+``nadam``: fused NAdam / NAdamW step (prediction, PipeMare's delta, AMP; momentum schedule
+computed in the kernel from the device step and mu_product).
 ``_launch``: what the launchers share (block sizes, argument checks, bf16 rounding).
 
 The launchers have exactly the signatures of the reference functions in
@@ -22,6 +24,7 @@ from typing import Any
 _LAZY = {
     "fused_sgd_update": "engine.triton_kernels.sgd",
     "fused_adam_update": "engine.triton_kernels.adam",
+    "fused_nadam_update": "engine.triton_kernels.nadam",
 }
 
 __all__ = list(_LAZY)

@@ -40,7 +40,7 @@ from engine.triton_kernels._launch import (
     placeholder,
 )
 
-__all__ = ["fused_adam_update", "adam_kernel", "launch_adam"]
+__all__ = ["fused_adam_update", "adam_kernel", "launch_adam", "adam_moments", "load_and_decay", "store_step"]
 
 
 @triton.jit
@@ -83,29 +83,10 @@ def adam_kernel(
         bc2_sqrt = host_bc2_sqrt
         sc_coef = host_sc_coef
 
-    w = tl.load(param_ptr + offs, mask=mask).to(tl.float32)
-    g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
-    if SCALE:
-        g = tl.div_rn(g, tl.load(scale_ptr).to(tl.float32))
-    if MAXIMIZE:
-        g = -g
-    w_old = w
-    if WEIGHT_DECAY:
-        if DECOUPLED:
-            w = w * decay
-        else:
-            g = g + weight_decay * w
+    w, g, w_old = load_and_decay(param_ptr, grad_ptr, scale_ptr, offs, mask, weight_decay, decay,
+                                 SCALE, MAXIMIZE, WEIGHT_DECAY, DECOUPLED)
 
-    m = tl.load(m_ptr + offs, mask=mask)
-    # torch's lerp: self + wt * (end - self) for |wt| < 0.5, else end - (end - self) * (1 - wt)
-    if LERP_SMALL:
-        m = m + w1 * (g - m)
-    else:
-        m = g - (g - m) * (1.0 - w1)
-    v = tl.load(v_ptr + offs, mask=mask)
-    v = v * beta2 + (keep2 * g) * g
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
+    m, v = adam_moments(m_ptr, v_ptr, offs, mask, g, w1, beta2, keep2, LERP_SMALL)
     if AMSGRAD:
         vmax = tl.load(vmax_ptr + offs, mask=mask)
         vmax = tl.maximum(vmax, v, propagate_nan=tl.PropagateNan.ALL)
@@ -119,9 +100,56 @@ def adam_kernel(
     else:
         w = w + tl.div_rn(-step_size * m, denom)
 
+    store_step(param_ptr, last_ptr, pred_ptr, delta_ptr, offs, mask, w, w_old, horizon, gamma,
+               keep_gamma, LAST, PREDICT, DELTA)
+
+
+@triton.jit
+def load_and_decay(param_ptr, grad_ptr, scale_ptr, offs, mask, weight_decay, decay,
+                   SCALE: tl.constexpr, MAXIMIZE: tl.constexpr, WEIGHT_DECAY: tl.constexpr,
+                   DECOUPLED: tl.constexpr):
+    """Load w and g in fp32, unscale (AMP) and negate (maximize) g, apply the weight decay
+    (decoupled: w *= 1 - lr * wd; else g += wd * w); returns (w, g, w before the decay)
+    (shared with NAdam's kernel)."""
+    w = tl.load(param_ptr + offs, mask=mask).to(tl.float32)
+    g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
+    if SCALE:
+        g = tl.div_rn(g, tl.load(scale_ptr).to(tl.float32))
+    if MAXIMIZE:
+        g = -g
+    w_old = w
+    if WEIGHT_DECAY:
+        if DECOUPLED:
+            w = w * decay
+        else:
+            g = g + weight_decay * w
+    return w, g, w_old
+
+
+@triton.jit
+def adam_moments(m_ptr, v_ptr, offs, mask, g, w1, beta2, keep2, LERP_SMALL: tl.constexpr):
+    """Adam's moments updated and stored (shared with NAdam's kernel): torch's lerp for the
+    first, ``v * b2 + (1 - b2) * g * g`` for the second; returns the new (m, v)."""
+    m = tl.load(m_ptr + offs, mask=mask)
+    # torch's lerp: self + wt * (end - self) for |wt| < 0.5, else end - (end - self) * (1 - wt)
+    if LERP_SMALL:
+        m = m + w1 * (g - m)
+    else:
+        m = g - (g - m) * (1.0 - w1)
+    v = tl.load(v_ptr + offs, mask=mask)
+    v = v * beta2 + (keep2 * g) * g
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+    return m, v
+
+
+@triton.jit
+def store_step(param_ptr, last_ptr, pred_ptr, delta_ptr, offs, mask, w, w_old, horizon, gamma,
+               keep_gamma, LAST: tl.constexpr, PREDICT: tl.constexpr, DELTA: tl.constexpr):
+    """Store the new weights (rounded once) and the buffers derived from the applied step
+    (shared with NAdam's kernel): last_update, the prediction, PipeMare's delta."""
     w_new = cast_rne(w, param_ptr.dtype.element_ty)
     tl.store(param_ptr + offs, w_new, mask=mask)
-
     if LAST or PREDICT or DELTA:
         # derived buffers use the weights as stored, as the reference does
         w_st = w_new.to(tl.float32)

@@ -48,7 +48,7 @@ __all__ = [
 #: every schedule family of the catalog (a new family is trainable from the command line)
 SCHEDULES: tuple[str, ...] = _CATALOG
 PREDICTIONS = ("lwp", "spectrain", "spectrain_reuse")
-OPTIMIZERS = ("sgd", "adam", "adamw")
+OPTIMIZERS = ("sgd", "adam", "adamw", "nadam")
 TASKS = ("classify", "lm")
 SYNC_SCHEDULES = ("naive", "gpipe", "1f1b")
 
@@ -86,6 +86,7 @@ class TrainConfig:
     pipemare_warmup: int | None = None
     discrepancy_correction: bool = False
     correction_decay: float = 0.1
+    stage_beta1: float | None = None
     checkpoint: str = "never"
     epochs: int = 3
     evals_per_epoch: int = 4
@@ -135,6 +136,8 @@ class TrainConfig:
             parts.append("T1")
         if self.discrepancy_correction:
             parts.append("T2")
+        if self.stage_beta1 is not None:
+            parts.append(f"b1s{self.stage_beta1:g}")
         return "+".join(parts)
 
 
@@ -205,5 +208,25 @@ def check_config(cfg: TrainConfig) -> None:
         raise CLIError(f"--checkpoint-every {cfg.checkpoint_every} must be >= 1 (steps)")
     if cfg.pipemare_warmup is not None and cfg.pipemare_warmup < 0:
         raise CLIError(f"--pipemare-warmup {cfg.pipemare_warmup} must be >= 0")
+    _check_nadam(cfg)
     if cfg.prediction is not None and cfg.momentum == 0 and cfg.optimizer == "sgd":
         raise CLIError("--prediction extrapolates the momentum buffer; it needs --momentum > 0")
+
+
+def _check_nadam(cfg: TrainConfig) -> None:
+    """NAdam's options (engine.optim.NAdam refuses the same, with the optimizer's words)."""
+    if cfg.stage_beta1 is not None:
+        if cfg.optimizer != "nadam":
+            raise CLIError(f"--stage-beta1 applies to --optimizer nadam (got --optimizer {cfg.optimizer})")
+        m = cfg.effective_hparams()[1]  # the beta1 the optimizer gets (after --ref-batch scaling)
+        if not m <= cfg.stage_beta1 < 1:
+            raise CLIError(
+                f"--stage-beta1 {cfg.stage_beta1} must lie in [beta1, 1), beta1 = {m:.4g} (the "
+                "--momentum after the --ref-batch rule; --no-scaling keeps --momentum as given)"
+            )
+    if cfg.optimizer == "nadam":
+        if cfg.spike_compensation:
+            raise CLIError("--spike-compensation does not apply to --optimizer nadam: its numerator "
+                           "already is the look-ahead (use --optimizer adam for SC_D)")
+        if cfg.prediction is not None and cfg.prediction_mode != "linear":
+            raise CLIError("--optimizer nadam predicts with --prediction-mode linear only")

@@ -154,6 +154,10 @@ def build_pipeline(
     }
 
     def make_optimizer(params: list[Any]) -> torch.optim.Optimizer:
+        if cfg.optimizer == "nadam":  # AsyncPP's NAdamW; beta1 is --momentum
+            rule = None if cfg.stage_beta1 is None else (cfg.stage_beta1, cfg.stages)
+            return engine.optim.NAdam(params, lr=lr, betas=(momentum, 0.999),
+                                      decoupled_weight_decay=True, stage_beta1=rule, **opt_kwargs)
         if cfg.optimizer in ("adam", "adamw"):
             cls = engine.optim.AdamW if cfg.optimizer == "adamw" else engine.optim.Adam
             return cls(params, lr=lr, betas=(momentum, 0.999), **opt_kwargs)

@@ -152,6 +152,13 @@ def add_hparam_arguments(p: argparse.ArgumentParser) -> None:
         "step fixed) or linear (lr*B/B_ref as in ALGORITHMS.md; diverges at B=1)",
     )
     p.add_argument(
+        "--stage-beta1",
+        type=float,
+        default=None,
+        metavar="B",
+        help="--optimizer nadam: AsyncPP's per-stage beta1, m + D_s (B - m) / S (e.g. 0.99)",
+    )
+    p.add_argument(
         "--no-scaling",
         dest="ref_batch",
         action="store_const",

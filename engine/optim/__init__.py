@@ -1,6 +1,6 @@
 """Drop-in torch.optim optimizers that know about pipeline delay (staleness).
 
-``SGD``, ``Adam`` and ``AdamW`` are ``torch.optim.Optimizer`` subclasses: with ``delay=0`` and
+``SGD``, ``Adam``, ``AdamW`` and ``NAdam`` are ``torch.optim.Optimizer`` subclasses: with ``delay=0`` and
 the mitigation options off they equal torch.optim's results bit for bit on CPU. Per param
 group they also take the delay D_s of their pipeline stage and the staleness mitigations of
 ALGORITHMS.md (spike compensation, weight prediction, PipeMare's discrepancy correction);
@@ -14,6 +14,7 @@ from __future__ import annotations
 from engine.optim.adam import Adam, AdamW
 from engine.optim.base import PREDICTION_MODES, DelayOptimizer
 from engine.optim.lr_scheduler import PipeMareLR
+from engine.optim.nadam import NAdam
 from engine.optim.sgd import SGD
 
-__all__ = ["SGD", "Adam", "AdamW", "PipeMareLR", "DelayOptimizer", "PREDICTION_MODES"]
+__all__ = ["SGD", "Adam", "AdamW", "NAdam", "PipeMareLR", "DelayOptimizer", "PREDICTION_MODES"]

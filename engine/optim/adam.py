@@ -30,6 +30,7 @@ __all__ = ["Adam", "AdamW"]
 
 class _AdamBase(DelayOptimizer):
     _family = "adam"
+    _shared_scalars = (("step", 0.0),)
 
     def __init__(
         self,
@@ -118,7 +119,7 @@ class _AdamBase(DelayOptimizer):
         eps = group["eps"]
         if not (_is_real_number(eps) and eps >= 0.0):
             raise ValueError(f"{where}eps={eps!r} is invalid: it must be a float >= 0")
-        if not isinstance(group["amsgrad"], bool):
+        if not isinstance(group.get("amsgrad", False), bool):  # NAdam has no amsgrad
             raise TypeError(f"{where}amsgrad={group['amsgrad']!r} is invalid: it must be True or False")
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]:

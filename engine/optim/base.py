@@ -78,9 +78,9 @@ def _functional() -> Any:
 
 
 class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
-    """Base class of ``engine.optim.SGD``, ``Adam`` and ``AdamW``.
+    """Base class of ``engine.optim.SGD``, ``Adam``, ``AdamW`` and ``NAdam``.
 
-    Subclasses provide the family name (``"sgd"`` / ``"adam"``), the per-param state keys a
+    Subclasses provide the family name (``"sgd"``, ``"adam"``, ``"nadam"``), the state keys a
     group needs, their own option checks, and the call into the update function. Everything
     else (validation before any state change, AMP arguments, the fused/reference and the
     flat/per-tensor dispatch, predicted and backward weights) lives here so the two families
@@ -92,7 +92,10 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
     # update when found_inf != 0, on the device, without a host sync.
     _step_supports_amp_scaling = True
 
-    _family: str = ""  # "sgd" or "adam": picks the update functions
+    _family: str = ""  # "sgd", "adam" or "nadam": picks the update functions
+    #: one-element state every param of a flat bucket shares, with its initial value (Adam's
+    #: step count; NAdam's also its momentum product)
+    _shared_scalars: tuple[tuple[str, float], ...] = ()
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         # Check the defaults before torch stores anything, so a bad keyword fails with the
@@ -327,8 +330,8 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
                 self.state[p] = state
             predicted = self._predicted_buffer(group, p, p)
             tensors = {k: state[k] for k in keys}
-            if "step" in state:
-                tensors["step"] = state["step"]
+            for key, _ in self._shared_scalars:
+                tensors[key] = state[key]
             param, grad = p, p.grad
             # Zero-size and non-contiguous tensors take the reference path: the kernels read
             # memory as contiguous and a zero-size launch has nothing to do (but Adam's step
@@ -393,11 +396,11 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
                 return False
             init = all(fresh)
         flat = self._binding_state(group, b)
-        if self._family == "adam":
-            step = flat.get("step") if b.initialized else self._flat_step_tensor(group, list(params))
-            if step is None:
+        for key, init_value in self._shared_scalars:
+            shared = flat.get(key) if b.initialized else self._flat_scalar(list(params), key, init_value)
+            if shared is None:
                 return False
-            flat["step"] = step
+            flat[key] = shared
         predicted = None
         if group["prediction"] is not None:
             predicted = b.predicted
@@ -414,8 +417,8 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
                 b.state["_pred_target"] = predicted
         fn = fused if fuse and view.param.numel() > 0 else ref
         tensors = {k: flat[k] for k in self._state_keys(group)}
-        if "step" in flat:
-            tensors["step"] = flat["step"]
+        for key, _ in self._shared_scalars:
+            tensors[key] = flat[key]
         self._call_update(fn, group, view.param, view.grad, tensors, init, predicted, grad_scale, found_inf)
         b.initialized = True
         return True
@@ -440,12 +443,13 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
         """True when the param has not been stepped yet (its state would be created now)."""
         raise NotImplementedError
 
-    def _flat_step_tensor(self, group: dict[str, Any], params: list[Tensor]) -> Tensor | None:
-        """Adam's step count shared by every param of a flat bucket (one object, so the one
-        in-place increment of the flat update advances every param's ``state['step']``)."""
-        steps = [self.state[p].get("step") for p in params]  # once per binding
+    def _flat_scalar(self, params: list[Tensor], key: str, init_value: float) -> Tensor | None:
+        """A one-element state (Adam's step count) shared by every param of a flat bucket (one
+        object, so the one in-place update of the flat step advances every param's
+        ``state[key]``)."""
+        steps = [self.state[p].get(key) for p in params]  # once per binding
         if all(s is None for s in steps):
-            shared = torch.zeros((), dtype=torch.float32, device=params[0].device)
+            shared = torch.full((), init_value, dtype=torch.float32, device=params[0].device)
         elif any(s is None for s in steps):
             return None
         elif all(s is steps[0] for s in steps):
@@ -458,5 +462,5 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
                 return None
             shared = first.detach().to(dtype=torch.float32, device=params[0].device).clone()
         for p in params:
-            self.state[p]["step"] = shared
+            self.state[p][key] = shared
         return shared

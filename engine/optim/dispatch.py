@@ -48,10 +48,11 @@ class _Fused:
 
 
 def kernels(family: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """(reference, fused) update functions of ``family`` ("sgd" or "adam")."""
-    from engine.optim import functional
+    """(reference, fused) update functions of ``family`` ("sgd", "adam" or "nadam")."""
+    from engine.optim import functional, functional_nadam
 
-    return getattr(functional, f"{family}_update"), _Fused(family)
+    module = functional_nadam if family == "nadam" else functional
+    return getattr(module, f"{family}_update"), _Fused(family)
 
 
 def use_fused(group: dict[str, Any], tensors: Sequence[Tensor]) -> bool:

@@ -467,10 +467,18 @@ def adam_update(
         else:
             w.addcdiv_(exp_avg, denom, value=-step_size)
 
+    store_and_derive(param, w, w_old, last_update, predicted, predict_horizon, delta, delta_gamma)
+
+
+def store_and_derive(param: Tensor, w: Tensor, w_old: Tensor | None, last_update: Tensor | None,
+                     predicted: Tensor | None, predict_horizon: float, delta: Tensor | None,
+                     delta_gamma: float) -> None:
+    """Store the fp32 result ``w`` into ``param`` (rounding once) and write the buffers derived
+    from the applied step, from the weights as stored: ``last_update = w_old - w``, the
+    prediction ``w - H * (w_old - w)`` and PipeMare's ``delta`` (the Adam-family tail)."""
     if w is not param:
         param.copy_(w)
         w = _as_f32(param)
-
     if last_update is not None or predicted is not None:
         applied = w_old.sub(w)
         if last_update is not None:

@@ -65,7 +65,7 @@ class StateDictIO:
                 if entry is None or p not in self.state:
                     continue
                 for key, value in entry.items():
-                    if key == "step":
+                    if key in ("step", "mu_product"):
                         # older checkpoints keep Adam's step as a Python number
                         step = value if isinstance(value, Tensor) else torch.tensor(float(value))
                         self.state[p][key] = step.detach().to(device=p.device, dtype=torch.float32).clone()
@@ -94,5 +94,6 @@ class StateDictIO:
         for group in self.param_groups:
             for p in group["params"]:
                 entry = self.state.get(p)
-                if entry and "step" in entry and not isinstance(entry["step"], Tensor):
-                    entry["step"] = torch.tensor(float(entry["step"]), dtype=torch.float32, device=p.device)
+                for key in ("step", "mu_product"):  # NAdam keeps both
+                    if entry and key in entry and not isinstance(entry[key], Tensor):
+                        entry[key] = torch.tensor(float(entry[key]), dtype=torch.float32, device=p.device)

@@ -37,7 +37,7 @@ from engine.partition.footprint import stage_footprint
 __all__ = ["OPTIMIZER_STATE_FACTORS", "LayerCost", "StageCost", "stage_costs"]
 
 #: optimizer buffers per parameter element, by name (a number may be given instead)
-OPTIMIZER_STATE_FACTORS: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
+OPTIMIZER_STATE_FACTORS: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2, "nadam": 2}
 
 
 # ----------------------------------------------------------------------------- data

@@ -1,0 +1,229 @@
+"""Fused NAdam / NAdamW step: one pass over a flat buffer (or one tensor) per call.
+
+Reads w, g, exp_avg, exp_avg_sq once and writes the new weights and moments, plus, when
+asked, the applied update (``last_update``), the predicted weights and PipeMare's ``delta``
+in the same pass. The math is ``engine.optim.functional_nadam.nadam_update``: fp32
+arithmetic, torch's lerp for the first moment, IEEE-rounded sqrt and division, bf16/fp16
+weights rounded to nearest even once on store.
+
+The scalars (why it is done this way): NAdam's coefficients need mu_t, mu_{t+1} and the
+running product prod mu_1..mu_t. The product is sequential state, so the launcher advances
+``step`` and ``mu_product`` with tiny device ops before the kernel (a write inside the kernel
+would race with the other programs' reads), and skips both under an AMP overflow without a
+host read. When ``step`` and ``mu_product`` live on the param's device (the engine
+optimizers' layout) the kernel forms mu_t, mu_{t+1}, the two coefficients and the bias
+correction in fp64 from them: no host synchronization. Otherwise (torch's CPU layout of a
+non-capturable NAdam) the host computes them from the step exactly as torch does, one host
+read per call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from engine.optim.functional_nadam import nadam_mu, validate_nadam_args
+from engine.triton_kernels._launch import (
+    GPU_WARPS,
+    check_launchable,
+    default_block,
+    grid_for,
+    interpreting,
+    placeholder,
+)
+from engine.triton_kernels.adam import (
+    _advance_step,
+    _log,
+    adam_moments,
+    load_and_decay,
+    store_step,
+)
+
+__all__ = ["fused_nadam_update", "nadam_kernel", "launch_nadam"]
+
+
+@triton.jit
+def nadam_kernel(
+    param_ptr, grad_ptr, m_ptr, v_ptr, last_ptr, pred_ptr, delta_ptr, scale_ptr, inf_ptr,
+    step_ptr, prod_ptr,
+    n, lr, beta1, psi_log96, log_beta2, w1, beta2, keep2, eps, weight_decay, decay,
+    host_bc2, host_coef_g, host_coef_m, horizon, gamma, keep_gamma,
+    BLOCK: tl.constexpr,
+    WEIGHT_DECAY: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    LAST: tl.constexpr,
+    PREDICT: tl.constexpr,
+    DELTA: tl.constexpr,
+    SCALE: tl.constexpr,
+    CHECK_INF: tl.constexpr,
+    DEVICE_STEP: tl.constexpr,
+    LERP_SMALL: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if CHECK_INF:
+        # an overflowed AMP step masks every load and store: nothing is read or written
+        n = tl.where(tl.load(inf_ptr) == 0, n, 0)
+    mask = offs < n
+    if DEVICE_STEP:
+        # the coefficients from the (already advanced) step and mu_product, in fp64:
+        # mu_t = beta1 * (1 - 0.5 * 0.96^(t * psi))
+        t = tl.load(step_ptr).to(tl.float64)
+        prod = tl.load(prod_ptr).to(tl.float64)
+        mu = beta1 * (1.0 - 0.5 * tl.exp(t * psi_log96))
+        mu_next = beta1 * (1.0 - 0.5 * tl.exp((t + 1.0) * psi_log96))
+        coef_g = (-lr * (1.0 - mu) / (1.0 - prod)).to(tl.float32)
+        coef_m = (-lr * mu_next / (1.0 - prod * mu_next)).to(tl.float32)
+        bc2 = (1.0 - tl.exp(t * log_beta2)).to(tl.float32)
+    else:
+        coef_g = host_coef_g
+        coef_m = host_coef_m
+        bc2 = host_bc2
+    w, g, w_old = load_and_decay(param_ptr, grad_ptr, scale_ptr, offs, mask, weight_decay, decay,
+                                 SCALE, MAXIMIZE, WEIGHT_DECAY, DECOUPLED)
+
+    m, v = adam_moments(m_ptr, v_ptr, offs, mask, g, w1, beta2, keep2, LERP_SMALL)
+    denom = tl.sqrt_rn(tl.div_rn(v, bc2)) + eps
+    w = w + coef_g * tl.div_rn(g, denom)
+    w = w + coef_m * tl.div_rn(m, denom)
+
+    store_step(param_ptr, last_ptr, pred_ptr, delta_ptr, offs, mask, w, w_old, horizon, gamma,
+               keep_gamma, LAST, PREDICT, DELTA)
+
+
+def launch_nadam(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    mu_product: Tensor,
+    *,
+    step: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    momentum_decay: float,
+    decoupled: bool,
+    maximize: bool,
+    last_update: Tensor | None = None,
+    predicted: Tensor | None = None,
+    predict_horizon: float = 0.0,
+    delta: Tensor | None = None,
+    delta_gamma: float = 0.0,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    validate: bool = True,
+    block: int | None = None,
+    device_step: bool | None = None,
+) -> None:
+    """:func:`fused_nadam_update` with an explicit block size and coefficient mode.
+
+    ``device_step=None`` computes the coefficients in the kernel when ``step`` and
+    ``mu_product`` live on the param's device (no host read); ``False`` forces the host
+    path (tests cover it on CPU)."""
+    if validate:
+        validate_nadam_args(param, grad, exp_avg, exp_avg_sq, mu_product, step,
+                            last_update=last_update, predicted=predicted, delta=delta,
+                            grad_scale=grad_scale, found_inf=found_inf)
+    if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"NAdam needs 0 <= beta < 1, got beta1={beta1!r}, beta2={beta2!r}")
+    check_launchable({"param": param, "grad": grad, "exp_avg": exp_avg,
+                      "exp_avg_sq": exp_avg_sq, "last_update": last_update,
+                      "predicted": predicted, "delta": delta})
+    on_device = step.device == param.device and mu_product.device == param.device
+    if device_step is None:
+        device_step = on_device
+    elif device_step and not on_device:
+        raise ValueError("device_step=True needs step and mu_product on the param's device")
+    t = bc2 = coef_g = coef_m = 0.0
+    if device_step:
+        # device ops only: step += (no overflow); mu_product *= mu_t (1 on an overflow)
+        _advance_step(step, found_inf)
+        mu_t = beta1 * (1.0 - 0.5 * torch.pow(0.96, step.double() * momentum_decay))
+        if found_inf is not None:
+            mu_t = torch.where(found_inf.reshape(()) == 0, mu_t, torch.ones_like(mu_t))
+        mu_product.mul_(mu_t.float())  # fp32 times fp32 mu, as the reference's mu_product *= mu
+    else:
+        if found_inf is not None and found_inf.item() != 0:
+            return  # an overflowed AMP step changes nothing, state included
+        # the scalar state advances with the reference's ops, so it stays bit-identical to it
+        step += 1
+        t = step.item()
+        mu = nadam_mu(beta1, momentum_decay, t)
+        mu_next = nadam_mu(beta1, momentum_decay, t + 1)
+        mu_product *= mu
+        prod = mu_product.item()
+        coef_g = -lr * (1.0 - mu) / (1.0 - prod)
+        coef_m = (-lr * mu_next) / (1.0 - prod * mu_next)
+        bc2 = 1 - beta2**t
+
+    n = param.numel()
+    if n == 0:
+        return
+    block = block or default_block(param, grad, exp_avg)
+    nadam_kernel[grid_for(n, block)](
+        param, grad, exp_avg, exp_avg_sq,
+        placeholder(last_update, param), placeholder(predicted, param),
+        placeholder(delta, param), placeholder(grad_scale, param),
+        placeholder(found_inf if device_step else None, param),
+        step if device_step else param, mu_product if device_step else param,
+        n, float(lr), float(beta1), momentum_decay * math.log(0.96), _log(beta2),
+        float(1 - beta1), float(beta2), float(1 - beta2), float(eps),
+        float(weight_decay), float(1 - lr * weight_decay), float(bc2),
+        float(coef_g), float(coef_m),
+        float(predict_horizon), float(delta_gamma), float(1 - delta_gamma),
+        BLOCK=block,
+        WEIGHT_DECAY=weight_decay != 0,
+        DECOUPLED=weight_decay != 0 and bool(decoupled),
+        MAXIMIZE=bool(maximize),
+        LAST=last_update is not None,
+        PREDICT=predicted is not None,
+        DELTA=delta is not None,
+        SCALE=grad_scale is not None,
+        CHECK_INF=bool(device_step) and found_inf is not None,
+        DEVICE_STEP=bool(device_step),
+        LERP_SMALL=abs(1 - beta1) < 0.5,
+        num_warps=1 if interpreting() else GPU_WARPS,
+    )
+
+
+def fused_nadam_update(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    mu_product: Tensor,
+    *,
+    step: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    momentum_decay: float,
+    decoupled: bool,
+    maximize: bool,
+    last_update: Tensor | None = None,
+    predicted: Tensor | None = None,
+    predict_horizon: float = 0.0,
+    delta: Tensor | None = None,
+    delta_gamma: float = 0.0,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    validate: bool = True,
+) -> None:
+    """Fused equivalent of ``engine.optim.functional_nadam.nadam_update`` (same signature and
+    semantics); all tensors must be contiguous and on one device (``step`` and
+    ``mu_product`` may live on the CPU)."""
+    launch_nadam(param, grad, exp_avg, exp_avg_sq, mu_product, step=step, lr=lr, beta1=beta1,
+                 beta2=beta2, eps=eps, weight_decay=weight_decay,
+                 momentum_decay=momentum_decay, decoupled=decoupled, maximize=maximize,
+                 last_update=last_update, predicted=predicted,
+                 predict_horizon=predict_horizon, delta=delta, delta_gamma=delta_gamma,
+                 grad_scale=grad_scale, found_inf=found_inf, validate=validate)
