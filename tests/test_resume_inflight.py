@@ -247,3 +247,23 @@ def test_resume_unflushed_tree_valued_stages_is_bitwise(case: str, tmp_path) -> 
     load(b, path)
     lb = [b.step(x, y) for x, y in data[k:]] + [b.flush()]
     _assert_same(a, b, la, lb)
+
+
+def test_gradient_flags_that_do_not_fit_their_tensors_are_refused_before_loading() -> None:
+    """A hand-edited in-flight state whose requires_grad flags do not fit the saved tensors
+    is a CheckpointError naming the micro-batch, and the pipeline is left as it was."""
+    data = _data(2, 3)
+    a = _pipe("pipedream-k1")
+    for x, y in data:
+        a.step(x, y)
+    for edit, needle in [
+        (lambda st: st["stages"][1]["stash"][0].update(x_grad=[True, False]), "input has 2 gradient flags for 1 tensors"),
+        (lambda st: st["grads"][0].update(grad=[]), "the grad for stage 0 of micro-batch 4 has 0 gradient flags"),
+    ]:
+        state = a.state_dict()
+        edit(state["in_flight"])
+        b = _pipe("pipedream-k1", seed=5)
+        before = _state(b)
+        with pytest.raises(CheckpointError, match=needle):
+            b.load_state_dict(state)
+        assert all(torch.equal(x, y) for x, y in zip(before, _state(b), strict=True)) and b.flushed

@@ -214,6 +214,12 @@ def check(pipe: Pipeline, state: Any) -> None:
         for e in sd.get("stash", []):
             if not e["dropped"] and not trees.tensors(e.get("x")):
                 raise _fail(f"{where}: micro-batch {e.get('i')} has no saved input")
+            if not e["dropped"] and (why := trees.grad_flags_mismatch(e["x"], e.get("x_grad"))):
+                raise _fail(f"{where}: micro-batch {e.get('i')}'s input has {why}")
+    for box in ("acts", "grads"):
+        for d in state.get(box, []):
+            if d.get("kind") == "value" and (why := trees.grad_flags_mismatch(d.get("value"), d.get("grad"))):
+                raise _fail(f"the {box[:-1]} for stage {d.get('s')} of micro-batch {d.get('i')} has {why}")
 
 
 def _restore_store(st: Stage, sd: dict[str, Any]) -> dict[int, int]:

@@ -189,13 +189,21 @@ def detached_copy(tree: Any) -> tuple[Any, list[bool]]:
     return map_tensors(lambda t: t.detach().clone(), tree), [t.requires_grad for t in tensors(tree)]
 
 
+def grad_flags_mismatch(tree: Any, flags: Any) -> str:
+    """Why ``flags`` cannot be :func:`detached_copy`'s flags of ``tree`` ("" if they can)."""
+    n = len(tensors(tree))
+    if not isinstance(flags, list) or len(flags) != n:
+        return f"{len(flags) if isinstance(flags, list) else flags!r} gradient flags for {n} tensors"
+    return ""
+
+
 def with_grad_flags(tree: Any, flags: list[bool]) -> Any:
     """Undo :func:`detached_copy`: fresh tensor leaves with the saved requires_grad flags."""
+    problem = grad_flags_mismatch(tree, flags)
+    if problem:
+        raise ValueError(problem)
     it = iter(flags)
-    out = map_tensors(lambda t: t.clone().requires_grad_(bool(next(it))), tree)
-    if next(it, None) is not None:
-        raise ValueError(f"{len(flags)} gradient flags for a tree of {len(tensors(tree))} tensors")
-    return out
+    return map_tensors(lambda t: t.clone().requires_grad_(bool(next(it))), tree)
 
 
 def stage_input(x: Any, grads: bool) -> Any:
