@@ -124,7 +124,7 @@ class _AdamBase(DelayOptimizer):
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]:
         keys = ["exp_avg", "exp_avg_sq"]
-        if group["amsgrad"]:
+        if group.get("amsgrad", False):  # (NAdam has no amsgrad)
             keys.append("max_exp_avg_sq")
         if group["prediction"] is not None:
             keys.append("last_update")

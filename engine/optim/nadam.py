@@ -143,14 +143,6 @@ class NAdam(_AdamBase):
             return beta1
         return stage_beta1(beta1, rule[0], rule[1], group["delay"])
 
-    def _state_keys(self, group: dict[str, Any]) -> list[str]:
-        keys = ["exp_avg", "exp_avg_sq"]
-        if group["prediction"] is not None:
-            keys.append("last_update")
-        if self._correction_gamma(group) is not None:
-            keys.append("delta")
-        return keys
-
     def _ensure_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> bool:
         fresh = super()._ensure_state(group, p, state)
         if "mu_product" not in state:
