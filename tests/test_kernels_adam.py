@@ -55,7 +55,7 @@ def _make(n, dtype, case, seed, start_step):
         "exp_avg_sq": torch.zeros(n),
         "max_exp_avg_sq": torch.zeros(n) if case.get("amsgrad") else None,
         "last_update": torch.zeros(n) if case.get("last") else None,
-        "predicted": torch.empty(n, dtype=dtype) if case.get("pred") else None,
+        "predicted": torch.full((n,), 123.0, dtype=dtype) if case.get("pred") else None,
         "delta": _randn(n, gen) * 1e-3 if case.get("delta") else None,
         # torch's layout for GPU params keeps step on the CPU: the host bias-correction path
         "step": torch.tensor(float(start_step), device="cpu" if case.get("host") else DEVICE),

@@ -42,7 +42,7 @@ def _make(n, dtype, case, seed):
         "mu_product": torch.ones(()),
         "step": torch.zeros(()),
         "last_update": torch.zeros(n) if case.get("last") else None,
-        "predicted": torch.empty(n, dtype=dtype) if case.get("pred") else None,
+        "predicted": torch.full((n,), 123.0, dtype=dtype) if case.get("pred") else None,
         "delta": _randn(n, gen) * 1e-3 if case.get("delta") else None,
     }
 

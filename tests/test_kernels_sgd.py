@@ -51,7 +51,7 @@ def _make(n, dtype, case, seed):
     t = {
         "param": _randn(n, gen).to(dtype),
         "buf": torch.zeros(n),
-        "predicted": torch.empty(n, dtype=dtype) if "pred" in case else None,
+        "predicted": torch.full((n,), 123.0, dtype=dtype) if "pred" in case else None,
         "delta": _randn(n, gen) * 1e-2 if case.get("delta") else None,
     }
     return t
