@@ -66,9 +66,10 @@ def zeropower_via_newtonschulz(
     return x.T if tall else x
 
 
-def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
+def adjust_lr(lr: float | Tensor, adjust_lr_fn: str | None, shape: Sequence[int]) -> float | Tensor:
     """The matrix's step size: lr * sqrt(max(1, A / B)) ("original", Keller Jordan) or
-    lr * 0.2 * sqrt(max(A, B)) ("match_rms_adamw", Moonlight), A x B the shape."""
+    lr * 0.2 * sqrt(max(A, B)) ("match_rms_adamw", Moonlight), A x B the shape (a Tensor
+    lr gives a Tensor, as in torch)."""
     rows, cols = shape[:2]
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         ratio = math.sqrt(max(1, rows / cols))
@@ -84,7 +85,7 @@ def matrix_update(
     grad: Tensor,
     momentum_buffer: Tensor,
     *,
-    lr: float,
+    lr: float | Tensor,
     weight_decay: float,
     momentum: float,
     nesterov: bool,
@@ -119,7 +120,7 @@ def muon_update(
     grad: Tensor,
     parts: Sequence[Part],
     *,
-    lr: float,
+    lr: float | Tensor,
     weight_decay: float,
     momentum: float,
     nesterov: bool,
@@ -127,7 +128,7 @@ def muon_update(
     ns_steps: int,
     eps: float,
     adjust_lr_fn: str | None,
-    adamw_lr: float,
+    adamw_lr: float | Tensor,
     adamw_betas: tuple[float, float],
     adamw_eps: float,
     adamw_weight_decay: float,

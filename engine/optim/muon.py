@@ -254,7 +254,9 @@ class Muon(DelayOptimizer):
         grad_scale: Tensor | None,
         found_inf: Tensor | None,
     ) -> None:
-        lr = self.effective_lr(group)
+        lr = group["lr"]
+        if not (isinstance(lr, Tensor) and "lr_scale" not in group):
+            lr = self.effective_lr(group)  # a Tensor lr stays one, as in torch (its rounding)
         adamw_lr = group["adamw_lr"]
         if adamw_lr is None:
             adamw_lr = lr
