@@ -127,6 +127,42 @@ def test_flat_bucket_equals_per_tensor_and_torch_pair(delay_kw):
     _assert_equal(opt_f.backward_weights(), opt_p.backward_weights(), "backward weights")
 
 
+def test_amp_arguments_unscale_and_skip():
+    shapes = SHAPES + [(4,)]
+    a, b, c = _tensors(shapes), _tensors(shapes), _tensors(shapes)
+    opts = [eo.Muon(x, lr=0.02, prediction="linear", delay=1) for x in (a, b, c)]
+    grads = _tensors(shapes, seed=9)
+    for x, scale in ((a, 1.0), (b, 4.0)):  # 4 is a power of two: unscaling is exact
+        for p, g in zip(x, grads, strict=True):
+            p.grad = g * scale
+    opts[0].step()
+    opts[1].step(grad_scale=torch.tensor(4.0))
+    _assert_equal(a, b, "grad_scale")
+    for p, g in zip(c, grads, strict=True):
+        p.grad = g
+    before = [p.clone() for p in c]
+    opts[2].step(found_inf=torch.tensor(1.0))
+    _assert_equal(c, before, "found_inf")
+    assert all(int(opts[2].state[p].get("step", 0)) == 0 for p in c)
+    assert all(opts[2].state[p].get("momentum_buffer", torch.zeros(1)).abs().sum() == 0 for p in c)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_low_precision_params_compute_in_fp32_and_round_once(dtype):
+    shapes = SHAPES + [(4,)]
+    low = _tensors(shapes, dtype)
+    high = [p.float() for p in low]
+    grads = _tensors(shapes, dtype, seed=9)
+    ours, ref = eo.Muon(low, lr=0.02, **ADAMW), eo.Muon(high, lr=0.02, **ADAMW)
+    for p, q, g in zip(low, high, grads, strict=True):
+        p.grad, q.grad = g, g.float()
+    ours.step()
+    ref.step()
+    _assert_equal(low, [q.to(dtype) for q in high], "one rounding of the fp32 result")
+    assert ours.state[low[0]]["momentum_buffer"].dtype == torch.float32
+    assert ours.state[low[-1]]["exp_avg"].dtype == torch.float32
+
+
 # --------------------------------------------------------------------------- slow reference
 
 
