@@ -73,6 +73,24 @@ def test_other_params_equal_torch_adamw_bitwise(own_lr):
     assert ours.state_dict()["state"][0].keys() == theirs.state_dict()["state"][0].keys()
 
 
+def test_use_muon_false_group_takes_adamw_for_matrices_too():
+    a, b = _tensors(SHAPES + [(4,)]), _tensors(SHAPES + [(4,)])
+    ours = eo.Muon([{"params": a[:2], "use_muon": False}, {"params": a[2:]}], lr=0.02, **ADAMW)
+    adamw = torch.optim.AdamW(b[:2], lr=0.01, betas=(0.8, 0.95), eps=1e-8, weight_decay=0.1)
+    muon = torch.optim.Muon(b[2:3], lr=0.02)
+    rest = torch.optim.AdamW(b[3:], lr=0.01, betas=(0.8, 0.95), eps=1e-8, weight_decay=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        for p, q in zip(a, b, strict=True):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        for o in (ours, adamw, muon, rest):
+            o.step()
+    _assert_equal(a, b, "use_muon=False group vs AdamW, the other vs Muon/AdamW")
+    assert set(ours.state[a[0]]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert set(ours.state[a[2]]) == {"momentum_buffer"}
+
+
 def _model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3), nn.Linear(3, 1, bias=False))
@@ -301,6 +319,7 @@ def test_state_dict_round_trip_resumes_exactly():
         ({"adamw_lr": -1.0}, "adamw_lr=-1.0 is invalid"),
         ({"adamw_betas": (0.9, 1.0)}, r"adamw_betas=\(0.9, 1.0\) is invalid"),
         ({"nesterov": 1}, "nesterov=1 is invalid"),
+        ({"use_muon": None}, "use_muon=None is invalid"),
     ],
 )
 def test_bad_options_are_refused(kw, match):

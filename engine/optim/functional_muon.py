@@ -129,6 +129,7 @@ def muon_update(
     eps: float,
     adjust_lr_fn: str | None,
     adamw_lr: float | Tensor,
+    use_muon: bool = True,
     adamw_betas: tuple[float, float],
     adamw_eps: float,
     adamw_weight_decay: float,
@@ -143,8 +144,9 @@ def muon_update(
 ) -> None:
     """One update of ``param`` (one tensor, or a flat buffer) whose ``parts`` are views of it.
 
-    A 2-D part takes :func:`matrix_update`; any other part AdamW (``adam_update`` with
-    ``decoupled=True``: torch.optim.AdamW's single-tensor path, its own step count). Then,
+    With ``use_muon`` a 2-D part takes :func:`matrix_update`; every other part AdamW
+    (``adam_update`` with ``decoupled=True``: torch.optim.AdamW's single-tensor path, its own
+    step count). Then,
     over the whole buffer and from the weights as stored, ``last_update = w_old - w``,
     ``predicted = w - H * (w_old - w)`` and PipeMare's ``delta``. A non-zero ``found_inf``
     skips everything (weights, state, buffers).
@@ -154,7 +156,7 @@ def muon_update(
     derive = last_update is not None or predicted is not None or delta is not None
     w_old = _as_f32(param).clone() if derive else None
     for p, g, state in parts:
-        if p.dim() == 2:
+        if use_muon and p.dim() == 2:
             matrix_update(
                 p, g, state["momentum_buffer"], lr=lr, weight_decay=weight_decay,
                 momentum=momentum, nesterov=nesterov, ns_coefficients=ns_coefficients,

@@ -47,7 +47,9 @@ class Muon(DelayOptimizer):
 
     With ``delay=0`` and the delay options off the 2-D params equal ``torch.optim.Muon`` and
     the others ``torch.optim.AdamW(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,
-    weight_decay=adamw_weight_decay)`` bit for bit on CPU. ``adamw_lr=None`` uses the group's
+    weight_decay=adamw_weight_decay)`` bit for bit on CPU. A param group with
+    ``use_muon=False`` gives every tensor AdamW (embeddings, the LM head: Keller Jordan's
+    recommendation). ``adamw_lr=None`` uses the group's
     ``lr`` for the AdamW part too (Moonlight's setting, meant with
     ``adjust_lr_fn="match_rms_adamw"``); a scheduler that changes ``lr`` then drives both.
     PipeMareLR's ``lr_scale`` multiplies both learning rates. ``maximize`` ascends.
@@ -71,6 +73,7 @@ class Muon(DelayOptimizer):
         ns_steps: int = fm.NS_STEPS,
         adjust_lr_fn: str | None = None,
         *,
+        use_muon: bool = True,
         adamw_lr: float | None = ADAMW_DEFAULTS["adamw_lr"],
         adamw_betas: tuple[float, float] = ADAMW_DEFAULTS["adamw_betas"],
         adamw_eps: float = ADAMW_DEFAULTS["adamw_eps"],
@@ -98,6 +101,7 @@ class Muon(DelayOptimizer):
             "eps": eps,
             "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
+            "use_muon": use_muon,
             "adamw_lr": adamw_lr,
             "adamw_betas": adamw_betas,
             "adamw_eps": adamw_eps,
@@ -149,8 +153,9 @@ class Muon(DelayOptimizer):
             raise ValueError(
                 f"{where}adamw_lr={adamw_lr!r} is invalid: a float >= 0, or None (the group's lr)"
             )
-        if not isinstance(group["nesterov"], bool):
-            raise TypeError(f"{where}nesterov={group['nesterov']!r} is invalid: it must be True or False")
+        for flag in ("nesterov", "use_muon"):
+            if not isinstance(group[flag], bool):
+                raise TypeError(f"{where}{flag}={group[flag]!r} is invalid: it must be True or False")
         coeffs = group["ns_coefficients"]
         if not (isinstance(coeffs, tuple) and len(coeffs) == 3 and all(map(_is_real_number, coeffs))):
             raise ValueError(
@@ -200,16 +205,17 @@ class Muon(DelayOptimizer):
 
     def _ensure_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> bool:
         fresh = not state
-        self._part_state(p, state)
+        self._part_state(group, p, state)
         for key in self._state_keys(group):
             if key not in state:
                 state[key] = self._new_state_tensor(p)
         return fresh
 
-    def _part_state(self, p: Tensor, state: dict[str, Any]) -> dict[str, Any]:
-        """torch.optim.Muon's ``momentum_buffer`` for a matrix, torch.optim.AdamW's
-        ``step``/``exp_avg``/``exp_avg_sq`` otherwise (created when missing)."""
-        if p.dim() == 2:
+    def _part_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> dict[str, Any]:
+        """torch.optim.Muon's ``momentum_buffer`` for a matrix Muon updates (2-D, in a group
+        with ``use_muon``), torch.optim.AdamW's ``step``/``exp_avg``/``exp_avg_sq`` otherwise
+        (created when missing)."""
+        if group["use_muon"] and p.dim() == 2:
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = self._new_state_tensor(p)
         elif "step" not in state:
@@ -231,14 +237,15 @@ class Muon(DelayOptimizer):
         finally:
             self._layout = None
 
-    def _parts(self, param: Tensor, grad: Tensor) -> list[fm.Part]:
+    def _parts(self, group: dict[str, Any], param: Tensor, grad: Tensor) -> list[fm.Part]:
         """(param view, grad view, state) of every tensor ``param`` holds."""
         b = self._layout
         if b is None:  # one tensor (the per-tensor path passes the param itself)
-            return [(param, grad, self._part_state(param, self.state[param]))]
+            return [(param, grad, self._part_state(group, param, self.state[param]))]
         v = b.view
         return [
-            (param[o : o + n].view(shape), grad[o : o + n].view(shape), self._part_state(p, self.state[p]))
+            (param[o : o + n].view(shape), grad[o : o + n].view(shape),
+             self._part_state(group, p, self.state[p]))
             for p, o, n, shape in zip(b.params, v.offsets, v.numels, v.shapes, strict=True)
         ]
 
@@ -266,7 +273,7 @@ class Muon(DelayOptimizer):
         fn(
             param,
             grad,
-            self._parts(param, grad),
+            self._parts(group, param, grad),
             lr=lr,
             weight_decay=scalar(group["weight_decay"]),
             momentum=group["momentum"],
@@ -275,6 +282,7 @@ class Muon(DelayOptimizer):
             ns_steps=group["ns_steps"],
             eps=group["eps"],
             adjust_lr_fn=group["adjust_lr_fn"],
+            use_muon=group["use_muon"],
             adamw_lr=adamw_lr,
             adamw_betas=group["adamw_betas"],
             adamw_eps=group["adamw_eps"],
