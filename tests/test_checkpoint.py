@@ -29,6 +29,9 @@ CONFIGS = {
     "pb-spectrain": dict(schedule="pb", weight_prediction="spectrain", opt=dict(prediction="linear")),
     "pb-t2": dict(schedule="pb", opt=dict(discrepancy_correction=True)),
     "pb-sc-pipemarelr": dict(schedule="pb", opt=dict(spike_compensation=True), sched=True),
+    "2bw-muon": dict(schedule="2bw", muon=True),
+    "pb-muon-lwp": dict(schedule="pb", muon=True, opt=dict(prediction="linear")),
+    "pb-muon-t2": dict(schedule="pb", muon=True, opt=dict(discrepancy_correction=True)),
 }
 
 
@@ -45,9 +48,12 @@ def _pipe(name: str, seed: int = 0) -> Pipeline:
     cfg = dict(CONFIGS[name])
     opt_kw = cfg.pop("opt", {})
     sched = cfg.pop("sched", False)
+    muon = cfg.pop("muon", False)
     adam = name in ("gpipe", "2bw")
 
     def make(p):
+        if muon:
+            return optim.Muon(p, lr=1e-2, adamw_lr=1e-2, **opt_kw)
         if adam:
             return optim.Adam(p, lr=1e-2, **opt_kw)
         return optim.SGD(p, lr=0.05, momentum=0.9, **opt_kw)

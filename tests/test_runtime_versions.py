@@ -90,6 +90,42 @@ def check_versions(pipe, got, hist, N, schedule, order=None, f_value=None, b_val
             assert sum(counts.values()) == N
 
 
+def check_step_prediction_or_t2(make, mitigation: str) -> None:
+    """pb at S = M = 3 with an engine optimizer whose prediction extrapolates its last applied
+    step (``state["last_update"]``: Adam, NAdam, Muon); ``make(params, **options)`` builds it.
+    ``"prediction"``: every F reads w_t - D_s * last_update_t (LWP); ``"t2"``: every B reads
+    PipeMare's w_t - D_s * delta_t, from the optimizer's own buffers."""
+    record: list = []  # per stage: last_update of the probe weight after each update
+    kw = {"prediction": "linear"} if mitigation == "prediction" else {"discrepancy_correction": True}
+
+    def factory(params):
+        opt = make(params, **kw)
+        if mitigation == "prediction":
+            p0, s = params[0], len(record)
+            record.append([None])
+            opt.register_step_post_hook(
+                lambda o, *a: record[s].append(o.state[p0]["last_update"].clone()))
+        return opt
+
+    pipe, got, hist, N = run(3, 3, "pb", factory)
+    D = pipe.delays
+
+    def f_value(s, t):  # LWP from the applied step: w_t - D_s * (w_{t-1} - w_t)
+        last = record[s][t]
+        return hist.w[s][t] if last is None or D[s] == 0 else hist.w[s][t] - D[s] * last
+
+    def b_value(s, t, wf):  # PipeMare T2: w_t - D_s * delta_t
+        d = hist.delta[s][t]
+        return hist.w[s][t] if d is None else hist.w[s][t] - D[s] * d
+
+    if mitigation == "prediction":
+        assert pipe.weight_prediction == "lwp"
+        check_versions(pipe, got, hist, N, "pb", f_value=f_value)
+    else:
+        assert pipe.discrepancy_correction
+        check_versions(pipe, got, hist, N, "pb", b_value=b_value)
+
+
 @pytest.mark.parametrize(
     "schedule", ["naive", "gpipe", "1f1b", "zbh1", "pipedream", "2bw", "pb", "pb-1f1b"]
 )

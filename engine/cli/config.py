@@ -48,7 +48,7 @@ __all__ = [
 #: every schedule family of the catalog (a new family is trainable from the command line)
 SCHEDULES: tuple[str, ...] = _CATALOG
 PREDICTIONS = ("lwp", "spectrain", "spectrain_reuse")
-OPTIMIZERS = ("sgd", "adam", "adamw", "nadam")
+OPTIMIZERS = ("sgd", "adam", "adamw", "nadam", "muon")
 TASKS = ("classify", "lm")
 SYNC_SCHEDULES = ("naive", "gpipe", "1f1b")
 
@@ -214,7 +214,7 @@ def check_config(cfg: TrainConfig) -> None:
 
 
 def _check_nadam(cfg: TrainConfig) -> None:
-    """NAdam's options (engine.optim.NAdam refuses the same, with the optimizer's words)."""
+    """NAdam's and Muon's options (their optimizers refuse the same, in their own words)."""
     if cfg.stage_beta1 is not None:
         if cfg.optimizer != "nadam":
             raise CLIError(f"--stage-beta1 applies to --optimizer nadam (got --optimizer {cfg.optimizer})")
@@ -230,3 +230,9 @@ def _check_nadam(cfg: TrainConfig) -> None:
                            "already is the look-ahead (use --optimizer adam for SC_D)")
         if cfg.prediction is not None and cfg.prediction_mode != "linear":
             raise CLIError("--optimizer nadam predicts with --prediction-mode linear only")
+    if cfg.optimizer == "muon":  # engine.optim.Muon refuses the same
+        if cfg.spike_compensation:
+            raise CLIError("--spike-compensation does not apply to --optimizer muon: its update is "
+                           "orthogonalised, not linear in the momentum (use --optimizer sgd or adam)")
+        if cfg.prediction is not None and cfg.prediction_mode != "linear":
+            raise CLIError("--optimizer muon predicts with --prediction-mode linear only")

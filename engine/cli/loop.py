@@ -158,6 +158,9 @@ def build_pipeline(
             rule = None if cfg.stage_beta1 is None else (cfg.stage_beta1, cfg.stages)
             return engine.optim.NAdam(params, lr=lr, betas=(momentum, 0.999),
                                       decoupled_weight_decay=True, stage_beta1=rule, **opt_kwargs)
+        if cfg.optimizer == "muon":  # Moonlight's recipe: one lr for both parts, AdamW-matched RMS
+            return engine.optim.Muon(params, lr=lr, momentum=momentum, adjust_lr_fn="match_rms_adamw",
+                                     adamw_lr=None, **opt_kwargs)
         if cfg.optimizer in ("adam", "adamw"):
             cls = engine.optim.AdamW if cfg.optimizer == "adamw" else engine.optim.Adam
             return cls(params, lr=lr, betas=(momentum, 0.999), **opt_kwargs)

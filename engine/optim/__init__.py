@@ -1,7 +1,8 @@
 """Drop-in torch.optim optimizers that know about pipeline delay (staleness).
 
-``SGD``, ``Adam``, ``AdamW`` and ``NAdam`` are ``torch.optim.Optimizer`` subclasses: with ``delay=0`` and
-the mitigation options off they equal torch.optim's results bit for bit on CPU. Per param
+``SGD``, ``Adam``, ``AdamW``, ``NAdam`` and ``Muon`` are ``torch.optim.Optimizer`` subclasses:
+with ``delay=0`` and the mitigation options off they equal torch.optim's results bit for bit
+on CPU (Muon: torch.optim.Muon on 2-D params, torch.optim.AdamW on the others). Per param
 group they also take the delay D_s of their pipeline stage and the staleness mitigations of
 ALGORITHMS.md (spike compensation, weight prediction, PipeMare's discrepancy correction);
 ``PipeMareLR`` is PipeMare's learning-rate rescheduling (T1). Updates run as fused Triton
@@ -14,7 +15,8 @@ from __future__ import annotations
 from engine.optim.adam import Adam, AdamW
 from engine.optim.base import PREDICTION_MODES, DelayOptimizer
 from engine.optim.lr_scheduler import PipeMareLR
+from engine.optim.muon import Muon
 from engine.optim.nadam import NAdam
 from engine.optim.sgd import SGD
 
-__all__ = ["SGD", "Adam", "AdamW", "NAdam", "PipeMareLR", "DelayOptimizer", "PREDICTION_MODES"]
+__all__ = ["SGD", "Adam", "AdamW", "NAdam", "Muon", "PipeMareLR", "DelayOptimizer", "PREDICTION_MODES"]

@@ -160,7 +160,7 @@ class ComputedWeights:
                 if gamma is None or delta is None:
                     out.append(p.detach())
                 else:
-                    # fp32 math (delta is fp32), rounded once to the param dtype
-                    w = torch.add(p.detach().float(), delta, alpha=-group["delay"])
+                    # in delta's dtype (fp32, fp64 for fp64 params), rounded once to the param's
+                    w = torch.add(functional._as_f32(p.detach()), delta, alpha=-group["delay"])
                     out.append(w if w.dtype == p.dtype else w.to(p.dtype))
         return out

@@ -48,10 +48,11 @@ class _Fused:
 
 
 def kernels(family: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """(reference, fused) update functions of ``family`` ("sgd", "adam" or "nadam")."""
-    from engine.optim import functional, functional_nadam
+    """(reference, fused) update functions of ``family`` ("sgd", "adam", "nadam" or "muon";
+    Muon has no fused kernel and never asks for it)."""
+    from engine.optim import functional, functional_muon, functional_nadam
 
-    module = functional_nadam if family == "nadam" else functional
+    module = {"nadam": functional_nadam, "muon": functional_muon}.get(family, functional)
     return getattr(module, f"{family}_update"), _Fused(family)
 
 
