@@ -1125,3 +1125,63 @@ def phase_resume_inflight(
         except Exception:
             out[name] = {"error": traceback.format_exc()}
     return out
+
+
+def phase_interleaved(rank: int, R: int, v: int = 2, steps: int = 2) -> dict[str, Any]:
+    """Interleaved 1F1B, v virtual stages per rank (V = R*v), under gloo vs the local run of
+    the same configuration: every stage this rank holds, the losses, what is left held; an
+    MLP, and the variable-length model (dict activations with a bool mask and a constant,
+    a weight tied between virtual stages 0 and V-1); then a refused combination."""
+    from engine import Pipeline, PipelineConfigError
+
+    V = R * v
+    kw = dict(schedule="interleaved", virtual_stages=v, chunks=4, optimizer=_sgd())
+    cases = {
+        "mlp": (lambda: stage_factories(V), nn.functional.mse_loss, batch),
+        "varlen-tied": (lambda: varlen_stages(V, True), nn.functional.cross_entropy, varlen_batch),
+    }
+    out: dict[str, Any] = {}
+    for name, (stages, loss_fn, batches) in cases.items():
+        t0 = time.perf_counter()
+        try:
+            pipe = Pipeline(stages(), loss_fn=loss_fn, transport="gloo", timeout=30, **kw)
+            ref = Pipeline(
+                [f() if not isinstance(f, nn.Module) else f for f in stages()], loss_fn=loss_fn, **kw
+            )
+            same_losses = True
+            for t in range(steps):
+                x, y = batches(t)
+                same_losses &= torch.equal(pipe.step(x, y), ref.step(x, y))
+            held = [st.index for st in pipe.stages]
+            out[name] = {
+                "stages": held,
+                "weights_equal": all(
+                    torch.equal(a, b)
+                    for s in held
+                    for a, b in zip(
+                        pipe._executor.by_index[s].module.parameters(),
+                        ref.stages[s].module.parameters(),
+                        strict=True,
+                    )
+                ),
+                "losses_equal": same_losses,
+                "updates": [st.updates for st in pipe.stages],
+                "ties": len(pipe.ties),
+                "leftovers": len(pipe._executor.inputs)
+                + sum(tp.held() for tp in pipe._executor.transports.values()),
+                "seconds": time.perf_counter() - t0,
+            }
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+    stages = [f() for f in stage_factories(V)]
+    before = [p.detach().clone() for m in stages for p in m.parameters()]
+    try:
+        Pipeline(stages, loss_fn=nn.functional.mse_loss, transport="gloo", data_parallel=2, **kw)
+        out["refused"] = {"error": "data_parallel=2 was accepted"}
+    except PipelineConfigError as exc:
+        after = [p.detach() for m in stages for p in m.parameters()]
+        out["refused"] = {
+            "message": str(exc),
+            "unchanged": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+        }
+    return out

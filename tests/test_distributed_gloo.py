@@ -1,6 +1,7 @@
 """Multi-process pipelines over gloo: every schedule and mitigation gives the local run's
-weights (and losses) bit for bit with S = 2 and 4 processes; data-parallel replicas equal one
-replica with the larger batch; random sequence lengths (with trees, masks and ties) equal
+weights (and losses) bit for bit with S = 2 and 4 processes, interleaved 1F1B too (2 virtual
+stages per process); data-parallel replicas equal one replica with the larger batch; random
+sequence lengths (with trees, masks and ties) equal
 the local run too; shape disagreements, shapes a stage cannot accept and dead ranks give
 clear errors naming the ranks, within the timeout, on every survivor.
 
@@ -35,6 +36,7 @@ def two() -> list[dict[str, Any]]:
             ("balance", dict(S=2)),
             ("handshake_mismatch", dict(S=2)),
             ("varlen", dict(S=2, names=["gpipe-tied", "1f1b-tied", "pipedream", "pb"])),
+            ("interleaved", dict(R=2)),
             ("reject_input", dict(S=2)),
             ("reject_later", dict(S=2)),  # terminal: the last stage stops mid-step
         ],
@@ -48,6 +50,7 @@ def four() -> list[dict[str, Any]]:
         [
             ("equal", dict(S=4, names=None)),
             ("varlen", dict(S=4, names=["1f1b-tied", "pb"])),
+            ("interleaved", dict(R=4)),
             ("kill", dict(S=4, victim=2, timeout=KILL_TIMEOUT)),  # terminal
         ],
     )
@@ -123,6 +126,30 @@ def test_variable_lengths_equal_local_bit_for_bit(
             assert r["updates"] > 0 and r["leftovers"] == 0, (rank, name, r)
             assert r["ties"] == (1 if name.endswith("tied") else 0), (rank, name, r)
             assert r["shape_changes"] == (expected if rank < world - 1 else 0), (rank, name, r)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_interleaved_equals_local_bit_for_bit(
+    two: list[dict[str, Any]], four: list[dict[str, Any]], world: int
+) -> None:
+    """Interleaved 1F1B with v=2 virtual stages per rank (rank r holds r and r+R): the
+    weights of every stage a rank holds and the losses equal the local run's after 2 steps,
+    on an MLP and on dict activations with a mask, variable lengths and a tied weight;
+    nothing stays held; data parallelism is refused before any weight is touched."""
+    results = two if world == 2 else four
+    for rank, res in enumerate(results):
+        assert "fatal" not in res, res.get("fatal")
+        got = res["interleaved"]
+        for name in ("mlp", "varlen-tied"):
+            r = got[name]
+            assert "error" not in r, f"rank {rank} ({name}): {r.get('error')}"
+            assert r["stages"] == [rank, rank + world], (rank, name, r)
+            assert r["weights_equal"] and r["losses_equal"], (rank, name, r)
+            assert r["updates"] == [2, 2] and r["leftovers"] == 0, (rank, name, r)
+            assert r["ties"] == (1 if name.endswith("tied") else 0), (rank, name, r)
+        refused = got["refused"]
+        assert "data_parallel=2" in refused.get("message", ""), refused
+        assert "virtual_stages=2" in refused["message"] and refused["unchanged"], refused
 
 
 def test_input_shape_a_stage_cannot_accept_stops_every_rank_before_the_step(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from engine.errors import PipelineInputError
+from engine.errors import PipelineConfigError, PipelineInputError
 from engine.runtime import trees
 
 if TYPE_CHECKING:
@@ -136,6 +136,12 @@ def _evaluate_rank(pipe: Pipeline, inputs: Any, M: int) -> Tensor:
         raise PipelineInputError(
             "evaluate() under gloo/NCCL takes a tensor of inputs, and stages that pass tensors; "
             "for tree-valued stages evaluate on a local pipeline"
+        )
+    if len(pipe.stages) > 1:
+        raise PipelineConfigError(
+            f"evaluate() under {pipe.transport} runs one stage per rank; this rank holds "
+            f"virtual stages {[st.index for st in pipe.stages]} ({pipe.spec.describe()}), which "
+            "it does not support yet: evaluate on a local pipeline with the same weights"
         )
     lay = pipe.layout
     s, S = lay.stage, lay.stages
