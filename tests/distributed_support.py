@@ -1171,6 +1171,15 @@ def phase_interleaved(rank: int, R: int, v: int = 2, steps: int = 2) -> dict[str
                 + sum(tp.held() for tp in pipe._executor.transports.values()),
                 "seconds": time.perf_counter() - t0,
             }
+            if name == "mlp":  # a checkpoint of the v stages resumes the run exactly
+                fresh = Pipeline(stages(), loss_fn=loss_fn, transport="gloo", timeout=30, **kw)
+                fresh.load_state_dict(pipe.state_dict())
+                x, y = batches(steps)
+                out[name]["resumed_equal"] = torch.equal(fresh.step(x, y), ref.step(x, y)) and all(
+                    torch.equal(a, ref.stages[st.index].module.get_parameter(n))
+                    for st in fresh.stages
+                    for n, a in st.module.named_parameters()
+                )
         except Exception:
             out[name] = {"error": traceback.format_exc()}
     stages = [f() for f in stage_factories(V)]
