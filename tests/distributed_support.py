@@ -1171,6 +1171,9 @@ def phase_interleaved(rank: int, R: int, v: int = 2, steps: int = 2) -> dict[str
                 + sum(tp.held() for tp in pipe._executor.transports.values()),
                 "seconds": time.perf_counter() - t0,
             }
+            if name == "mlp":  # evaluate() runs through the v stages of every rank
+                x_eval = batch(99)[0]
+                out[name]["evaluate_equal"] = torch.equal(pipe.evaluate(x_eval), ref.evaluate(x_eval))
             if name == "mlp":  # a checkpoint of the v stages resumes the run exactly
                 fresh = Pipeline(stages(), loss_fn=loss_fn, transport="gloo", timeout=30, **kw)
                 fresh.load_state_dict(pipe.state_dict())

@@ -135,8 +135,8 @@ def test_interleaved_equals_local_bit_for_bit(
     """Interleaved 1F1B with v=2 virtual stages per rank (rank r holds r and r+R): the
     weights of every stage a rank holds and the losses equal the local run's after 2 steps,
     on an MLP and on dict activations with a mask, variable lengths and a tied weight;
-    nothing stays held; a state_dict of the v stages resumes exactly; data parallelism is
-    refused before any weight is touched."""
+    nothing stays held; evaluate() gives the local outputs; a state_dict of the v stages
+    resumes exactly; data parallelism is refused before any weight is touched."""
     results = two if world == 2 else four
     for rank, res in enumerate(results):
         assert "fatal" not in res, res.get("fatal")
@@ -148,7 +148,7 @@ def test_interleaved_equals_local_bit_for_bit(
             assert r["weights_equal"] and r["losses_equal"], (rank, name, r)
             assert r["updates"] == [2, 2] and r["leftovers"] == 0, (rank, name, r)
             assert r["ties"] == (1 if name.endswith("tied") else 0), (rank, name, r)
-        assert got["mlp"]["resumed_equal"], got["mlp"]
+        assert got["mlp"]["resumed_equal"] and got["mlp"]["evaluate_equal"], got["mlp"]
         refused = got["refused"]
         assert "data_parallel=2" in refused.get("message", ""), refused
         assert "virtual_stages=2" in refused["message"] and refused["unchanged"], refused
