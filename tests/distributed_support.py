@@ -241,12 +241,15 @@ def phase_data_parallel(rank: int, S: int, R: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     B, M = 4, 2
-    for name in ("gpipe", "pipedream"):
-        kw = dict(configs(S)[name])
+    for name in ("gpipe", "pipedream", "interleaved"):
+        v = 2 if name == "interleaved" else 1  # 2 stages per rank: S*v stage modules
+        kw = dict(configs(S)[name]) if v == 1 else dict(
+            schedule=name, virtual_stages=v, optimizer=_sgd()
+        )
         kw["chunks"] = M
         try:
             pipe = Pipeline(
-                stage_factories(S),
+                stage_factories(S * v),
                 loss_fn=nn.functional.mse_loss,
                 transport="gloo",
                 data_parallel=R,
@@ -262,10 +265,11 @@ def phase_data_parallel(rank: int, S: int, R: int) -> dict[str, Any]:
                 return torch.cat([mb[d * b : (d + 1) * b] for mb in big])
 
             losses = _train(pipe, STEPS, B=R * B, shard=shard)
-            ref, ref_losses = _local(S, kw, STEPS, B=R * B)
-            s = pipe.layout.stage
-            mine = [p.detach() for p in pipe.stages[0].module.parameters()]
-            theirs = [p.detach() for p in ref.stages[s].module.parameters()]
+            ref, ref_losses = _local(S * v, kw, STEPS, B=R * B)
+            held = [st.index for st in pipe.stages]
+            mine = [p.detach() for st in pipe.stages for p in st.module.parameters()]
+            theirs = [p.detach() for s in held for p in ref.stages[s].module.parameters()]
+            initial = [p for s in held for p in stage_factories(S * v)[s]().parameters()]
             out[name] = {
                 "max_diff": max(
                     float((a - b).abs().max()) for a, b in zip(mine, theirs, strict=True)
@@ -274,10 +278,10 @@ def phase_data_parallel(rank: int, S: int, R: int) -> dict[str, Any]:
                     float((a - b).abs()) for a, b in zip(losses, ref_losses, strict=True)
                 ),
                 "moved": max(
-                    float((a - f).abs().max())
-                    for a, f in zip(mine, stage_factories(S)[s]().parameters(), strict=True)
+                    float((a - f).abs().max()) for a, f in zip(mine, initial, strict=True)
                 ),
                 "replica": d,
+                "stages": held,
             }
         except Exception:
             out[name] = {"error": traceback.format_exc()}
@@ -1131,7 +1135,8 @@ def phase_interleaved(rank: int, R: int, v: int = 2, steps: int = 2) -> dict[str
     """Interleaved 1F1B, v virtual stages per rank (V = R*v), under gloo vs the local run of
     the same configuration: every stage this rank holds, the losses, what is left held; an
     MLP, and the variable-length model (dict activations with a bool mask and a constant,
-    a weight tied between virtual stages 0 and V-1); then a refused combination."""
+    a weight tied between virtual stages 0 and V-1); then a refused combination (R
+    replicas of a pipeline with all its v stages on one rank)."""
     from engine import Pipeline, PipelineConfigError
 
     V = R * v
@@ -1185,11 +1190,11 @@ def phase_interleaved(rank: int, R: int, v: int = 2, steps: int = 2) -> dict[str
                 )
         except Exception:
             out[name] = {"error": traceback.format_exc()}
-    stages = [f() for f in stage_factories(V)]
+    stages = [f() for f in stage_factories(v)]  # one rank per replica: refused
     before = [p.detach().clone() for m in stages for p in m.parameters()]
     try:
-        Pipeline(stages, loss_fn=nn.functional.mse_loss, transport="gloo", data_parallel=2, **kw)
-        out["refused"] = {"error": "data_parallel=2 was accepted"}
+        Pipeline(stages, loss_fn=nn.functional.mse_loss, transport="gloo", data_parallel=R, **kw)
+        out["refused"] = {"error": f"{v} stages on one rank per replica were accepted"}
     except PipelineConfigError as exc:
         after = [p.detach() for m in stages for p in m.parameters()]
         out["refused"] = {

@@ -136,7 +136,8 @@ def test_interleaved_equals_local_bit_for_bit(
     weights of every stage a rank holds and the losses equal the local run's after 2 steps,
     on an MLP and on dict activations with a mask, variable lengths and a tied weight;
     nothing stays held; evaluate() gives the local outputs; a state_dict of the v stages
-    resumes exactly; data parallelism is refused before any weight is touched."""
+    resumes exactly; replicas of a one-rank pipeline are refused before any weight is
+    touched (data parallelism itself: test_data_parallel_equals_one_replica_with_larger_batch)."""
     results = two if world == 2 else four
     for rank, res in enumerate(results):
         assert "fatal" not in res, res.get("fatal")
@@ -150,7 +151,8 @@ def test_interleaved_equals_local_bit_for_bit(
             assert r["ties"] == (1 if name.endswith("tied") else 0), (rank, name, r)
         assert got["mlp"]["resumed_equal"] and got["mlp"]["evaluate_equal"], got["mlp"]
         refused = got["refused"]
-        assert "data_parallel=2" in refused.get("message", ""), refused
+        assert "puts all 2 stages on one rank" in refused.get("message", ""), refused
+        assert f"data_parallel={world}" in refused["message"], refused
         assert "virtual_stages=2" in refused["message"] and refused["unchanged"], refused
 
 
@@ -207,7 +209,7 @@ def test_stalled_rank_makes_its_neighbours_time_out(grid: list[dict[str, Any]]) 
     assert grid[3]["stall"]["type"] == "PeerError"  # its neighbour gave up and left
 
 
-@pytest.mark.parametrize("name", ["gpipe", "pipedream"])
+@pytest.mark.parametrize("name", ["gpipe", "pipedream", "interleaved"])
 def test_data_parallel_equals_one_replica_with_larger_batch(
     grid: list[dict[str, Any]], name: str
 ) -> None:
@@ -216,6 +218,7 @@ def test_data_parallel_equals_one_replica_with_larger_batch(
         got = res["data_parallel"][name]
         assert "error" not in got, f"rank {rank}: {got.get('error')}"
         assert got["replica"] == rank // 2
+        assert got["stages"] == ([rank % 2, rank % 2 + 2] if name == "interleaved" else [rank % 2])
         assert got["moved"] > 1e-3  # training changed the weights
         assert got["max_diff"] < 1e-5, (rank, got)
         assert got["loss_diff"] < 1e-5, (rank, got)

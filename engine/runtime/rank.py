@@ -143,8 +143,8 @@ def build_distributed(
         spec, modules, built, mine, loss_fn, weight_prediction, discrepancy_correction,
         lr_scheduler, streams=streams,
     )
-    for st in pipe.stages:
-        st.grad_hook = pipe._rank.reduce_gradients
+    for st in pipe.stages:  # (a virtual stage's runtime names it in errors)
+        st.grad_hook = (pipe._rank.per_stage[st.index] if virtual else pipe._rank).reduce_gradients
     if virtual:
         pipe._rank.stages = [(st.index, st.module, st.loss_fn) for st in pipe.stages]
     pipe._executor = RankExecutor(

@@ -22,8 +22,10 @@ one at a time with blocking receives; the validator checks exactly that executio
 deadlocks. Gradients are flushed and applied per virtual stage, as in one process.
 
 Supported: synchronous programs with a rank order (``schedule="interleaved"``), trees,
-masks, variable shapes, tied weights. Refused: data parallelism and asynchronous programs
-over virtual stages (:func:`check_virtual`).
+masks, variable shapes, tied weights, data-parallel replicas (each virtual stage's gradients
+are all-reduced over its replicas at its update, in the same stage order on every replica).
+Refused: asynchronous programs over virtual stages, and one rank per replica
+(:func:`check_virtual`).
 """
 
 from __future__ import annotations
@@ -56,15 +58,11 @@ def check_virtual(spec: ScheduleSpec, data_parallel: int) -> int:
             f"{what} is asynchronous; across processes virtual stages run synchronous programs "
             "only (schedule='interleaved'); use transport='local'"
         )
-    if data_parallel != 1:
-        raise PipelineConfigError(
-            f"{what} does not run with data_parallel={data_parallel} yet; use data_parallel=1 "
-            "(one process per rank of the pipeline) or schedule='1f1b'"
-        )
     if R < 2:
         raise PipelineConfigError(
-            f"{what} puts all {spec.stages} stages on one rank; under a multi-process transport "
-            "use at least 2 ranks (stages / virtual_stages >= 2) or transport='local'"
+            f"{what} puts all {spec.stages} stages on one rank of each replica "
+            f"(data_parallel={data_parallel}); a pipeline across processes needs at least 2 "
+            "ranks (stages / virtual_stages >= 2), or use transport='local'"
         )
     return R
 
@@ -176,11 +174,17 @@ class VirtualStageTransport:
 def virtual_transports(
     backend: str, layout: Layout, V: int, device: torch.device, timeout: float
 ) -> dict[int, VirtualStageTransport]:
-    """The transports of this rank's virtual stages, and one process group per boundary
-    (``new_group`` is collective over the world: every rank creates every group, in order)."""
+    """The transports of this rank's virtual stages, and one process group per boundary and
+    replica (``new_group`` is collective over the world: every rank creates every group, in
+    the same order, and keeps its replica's)."""
     R = layout.stages
+    groups: list[Any] = []
+    for d in range(layout.replicas):
+        of = [d * R + s % R for s in range(V)]  # global rank of each virtual stage in replica d
+        made = [dist.new_group(sorted({of[b], of[b + 1]})) for b in range(V - 1)]
+        if d == layout.replica:
+            groups = made
     ranks = [layout.pipeline_ranks[s % R] for s in range(V)]
-    groups = [dist.new_group(sorted({ranks[b], ranks[b + 1]})) for b in range(V - 1)]
     return {
         s: VirtualStageTransport(backend, s, ranks, groups, device, timeout)
         for s in range(layout.stage, V, R)
