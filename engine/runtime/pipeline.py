@@ -120,7 +120,7 @@ class Pipeline:
         virtual_stages: v for ``schedule="interleaved"`` (interleaved 1F1B, synchronous):
             the stage modules are the ranks*v virtual stages, rank r running r, r+ranks, ...
             in Megatron's order. Under gloo/NCCL one process per rank (R = stages / v
-            processes) holds its v stages (engine/runtime/virtual.py; not with data_parallel).
+            processes per replica) holds its v stages (engine/runtime/virtual.py).
     """
 
     def __init__(

@@ -11,6 +11,8 @@ A synchronous step runs the stage's forwards, backwards and communication, then 
 check (on every rank, from the shared loss message), then its update; an asynchronous step
 runs the whole list. The weights after any number of steps equal the local run's bit for bit
 on CPU: every rank executes exactly its stage's actions of the same compiled programs.
+With virtual stages (interleaved 1F1B) a rank builds and runs its v stages, their actions
+merged in the schedule's rank order (:mod:`engine.runtime.virtual`).
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def build_distributed(
     try:
         layout = make_layout(ranks, cfg.data_parallel)
     except ValueError as exc:
-        per = f" (ranks of {spec.stages} virtual stages)" if virtual else ""
+        per = f" (interleaved: the {spec.stages} virtual stages run on {ranks} ranks)" if virtual else ""
         raise PipelineConfigError(f"{exc}{per}") from None
     mine = list(range(layout.stage, spec.stages, ranks))  # virtual stage s runs on rank s % R
     modules = [build_module(specs[s], s) for s in mine]
