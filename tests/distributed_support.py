@@ -1190,6 +1190,33 @@ def phase_interleaved(rank: int, R: int, v: int = 2, steps: int = 2) -> dict[str
                 )
         except Exception:
             out[name] = {"error": traceback.format_exc()}
+    try:  # an input stage 0 cannot take stops the step on every rank; the next one runs
+        pipe = Pipeline(stage_factories(V), loss_fn=nn.functional.mse_loss, transport="gloo",
+                        timeout=20, **kw)
+        ref = Pipeline([f() for f in stage_factories(V)], loss_fn=nn.functional.mse_loss, **kw)
+        x, y = batch(0)
+        pipe.step(x, y), ref.step(x, y)
+        before = [p.detach().clone() for st in pipe.stages for p in st.module.parameters()]
+        t0 = time.perf_counter()
+        try:
+            pipe.step(torch.randn(8, DIM + 1), y)
+            out["reject"] = {"error": "an input of DIM+1 features was accepted"}
+        except Exception as exc:
+            after = [p.detach() for st in pipe.stages for p in st.module.parameters()]
+            out["reject"] = {
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "seconds": time.perf_counter() - t0,
+                "unchanged": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+            }
+            x, y = batch(1)
+            out["reject"]["then_equal"] = torch.equal(pipe.step(x, y), ref.step(x, y)) and all(
+                torch.equal(a, ref.stages[st.index].module.get_parameter(n))
+                for st in pipe.stages
+                for n, a in st.module.named_parameters()
+            )
+    except Exception:
+        out["reject"] = {"error": traceback.format_exc()}
     stages = [f() for f in stage_factories(v)]  # one rank per replica: refused
     before = [p.detach().clone() for m in stages for p in m.parameters()]
     try:

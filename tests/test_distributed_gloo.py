@@ -136,7 +136,8 @@ def test_interleaved_equals_local_bit_for_bit(
     weights of every stage a rank holds and the losses equal the local run's after 2 steps,
     on an MLP and on dict activations with a mask, variable lengths and a tied weight;
     nothing stays held; evaluate() gives the local outputs; a state_dict of the v stages
-    resumes exactly; replicas of a one-rank pipeline are refused before any weight is
+    resumes exactly; an input stage 0 cannot take stops every rank before the step and the
+    next step runs as the local one; replicas of a one-rank pipeline are refused before any weight is
     touched (data parallelism itself: test_data_parallel_equals_one_replica_with_larger_batch)."""
     results = two if world == 2 else four
     for rank, res in enumerate(results):
@@ -150,6 +151,10 @@ def test_interleaved_equals_local_bit_for_bit(
             assert r["updates"] == [2, 2] and r["leftovers"] == 0, (rank, name, r)
             assert r["ties"] == (1 if name.endswith("tied") else 0), (rank, name, r)
         assert got["mlp"]["resumed_equal"] and got["mlp"]["evaluate_equal"], got["mlp"]
+        reject = got["reject"]  # the error went round the v stages and left nothing in flight
+        assert reject.get("type") == "PipelineInputError", reject
+        assert "stage 0 (rank 0) cannot accept it" in reject["message"], reject
+        assert reject["seconds"] < 10 and reject["unchanged"] and reject["then_equal"], reject
         refused = got["refused"]
         assert "puts all 2 stages on one rank" in refused.get("message", ""), refused
         assert f"data_parallel={world}" in refused["message"], refused

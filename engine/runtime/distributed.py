@@ -300,6 +300,10 @@ class RankRuntime:
             return loss, count  # the very tensor the local run returns
         return msg[0].float().to(self.device), count
 
+    def pass_error(self, stage: int, mb: int) -> None:
+        """After ``stage`` received an earlier stage's error in place of micro-batch ``mb``'s
+        activation (and passed it on): nothing more to do with one stage per rank."""
+
     # ------------------------------------------------------------------ data parallel
 
     def reduce_gradients(self, flats: list[Tensor]) -> None:

@@ -213,7 +213,12 @@ class RankExecutor(Executor):
             if op == RF:
                 early = self._early.pop(("act", i), None) if self._early else None
                 if early is None:
-                    early = tp.recv("act", s, i, base + prog.certain[s][pc])
+                    try:
+                        early = tp.recv("act", s, i, base + prog.certain[s][pc])
+                    except PipelineInputError:
+                        if rel == 0:  # stopped before the step: this rank's later stages too
+                            self.rank.pass_error(s, i)
+                        raise
                 self.acts[(s, i)] = (early, None)
                 got = prog.releases[s].get(pc)
                 if got:
@@ -321,7 +326,12 @@ class RankExecutor(Executor):
         self._feed_rank(xs, targets, samples, base)
         self.rank.expect_loss()
         self.j += 1
-        self._ops(prog, 0, base, skip_updates=self.sync)
+        try:
+            self._ops(prog, 0, base, skip_updates=self.sync)
+        except PipelineInputError:
+            if self.sync:  # a shape a stage cannot take: no update ran, the next step repeats it
+                self._undo_step(base)
+            raise
         if self.sync:  # an asynchronous step's last sends are received in the next step
             self._wait_sends()
         result = self._take_losses(first, base, base + self.M)
@@ -330,10 +340,7 @@ class RankExecutor(Executor):
         if self.sync:
             if nonfinite and self.on_nonfinite == "raise":
                 self.dropped += nonfinite
-                for st in self.stages:
-                    st.forget_pending()
-                    st.reset_in_flight()
-                self.j -= 1
+                self._undo_step(base)
                 raise NonFiniteLossError(
                     f"{nonfinite} micro-batch(es) of this step gave a non-finite loss (seen by "
                     "the last stage); the step was rolled back on every rank: no weight or "
@@ -363,6 +370,20 @@ class RankExecutor(Executor):
         if prog.ends_segment:
             self._close_segment()
         return StepResult(loss)
+
+    def _undo_step(self, base: int) -> None:
+        """Roll a synchronous step back on this rank (before its update phase): gradients and
+        stashed activations dropped, the step's inputs forgotten, the step to be run again."""
+        for st in self.stages:
+            st.forget_pending()
+            st.reset_in_flight()
+        for i in range(base, base + self.M):
+            self.inputs.pop(i, None)
+        for box in self._outboxes.values():
+            box.clear()
+        self.acts.clear()
+        self.grads.clear()
+        self.j -= 1
 
     def _wait_sends(self) -> None:
         for tp in self.transports.values():

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.errors import PipelineConfigError
+from engine.errors import PipelineConfigError, PipelineInputError
 from engine.runtime.distributed import RankRuntime
 from engine.runtime.transport.layout import Layout
 from engine.runtime.transport.p2p import P2PTransport
@@ -224,4 +224,20 @@ class VirtualRankRuntime(RankRuntime):
             self.per_stage[s].accept_shapes(m, inp)
 
     def check_inputs(self, module: nn.Module, xs: list[Any], base: int) -> None:
-        self.per_stage[0].check_inputs(module, xs, base)
+        try:
+            self.per_stage[0].check_inputs(module, xs, base)
+        except PipelineInputError:
+            self.pass_error(0, base)
+            raise
+
+    def pass_error(self, stage: int, mb: int) -> None:
+        """An error that stops a step before it starts goes down the virtual stages in place
+        of the step's first activation, so it comes back through this rank's later stages:
+        each receives it there and passes it on, leaving no message in flight (the group
+        stays usable) and no sender waiting for a receive."""
+        for s in sorted(self.transports):
+            if s > stage:
+                try:
+                    self.transports[s].recv("act", s, mb)
+                except PipelineInputError:
+                    continue
