@@ -269,7 +269,7 @@ def phase_data_parallel(rank: int, S: int, R: int) -> dict[str, Any]:
             held = [st.index for st in pipe.stages]
             mine = [p.detach() for st in pipe.stages for p in st.module.parameters()]
             theirs = [p.detach() for s in held for p in ref.stages[s].module.parameters()]
-            initial = [p for s in held for p in stage_factories(S * v)[s]().parameters()]
+            initial = [p.detach() for s in held for p in stage_factories(S * v)[s]().parameters()]
             out[name] = {
                 "max_diff": max(
                     float((a - b).abs().max()) for a, b in zip(mine, theirs, strict=True)
