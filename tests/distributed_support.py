@@ -943,6 +943,19 @@ def phase_varlen(rank: int, S: int, names: list[str], steps: int = 4) -> dict[st
     return out
 
 
+def phase_varlen_mixed(rank: int, S: int, names: list[str], steps: int = 4) -> dict[str, Any]:
+    """phase_varlen with the inline limit of the activation header (transport/framing.py) set
+    between the lengths: micro-batches trimmed to 5 or fewer positions carry the header inside
+    their first leaf, longer ones send it alone, so changes cross between the two layouts."""
+    from engine.runtime.transport import framing
+    from engine.runtime.trees import Signature
+
+    framing.INLINE_BYTES = 2 * 5 * DIM * 4  # (B/M=2, length, DIM) float32
+    short, long = (Signature.of(torch.zeros(2, n, DIM)) for n in (5, 6))
+    assert framing.inline("gloo", short) and not framing.inline("gloo", long)
+    return phase_varlen(rank, S, names, steps)
+
+
 class Flat(nn.Module):
     """Takes (B, 4, DIM) only: flattens the sequence into its Linear."""
 

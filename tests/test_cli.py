@@ -279,6 +279,8 @@ def test_resume_refuses_different_options(
         (["train", "--schedule", "gpipe", "--prediction", "lwp"], "--schedule pb only"),
         (["train", "--schedule", "2bw", "--stages", "4", "--chunks", "2"], "chunks >= stages"),
         (["compare", "--methods", "pb,foo"], "unknown method(s) foo"),
+        (["compare", "--methods", "pb@sgdx"], "method pb@sgdx: optimizer 'sgdx' is not one of"),
+        (["compare", "--methods", "gpipe,pb+sc@nadam"], "method pb+sc@nadam at S=8: --spike-compensation does not apply"),
         (["compare", "--stages", "32"], "exceeds the model's 16 layers"),
         (["compare", "--dataset", "mnist"], "unknown dataset 'mnist'"),
         (["schedule", "zigzag"], "unknown schedule 'zigzag'"),
@@ -362,6 +364,25 @@ def test_compare_writes_table_plots_and_report(
     assert pb4["delays"] == "6/4/2/0"  # 2(S-1-s), measured by the engine
     gp = next(r for r in rows if r["method"] == "gpipe" and r["S"] == "4")
     assert float(gp["bubble"]) > 0.3 and gp["delays"] == "0/0/0/0"
+
+
+def test_compare_method_at_optimizer_runs_that_optimizer(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``pipedream@nadam`` is pipedream with NAdam in a run whose --optimizer is sgd: its row
+    equals a run of pipedream under --optimizer nadam, and differs from plain pipedream."""
+    args = [*TINY, "--stages", "2", "--epochs", "1", "--evals-per-epoch", "1"]
+    code, _, err = _run(capsys, "compare", *args, "--methods", "pipedream,pipedream@nadam",
+                        "--out", str(tmp_path / "mixed"))
+    assert code == 0, err
+    code, _, err = _run(capsys, "compare", *args, "--optimizer", "nadam", "--methods", "pipedream",
+                        "--out", str(tmp_path / "nadam"))
+    assert code == 0, err
+    mixed = {r["method"]: r for r in _rows(tmp_path / "mixed" / "summary.csv")}
+    (alone,) = _rows(tmp_path / "nadam" / "summary.csv")
+    for key in ("final_acc", "final_loss", "lr", "momentum"):
+        assert mixed["pipedream@nadam"][key] == alone[key], key
+    assert mixed["pipedream"]["final_loss"] != alone["final_loss"]
 
 
 def test_schedule_prints_and_draws(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -102,7 +102,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--methods",
         default="all",
-        help=f"comma list of methods or 'all' (default): {', '.join(METHODS)}",
+        help=f"comma list of methods or 'all' (default): {', '.join(METHODS)}; NAME@OPTIMIZER "
+        "runs one with another optimizer (e.g. pipedream@nadam)",
     )
     p.add_argument(
         "--stages",
@@ -133,15 +134,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _parse_methods(text: str) -> list[Method]:
+    """Methods by name; ``NAME@OPTIMIZER`` runs NAME with another optimizer than
+    ``--optimizer`` (e.g. ``pipedream@nadam``), so that one comparison can pair each
+    optimizer with the schedule it was proposed for."""
+    from engine.cli.config import OPTIMIZERS
+
     if text.strip() == "all":
         return list(METHODS.values())
     names = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [n for n in names if n not in METHODS]
+    unknown = [n for n in names if n.partition("@")[0] not in METHODS]
     if unknown or not names:
         raise CLIError(
-            f"unknown method(s) {', '.join(unknown) or repr(text)}; choose from {', '.join(METHODS)} or all"
+            f"unknown method(s) {', '.join(unknown) or repr(text)}; choose from {', '.join(METHODS)} "
+            "or all (NAME@OPTIMIZER picks the optimizer of one method)"
         )
-    return [METHODS[n] for n in dict.fromkeys(names)]
+    out = []
+    for name in dict.fromkeys(names):
+        base, _, opt = name.partition("@")
+        m = METHODS[base]
+        if opt and opt not in OPTIMIZERS:
+            raise CLIError(f"method {name}: optimizer {opt!r} is not one of {', '.join(OPTIMIZERS)}")
+        out.append(
+            replace(m, name=name, options=(*m.options, ("optimizer", opt)), what=f"{m.what}; optimizer {opt}")
+            if opt else m
+        )
+    return out
 
 
 def _parse_stages(text: str) -> list[int]:

@@ -12,28 +12,24 @@ so a mismatch is a :class:`ShapeAgreementError` naming both ranks rather than a 
 tensor. A stage may pass a tree of tensors (:mod:`engine.runtime.trees`): the agreement is
 its :class:`~engine.runtime.trees.Signature` (structure, constants, and each tensor leaf's
 path, shape, dtype and requires_grad), sent as a pickled skeleton. Per micro-batch an
-activation is one 8-byte header (tag :data:`HEADER_TAG`) and one message per tensor leaf, in
-leaf order; a gradient is one message per leaf that requires grad (none at all when no leaf
-does); constants are never sent again.
+activation is an 8-byte header and one message per tensor leaf, in leaf order (under gloo the
+header rides inside the first leaf's message when that leaf is small: framing.py); a gradient
+is one message per leaf that requires grad (none when no leaf does); constants are never
+sent again.
 
 Variable shapes: the structure, constants, dtypes and requires_grad are fixed at the
 handshake, but tensor shapes may change from one micro-batch to the next (sequence length,
 batch size). The header says 0 when the activation has the shapes of the sender's previous
 one, and n > 0 when a new Signature follows as an n-byte metadata message (tag
-:data:`META_TAG`), so the metadata travels only when shapes change. The receiving stage then
-checks once per new set of shapes that its module accepts them (:attr:`accept`, a dry run);
-if not, it raises naming the stage, the leaf paths and both shapes, and sends the error text
-downstream in place of the next header (n < 0), so later stages raise it too instead of
-waiting. Gradients need no header: the gradient of micro-batch i has the shapes of the
-activation of i, which both ends remember until it travelled.
-
-Under gloo the receiver still posts each activation's tensors before its header arrives, for
-the shapes of the previous activation (the sender then finds its receive waiting; see the
-rendezvous below). When the shapes changed, the sender first sends a fill of at most one byte
-per tensor leaf, which completes those receives (gloo takes a message smaller than the posted
-buffer), and the tensors of the new shapes follow: a change costs the header, the metadata
-message and the fills; an unchanged activation only the 8-byte header. NCCL needs equal
-sizes at both ends and posts nothing ahead, so it receives the header first.
+:data:`META_TAG`). The receiving stage then checks once per new set of shapes that its
+module accepts them (:attr:`accept`, a dry run); if not, it raises naming the stage, the leaf
+paths and both shapes, and sends the error text downstream in place of the next header
+(n < 0), so later stages raise it too instead of waiting. Gradients need no header: the
+gradient of micro-batch i has the shapes of the activation of i, which both ends remember.
+Under gloo the receiver posts micro-batch i+1's receives for the shapes of i before its
+header arrives; a change completes them with the header and fills of at most one byte per
+leaf, then the tensors of the new shapes follow. NCCL needs equal sizes at both ends and
+posts nothing ahead, so it receives the header (always a message of its own) first.
 
 gloo specifics (measured on 4 ranks time-sharing 2 CPU cores, see bench/README.md):
 
@@ -81,7 +77,6 @@ the pipeline's ``timeout``.
 from __future__ import annotations
 
 import datetime
-import math
 import pickle
 from typing import Any
 
@@ -92,6 +87,8 @@ from torch import Tensor
 from engine.errors import PipelineInputError
 from engine.runtime.first_failure import first
 from engine.runtime.transport.base import PeerError, ShapeAgreementError, Transport
+from engine.runtime.transport.framing import Posted, fills, frame, framed_buffer, head_message
+from engine.runtime.transport.framing import inline as inline_header
 from engine.runtime.trees import Signature, flatten
 
 __all__ = ["P2PTransport", "DTYPES", "MAX_DIMS", "HEADER_TAG", "META_TAG"]
@@ -156,7 +153,7 @@ class P2PTransport(Transport):
         self._sends: dict[tuple[str, int], tuple[list[Any], list[Tensor], str]] = {}
         # receives posted ahead (gloo): (channel, micro-batch) -> (works, buffers, the
         # Signature they were posted for)
-        self._posted: dict[tuple[str, int], tuple[list[Any], list[Tensor], Signature]] = {}
+        self._posted: dict[tuple[str, int], Posted] = {}
         # the agreed activation Signature per direction: ("act"|"grad", "send"|"recv"); the
         # grad channel carries the leaves of the same Signature that require grad
         self.meta: dict[tuple[str, str], Signature] = {}
@@ -316,20 +313,24 @@ class P2PTransport(Transport):
         tensors, new = self._check(channel, mb, value)
         if not tensors and channel == "grad":
             return  # no leaf carries a gradient: nothing travels
-        tags = [0] * len(tensors)
         ts = [t.detach().contiguous() for t in tensors]
+        tags = [0] * len(ts)
         if channel == "act":
-            body = b"" if new is None else pickle.dumps(new.skeleton)
-            head = [self._small(torch.tensor([len(body)], dtype=torch.int64))]
+            old = self.meta[("act", "send")]
+            announce: list[Tensor] = []
             if new is not None:
-                head.append(self._small(torch.frombuffer(bytearray(body), dtype=torch.uint8)))
-                if self.backend == "gloo":  # fill the receive posted for the old shapes
-                    fill = self._fill(self.meta[("act", "send")])
-                    ts, tags = fill + ts, [0] * len(fill) + tags
+                body = pickle.dumps(new.skeleton)
+                announce, atags = self._announce(old, len(body), body)
                 self._agree("act", "send", new)
                 self.shape_changes += 1
-            self._sent_sigs[mb] = self.meta[("act", "send")]
-            ts, tags = head + ts, [HEADER_TAG, META_TAG][: len(head)] + tags
+            sig = self.meta[("act", "send")]
+            self._sent_sigs[mb] = sig
+            if inline_header(self.backend, sig):
+                ts[0] = frame(ts[0], 0)
+            elif new is None:  # the header alone (after an announcement none follows)
+                ts, tags = [self._small(torch.tensor([0], dtype=torch.int64)), *ts], [HEADER_TAG, *tags]
+            if announce:
+                ts, tags = announce + ts, atags + tags
         works = self._isend(ts, tags, self.ranks[self.peer_stage(channel, "send")])
         earlier = self._sends.pop((channel, mb), None)
         if earlier is not None:  # a send of an earlier segment that nobody waited for
@@ -338,10 +339,18 @@ class P2PTransport(Transport):
         if self.backend == "nccl":
             self._reap()
 
-    @staticmethod
-    def _fill(posted_for: Signature) -> list[Tensor]:
-        """At most one byte per tensor leaf: completes the receives posted for those shapes."""
-        return [torch.zeros(min(1, math.prod(m.shape)), dtype=torch.uint8) for _, m in posted_for.metas(False)]
+    def _announce(self, old: Signature | None, n: int, body: bytes) -> tuple[list[Tensor], list[int]]:
+        """Header ``n`` and its ``body`` (a Signature or an error) in place of an activation
+        of ``old``'s shapes: under gloo the receives posted for ``old`` are completed by the
+        header (inline) and by fills (framing.py)."""
+        msg = self._small(torch.frombuffer(bytearray(body), dtype=torch.uint8))
+        if inline_header(self.backend, old):
+            rest = fills(old)[1:]  # type: ignore[arg-type]
+            return [head_message(n), *rest, msg], [0] * (1 + len(rest)) + [META_TAG]
+        ts = [self._small(torch.tensor([n], dtype=torch.int64)), msg]
+        if self.backend == "gloo" and old is not None:
+            ts += fills(old)
+        return ts, [HEADER_TAG, META_TAG] + [0] * (len(ts) - 2)
 
     def _small(self, t: Tensor) -> Tensor:
         return t.to(self._meta_device())
@@ -366,23 +375,29 @@ class P2PTransport(Transport):
             )
         return work
 
-    def _signature(self, mb: int, src: int, tensors: Any) -> Signature:
+    def _signature(self, mb: int, src: int, posted: Posted | None) -> Signature:
         """Receive micro-batch ``mb``'s activation header (and a new Signature if its shapes
-        changed): the Signature its tensors arrive with. ``tensors``: the receive already
-        posted for its tensors (gloo), which an error from upstream fills."""
-        posted = self._heads.pop(mb, None) or self._post_head(src)
+        changed): the Signature its tensors arrive with. ``posted``: the receive already
+        posted for its tensors (gloo), which a change or an error from upstream completes
+        (header inline: its first work, which this waits for, holds the header)."""
         what = f"receiving the header of micro-batch {mb}'s activation"
-        self.wait(posted[0], what, src)
-        n = int(posted[1].cpu()[0])
+        rest = [] if posted is None else posted.works
+        if posted is not None and posted.head is not None:
+            self.wait(posted.works[0], what, src)
+            n, rest = int(posted.head[0]), posted.works[1:]
+            posted.works = rest
+        else:
+            work, head = self._heads.pop(mb, None) or self._post_head(src)
+            self.wait(work, what, src)
+            n = int(head.cpu()[0])
         current = self.meta[("act", "recv")]
         if n == 0:
             return current
         body = torch.empty(abs(n), dtype=torch.uint8, device=self._meta_device())
         self.wait(self._irecv(body, src, META_TAG), what, src)
         data = body.cpu().numpy().tobytes()
+        self._wait_all(rest, f"receiving micro-batch {mb}'s fill", src)
         if n < 0:  # an earlier stage stopped the step: pass its error on, then raise it
-            if tensors is not None:
-                self._wait_all(tensors[0], what, src)
             self.poison(data.decode())
             raise PipelineInputError(data.decode())
         sig = Signature(pickle.loads(data))
@@ -404,12 +419,7 @@ class P2PTransport(Transport):
         if self.stage == self.S - 1:
             return
         body = message.encode()
-        ts = [torch.tensor([-len(body)], dtype=torch.int64), torch.frombuffer(bytearray(body), dtype=torch.uint8)]
-        ts, tags = [self._small(t) for t in ts], [HEADER_TAG, META_TAG]
-        sent = self.meta.get(("act", "send"))
-        if sent is not None and self.backend == "gloo":  # the receive posted for the tensors
-            fill = self._fill(sent)
-            ts, tags = ts + fill, tags + [0] * len(fill)
+        ts, tags = self._announce(self.meta.get(("act", "send")), -len(body), body)
         works = self._isend(ts, tags, self.ranks[self.stage + 1])
         try:
             self._wait_all(works, "sending a step's error downstream")
@@ -450,27 +460,33 @@ class P2PTransport(Transport):
                 posted = self._post(channel, mb, agreed, src)
             agreed = self._signature(mb, src, posted)
             self._recv_sigs[mb] = agreed
-            if posted is not None and posted[2] is not agreed:
-                self._wait_all(posted[0], f"receiving micro-batch {mb}'s fill", src)
+            if posted is not None and posted.sig is not agreed:
                 posted = None  # the shapes changed: that receive took the sender's fill
+        check_head = posted is None
         if posted is None:
             posted = self._post(channel, mb, agreed, src)
-        if certain is not None and self.backend == "gloo":
-            # messages of one (peer, tag) match receives in posting order: post mb+1, mb+2, ...
-            # (activations: their fixed-size headers, and the next one's tensors for the
-            # shapes of this one; gradients: once their activation left)
-            for ahead in range(mb + 1, min(certain, mb + 1 + self.prepost)):
-                if channel == "act" and ahead not in self._heads:
-                    self._heads[ahead] = self._post_head(src)
-                    if ahead == mb + 1:
-                        self._posted[(channel, ahead)] = self._post(channel, ahead, agreed, src)
-                elif channel == "grad" and ahead in self._sent_sigs and (channel, ahead) not in self._posted:
-                    self._posted[(channel, ahead)] = self._post(channel, ahead, self._sent_sigs[ahead], src)
-        works, bufs, _ = posted
+        if certain is not None and self.backend == "gloo" and mb + 1 < certain:
+            # messages of one (peer, tag) match receives in posting order. Activations: mb+1
+            # only, for the shapes of mb (they may change at mb+1); gradients: up to prepost
+            # ahead, once their activation left
+            if channel == "act" and (channel, mb + 1) not in self._posted:
+                self._posted[(channel, mb + 1)] = ahead = self._post(channel, mb + 1, agreed, src)
+                if ahead.head is None and mb + 1 not in self._heads:
+                    self._heads[mb + 1] = self._post_head(src)
+            for later in range(mb + 1, min(certain, mb + 1 + self.prepost)) if channel == "grad" else ():
+                if later in self._sent_sigs and (channel, later) not in self._posted:
+                    self._posted[(channel, later)] = self._post(channel, later, self._sent_sigs[later], src)
         what = (
             f"receiving the {'activation' if channel == 'act' else 'gradient'} of micro-batch {mb}"
         )
-        self._wait_all(works, what, src)
+        self._wait_all(posted.works, what, src)
+        bufs = posted.bufs
+        if check_head and posted.head is not None and int(posted.head[0]) != 0:
+            raise PeerError(
+                f"{self.who(self.stage)}: micro-batch {mb}'s activation from {self.who(src)} "
+                f"arrived with header {int(posted.head[0])} after its new shapes (expected 0): "
+                "the two ranks disagree on the transport protocol (same engine version?)"
+            )
         if channel == "grad" and self.backend == "gloo":
             # the next stage received this micro-batch's activation before computing its
             # gradient: that send has completed, so waiting on it returns at once
@@ -493,21 +509,20 @@ class P2PTransport(Transport):
             if sent is not None:
                 self._wait_all(sent[0], sent[2], peer)
 
-    def _post(
-        self, channel: str, mb: int, agreed: Signature, src: int
-    ) -> tuple[list[Any], list[Tensor], Signature]:
-        bufs = [
-            torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
-            for _, meta in agreed.metas(grad=channel == "grad")
-        ]
+    def _post(self, channel: str, mb: int, agreed: Signature, src: int) -> Posted:
+        metas = agreed.metas(grad=channel == "grad")
+        bufs = [torch.empty(meta.shape, dtype=meta.dtype, device=self.device) for _, meta in metas]
+        msgs, head = list(bufs), None
+        if channel == "act" and inline_header(self.backend, agreed):
+            msgs[0], head, bufs[0] = framed_buffer(metas[0][1], self.device)
         if self.backend == "gloo":
-            return [dist.irecv(b, self.ranks[src], group=self.group) for b in bufs], bufs, agreed
+            return Posted([dist.irecv(b, self.ranks[src], group=self.group) for b in msgs], bufs, agreed, head)
         with torch.cuda.stream(self.comm_stream):
             works = dist.batch_isend_irecv(
-                [dist.P2POp(dist.irecv, b, self.ranks[src], self.group) for b in bufs]
+                [dist.P2POp(dist.irecv, b, self.ranks[src], self.group) for b in msgs]
             )
         # waited on from the compute stream: it waits (on the device) for the transfer
-        return works, bufs, agreed
+        return Posted(works, bufs, agreed)
 
     def _reap(self) -> None:
         """NCCL: forget sends that completed. Until then the transport holds each sent
