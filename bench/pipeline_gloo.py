@@ -11,7 +11,9 @@ What is compared, in one run on the same machine, the same model (an MLP cut int
 stages), the same micro-batches and the same optimizer (SGD with momentum):
 
 * ``vs_torch``: ``engine`` ``gpipe`` / ``1f1b`` / ``zbh1`` vs torch's ``ScheduleGPipe`` /
-  ``Schedule1F1B`` / ``ScheduleInterleavedZeroBubble`` with one stage per rank (ZB-H1's order).
+  ``Schedule1F1B`` / ``ScheduleInterleavedZeroBubble`` with one stage per rank (ZB-H1's order);
+  ``engine`` ``interleaved`` with ``--virtual`` v stages per rank (S*v stage modules) vs torch's
+  ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` on the same S*v modules.
   No activation recomputation on either side.
 * ``async_vs_gpipe``: ``engine`` ``pipedream`` / ``2bw`` / ``pb`` vs ``engine`` ``gpipe``, next
   to the theoretical time ratio M/(M+S-1) (``extra.theory_ratio``): GPipe's bubble per
@@ -64,15 +66,19 @@ def data(steps: int, batch: int, width: int) -> list[tuple[torch.Tensor, torch.T
 
 
 class EngineRunner:
+    """``virtual`` v > 1: ``schedule="interleaved"`` over S*v stage modules, v per rank."""
+
     def __init__(
-        self, schedule: str, S: int, M: int, width: int, layers: int, timeout: float
+        self, schedule: str, S: int, M: int, width: int, layers: int, timeout: float,
+        virtual: int = 1,
     ) -> None:
         from engine import Pipeline
 
         s = dist.get_rank()
         self.pipe = Pipeline(
-            [lambda i=i: stage_module(i, width, layers) for i in range(S)],
+            [lambda i=i: stage_module(i, width, layers) for i in range(S * virtual)],
             schedule=schedule,
+            virtual_stages=virtual if virtual > 1 else None,
             chunks=M,
             loss_fn=nn.functional.mse_loss,
             optimizer=lambda p: torch.optim.SGD(p, lr=1e-4, momentum=0.9),
@@ -90,19 +96,26 @@ class EngineRunner:
 
 class TorchRunner:
     """torch.distributed.pipelining with the same stage modules (keyword arguments: they moved
-    between torch 2.11 and 2.13, see docs/ENVIRONMENT.md)."""
+    between torch 2.11 and 2.13, see docs/ENVIRONMENT.md); ``virtual`` stages per rank (rank
+    r holds stages r, r+S, ..., as the engine's interleaved schedule)."""
 
-    def __init__(self, schedule: str, S: int, M: int, width: int, layers: int) -> None:
+    def __init__(
+        self, schedule: str, S: int, M: int, width: int, layers: int, virtual: int = 1
+    ) -> None:
         from torch.distributed import pipelining as tp
 
         s = dist.get_rank()
-        self.module = stage_module(s, width, layers)
-        stage = tp.PipelineStage(
-            submodule=self.module, stage_index=s, num_stages=S, device=torch.device("cpu")
-        )
+        held = range(s, S * virtual, S)
+        self.module = nn.ModuleList([stage_module(i, width, layers) for i in held])
+        stages = [
+            tp.PipelineStage(
+                submodule=m, stage_index=i, num_stages=S * virtual, device=torch.device("cpu")
+            )
+            for i, m in zip(held, self.module, strict=True)
+        ]
         cls = getattr(tp, schedule)
-        # the multi-stage schedules take a list of this rank's stages (here one: ZB-H1's order)
-        arg = [stage] if issubclass(cls, tp.schedules.PipelineScheduleMulti) else stage
+        # the multi-stage schedules take a list of this rank's stages (ZB-H1: one)
+        arg = stages if issubclass(cls, tp.schedules.PipelineScheduleMulti) else stages[0]
         self.schedule = cls(arg, n_microbatches=M, loss_fn=nn.functional.mse_loss)
         self.opt = torch.optim.SGD(self.module.parameters(), lr=1e-4, momentum=0.9)
         self.first, self.last = s == 0, s == S - 1
@@ -179,7 +192,10 @@ def main() -> None:
         "--ranks", type=int, default=4, help="processes (= stages) when not started by torchrun"
     )
     ap.add_argument("--cases", nargs="*", default=None,
-                    help="only these cases (gpipe 1f1b zbh1 pipedream 2bw pb); default all")
+                    help="only these cases (gpipe 1f1b zbh1 interleaved interleaved-zb pipedream "
+                    "2bw pb); default all")
+    ap.add_argument("--virtual", type=int, default=2,
+                    help="v, stages per rank of the interleaved cases (S*v stage modules)")
     args = ap.parse_args()
     if "RANK" not in os.environ:
         # started as a plain script (e.g. by .ci/gpu): launch ourselves under torchrun
@@ -193,24 +209,48 @@ def main() -> None:
     M, b = args.chunks, args.micro_batch
     batches = data(args.steps, M * b, args.width)
 
-    def ours(schedule: str) -> EngineRunner:
-        return EngineRunner(schedule, S, M, args.width, args.layers, args.timeout)
+    def ours(schedule: str, virtual: int = 1) -> EngineRunner:
+        return EngineRunner(schedule, S, M, args.width, args.layers, args.timeout, virtual)
 
-    def theirs(schedule: str) -> TorchRunner:
-        return TorchRunner(schedule, S, M, args.width, args.layers)
+    def theirs(schedule: str, virtual: int = 1) -> TorchRunner:
+        return TorchRunner(schedule, S, M, args.width, args.layers, virtual)
 
-    gpipe = ours("gpipe")
-    # (benchmark, case, candidate label, candidate, peer label, peer)
-    pairs: list[tuple[str, str, str, Runner, str, Runner]] = [
-        ("vs_torch", "gpipe", "engine gpipe", gpipe, "torch ScheduleGPipe", theirs("ScheduleGPipe")),
-        ("vs_torch", "1f1b", "engine 1f1b", ours("1f1b"), "torch Schedule1F1B", theirs("Schedule1F1B")),
-        ("vs_torch", "zbh1", "engine zbh1", ours("zbh1"),
-         "torch ScheduleInterleavedZeroBubble, 1 stage/rank", theirs("ScheduleInterleavedZeroBubble")),
-    ]
+    v = args.virtual
+    wanted = args.cases or ["gpipe", "1f1b", "zbh1", "interleaved", "interleaved-zb",
+                            "pipedream", "2bw", "pb"]
+
+    # (benchmark, case, candidate label, candidate, peer label, peer); built lazily so that
+    # --cases builds only what it times
+    makers: dict[str, Callable[[], tuple[str, str, str, Runner, str, Runner]]] = {
+        "gpipe": lambda: ("vs_torch", "gpipe", "engine gpipe", ours("gpipe"),
+                          "torch ScheduleGPipe", theirs("ScheduleGPipe")),
+        "1f1b": lambda: ("vs_torch", "1f1b", "engine 1f1b", ours("1f1b"),
+                         "torch Schedule1F1B", theirs("Schedule1F1B")),
+        "zbh1": lambda: ("vs_torch", "zbh1", "engine zbh1", ours("zbh1"),
+                         "torch ScheduleInterleavedZeroBubble, 1 stage/rank",
+                         theirs("ScheduleInterleavedZeroBubble")),
+        # the same S*v stage modules, v per rank, on both sides
+        "interleaved": lambda: ("vs_torch", "interleaved", f"engine interleaved v={v}",
+                                ours("interleaved", v), f"torch ScheduleInterleaved1F1B v={v}",
+                                theirs("ScheduleInterleaved1F1B", v)),
+        "interleaved-zb": lambda: ("vs_torch", "interleaved-zb", f"engine interleaved v={v}",
+                                   ours("interleaved", v),
+                                   f"torch ScheduleInterleavedZeroBubble v={v}",
+                                   theirs("ScheduleInterleavedZeroBubble", v)),
+    }
+    gpipe_peer: list[EngineRunner] = []
+
+    def against_gpipe(s: str) -> tuple[str, str, str, Runner, str, Runner]:
+        if not gpipe_peer:
+            gpipe_peer.append(ours("gpipe"))
+        return ("async_vs_gpipe", s, f"engine {s}", ours(s), "engine gpipe", gpipe_peer[0])
+
     for s in ("pipedream", "2bw", "pb"):
-        pairs.append(("async_vs_gpipe", s, f"engine {s}", ours(s), "engine gpipe", gpipe))
-    if args.cases:
-        pairs = [p for p in pairs if p[1] in args.cases]
+        makers[s] = lambda s=s: against_gpipe(s)
+    unknown = [c for c in wanted if c not in makers]
+    if unknown:
+        ap.error(f"unknown --cases {unknown}; choose from {sorted(makers)}")
+    pairs = [makers[c]() for c in wanted]
     cores = os.cpu_count() or 0
     note = (
         f"{S} ranks on {cores} cores: ranks time-share cores, speed-ups are capped near {cores}x"
@@ -226,6 +266,7 @@ def main() -> None:
         theory = M / (M + S - 1) if bench == "async_vs_gpipe" else 1.0
         row = res.row(bench, case, cand_label, peer_label, label=args.label, note=note,
                       extra={"theory_ratio": theory, "stages": S, "chunks": M,
+                             "virtual": v if case.startswith("interleaved") else 1,
                              "micro_batch": b, "width": args.width, "steps": args.steps})
         rows.append(row)
         if rank == 0:

@@ -241,12 +241,15 @@ def phase_data_parallel(rank: int, S: int, R: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     B, M = 4, 2
-    for name in ("gpipe", "pipedream"):
-        kw = dict(configs(S)[name])
+    for name in ("gpipe", "pipedream", "interleaved"):
+        v = 2 if name == "interleaved" else 1  # 2 stages per rank: S*v stage modules
+        kw = dict(configs(S)[name]) if v == 1 else dict(
+            schedule=name, virtual_stages=v, optimizer=_sgd()
+        )
         kw["chunks"] = M
         try:
             pipe = Pipeline(
-                stage_factories(S),
+                stage_factories(S * v),
                 loss_fn=nn.functional.mse_loss,
                 transport="gloo",
                 data_parallel=R,
@@ -262,10 +265,11 @@ def phase_data_parallel(rank: int, S: int, R: int) -> dict[str, Any]:
                 return torch.cat([mb[d * b : (d + 1) * b] for mb in big])
 
             losses = _train(pipe, STEPS, B=R * B, shard=shard)
-            ref, ref_losses = _local(S, kw, STEPS, B=R * B)
-            s = pipe.layout.stage
-            mine = [p.detach() for p in pipe.stages[0].module.parameters()]
-            theirs = [p.detach() for p in ref.stages[s].module.parameters()]
+            ref, ref_losses = _local(S * v, kw, STEPS, B=R * B)
+            held = [st.index for st in pipe.stages]
+            mine = [p.detach() for st in pipe.stages for p in st.module.parameters()]
+            theirs = [p.detach() for s in held for p in ref.stages[s].module.parameters()]
+            initial = [p.detach() for s in held for p in stage_factories(S * v)[s]().parameters()]
             out[name] = {
                 "max_diff": max(
                     float((a - b).abs().max()) for a, b in zip(mine, theirs, strict=True)
@@ -274,10 +278,10 @@ def phase_data_parallel(rank: int, S: int, R: int) -> dict[str, Any]:
                     float((a - b).abs()) for a, b in zip(losses, ref_losses, strict=True)
                 ),
                 "moved": max(
-                    float((a - f).abs().max())
-                    for a, f in zip(mine, stage_factories(S)[s]().parameters(), strict=True)
+                    float((a - f).abs().max()) for a, f in zip(mine, initial, strict=True)
                 ),
                 "replica": d,
+                "stages": held,
             }
         except Exception:
             out[name] = {"error": traceback.format_exc()}
@@ -1137,4 +1141,104 @@ def phase_resume_inflight(
             }
         except Exception:
             out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+def phase_interleaved(rank: int, R: int, v: int = 2, steps: int = 2) -> dict[str, Any]:
+    """Interleaved 1F1B, v virtual stages per rank (V = R*v), under gloo vs the local run of
+    the same configuration: every stage this rank holds, the losses, what is left held; an
+    MLP, and the variable-length model (dict activations with a bool mask and a constant,
+    a weight tied between virtual stages 0 and V-1); then a refused combination (R
+    replicas of a pipeline with all its v stages on one rank)."""
+    from engine import Pipeline, PipelineConfigError
+
+    V = R * v
+    kw = dict(schedule="interleaved", virtual_stages=v, chunks=4, optimizer=_sgd())
+    cases = {
+        "mlp": (lambda: stage_factories(V), nn.functional.mse_loss, batch),
+        "varlen-tied": (lambda: varlen_stages(V, True), nn.functional.cross_entropy, varlen_batch),
+    }
+    out: dict[str, Any] = {}
+    for name, (stages, loss_fn, batches) in cases.items():
+        t0 = time.perf_counter()
+        try:
+            pipe = Pipeline(stages(), loss_fn=loss_fn, transport="gloo", timeout=30, **kw)
+            ref = Pipeline(
+                [f() if not isinstance(f, nn.Module) else f for f in stages()], loss_fn=loss_fn, **kw
+            )
+            same_losses = True
+            for t in range(steps):
+                x, y = batches(t)
+                same_losses &= torch.equal(pipe.step(x, y), ref.step(x, y))
+            held = [st.index for st in pipe.stages]
+            out[name] = {
+                "stages": held,
+                "weights_equal": all(
+                    torch.equal(a, b)
+                    for s in held
+                    for a, b in zip(
+                        pipe._executor.by_index[s].module.parameters(),
+                        ref.stages[s].module.parameters(),
+                        strict=True,
+                    )
+                ),
+                "losses_equal": same_losses,
+                "updates": [st.updates for st in pipe.stages],
+                "ties": len(pipe.ties),
+                "leftovers": len(pipe._executor.inputs)
+                + sum(tp.held() for tp in pipe._executor.transports.values()),
+                "seconds": time.perf_counter() - t0,
+            }
+            if name == "mlp":  # evaluate() runs through the v stages of every rank
+                x_eval = batch(99)[0]
+                out[name]["evaluate_equal"] = torch.equal(pipe.evaluate(x_eval), ref.evaluate(x_eval))
+            if name == "mlp":  # a checkpoint of the v stages resumes the run exactly
+                fresh = Pipeline(stages(), loss_fn=loss_fn, transport="gloo", timeout=30, **kw)
+                fresh.load_state_dict(pipe.state_dict())
+                x, y = batches(steps)
+                out[name]["resumed_equal"] = torch.equal(fresh.step(x, y), ref.step(x, y)) and all(
+                    torch.equal(a, ref.stages[st.index].module.get_parameter(n))
+                    for st in fresh.stages
+                    for n, a in st.module.named_parameters()
+                )
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+    try:  # an input stage 0 cannot take stops the step on every rank; the next one runs
+        pipe = Pipeline(stage_factories(V), loss_fn=nn.functional.mse_loss, transport="gloo",
+                        timeout=20, **kw)
+        ref = Pipeline([f() for f in stage_factories(V)], loss_fn=nn.functional.mse_loss, **kw)
+        x, y = batch(0)
+        pipe.step(x, y), ref.step(x, y)
+        before = [p.detach().clone() for st in pipe.stages for p in st.module.parameters()]
+        t0 = time.perf_counter()
+        try:
+            pipe.step(torch.randn(8, DIM + 1), y)
+            out["reject"] = {"error": "an input of DIM+1 features was accepted"}
+        except Exception as exc:
+            after = [p.detach() for st in pipe.stages for p in st.module.parameters()]
+            out["reject"] = {
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "seconds": time.perf_counter() - t0,
+                "unchanged": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+            }
+            x, y = batch(1)
+            out["reject"]["then_equal"] = torch.equal(pipe.step(x, y), ref.step(x, y)) and all(
+                torch.equal(a, ref.stages[st.index].module.get_parameter(n))
+                for st in pipe.stages
+                for n, a in st.module.named_parameters()
+            )
+    except Exception:
+        out["reject"] = {"error": traceback.format_exc()}
+    stages = [f() for f in stage_factories(v)]  # one rank per replica: refused
+    before = [p.detach().clone() for m in stages for p in m.parameters()]
+    try:
+        Pipeline(stages, loss_fn=nn.functional.mse_loss, transport="gloo", data_parallel=R, **kw)
+        out["refused"] = {"error": f"{v} stages on one rank per replica were accepted"}
+    except PipelineConfigError as exc:
+        after = [p.detach() for m in stages for p in m.parameters()]
+        out["refused"] = {
+            "message": str(exc),
+            "unchanged": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+        }
     return out

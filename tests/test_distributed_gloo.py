@@ -1,6 +1,7 @@
 """Multi-process pipelines over gloo: every schedule and mitigation gives the local run's
-weights (and losses) bit for bit with S = 2 and 4 processes; data-parallel replicas equal one
-replica with the larger batch; random sequence lengths (with trees, masks and ties) equal
+weights (and losses) bit for bit with S = 2 and 4 processes, interleaved 1F1B too (2 virtual
+stages per process); data-parallel replicas equal one replica with the larger batch; random
+sequence lengths (with trees, masks and ties) equal
 the local run too; shape disagreements, shapes a stage cannot accept and dead ranks give
 clear errors naming the ranks, within the timeout, on every survivor.
 
@@ -36,6 +37,7 @@ def two() -> list[dict[str, Any]]:
             ("handshake_mismatch", dict(S=2)),
             ("varlen", dict(S=2, names=["gpipe-tied", "1f1b-tied", "pipedream", "pb"])),
             ("varlen_mixed", dict(S=2, names=["1f1b-tied", "pb"])),
+            ("interleaved", dict(R=2)),
             ("reject_input", dict(S=2)),
             ("reject_later", dict(S=2)),  # terminal: the last stage stops mid-step
         ],
@@ -50,6 +52,7 @@ def four() -> list[dict[str, Any]]:
             ("equal", dict(S=4, names=None)),
             ("varlen", dict(S=4, names=["1f1b-tied", "pb"])),
             ("varlen_mixed", dict(S=4, names=["pipedream"])),
+            ("interleaved", dict(R=4)),
             ("kill", dict(S=4, victim=2, timeout=KILL_TIMEOUT)),  # terminal
         ],
     )
@@ -130,6 +133,39 @@ def test_variable_lengths_equal_local_bit_for_bit(
             assert r["shape_changes"] == (expected if rank < world - 1 else 0), (rank, name, r)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_interleaved_equals_local_bit_for_bit(
+    two: list[dict[str, Any]], four: list[dict[str, Any]], world: int
+) -> None:
+    """Interleaved 1F1B with v=2 virtual stages per rank (rank r holds r and r+R): the
+    weights of every stage a rank holds and the losses equal the local run's after 2 steps,
+    on an MLP and on dict activations with a mask, variable lengths and a tied weight;
+    nothing stays held; evaluate() gives the local outputs; a state_dict of the v stages
+    resumes exactly; an input stage 0 cannot take stops every rank before the step and the
+    next step runs as the local one; replicas of a one-rank pipeline are refused before any weight is
+    touched (data parallelism itself: test_data_parallel_equals_one_replica_with_larger_batch)."""
+    results = two if world == 2 else four
+    for rank, res in enumerate(results):
+        assert "fatal" not in res, res.get("fatal")
+        got = res["interleaved"]
+        for name in ("mlp", "varlen-tied"):
+            r = got[name]
+            assert "error" not in r, f"rank {rank} ({name}): {r.get('error')}"
+            assert r["stages"] == [rank, rank + world], (rank, name, r)
+            assert r["weights_equal"] and r["losses_equal"], (rank, name, r)
+            assert r["updates"] == [2, 2] and r["leftovers"] == 0, (rank, name, r)
+            assert r["ties"] == (1 if name.endswith("tied") else 0), (rank, name, r)
+        assert got["mlp"]["resumed_equal"] and got["mlp"]["evaluate_equal"], got["mlp"]
+        reject = got["reject"]  # the error went round the v stages and left nothing in flight
+        assert reject.get("type") == "PipelineInputError", reject
+        assert "stage 0 (rank 0) cannot accept it" in reject["message"], reject
+        assert reject["seconds"] < 10 and reject["unchanged"] and reject["then_equal"], reject
+        refused = got["refused"]
+        assert "puts all 2 stages on one rank" in refused.get("message", ""), refused
+        assert f"data_parallel={world}" in refused["message"], refused
+        assert "virtual_stages=2" in refused["message"] and refused["unchanged"], refused
+
+
 def test_input_shape_a_stage_cannot_accept_stops_every_rank_before_the_step(
     two: list[dict[str, Any]],
 ) -> None:
@@ -183,7 +219,7 @@ def test_stalled_rank_makes_its_neighbours_time_out(grid: list[dict[str, Any]]) 
     assert grid[3]["stall"]["type"] == "PeerError"  # its neighbour gave up and left
 
 
-@pytest.mark.parametrize("name", ["gpipe", "pipedream"])
+@pytest.mark.parametrize("name", ["gpipe", "pipedream", "interleaved"])
 def test_data_parallel_equals_one_replica_with_larger_batch(
     grid: list[dict[str, Any]], name: str
 ) -> None:
@@ -192,6 +228,7 @@ def test_data_parallel_equals_one_replica_with_larger_batch(
         got = res["data_parallel"][name]
         assert "error" not in got, f"rank {rank}: {got.get('error')}"
         assert got["replica"] == rank // 2
+        assert got["stages"] == ([rank % 2, rank % 2 + 2] if name == "interleaved" else [rank % 2])
         assert got["moved"] > 1e-3  # training changed the weights
         assert got["max_diff"] < 1e-5, (rank, got)
         assert got["loss_diff"] < 1e-5, (rank, got)

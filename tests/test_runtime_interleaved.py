@@ -1,6 +1,6 @@
 """Interleaved 1F1B in one process: the S*v virtual stages run as stage modules, equal to the
 unpipelined model (and bit for bit to 1f1b on the same stages: the same per-stage order of
-micro-batches), weight versions of a synchronous schedule; gloo/NCCL refuse it clearly."""
+micro-batches), weight versions of a synchronous schedule. Under gloo: test_distributed_gloo.py."""
 
 from __future__ import annotations
 
@@ -95,9 +95,6 @@ def test_interleaved_probe_versions_with_tree_stages() -> None:
         (dict(schedule="interleaved", virtual_stages=2, update_size=2), "update_size must equal"),
         (dict(schedule="interleaved", virtual_stages=2, order="1f1b"), "its own order"),
         (dict(schedule="1f1b", virtual_stages=2), "only for schedule='interleaved'"),
-        (dict(schedule="interleaved", virtual_stages=2, transport="gloo"), "do not run under"),
-        (dict(schedule=interleaved(2, 2, 4), transport="gloo"), "do not run under"),
-        (dict(schedule=format_schedule(interleaved(2, 2, 4)), transport="nccl"), "do not run under"),
     ],
 )
 def test_bad_options_are_refused(kw: dict, match: str) -> None:

@@ -77,6 +77,20 @@ class RankRuntime:
         loss_fn: Callable[[Tensor, Any], Tensor] | None,
     ) -> None:
         """Agree the activation Signatures stage by stage; raise the same error on every rank."""
+        problem, inp = self.exchange_signatures(module, x0, target0, loss_fn)
+        self.agree_handshake([problem])
+        self.accept_shapes(module, inp)
+
+    def exchange_signatures(
+        self,
+        module: nn.Module,
+        x0: Any,
+        target0: Any,
+        loss_fn: Callable[[Tensor, Any], Tensor] | None,
+    ) -> tuple[str, Any]:
+        """This stage's part of the handshake: receive the previous stage's Signature, dry-run
+        on zeros of its shapes, announce the output's. Returns (problem or "upstream" or "",
+        the input the dry run used)."""
         lay, tp = self.layout, self.transport
         s, S = lay.stage, lay.stages
         problem = ""
@@ -99,25 +113,36 @@ class RankRuntime:
             if not problem and out is not None:
                 problem = tp.unsupported(out)
             tp.send_meta("act", out if not problem else None)
-        codes = torch.tensor([0 if not problem else (2 if problem == "upstream" else 1)])
-        codes = codes.to(self.device if tp.backend == "nccl" else "cpu")  # NCCL: CUDA only
+        return problem, inp
+
+    def agree_handshake(self, problems: list[str]) -> None:
+        """Every rank of the pipeline learns whether any of its stages failed the handshake
+        (``problems``: this rank's, "upstream" for a stage whose predecessor failed) and all
+        raise the failing stage's error."""
+        lay, tp = self.layout, self.transport
+        real = [p for p in problems if p and p != "upstream"]
+        code = 1 if real else (2 if any(problems) else 0)
+        codes = torch.tensor([code]).to(self.device if tp.backend == "nccl" else "cpu")  # NCCL: CUDA only
         tp.wait(
             dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=lay.pipeline_group, async_op=True),
             "agreeing the handshake",
         )
         if int(codes.item()) == 0:
             self.handshaken = True
-            if inp is not None:
-                self._first_in = trees.Signature.of(inp)
-                self._accepted.add(_shapes(self._first_in))
-            tp.accept = lambda old, new, mb: self.accepts(module, old, new, mb)
             return
-        messages: list[Any] = [None] * S
-        dist.all_gather_object(
-            messages, problem if problem != "upstream" else "", group=lay.pipeline_group
-        )
+        messages: list[Any] = [None] * lay.stages
+        dist.all_gather_object(messages, real[0] if real else "", group=lay.pipeline_group)
         first = next(m for m in messages if m)
         raise PipelineInputError(f"handshake failed, no weight changed: {first}")
+
+    def accept_shapes(self, module: nn.Module, inp: Any) -> None:
+        """After an agreed handshake: the input shapes this stage was seen to accept, and the
+        transport's check of later shape changes."""
+        self.handshaken = True
+        if inp is not None:
+            self._first_in = trees.Signature.of(inp)
+            self._accepted.add(_shapes(self._first_in))
+        self.transport.accept = lambda old, new, mb: self.accepts(module, old, new, mb)
 
     def accepts(
         self, module: nn.Module, old: trees.Signature, new: trees.Signature, mb: int
@@ -274,6 +299,10 @@ class RankRuntime:
         if lay.stage == lay.stages - 1 and lay.replicas == 1 and loss is not None:
             return loss, count  # the very tensor the local run returns
         return msg[0].float().to(self.device), count
+
+    def pass_error(self, stage: int, mb: int) -> None:
+        """After ``stage`` received an earlier stage's error in place of micro-batch ``mb``'s
+        activation (and passed it on): nothing more to do with one stage per rank."""
 
     # ------------------------------------------------------------------ data parallel
 

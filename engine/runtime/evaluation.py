@@ -131,33 +131,37 @@ def _recv(src: int, group: Any, device: torch.device) -> Tensor:
 
 def _evaluate_rank(pipe: Pipeline, inputs: Any, M: int) -> Tensor:
     """Every rank calls it with the same arguments (stage 0 reads ``inputs``); every rank
-    returns the last stage's outputs."""
+    returns the last stage's outputs. With virtual stages a rank runs each of its stages in
+    turn, receiving from the previous stage's rank and sending to the next one's; a
+    micro-batch passes the stages one at a time, so the blocking messages between two ranks
+    arrive in the order they are sent."""
     if not isinstance(inputs, Tensor) and pipe.layout.stage == 0:
         raise PipelineInputError(
             "evaluate() under gloo/NCCL takes a tensor of inputs, and stages that pass tensors; "
             "for tree-valued stages evaluate on a local pipeline"
         )
     lay = pipe.layout
-    s, S = lay.stage, lay.stages
+    R, S = lay.stages, pipe.spec.stages  # ranks; (virtual) stages, stage s on rank s % R
     ranks = lay.pipeline_ranks
     group = _group(pipe)
     device = pipe.device
-    module = pipe.stages[0].module
+    held = [(st.index, st.module) for st in pipe.stages]
     outs = []
-    with _eval_mode([module]):
-        n = len(_chunks(inputs, M)) if s == 0 else 0
+    with _eval_mode([m for _, m in held]):
+        n = len(_chunks(inputs, M)) if lay.stage == 0 else 0
         count = torch.tensor([n], dtype=torch.int64, device=device)
         torch.distributed.broadcast(count, ranks[0], group=group)
-        pieces = _chunks(inputs, M) if s == 0 else [None] * int(count)
+        pieces = _chunks(inputs, M) if lay.stage == 0 else [None] * int(count)
         for x in pieces:
-            x = x.to(device) if s == 0 else _recv(ranks[s - 1], group, device)
-            y = module(x)
-            if s < S - 1:
-                _send(y, ranks[s + 1], group, device)
-            else:
-                outs.append(y)
+            for s, module in held:
+                x = x.to(device) if s == 0 else _recv(ranks[(s - 1) % R], group, device)
+                x = module(x)
+                if s < S - 1:
+                    _send(x, ranks[(s + 1) % R], group, device)
+                else:
+                    outs.append(x)
     # every rank returns the outputs: the last stage sends them to the others
-    if s == S - 1:
+    if lay.stage == R - 1:
         result = torch.cat(outs)
         for r in ranks[:-1]:
             _send(result, r, group, device)

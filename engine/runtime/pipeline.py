@@ -34,7 +34,7 @@ from engine.runtime.streams import StageStreams
 from engine.runtime.ties import TiedGradients, tie_stages
 from engine.schedule.analysis import analyze, schedule_delays
 from engine.schedule.catalog import FAMILIES
-from engine.schedule.spec import ScheduleSpec, has_virtual_stages, resolve_schedule
+from engine.schedule.spec import ScheduleSpec, resolve_schedule
 
 __all__ = ["Pipeline"]
 
@@ -119,7 +119,8 @@ class Pipeline:
             script runs in CPU CI and on a GPU. Local transport only.
         virtual_stages: v for ``schedule="interleaved"`` (interleaved 1F1B, synchronous):
             the stage modules are the ranks*v virtual stages, rank r running r, r+ranks, ...
-            in Megatron's order. Local transport only (gloo/NCCL refuse it for now).
+            in Megatron's order. Under gloo/NCCL one process per rank (R = stages / v
+            processes per replica) holds its v stages (engine/runtime/virtual.py).
     """
 
     def __init__(
@@ -171,13 +172,6 @@ class Pipeline:
             schedule_name=schedule if isinstance(schedule, str) else "",
             l2_persistence=l2_persistence,
         )
-        if self.config.distributed and has_virtual_stages(schedule, virtual_stages):
-            raise PipelineConfigError(
-                f"virtual stages (schedule {getattr(schedule, 'name', schedule)!r}, "
-                f"virtual_stages={virtual_stages!r}) do not run under transport={transport!r} "
-                "yet (one stage per process); use transport='local', or '1f1b'/'zbh1' across "
-                "processes"
-            )
         if self.config.distributed:
             from engine.runtime.rank import build_distributed
 

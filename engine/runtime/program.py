@@ -93,6 +93,9 @@ class StepProgram:
     ends_segment: bool
     unit_makespan: float = 0.0
     fed: int = field(default=0)  # micro-batches fed when it runs, relative to base
+    #: per lane (a stage; with virtual stages a rank): its (stage, index in ``stages[stage]``)
+    #: in the order one process runs them (engine/runtime/rank.py)
+    lanes: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     def __repr__(self) -> str:
         n = sum(len(s) for s in self.stages)
@@ -299,7 +302,7 @@ def _lanes(spec: ScheduleSpec, acts: list[list[Action]]) -> list[list[tuple[int,
 
 def _merge(
     spec: ScheduleSpec, acts: list[list[Action]], sent_before: set[tuple[int, int, int]]
-) -> tuple[list[tuple[int, int, Action]], float]:
+) -> tuple[list[tuple[int, int, Action]], float, list[list[tuple[int, int]]]]:
     """A valid cross-stage order of one step's actions (list scheduling, earliest start first)
     and the step's makespan under unit costs (F = 1, B = 2). Raises ScheduleError when the
     step cannot finish on its own (a receive whose send comes in a later step). With virtual
@@ -340,7 +343,7 @@ def _merge(
             sent_now[(op, s, a.mb)] = end
         order.append((s, i, a))
         pos[r] += 1
-    return order, max(free, default=0.0)
+    return order, max(free, default=0.0), lanes
 
 
 def _positions(acts: list[list[Action]], order: list[tuple[int, int, Action]]) -> list[int]:
@@ -451,7 +454,7 @@ class StepCompiler:
             for a in stage_acts
             if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD)
         }
-        order, makespan = _merge(spec, acts, walker.sent - this_step)
+        order, makespan, lanes = _merge(spec, acts, walker.sent - this_step)
         stages = tuple(tuple(_rel(a, base) for a in stage_acts) for stage_acts in acts)
         local: list[tuple[int, int, Any]] = []
         commit: list[tuple[int, tuple[int, ...]]] = []
@@ -500,4 +503,5 @@ class StepCompiler:
             ends_segment=ends,
             unit_makespan=makespan,
             fed=fed_rel,
+            lanes=tuple(map(tuple, lanes)),
         )

@@ -11,6 +11,8 @@ A synchronous step runs the stage's forwards, backwards and communication, then 
 check (on every rank, from the shared loss message), then its update; an asynchronous step
 runs the whole list. The weights after any number of steps equal the local run's bit for bit
 on CPU: every rank executes exactly its stage's actions of the same compiled programs.
+With virtual stages (interleaved 1F1B) a rank builds and runs its v stages, their actions
+merged in the schedule's rank order (:mod:`engine.runtime.virtual`).
 """
 
 from __future__ import annotations
@@ -79,32 +81,40 @@ def build_distributed(
     specs = resolve_stage_specs(stages, balance)
     pipe.balance = list(balance) if balance is not None else None
     spec = pipe._resolve(schedule, len(specs), chunks, update_size, order)
+    virtual = spec.program is not None and spec.program.rank_order is not None
+    ranks = spec.stages
+    if virtual:  # v stages per rank (engine/runtime/virtual.py)
+        from engine.runtime.virtual import check_virtual
+
+        ranks = check_virtual(spec, cfg.data_parallel)
     try:
-        layout = make_layout(spec.stages, cfg.data_parallel)
+        layout = make_layout(ranks, cfg.data_parallel)
     except ValueError as exc:
-        raise PipelineConfigError(str(exc)) from None
-    s = layout.stage
-    module = build_module(specs[s], s)
+        per = f" (interleaved: the {spec.stages} virtual stages run on {ranks} ranks)" if virtual else ""
+        raise PipelineConfigError(f"{exc}{per}") from None
+    mine = list(range(layout.stage, spec.stages, ranks))  # virtual stage s runs on rank s % R
+    modules = [build_module(specs[s], s) for s in mine]
     if deferred_batch_norm:
         from engine.runtime.batch_norm import convert_deferred_batch_norm
 
-        module = convert_deferred_batch_norm(module, spec.chunks)
+        modules = [convert_deferred_batch_norm(m, spec.chunks) for m in modules]
     device = torch.device("cpu")
-    if cfg.transport == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-        module.to(device)
-    elif any(p.is_cuda for p in module.parameters()):
-        raise PipelineConfigError(
-            f"stage {s} has CUDA parameters but transport='gloo' carries CPU tensors; "
-            "use transport='nccl' (one GPU per rank) or keep the model on CPU"
-        )
+    for s, module in zip(mine, modules, strict=True):
+        if cfg.transport == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+            module.to(device)
+        elif any(p.is_cuda for p in module.parameters()):
+            raise PipelineConfigError(
+                f"stage {s} has CUDA parameters but transport='gloo' carries CPU tensors; "
+                "use transport='nccl' (one GPU per rank) or keep the model on CPU"
+            )
     ties: list[Any] = []
     if all(isinstance(m, nn.Module) for m in specs):  # factories cannot share a parameter
         from engine.runtime.ties import connect_ties, tie_stages
 
-        ties = tie_stages(list(specs), spec, stages=[s])
-        connect_ties(ties, spec.stages, cfg.data_parallel, s, layout.replica)
-    built = [build_store(module, s, optimizer)]
+        ties = tie_stages(list(specs), spec, stages=mine)
+        connect_ties(ties, ranks, cfg.data_parallel, layout.stage, layout.replica)
+    built = [build_store(m, s, optimizer) for s, m in zip(mine, modules, strict=True)]
     from engine.runtime.agreement import agree, fingerprint
 
     bridge = built[0][1]
@@ -113,23 +123,35 @@ def build_distributed(
         discrepancy_correction=discrepancy_correction,
         deferred_batch_norm=deferred_batch_norm,
     )
-    mine = fingerprint(spec, cfg, options, ties, bridge.opt if bridge is not None else None, module)
-    agree(mine, layout.rank, spec.stages, device)
+    held = modules[0] if not virtual else nn.ModuleList(modules)
+    fp = fingerprint(spec, cfg, options, ties, bridge.opt if bridge is not None else None, held)
+    agree(fp, layout.rank, ranks, device)
     pipe.device = device
     pipe.layout = layout
-    tp = P2PTransport(
-        cfg.transport, s, list(layout.pipeline_ranks), layout.pipeline_group, device, cfg.timeout
-    )
-    pipe._rank = RankRuntime(layout, tp, cfg.timeout)
-    streams = StageStreams([s], None)
+    if virtual:
+        from engine.runtime.virtual import VirtualRankRuntime, virtual_transports
+
+        tps = virtual_transports(cfg.transport, layout, spec.stages, device, cfg.timeout)
+        pipe._rank = VirtualRankRuntime(layout, tps, cfg.timeout)
+    else:
+        tp = P2PTransport(
+            cfg.transport, mine[0], list(layout.pipeline_ranks), layout.pipeline_group, device,
+            cfg.timeout,
+        )
+        pipe._rank = RankRuntime(layout, tp, cfg.timeout)
+        tps = {mine[0]: tp}
+    streams = StageStreams(mine, None)
     pipe._finish(
-        spec, [module], built, [s], loss_fn, weight_prediction, discrepancy_correction,
+        spec, modules, built, mine, loss_fn, weight_prediction, discrepancy_correction,
         lr_scheduler, streams=streams,
     )
-    st = pipe.stages[0]
-    st.grad_hook = pipe._rank.reduce_gradients
+    for st in pipe.stages:  # (a virtual stage's runtime names it in errors)
+        st.grad_hook = (pipe._rank.per_stage[st.index] if virtual else pipe._rank).reduce_gradients
+    if virtual:
+        pipe._rank.stages = [(st.index, st.module, st.loss_fn) for st in pipe.stages]
     pipe._executor = RankExecutor(
-        spec, pipe.stages, on_nonfinite=cfg.on_nonfinite, streams=streams, rank=pipe._rank
+        spec, pipe.stages, on_nonfinite=cfg.on_nonfinite, streams=streams, rank=pipe._rank,
+        transports=tps, lane=layout.stage if virtual else mine[0],
     )
     pipe.ties = ties
     if ties:
@@ -140,18 +162,24 @@ def build_distributed(
 
 
 class RankExecutor(Executor):
-    """The executor of one rank: its stage's op list with blocking communication."""
+    """The executor of one rank: its stage's op list with blocking communication (with
+    virtual stages: its stages' lists merged in the schedule's rank order, ``lane``)."""
 
-    def __init__(self, *args: Any, rank: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, rank: Any, transports: dict[int, Any], lane: int, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.rank = rank
         self.transport = rank.transport
+        self.transports = transports  # stage -> its transport
+        self.lane = lane  # index in StepProgram.lanes: the stage, or the rank
         self.stage = self.stages[0]
         self.s = self.stage.index
         self.immediate_nonfinite = False  # checked once per step, on every rank
         self.chain_sync = False
-        #: ("act" | "grad", micro-batch) -> the tensor this rank sends at its SF/SB op
-        self._outbox: dict[tuple[str, int], Any] = {}
+        #: per stage: ("act" | "grad", micro-batch) -> the tensor it sends at its SF/SB op
+        self._outboxes: dict[int, dict[tuple[str, int], Any]] = {st.index: {} for st in self.stages}
+        self._outbox = self._outboxes[self.s]  # the in-flight state's (one stage per rank)
         #: ("act" | "grad", micro-batch) -> a message received before its RF/RB op: at a save
         #: of the in-flight state (wire_state), or loaded with it
         self._early: dict[tuple[str, int], Any] = {}
@@ -162,17 +190,18 @@ class RankExecutor(Executor):
         try:
             self._rank_ops(prog, start, base, skip_updates)
         finally:
-            self.stage.settle()
+            for st in self.stages:
+                st.settle()
 
     def _rank_ops(self, prog: StepProgram, start: int, base: int, skip_updates: bool) -> None:
-        s, st, tp = self.s, self.stage, self.transport
-        ops = prog.stages[s]
-        releases = prog.releases[s]
-        certain = prog.certain[s]
+        lane = prog.lanes[self.lane]
+        by_index, tps, boxes = self.by_index, self.transports, self._outboxes
         hook = self.action_hook
-        for pc in range(start, len(ops)):
-            self._pc = pc
-            op, rel = ops[pc]
+        for k in range(start, len(lane)):
+            self._pc = k
+            s, pc = lane[k]
+            op, rel = prog.stages[s][pc]
+            st = by_index[s]
             if op == U:
                 if not skip_updates:
                     if hook is not None:
@@ -180,21 +209,29 @@ class RankExecutor(Executor):
                     st.update()
                 continue
             i = base + rel
+            tp = tps[s]
             if op == RF:
                 early = self._early.pop(("act", i), None) if self._early else None
-                self.acts[(s, i)] = (early if early is not None else tp.recv("act", s, i, base + certain[pc]), None)
-                got = releases.get(pc)
+                if early is None:
+                    try:
+                        early = tp.recv("act", s, i, base + prog.certain[s][pc])
+                    except PipelineInputError:
+                        if rel == 0:  # stopped before the step: this rank's later stages too
+                            self.rank.pass_error(s, i)
+                        raise
+                self.acts[(s, i)] = (early, None)
+                got = prog.releases[s].get(pc)
                 if got:
                     tp.release("grad", [base + m for m in got])
             elif op == RB:
                 if ("grad", i) in self._early:
                     self.grads[(s, i)] = (self._early.pop(("grad", i)), None)
                 else:
-                    self.grads[(s, i)] = (tp.recv("grad", s, i, base + certain[pc]), None)
+                    self.grads[(s, i)] = (tp.recv("grad", s, i, base + prog.certain[s][pc]), None)
             elif op == SF:
-                tp.send("act", s, i, self._outbox.pop(("act", i)))
+                tp.send("act", s, i, boxes[s].pop(("act", i)))
             elif op == SB:
-                tp.send("grad", s, i, self._outbox.pop(("grad", i)))
+                tp.send("grad", s, i, boxes[s].pop(("grad", i)))
             else:
                 if hook is not None:
                     hook(s, OP_NAMES[op], self.n_base + i)
@@ -210,7 +247,7 @@ class RankExecutor(Executor):
         n = self.n_base + i
         out, loss = st.forward(i, n, x, target, self.scale)
         if not st.is_last:
-            self._outbox[("act", i)] = out
+            self._outboxes[st.index][("act", i)] = out
         elif loss is not None and inp is not None:
             self.losses.append((n, loss, inp.samples))
 
@@ -226,7 +263,7 @@ class RankExecutor(Executor):
                     f"stage {s} has no gradient to send back for micro-batch {self.n_base + i}: "
                     "it was dropped, which needs every stage in one process"
                 )
-            self._outbox[("grad", i)] = gin  # None / []: no input leaf carries a gradient
+            self._outboxes[s][("grad", i)] = gin  # None / []: no input leaf carries a gradient
 
     # ------------------------------------------------------------------ saving in flight
 
@@ -289,19 +326,21 @@ class RankExecutor(Executor):
         self._feed_rank(xs, targets, samples, base)
         self.rank.expect_loss()
         self.j += 1
-        self._ops(prog, 0, base, skip_updates=self.sync)
+        try:
+            self._ops(prog, 0, base, skip_updates=self.sync)
+        except PipelineInputError:
+            if self.sync:  # a shape a stage cannot take: no update ran, the next step repeats it
+                self._undo_step(base)
+            raise
         if self.sync:  # an asynchronous step's last sends are received in the next step
-            self.transport.wait_sends()
+            self._wait_sends()
         result = self._take_losses(first, base, base + self.M)
         loss, nonfinite = self.rank.share_loss(result.loss, result.nonfinite)
         self.steps += 1
         if self.sync:
-            st = self.stage
             if nonfinite and self.on_nonfinite == "raise":
                 self.dropped += nonfinite
-                st.forget_pending()
-                st.reset_in_flight()
-                self.j -= 1
+                self._undo_step(base)
                 raise NonFiniteLossError(
                     f"{nonfinite} micro-batch(es) of this step gave a non-finite loss (seen by "
                     "the last stage); the step was rolled back on every rank: no weight or "
@@ -310,15 +349,17 @@ class RankExecutor(Executor):
                 )
             if nonfinite:
                 self.dropped += nonfinite
-                st.forget_pending()
+                for st in self.stages:
+                    st.forget_pending()
                 self.skipped_steps += 1
             else:
                 if self.ties is not None:
                     self.ties.reduce()
                 for _s, _mbs in prog.commit:
-                    if _s == self.s:
-                        st.update()
-            st.reset_in_flight()
+                    if _s in self.by_index:
+                        self.by_index[_s].update()
+            for st in self.stages:
+                st.reset_in_flight()
         elif nonfinite:
             raise NonFiniteLossError(
                 f"{nonfinite} micro-batch(es) gave a non-finite loss at the last stage of an "
@@ -330,8 +371,26 @@ class RankExecutor(Executor):
             self._close_segment()
         return StepResult(loss)
 
+    def _undo_step(self, base: int) -> None:
+        """Roll a synchronous step back on this rank (before its update phase): gradients and
+        stashed activations dropped, the step's inputs forgotten, the step to be run again."""
+        for st in self.stages:
+            st.forget_pending()
+            st.reset_in_flight()
+        for i in range(base, base + self.M):
+            self.inputs.pop(i, None)
+        for box in self._outboxes.values():
+            box.clear()
+        self.acts.clear()
+        self.grads.clear()
+        self.j -= 1
+
+    def _wait_sends(self) -> None:
+        for tp in self.transports.values():
+            tp.wait_sends()
+
     def _feed_rank(self, xs: list[Any], targets: list[Any], samples: list[int], base: int) -> None:
-        first, last = self.s == 0, self.s == self.S - 1
+        first, last = 0 in self.by_index, self.S - 1 in self.by_index
         if not (first or last):
             return
         readers = (1 if first else 0) + (1 if last else 0)
@@ -354,7 +413,7 @@ class RankExecutor(Executor):
         first = len(self.losses)
         prog = self.compiler.drain(self.j)
         self._ops(prog, 0, self.j * self.M, skip_updates=False)
-        self.transport.wait_sends()
+        self._wait_sends()
         self._close_segment()
         return self._take_losses(first).loss
 

@@ -126,11 +126,18 @@ def tie_stages(modules: list[nn.Module], spec: Any, stages: list[int] | None = N
 def connect_ties(groups: list[TieGroup], stages: int, replicas: int, stage: int, replica: int) -> None:
     """One process group per tie group and replica: the holders' ranks (global rank
     ``replica * stages + stage``). ``new_group`` is collective over the world, so every rank
-    creates every group in the same order and keeps the one it belongs to."""
+    creates every group in the same order and keeps the one it belongs to.
+
+    With virtual stages ``stages`` is the number of ranks R and ``stage`` this rank: holder
+    s runs on rank s % R, and a rank holding several holders sums them before the all-reduce
+    (:class:`TiedGradients`); holders all on one rank need no group."""
     for g in groups:
+        ranks = sorted({s % stages for s in g.stages})
+        if len(ranks) < 2:
+            continue
         for r in range(replicas):
-            pg = torch.distributed.new_group([r * stages + s for s in g.stages])
-            if r == replica and stage in g.stages:
+            pg = torch.distributed.new_group([r * stages + x for x in ranks])
+            if r == replica and stage in ranks:
                 g.process_group = pg
 
 
