@@ -28,7 +28,7 @@ from engine.schedule.lower import add_comms, flushes_every_minibatch
 from engine.schedule.text import parse
 from engine.schedule.validate import validate
 
-__all__ = ["ScheduleSpec", "has_virtual_stages", "resolve_schedule"]
+__all__ = ["ScheduleSpec", "resolve_schedule"]
 
 
 @dataclass(frozen=True)
@@ -111,20 +111,6 @@ def resolve_schedule(
         synchronous=fam.synchronous,
         split_backward=fam.split_backward,
     )
-
-
-def has_virtual_stages(schedule: object, virtual_stages: int | None) -> bool:
-    """Whether ``schedule`` (as given to a Pipeline) runs several stages per rank: the
-    ``interleaved`` family, ``virtual_stages``, or a program (object or text) with a rank
-    order. Text that does not parse counts as not virtual (resolving reports the error)."""
-    if schedule == INTERLEAVED or virtual_stages is not None:
-        return True
-    if isinstance(schedule, str) and _looks_like_text(schedule):
-        try:
-            schedule = parse(schedule)
-        except ValueError:
-            return False
-    return isinstance(schedule, Schedule) and schedule.rank_order is not None
 
 
 def _interleaved_program(
