@@ -206,3 +206,11 @@ def test_loop_leaves_what_it_cannot_serve_to_the_reference() -> None:
     half.grad, strided.grad = torch.ones_like(half), torch.ones_like(strided)
     opt.step()
     assert opt.update_paths == {"cpu_loop": 0, "reference": 2, "triton": 0}
+
+
+def test_pb_batch1_pipeline_with_the_loop_equals_the_reference_path() -> None:
+    """The pipeline end to end (pb, SC + LWP, flat stage buffers), as bench/overhead.py's
+    ``pb-batch1-cpu-loop`` case checks it before timing (it also asserts the loop ran)."""
+    from bench_support import load_bench
+
+    assert load_bench("overhead").pb_batch1_loop_case().check() == "bitwise equal"
