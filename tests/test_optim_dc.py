@@ -232,3 +232,17 @@ def test_stashing_schedules_keep_their_own_delta(schedule: str) -> None:
 def test_pipeline_refuses_dc_without_a_lag(schedule: str, kw: dict, message: str) -> None:
     with pytest.raises(PipelineConfigError, match=rf"stage 0: delay_compensation=2.0.*{message}"):
         make_pipe(2, schedule, 2, _sgd(delay_compensation=LAM, **kw))
+
+
+def test_dc_on_some_param_groups_only() -> None:
+    def mixed(p):  # no DC for the probe weight, DC for the Linear layer
+        return eo.SGD([{"params": p[:1]}, {"params": p[1:], "delay_compensation": LAM}], lr=0.05)
+
+    with pytest.raises(PipelineConfigError, match="stage 0: delay_compensation=2.0.*has no delay"):
+        make_pipe(2, "gpipe", 2, mixed)
+    pipe, _, hist = make_pipe(2, "pipedream", 2, mixed)
+    for _ in range(3):
+        pipe.step(torch.randn(2, 3), torch.randn(2, 1))
+    opt = pipe.stages[0].optimizer
+    probe, rest = opt.param_groups[0]["params"][0], opt.param_groups[1]["params"]
+    assert "delta" not in opt.state[probe] and all("delta" in opt.state[p] for p in rest)

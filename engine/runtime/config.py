@@ -245,10 +245,9 @@ def _check_delay_compensation(spec: ScheduleSpec, bridges: list[Any], correction
     for s, bridge in enumerate(bridges):
         if bridge is None or bridge.opt is None or not bridge.is_engine:
             continue
-        try:
-            lam = bridge.group_option("delay_compensation")
-        except ValueError as exc:
-            raise PipelineConfigError(f"stage {s}: {exc}") from None
+        # groups may differ (e.g. no DC for embeddings): any group with it needs a lag
+        lam = next((g["delay_compensation"] for g in bridge.opt.param_groups
+                    if g.get("delay_compensation")), 0.0)
         if not lam:
             continue
         if spec.synchronous:
