@@ -285,7 +285,7 @@ def sgd_update(
         g = g.div(grad_scale.float())
     if maximize:
         g = -g
-    g = delay_compensate(g, delta, dc_coeff)
+    g = delay_compensate(g, delta, dc_coeff, _workspace)
     w_old = w.clone() if delta is not None else None
 
     if weight_decay != 0:
@@ -430,7 +430,7 @@ def adam_update(
         g = g.div(grad_scale.float())
     if maximize:
         g = -g
-    g = delay_compensate(g, delta, dc_coeff)  # before the weight decay, as DC-ASGD
+    g = delay_compensate(g, delta, dc_coeff, _workspace)  # before the weight decay, as DC-ASGD
     w_old = w.clone() if (last_update is not None or predicted is not None
                           or delta is not None) else None
 

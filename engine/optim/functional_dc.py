@@ -18,7 +18,9 @@ combination of two published pieces (docs/ALGORITHMS.md, "Delay-compensated grad
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
 __all__ = ["check_dc", "delay_compensate"]
@@ -36,12 +38,17 @@ def check_dc(coeff: float, delta: Tensor | None, param: Tensor) -> None:
         raise TypeError(f"delay compensation takes real params, got {param.dtype}")
 
 
-def delay_compensate(g: Tensor, delta: Tensor | None, coeff: float) -> Tensor:
-    """``g + coeff * (g * g) * delta`` as a new tensor (``coeff`` = lambda * tau_s, ``delta``
+def delay_compensate(g: Tensor, delta: Tensor | None, coeff: float,
+                     scratch: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """``g + coeff * (g * g * delta)`` as a new tensor (``coeff`` = lambda * tau_s, ``delta``
     as it stands before this step's update); ``g`` itself when ``coeff`` is 0, so that an
-    update with the option off is bitwise what it was without it."""
+    update with the option off is bitwise what it was without it. ``scratch(g)``: a reusable
+    tensor shaped like ``g`` for the product (a fresh weight-sized temporary costs page
+    faults on CPU that rival the arithmetic); not used when autograd records the step."""
     if coeff == 0:
         return g
     if delta is None:
         raise ValueError(f"dc_coeff={coeff!r} needs delta (the estimate of w_t - w_(t-tau))")
-    return g.addcmul(g.mul(g), delta, value=coeff)
+    if scratch is None or (torch.is_grad_enabled() and (g.requires_grad or delta.requires_grad)):
+        return g.add(g.mul(g).mul_(delta), alpha=coeff)
+    return g.add(torch.mul(g, g, out=scratch(g)).mul_(delta), alpha=coeff)

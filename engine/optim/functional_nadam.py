@@ -21,6 +21,7 @@ from engine.optim.functional import (
     _check_common,
     _check_like,
     _skip,
+    _workspace,
     state_dtype,
     store_and_derive,
 )
@@ -111,7 +112,7 @@ def nadam_update(
         g = g.div(grad_scale.float())
     if maximize:
         g = -g
-    g = delay_compensate(g, delta, dc_coeff)  # before the weight decay, as DC-ASGD
+    g = delay_compensate(g, delta, dc_coeff, _workspace)  # before the weight decay, as DC-ASGD
     w_old = w.clone() if (last_update is not None or predicted is not None
                           or delta is not None) else None
     target = param
