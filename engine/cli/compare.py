@@ -60,6 +60,11 @@ class Method:
     what: str = ""
 
 
+#: a method option: delay compensation on, with --delay-compensation's lambda (else DC_LAMBDA)
+DC = "delay_compensation"
+#: MXNet's DCASGD default lambda (the DC-ASGD authors' implementation)
+DC_LAMBDA = 0.04
+
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
@@ -89,6 +94,14 @@ METHODS: dict[str, Method] = {
             "pb",
             (("pipemare_lr", True), ("discrepancy_correction", True)),
             "PipeMare T1 + T2",
+        ),
+        Method("pipedream+dc", "pipedream", ((DC, True),), "stashing + delay-compensated gradients"),
+        Method("2bw+dc", "2bw", ((DC, True),), "2BW + delay-compensated gradients"),
+        Method(
+            "pipemare-t2+dc",
+            "pb",
+            (("discrepancy_correction", True), (DC, True)),
+            "PipeMare T2 + delay-compensated gradients (tau_s * delta as w_t - w_(t-tau))",
         ),
     )
 }
@@ -184,8 +197,11 @@ def method_config(
         update_size=update_size if method.schedule in ("pb", "pipedream") else None,
         resume=False,
     )
+    # --delay-compensation is the lambda of the methods with DC, the others run without it
+    lam = base.delay_compensation or DC_LAMBDA
+    cfg = replace(cfg, delay_compensation=0.0)
     for key, value in method.options:
-        cfg = replace(cfg, **{key: value})
+        cfg = replace(cfg, **{key: lam if key == DC else value})
     return cfg
 
 

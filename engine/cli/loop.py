@@ -151,6 +151,7 @@ def build_pipeline(
         "discrepancy_correction": cfg.discrepancy_correction,
         "correction_decay": cfg.correction_decay,
         "weight_decay": cfg.weight_decay,
+        "delay_compensation": cfg.delay_compensation,
     }
 
     def make_optimizer(params: list[Any]) -> torch.optim.Optimizer:

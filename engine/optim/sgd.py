@@ -30,6 +30,10 @@ class SGD(DelayOptimizer):
         prediction_horizon: H; ``None`` means the group's delay.
         discrepancy_correction / correction_decay: PipeMare T2's delta buffer;
             :meth:`backward_weights` returns w - delay * delta.
+        delay_compensation: DC-ASGD's lambda (0 = off): the gradient becomes
+            g + lambda * g * g * (delay * delta) before anything else uses it, with PipeMare's
+            delta (kept for it when discrepancy_correction is off) as the estimate of
+            w_t - w_(t-delay). The project's own combination (ALGORITHMS.md).
         fused: ``None`` (Triton on CUDA, reference on CPU), ``True`` or ``False``.
 
     torch's keywords mean what they mean there: ``foreach`` picks an implementation and never
@@ -61,6 +65,7 @@ class SGD(DelayOptimizer):
         prediction_horizon: float | None = None,
         discrepancy_correction: bool = False,
         correction_decay: float = 0.1,
+        delay_compensation: float = 0.0,
     ) -> None:
         defaults = {
             **DELAY_DEFAULTS,
@@ -78,6 +83,7 @@ class SGD(DelayOptimizer):
             "prediction_horizon": prediction_horizon,
             "discrepancy_correction": discrepancy_correction,
             "correction_decay": correction_decay,
+            "delay_compensation": delay_compensation,
             "fused": fused,
         }
         super().__init__(params, defaults)
@@ -120,7 +126,7 @@ class SGD(DelayOptimizer):
         keys = []
         if group["momentum"] != 0:
             keys.append("momentum_buffer")
-        if self._correction_gamma(group) is not None:
+        if self._delta_gamma(group) is not None:
             keys.append("delta")
         return keys
 
@@ -147,7 +153,7 @@ class SGD(DelayOptimizer):
         found_inf: Tensor | None,
     ) -> None:
         lr = self.effective_lr(group)
-        gamma = self._correction_gamma(group)
+        gamma = self._delta_gamma(group)
         coeff = 0.0
         if predicted is not None:
             coeff = _functional().prediction_coeff(group["prediction"], lr, group["momentum"], self._horizon(group))
@@ -167,6 +173,7 @@ class SGD(DelayOptimizer):
             predict_coeff=coeff,
             delta=state.get("delta") if gamma is not None else None,
             delta_gamma=gamma if gamma is not None else 0.0,
+            dc_coeff=self._dc_coeff(group),
             grad_scale=grad_scale,
             found_inf=found_inf,
             validate=False,
