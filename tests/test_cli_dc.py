@@ -35,6 +35,7 @@ def test_flag_reaches_every_stage_optimizer(optimizer: str) -> None:
         ({"schedule": "2bw", "delay_compensation": float("nan")}, "must be a finite number >= 0"),
         ({"schedule": "gpipe", "delay_compensation": 0.1}, "--schedule gpipe has no delay"),
         ({"schedule": "pb", "delay_compensation": 0.1}, "needs --discrepancy-correction"),
+        ({"schedule": "2bw", "optimizer": "muon", "delay_compensation": 0.1}, "Muon has no delay compensation"),
     ],
 )
 def test_bad_settings_are_refused(kw: dict, match: str) -> None:

@@ -228,6 +228,10 @@ def _check_delay_compensation(cfg: TrainConfig) -> None:
     if cfg.schedule in SYNCHRONOUS:
         raise CLIError(f"--delay-compensation compensates delayed gradients; --schedule "
                        f"{cfg.schedule} has no delay (use pipedream, 2bw or pb)")
+    if cfg.optimizer == "muon":
+        raise CLIError("--delay-compensation applies to --optimizer sgd, adam, adamw and nadam; "
+                       "engine.optim.Muon has no delay compensation (its gradient is "
+                       "orthogonalised after momentum, which the correction's derivation does not cover)")
     if cfg.schedule == "pb" and not cfg.discrepancy_correction:
         raise CLIError("--delay-compensation with --schedule pb needs --discrepancy-correction "
                        "(PipeMare T2's backward weights give the gradient the lag it removes)")
