@@ -55,3 +55,13 @@ def test_compare_gives_lambda_to_the_dc_methods_only() -> None:
         assert got["pipemare-t2+dc"].discrepancy_correction
         assert (got["pipedream+dc"].schedule, got["2bw+dc"].schedule) == ("pipedream", "2bw")
     assert compare.method_config(base, compare.METHODS["pb"], 4, None, 1).delay_compensation == 0.0
+
+
+def test_all_is_the_papers_methods_and_dc_runs_by_name() -> None:
+    """The main job (`compare`, methods 'all') keeps the papers' twelve methods; the project's
+    own DC combinations run when named."""
+    from engine.cli.compare import _parse_methods
+
+    names = [m.name for m in _parse_methods("all")]
+    assert len(names) == 12 and not any("+dc" in n for n in names)
+    assert [m.name for m in _parse_methods("pb,2bw+dc")] == ["pb", "2bw+dc"]
