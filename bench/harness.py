@@ -33,6 +33,7 @@ this module and its CSV schema (``RatioRow``).
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import datetime
@@ -453,3 +454,18 @@ def summary_line(row: RatioRow) -> str:
         f"[{row.ci_low:.2f}, {row.ci_high:.2f}] ({row.rounds} rounds, "
         f"load {row.load_before:.1f}->{row.load_after:.1f})"
     )
+
+
+def size_arguments(ap: argparse.ArgumentParser, params: int, rounds: int = 15) -> None:
+    """``--out``, ``--params``, ``--rounds``, ``--quick`` (1M params, 3 rounds), ``--label``:
+    the options of a one-size CPU ratio benchmark (read back with :func:`size_and_rounds`)."""
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--params", type=int, default=params)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--quick", action="store_true", help="1M params, 3 rounds")
+    ap.add_argument("--label", default="")
+
+
+def size_and_rounds(args: argparse.Namespace) -> tuple[int, int]:
+    """(params, rounds) of :func:`size_arguments`' options."""
+    return (2**20, 3) if args.quick else (args.params, args.rounds)

@@ -24,7 +24,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import paired, summary_line, write_ratio_csv  # noqa: E402
+from harness import (  # noqa: E402
+    paired,
+    size_and_rounds,
+    size_arguments,
+    summary_line,
+    write_ratio_csv,
+)
 
 from engine.optim import cpu_loop  # noqa: E402
 from engine.optim.functional import sgd_update  # noqa: E402
@@ -56,13 +62,9 @@ def steps(n: int) -> tuple[object, object, object]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--params", type=int, default=16 * 2**20)
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--quick", action="store_true", help="1M params, 3 rounds")
-    ap.add_argument("--label", default="")
+    size_arguments(ap, params=16 * 2**20)
     args = ap.parse_args()
-    n, rounds = (2**20, 3) if args.quick else (args.params, args.rounds)
+    n, rounds = size_and_rounds(args)
     reference, peer, loop = steps(n)
     rows = []
     for candidate, name, note in (

@@ -28,6 +28,7 @@ CONFIGS = {
     "pb-lwp": dict(schedule="pb", opt=dict(prediction="linear")),
     "pb-spectrain": dict(schedule="pb", weight_prediction="spectrain", opt=dict(prediction="linear")),
     "pb-t2": dict(schedule="pb", opt=dict(discrepancy_correction=True)),
+    "pipedream-dc": dict(schedule="pipedream", opt=dict(delay_compensation=2.0)),  # own delta
     "pb-sc-pipemarelr": dict(schedule="pb", opt=dict(spike_compensation=True), sched=True),
     "2bw-muon": dict(schedule="2bw", muon=True),
     "pb-muon-lwp": dict(schedule="pb", muon=True, opt=dict(prediction="linear")),

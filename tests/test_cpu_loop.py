@@ -214,3 +214,13 @@ def test_pb_batch1_pipeline_with_the_loop_equals_the_reference_path() -> None:
     from bench_support import load_bench
 
     assert load_bench("overhead").pb_batch1_loop_case().check() == "bitwise equal"
+
+
+def test_delay_compensation_takes_the_reference_path() -> None:
+    # DC's g + lambda * g * g * (tau * delta) is not in the loop: the reference computes it
+    model = _model()
+    opt = eo.SGD(model.parameters(), lr=0.05, momentum=0.9, delay=2, spike_compensation=True,
+                 delay_compensation=0.5)
+    _train(model, opt)
+    assert opt.update_paths == {"cpu_loop": 0, "reference": 12, "triton": 0}
+    assert all(torch.isfinite(p).all() for p in model.parameters())

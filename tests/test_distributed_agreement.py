@@ -34,3 +34,28 @@ def test_a_stage_without_parameters_agrees_and_matches_local() -> None:
         r = res["parameterless"]
         assert "error" not in r, r.get("error")
         assert r["equal"], rank
+
+
+def test_fingerprint_covers_every_delay_option_of_the_optimizer() -> None:
+    """What the ranks compare (without processes): each mitigation the stage optimizer was
+    built with, so a rank started with another one fails at construction."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    import engine
+    from engine.runtime.agreement import fingerprint
+
+    spec = SimpleNamespace(name="pipedream", stages=2, chunks=2, update_size=1, order="1f1b")
+    cfg = SimpleNamespace(transport="gloo", data_parallel=1, checkpoint="never", on_nonfinite="raise")
+    lin = nn.Linear(2, 2)
+
+    def mitigations(**kw: object) -> dict:
+        opt = engine.optim.SGD(lin.parameters(), lr=0.1, momentum=0.9, **kw)
+        return dict(fingerprint(spec, cfg, {}, [], opt, lin)["pipeline"])["optimizer mitigations"]
+
+    off = {"spike_compensation": False, "discrepancy_correction": False, "delay_compensation": 0.0}
+    assert mitigations() == off
+    assert mitigations(delay_compensation=0.5) == {**off, "delay_compensation": 0.5}
+    assert mitigations(spike_compensation=True, prediction="linear") == {
+        **off, "spike_compensation": True, "prediction": "linear"}

@@ -26,7 +26,7 @@ SIZES = [1, 127, 1023]
 # 65537 (more than one interpreter block, ragged tail) for the combinations that switch on
 # the most features; the full grid at that size would take minutes under the interpreter
 BIG = 65537
-BIG_CASES = ["adamw", "amsgrad", "sc4_adamw", "amp", "host_step"]
+BIG_CASES = ["adamw", "amsgrad", "sc4_adamw", "amp", "host_step", "dc"]
 STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 BASE = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=False,
@@ -44,6 +44,10 @@ CASES = {
     "delta": dict(delta=True, amsgrad=True),
     "amp": dict(scale=True, pred=True, delta=True, sc_delay=2),
     "host_step": dict(host=True, weight_decay=1e-2, amsgrad=True, sc_delay=2, last=True),
+    # delay compensation: |dc_coeff * g * delta| ~ 5% of g (delta ~ 1e-3)
+    "dc": dict(delta=True, dc_coeff=50.0, weight_decay=1e-2, pred=True, last=True),
+    "dc_adamw_host": dict(host=True, delta=True, dc_coeff=50.0, decoupled=True,
+                          weight_decay=1e-1, maximize=True, scale=True),
 }
 
 

@@ -29,6 +29,9 @@ CASES = {
     "predict_delta": dict(pred=True, last=True, delta=True, decoupled=True, weight_decay=1e-2),
     "amp": dict(scale=True, pred=True, delta=True),
     "host": dict(host=True, scale=True, delta=True, weight_decay=1e-2),  # torch's CPU layout
+    # delay compensation: |dc_coeff * g * delta| ~ 5% of g (delta ~ 1e-3)
+    "dc": dict(delta=True, dc_coeff=50.0, decoupled=True, weight_decay=1e-2, maximize=True),
+    "dc_host": dict(host=True, delta=True, dc_coeff=50.0, scale=True, weight_decay=1e-2),
 }
 STATE = ("exp_avg", "exp_avg_sq")
 
@@ -89,8 +92,9 @@ def test_fused_nadam_matches_reference(case, dtype, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_fused_nadam_matches_reference_big(dtype):
-    _run_case(BIG, dtype, CASES["predict_delta"], steps=2)
+@pytest.mark.parametrize("case", ["predict_delta", "dc"])
+def test_fused_nadam_matches_reference_big(case, dtype):
+    _run_case(BIG, dtype, CASES[case], steps=2)
 
 
 def test_fused_nadam_many_programs():

@@ -25,7 +25,7 @@ SIZES = [1, 127, 1023]
 # 65537 (more than one interpreter block, ragged tail) for the combinations that switch on
 # the most features; the full grid at that size would take minutes under the interpreter
 BIG = 65537
-BIG_CASES = ["plain", "nesterov", "sc3", "amp"]
+BIG_CASES = ["plain", "nesterov", "sc3", "amp", "dc"]
 
 BASE = dict(lr=0.05, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False,
             maximize=False)
@@ -43,6 +43,9 @@ CASES = {
     "momentum_pred": dict(pred="momentum", sc_delay=2),
     "delta": dict(delta=True, dampening=0.1),
     "amp": dict(scale=True, weight_decay=1e-2, pred="linear", delta=True),
+    # delay compensation: |dc_coeff * g * delta| ~ 5% of g, far above the tolerance
+    "dc": dict(delta=True, dc_coeff=5.0, weight_decay=1e-2, maximize=True),
+    "dc_amp_sc": dict(delta=True, dc_coeff=5.0, scale=True, sc_delay=2, momentum=0.0),
 }
 
 

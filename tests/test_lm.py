@@ -67,7 +67,7 @@ def test_gpt_is_causal_and_its_stages_chain_to_the_whole_model() -> None:
         gpt(VOCAB, T, layers=3, width=16, heads=3)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbh1", "interleaved"])
 def test_sync_schedules_train_the_tied_gpt_as_the_unpipelined_model(schedule: str) -> None:
     torch.manual_seed(1)
     model = gpt(VOCAB, T, layers=4, width=16, heads=2)
@@ -80,9 +80,11 @@ def test_sync_schedules_train_the_tied_gpt_as_the_unpipelined_model(schedule: st
         # rounding noise, turning float reassociation into lr-sized differences
         return engine.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01)
 
-    stages = split_layers(model, [1, 2, 1])
-    pipe = engine.Pipeline(stages, schedule=schedule, chunks=M, loss_fn=_loss, optimizer=opt)
-    assert pipe.ties and pipe.ties[0].stages == [0, 2]
+    # interleaved: 4 virtual stages on 2 ranks (rank 0 runs the embedding and block 2)
+    split, extra = ([1, 1, 1, 1], {"virtual_stages": 2}) if schedule == "interleaved" else ([1, 2, 1], {})
+    stages = split_layers(model, split)
+    pipe = engine.Pipeline(stages, schedule=schedule, chunks=M, loss_fn=_loss, optimizer=opt, **extra)
+    assert pipe.ties and pipe.ties[0].stages == [0, len(split) - 1]
     ref_opt = opt(list(ref.parameters()))
     g = torch.Generator().manual_seed(3)
     for _ in range(3):

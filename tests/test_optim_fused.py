@@ -50,6 +50,7 @@ OPTIONS = {
         dict(lr=0.05, momentum=0.9, delay=3, spike_compensation=True),
         dict(lr=0.05, momentum=0.9, delay=2, prediction="linear"),
         dict(lr=0.05, momentum=0.9, delay=2, prediction="momentum", discrepancy_correction=True),
+        dict(lr=0.05, momentum=0.9, delay=3, delay_compensation=2.0, weight_decay=0.01),
     ],
     eo.Adam: [
         dict(lr=0.01, weight_decay=0.1),
@@ -61,6 +62,7 @@ OPTIONS = {
     eo.AdamW: [
         dict(lr=0.01, amsgrad=True),
         dict(lr=0.01, delay=3, spike_compensation=True, prediction="linear", discrepancy_correction=True),
+        dict(lr=0.01, delay=2, discrepancy_correction=True, delay_compensation=5.0),
     ],
 }
 CASES = [(cls, cfg) for cls, cfgs in OPTIONS.items() for cfg in cfgs]

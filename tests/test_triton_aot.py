@@ -18,10 +18,10 @@ multiple of 16) every block access is vectorized to the expected width (fp32: 12
 bf16/fp16: 128 bits where all swept tensors are 16-bit, 64 bits beside fp32 tensors, see
 triton_kernels/_launch.py); and no variant the launchers pick goes through shared memory.
 
-The default set (129 cases, 127 variants; NAdam's 24 of them: every dtype pair off and on,
-the host path, odd and unaligned sizes; ~25 CPU-s: ~15-40 s on 2 cores) covers every dtype
-pair, each flag alone, everything on, and the unhinted, i64 and n == 1 specializations; the
-``slow`` sweep (1,985 cases, 1,950 variants, ~5 CPU-min) adds SGD's full flag product per dtype, Adam's full product of the flags that change memory
+The default set (133 cases; NAdam's 24 of them: every dtype pair off and on, the host path,
+odd and unaligned sizes; ~25 CPU-s: ~15-40 s on 2 cores) covers every dtype pair, each flag
+alone (delay compensation ``dc`` with the delta it reads), everything on, and the unhinted,
+i64 and n == 1 specializations; the ``slow`` sweep (2,025 cases, ~5 CPU-min) adds SGD's full flag product per dtype, Adam's full product of the flags that change memory
 traffic (the arithmetic-only flags rotate through their combinations), and the mixed-dtype
 pairs with every flag alone.
 """
@@ -47,13 +47,13 @@ N_I64 = 2**31 + 64  # a flat buffer past 2**31 elements: n is an i64
 SCALAR_FLAGS = ("scale", "inf", "device_step")  # one-element loads beside the block accesses
 
 SGD_OFF = dict(momentum=False, init=False, nesterov=False, sc=False, wd=False, maximize=False,
-               predict=False, delta=False, scale=False, inf=False)
+               predict=False, delta=False, scale=False, inf=False, dc=False)
 SGD_MODES = [dict()] + [dict(momentum=True, init=i, **m) for i in (False, True)
                         for m in (dict(), dict(nesterov=True), dict(sc=True))]
 SGD_ON = dict({k: True for k in SGD_OFF}, init=False, nesterov=False)
 ADAM_OFF = dict(wd=False, decoupled=False, amsgrad=False, maximize=False, sc=False, last=False,
                 predict=False, delta=False, scale=False, inf=False, device_step=False,
-                lerp_small=True)
+                lerp_small=True, dc=False)
 ADAM_ON = {k: True for k in ADAM_OFF}
 # NAdam: Adam's kernel shape without AMSGrad and spike compensation; device_step also loads
 # mu_product
@@ -76,8 +76,10 @@ def _singles(family):
     if family == "sgd":
         return {("mom_init" if m.get("init") else "mom") + ("_nesterov" if m.get("nesterov")
                 else "_sc" if m.get("sc") else ""): m for m in SGD_MODES[1:]} | {
-            k: {k: True} for k in ("wd", "maximize", "predict", "delta", "scale", "inf")}
-    singles = {k: {k: True} for k in ADAM_OFF if k not in ("decoupled", "lerp_small")}
+            k: {k: True} for k in ("wd", "maximize", "predict", "delta", "scale", "inf")} | {
+            "dc": dict(dc=True, delta=True)}  # delay compensation reads delta
+    singles = {k: {k: True} for k in ADAM_OFF if k not in ("decoupled", "lerp_small", "dc")}
+    singles["dc"] = dict(dc=True, delta=True)
     singles["adamw"] = dict(wd=True, decoupled=True)
     singles["lerp_large"] = dict(lerp_small=False)
     return singles
@@ -200,7 +202,7 @@ def launch(case):
     t = lambda role, dtype, on=True: tensor(role, dtype, n, odd) if on else None
     one = lambda on: torch.ones(1, device="meta") if on else None
     common = dict(predicted=t("pred", p, o["predict"]), delta=t("delta", st, o["delta"]),
-                  grad_scale=one(o["scale"]), found_inf=one(o["inf"]), block=case["block"])
+                  dc_coeff=0.5 if o["dc"] else 0.0, grad_scale=one(o["scale"]), found_inf=one(o["inf"]), block=case["block"])
     if case["family"] == "sgd":
         sgd_mod.launch_sgd(
             t("param", p), t("grad", DT[case["grad"]]), t("buf", st, o["momentum"]),

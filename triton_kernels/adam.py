@@ -2,7 +2,8 @@
 
 Reads w, g, exp_avg, exp_avg_sq (and max_exp_avg_sq for AMSGrad) once and writes the new
 weights and moments, plus, when asked, the applied update (``last_update``), the predicted
-weights and PipeMare's ``delta`` in the same pass. The math is
+weights and PipeMare's ``delta`` in the same pass (the delay-compensated gradient reads that
+same one load of ``delta``). The math is
 ``engine.optim.functional.adam_update`` op for op, including the project's own delay
 compensation for Adam (see that docstring): fp32 arithmetic, torch's lerp formula for the
 first moment, IEEE-rounded sqrt and division (``sqrt_rn``/``div_rn``; plain ``/`` and
@@ -30,6 +31,7 @@ import triton.language as tl
 from torch import Tensor
 
 from engine.optim.functional import validate_adam_args
+from engine.optim.functional_dc import check_dc
 from engine.triton_kernels._launch import (
     GPU_WARPS,
     cast_rne,
@@ -49,6 +51,7 @@ def adam_kernel(
     scale_ptr, inf_ptr, step_ptr,
     n, lr, w1, beta2, keep2, eps, weight_decay, decay, log_beta1, log_beta2,
     host_step_size, host_bc2_sqrt, host_sc_coef, sc_keep, sc_a, horizon, gamma, keep_gamma,
+    dc_coef,
     BLOCK: tl.constexpr,
     WEIGHT_DECAY: tl.constexpr,
     DECOUPLED: tl.constexpr,
@@ -58,6 +61,7 @@ def adam_kernel(
     LAST: tl.constexpr,
     PREDICT: tl.constexpr,
     DELTA: tl.constexpr,
+    DC: tl.constexpr,
     SCALE: tl.constexpr,
     CHECK_INF: tl.constexpr,
     DEVICE_STEP: tl.constexpr,
@@ -83,8 +87,9 @@ def adam_kernel(
         bc2_sqrt = host_bc2_sqrt
         sc_coef = host_sc_coef
 
-    w, g, w_old = load_and_decay(param_ptr, grad_ptr, scale_ptr, offs, mask, weight_decay, decay,
-                                 SCALE, MAXIMIZE, WEIGHT_DECAY, DECOUPLED)
+    w, g, w_old, d = load_and_decay(param_ptr, grad_ptr, scale_ptr, delta_ptr, offs, mask,
+                                    weight_decay, decay, dc_coef, SCALE, MAXIMIZE, WEIGHT_DECAY,
+                                    DECOUPLED, DELTA, DC)
 
     m, v = adam_moments(m_ptr, v_ptr, offs, mask, g, w1, beta2, keep2, LERP_SMALL)
     if AMSGRAD:
@@ -100,30 +105,37 @@ def adam_kernel(
     else:
         w = w + tl.div_rn(-step_size * m, denom)
 
-    store_step(param_ptr, last_ptr, pred_ptr, delta_ptr, offs, mask, w, w_old, horizon, gamma,
-               keep_gamma, LAST, PREDICT, DELTA)
+    store_step(param_ptr, last_ptr, pred_ptr, delta_ptr, offs, mask, w, w_old, d, horizon,
+               gamma, keep_gamma, LAST, PREDICT, DELTA)
 
 
 @triton.jit
-def load_and_decay(param_ptr, grad_ptr, scale_ptr, offs, mask, weight_decay, decay,
-                   SCALE: tl.constexpr, MAXIMIZE: tl.constexpr, WEIGHT_DECAY: tl.constexpr,
-                   DECOUPLED: tl.constexpr):
-    """Load w and g in fp32, unscale (AMP) and negate (maximize) g, apply the weight decay
-    (decoupled: w *= 1 - lr * wd; else g += wd * w); returns (w, g, w before the decay)
-    (shared with NAdam's kernel)."""
+def load_and_decay(param_ptr, grad_ptr, scale_ptr, delta_ptr, offs, mask, weight_decay, decay,
+                   dc_coef, SCALE: tl.constexpr, MAXIMIZE: tl.constexpr,
+                   WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, DELTA: tl.constexpr,
+                   DC: tl.constexpr):
+    """Load w and g in fp32, unscale (AMP) and negate (maximize) g, delay-compensate it (DC:
+    g += dc_coef * g * g * delta), apply the weight decay (decoupled: w *= 1 - lr * wd; else
+    g += wd * w); returns (w, g, w before the decay, delta) (shared with NAdam's kernel).
+    delta is loaded here, once, when kept (``w`` stands in for it otherwise: never used)."""
     w = tl.load(param_ptr + offs, mask=mask).to(tl.float32)
     g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
     if SCALE:
         g = tl.div_rn(g, tl.load(scale_ptr).to(tl.float32))
     if MAXIMIZE:
         g = -g
+    d = w
+    if DELTA:
+        d = tl.load(delta_ptr + offs, mask=mask)
+        if DC:
+            g = g + dc_coef * (g * g) * d  # delay compensation (DC needs DELTA)
     w_old = w
     if WEIGHT_DECAY:
         if DECOUPLED:
             w = w * decay
         else:
             g = g + weight_decay * w
-    return w, g, w_old
+    return w, g, w_old, d
 
 
 @triton.jit
@@ -144,10 +156,12 @@ def adam_moments(m_ptr, v_ptr, offs, mask, g, w1, beta2, keep2, LERP_SMALL: tl.c
 
 
 @triton.jit
-def store_step(param_ptr, last_ptr, pred_ptr, delta_ptr, offs, mask, w, w_old, horizon, gamma,
-               keep_gamma, LAST: tl.constexpr, PREDICT: tl.constexpr, DELTA: tl.constexpr):
+def store_step(param_ptr, last_ptr, pred_ptr, delta_ptr, offs, mask, w, w_old, d, horizon,
+               gamma, keep_gamma, LAST: tl.constexpr, PREDICT: tl.constexpr,
+               DELTA: tl.constexpr):
     """Store the new weights (rounded once) and the buffers derived from the applied step
-    (shared with NAdam's kernel): last_update, the prediction, PipeMare's delta."""
+    (shared with NAdam's kernel): last_update, the prediction, PipeMare's delta (``d``: its
+    value before the step, as :func:`load_and_decay` loaded it)."""
     w_new = cast_rne(w, param_ptr.dtype.element_ty)
     tl.store(param_ptr + offs, w_new, mask=mask)
     if LAST or PREDICT or DELTA:
@@ -160,7 +174,6 @@ def store_step(param_ptr, last_ptr, pred_ptr, delta_ptr, offs, mask, w, w_old, h
             pred = cast_rne(w_st - horizon * applied, pred_ptr.dtype.element_ty)
             tl.store(pred_ptr + offs, pred, mask=mask)
         if DELTA:
-            d = tl.load(delta_ptr + offs, mask=mask)
             d = d * gamma + keep_gamma * (w_st - w_old)
             tl.store(delta_ptr + offs, d, mask=mask)
 
@@ -202,6 +215,7 @@ def launch_adam(
     predict_horizon: float = 0.0,
     delta: Tensor | None = None,
     delta_gamma: float = 0.0,
+    dc_coeff: float = 0.0,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
     validate: bool = True,
@@ -218,6 +232,7 @@ def launch_adam(
                            amsgrad=amsgrad, sc_delay=sc_delay, last_update=last_update,
                            predicted=predicted, delta=delta, grad_scale=grad_scale,
                            found_inf=found_inf)
+    check_dc(dc_coeff, delta, param)  # also unvalidated: DC reads the delta pointer
     if step.device != param.device and step.device.type != "cpu":
         raise ValueError(f"step is on {step.device}; it must be on the CPU or on the param's "
                          f"device {param.device}")
@@ -259,6 +274,7 @@ def launch_adam(
         float(weight_decay), float(1 - lr * weight_decay), _log(beta1), _log(beta2),
         float(host_step_size), float(host_bc2_sqrt), float(host_sc_coef), float(1 - sc_a),
         float(sc_a), float(predict_horizon), float(delta_gamma), float(1 - delta_gamma),
+        float(dc_coeff),
         BLOCK=block,
         WEIGHT_DECAY=weight_decay != 0,
         DECOUPLED=weight_decay != 0 and bool(decoupled),  # no duplicate variant without decay
@@ -268,6 +284,7 @@ def launch_adam(
         LAST=last_update is not None,
         PREDICT=predicted is not None,
         DELTA=delta is not None,
+        DC=dc_coeff != 0,
         SCALE=grad_scale is not None,
         CHECK_INF=found_inf is not None,
         DEVICE_STEP=bool(device_step),
@@ -298,6 +315,7 @@ def fused_adam_update(
     predict_horizon: float = 0.0,
     delta: Tensor | None = None,
     delta_gamma: float = 0.0,
+    dc_coeff: float = 0.0,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
     validate: bool = True,
@@ -310,5 +328,5 @@ def fused_adam_update(
                 decoupled=decoupled, amsgrad=amsgrad, maximize=maximize, sc_delay=sc_delay,
                 last_update=last_update, predicted=predicted,
                 predict_horizon=predict_horizon, delta=delta, delta_gamma=delta_gamma,
-                grad_scale=grad_scale, found_inf=found_inf, validate=validate)
+                dc_coeff=dc_coeff, grad_scale=grad_scale, found_inf=found_inf, validate=validate)
 

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from engine.optim.functional_dc import check_dc
 from engine.optim.functional_nadam import nadam_mu, validate_nadam_args
 from engine.triton_kernels._launch import (
     GPU_WARPS,
@@ -51,7 +52,7 @@ def nadam_kernel(
     param_ptr, grad_ptr, m_ptr, v_ptr, last_ptr, pred_ptr, delta_ptr, scale_ptr, inf_ptr,
     step_ptr, prod_ptr,
     n, lr, beta1, psi_log96, log_beta2, w1, beta2, keep2, eps, weight_decay, decay,
-    host_bc2, host_coef_g, host_coef_m, horizon, gamma, keep_gamma,
+    host_bc2, host_coef_g, host_coef_m, horizon, gamma, keep_gamma, dc_coef,
     BLOCK: tl.constexpr,
     WEIGHT_DECAY: tl.constexpr,
     DECOUPLED: tl.constexpr,
@@ -59,6 +60,7 @@ def nadam_kernel(
     LAST: tl.constexpr,
     PREDICT: tl.constexpr,
     DELTA: tl.constexpr,
+    DC: tl.constexpr,
     SCALE: tl.constexpr,
     CHECK_INF: tl.constexpr,
     DEVICE_STEP: tl.constexpr,
@@ -83,16 +85,17 @@ def nadam_kernel(
         coef_g = host_coef_g
         coef_m = host_coef_m
         bc2 = host_bc2
-    w, g, w_old = load_and_decay(param_ptr, grad_ptr, scale_ptr, offs, mask, weight_decay, decay,
-                                 SCALE, MAXIMIZE, WEIGHT_DECAY, DECOUPLED)
+    w, g, w_old, d = load_and_decay(param_ptr, grad_ptr, scale_ptr, delta_ptr, offs, mask,
+                                    weight_decay, decay, dc_coef, SCALE, MAXIMIZE, WEIGHT_DECAY,
+                                    DECOUPLED, DELTA, DC)
 
     m, v = adam_moments(m_ptr, v_ptr, offs, mask, g, w1, beta2, keep2, LERP_SMALL)
     denom = tl.sqrt_rn(tl.div_rn(v, bc2)) + eps
     w = w + coef_g * tl.div_rn(g, denom)
     w = w + coef_m * tl.div_rn(m, denom)
 
-    store_step(param_ptr, last_ptr, pred_ptr, delta_ptr, offs, mask, w, w_old, horizon, gamma,
-               keep_gamma, LAST, PREDICT, DELTA)
+    store_step(param_ptr, last_ptr, pred_ptr, delta_ptr, offs, mask, w, w_old, d, horizon,
+               gamma, keep_gamma, LAST, PREDICT, DELTA)
 
 
 def launch_nadam(
@@ -116,6 +119,7 @@ def launch_nadam(
     predict_horizon: float = 0.0,
     delta: Tensor | None = None,
     delta_gamma: float = 0.0,
+    dc_coeff: float = 0.0,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
     validate: bool = True,
@@ -131,6 +135,7 @@ def launch_nadam(
         validate_nadam_args(param, grad, exp_avg, exp_avg_sq, mu_product, step,
                             last_update=last_update, predicted=predicted, delta=delta,
                             grad_scale=grad_scale, found_inf=found_inf)
+    check_dc(dc_coeff, delta, param)  # also unvalidated: DC reads the delta pointer
     if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
         raise ValueError(f"NAdam needs 0 <= beta < 1, got beta1={beta1!r}, beta2={beta2!r}")
     check_launchable({"param": param, "grad": grad, "exp_avg": exp_avg,
@@ -177,7 +182,7 @@ def launch_nadam(
         float(1 - beta1), float(beta2), float(1 - beta2), float(eps),
         float(weight_decay), float(1 - lr * weight_decay), float(bc2),
         float(coef_g), float(coef_m),
-        float(predict_horizon), float(delta_gamma), float(1 - delta_gamma),
+        float(predict_horizon), float(delta_gamma), float(1 - delta_gamma), float(dc_coeff),
         BLOCK=block,
         WEIGHT_DECAY=weight_decay != 0,
         DECOUPLED=weight_decay != 0 and bool(decoupled),
@@ -185,6 +190,7 @@ def launch_nadam(
         LAST=last_update is not None,
         PREDICT=predicted is not None,
         DELTA=delta is not None,
+        DC=dc_coeff != 0,
         SCALE=grad_scale is not None,
         CHECK_INF=bool(device_step) and found_inf is not None,
         DEVICE_STEP=bool(device_step),
@@ -214,6 +220,7 @@ def fused_nadam_update(
     predict_horizon: float = 0.0,
     delta: Tensor | None = None,
     delta_gamma: float = 0.0,
+    dc_coeff: float = 0.0,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
     validate: bool = True,
@@ -226,4 +233,4 @@ def fused_nadam_update(
                  momentum_decay=momentum_decay, decoupled=decoupled, maximize=maximize,
                  last_update=last_update, predicted=predicted,
                  predict_horizon=predict_horizon, delta=delta, delta_gamma=delta_gamma,
-                 grad_scale=grad_scale, found_inf=found_inf, validate=validate)
+                 dc_coeff=dc_coeff, grad_scale=grad_scale, found_inf=found_inf, validate=validate)

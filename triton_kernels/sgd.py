@@ -4,7 +4,8 @@ Why a kernel: torch's single-tensor SGD with weight decay, momentum and the dela
 reads and writes the weights, gradient and buffers several times (one pass per torch op);
 this kernel reads w, g and the momentum buffer once and writes the new weights, the buffer
 and, when asked, the predicted weights (LWP / SpecTrain / "momentum" look-ahead) and
-PipeMare's discrepancy buffer in the same pass. The math is
+PipeMare's discrepancy buffer in the same pass; the delay-compensated gradient (DC) reads the
+same one load of that buffer. The math is
 ``engine.optim.functional.sgd_update`` op for op (same order of roundings, fp32 arithmetic,
 bf16/fp16 weights rounded to nearest even once on store); see that function for the rules.
 
@@ -20,6 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from engine.optim.functional import spike_coeffs, validate_sgd_args
+from engine.optim.functional_dc import check_dc
 from engine.triton_kernels._launch import (
     GPU_WARPS,
     cast_rne,
@@ -36,7 +38,7 @@ __all__ = ["fused_sgd_update", "sgd_kernel", "launch_sgd"]
 @triton.jit
 def sgd_kernel(
     param_ptr, grad_ptr, buf_ptr, pred_ptr, delta_ptr, scale_ptr, inf_ptr,
-    n, lr, momentum, keep, weight_decay, sc_a, sc_b, pred_coeff, gamma, keep_gamma,
+    n, lr, momentum, keep, weight_decay, sc_a, sc_b, pred_coeff, gamma, keep_gamma, dc_coef,
     BLOCK: tl.constexpr,
     WEIGHT_DECAY: tl.constexpr,
     MOMENTUM: tl.constexpr,
@@ -46,6 +48,7 @@ def sgd_kernel(
     MAXIMIZE: tl.constexpr,
     PREDICT: tl.constexpr,
     DELTA: tl.constexpr,
+    DC: tl.constexpr,
     SCALE: tl.constexpr,
     CHECK_INF: tl.constexpr,
 ):
@@ -62,6 +65,10 @@ def sgd_kernel(
         g = tl.div_rn(g, tl.load(scale_ptr).to(tl.float32))
     if MAXIMIZE:
         g = -g
+    if DELTA:
+        d = tl.load(delta_ptr + offs, mask=mask)  # read once: DC's estimate, then updated
+        if DC:
+            g = g + dc_coef * (g * g) * d  # delay compensation (DC needs DELTA)
     if WEIGHT_DECAY:
         g = g + weight_decay * w
 
@@ -93,7 +100,6 @@ def sgd_kernel(
             pred = cast_rne(w_st - pred_coeff * direction, pred_ptr.dtype.element_ty)
             tl.store(pred_ptr + offs, pred, mask=mask)
         if DELTA:
-            d = tl.load(delta_ptr + offs, mask=mask)
             d = d * gamma + keep_gamma * (w_st - w)
             tl.store(delta_ptr + offs, d, mask=mask)
 
@@ -115,6 +121,7 @@ def launch_sgd(
     predict_coeff: float = 0.0,
     delta: Tensor | None = None,
     delta_gamma: float = 0.0,
+    dc_coeff: float = 0.0,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
     validate: bool = True,
@@ -126,6 +133,7 @@ def launch_sgd(
         validate_sgd_args(param, grad, momentum_buffer, momentum=momentum,
                           dampening=dampening, sc_delay=sc_delay, predicted=predicted,
                           delta=delta, grad_scale=grad_scale, found_inf=found_inf)
+    check_dc(dc_coeff, delta, param)  # also unvalidated: DC reads the delta pointer
     use_momentum = momentum != 0
     check_launchable({"param": param, "grad": grad,
                       "momentum_buffer": momentum_buffer if use_momentum else None,
@@ -144,7 +152,7 @@ def launch_sgd(
         placeholder(grad_scale, param), placeholder(found_inf, param),
         n, float(lr), float(momentum), float(1 - dampening), float(weight_decay),
         float(sc_a), float(sc_b), float(predict_coeff), float(delta_gamma),
-        float(1 - delta_gamma),
+        float(1 - delta_gamma), float(dc_coeff),
         BLOCK=block,
         WEIGHT_DECAY=weight_decay != 0,
         MOMENTUM=use_momentum,
@@ -156,6 +164,7 @@ def launch_sgd(
         MAXIMIZE=bool(maximize),
         PREDICT=predicted is not None,
         DELTA=delta is not None,
+        DC=dc_coeff != 0,
         SCALE=grad_scale is not None,
         CHECK_INF=found_inf is not None,
         num_warps=1 if interpreting() else GPU_WARPS,
@@ -179,6 +188,7 @@ def fused_sgd_update(
     predict_coeff: float = 0.0,
     delta: Tensor | None = None,
     delta_gamma: float = 0.0,
+    dc_coeff: float = 0.0,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
     validate: bool = True,
@@ -189,4 +199,4 @@ def fused_sgd_update(
                weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
                init_momentum=init_momentum, sc_delay=sc_delay, predicted=predicted,
                predict_coeff=predict_coeff, delta=delta, delta_gamma=delta_gamma,
-               grad_scale=grad_scale, found_inf=found_inf, validate=validate)
+               dc_coeff=dc_coeff, grad_scale=grad_scale, found_inf=found_inf, validate=validate)

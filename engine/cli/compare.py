@@ -58,7 +58,14 @@ class Method:
     schedule: str
     options: tuple[tuple[str, Any], ...] = ()
     what: str = ""
+    #: part of "--methods all" (the papers' methods; the project's own combinations run by name)
+    in_all: bool = True
 
+
+#: a method option: delay compensation on, with --delay-compensation's lambda (else DC_LAMBDA)
+DC = "delay_compensation"
+#: MXNet's DCASGD default lambda (the DC-ASGD authors' implementation)
+DC_LAMBDA = 0.04
 
 METHODS: dict[str, Method] = {
     m.name: m
@@ -90,6 +97,16 @@ METHODS: dict[str, Method] = {
             (("pipemare_lr", True), ("discrepancy_correction", True)),
             "PipeMare T1 + T2",
         ),
+        Method("pipedream+dc", "pipedream", ((DC, True),), "stashing + delay-compensated gradients",
+               in_all=False),
+        Method("2bw+dc", "2bw", ((DC, True),), "2BW + delay-compensated gradients", in_all=False),
+        Method(
+            "pipemare-t2+dc",
+            "pb",
+            (("discrepancy_correction", True), (DC, True)),
+            "PipeMare T2 + delay-compensated gradients (tau_s * delta as w_t - w_(t-tau))",
+            in_all=False,
+        ),
     )
 }
 
@@ -102,8 +119,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--methods",
         default="all",
-        help=f"comma list of methods or 'all' (default): {', '.join(METHODS)}; NAME@OPTIMIZER "
-        "runs one with another optimizer (e.g. pipedream@nadam)",
+        help=f"comma list of methods or 'all' (default: the papers' methods, all but "
+        f"{', '.join(n for n, m in METHODS.items() if not m.in_all)}): {', '.join(METHODS)}; "
+        "NAME@OPTIMIZER runs one with another optimizer (e.g. pipedream@nadam)",
     )
     p.add_argument(
         "--stages",
@@ -140,7 +158,7 @@ def _parse_methods(text: str) -> list[Method]:
     from engine.cli.config import OPTIMIZERS
 
     if text.strip() == "all":
-        return list(METHODS.values())
+        return [m for m in METHODS.values() if m.in_all]
     names = [t.strip() for t in text.split(",") if t.strip()]
     unknown = [n for n in names if n.partition("@")[0] not in METHODS]
     if unknown or not names:
@@ -184,8 +202,11 @@ def method_config(
         update_size=update_size if method.schedule in ("pb", "pipedream") else None,
         resume=False,
     )
+    # --delay-compensation is the lambda of the methods with DC, the others run without it
+    lam = base.delay_compensation or DC_LAMBDA
+    cfg = replace(cfg, delay_compensation=0.0)
     for key, value in method.options:
-        cfg = replace(cfg, **{key: value})
+        cfg = replace(cfg, **{key: lam if key == DC else value})
     return cfg
 
 

@@ -87,6 +87,7 @@ class TrainConfig:
     discrepancy_correction: bool = False
     correction_decay: float = 0.1
     stage_beta1: float | None = None
+    delay_compensation: float = 0.0
     checkpoint: str = "never"
     epochs: int = 3
     evals_per_epoch: int = 4
@@ -138,6 +139,8 @@ class TrainConfig:
             parts.append("T2")
         if self.stage_beta1 is not None:
             parts.append(f"b1s{self.stage_beta1:g}")
+        if self.delay_compensation:
+            parts.append(f"DC{self.delay_compensation:g}")
         return "+".join(parts)
 
 
@@ -209,8 +212,29 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.pipemare_warmup is not None and cfg.pipemare_warmup < 0:
         raise CLIError(f"--pipemare-warmup {cfg.pipemare_warmup} must be >= 0")
     _check_nadam(cfg)
+    _check_delay_compensation(cfg)
     if cfg.prediction is not None and cfg.momentum == 0 and cfg.optimizer == "sgd":
         raise CLIError("--prediction extrapolates the momentum buffer; it needs --momentum > 0")
+
+
+def _check_delay_compensation(cfg: TrainConfig) -> None:
+    """--delay-compensation (the pipeline refuses the same, in its words): DC-ASGD's lambda,
+    for schedules whose gradients lag the weights (ALGORITHMS.md)."""
+    lam = cfg.delay_compensation
+    if not (math.isfinite(lam) and lam >= 0):
+        raise CLIError(f"--delay-compensation {lam} must be a finite number >= 0 (0: off)")
+    if not lam:
+        return
+    if cfg.schedule in SYNCHRONOUS:
+        raise CLIError(f"--delay-compensation compensates delayed gradients; --schedule "
+                       f"{cfg.schedule} has no delay (use pipedream, 2bw or pb)")
+    if cfg.optimizer == "muon":
+        raise CLIError("--delay-compensation applies to --optimizer sgd, adam, adamw and nadam; "
+                       "engine.optim.Muon has no delay compensation (its gradient is "
+                       "orthogonalised after momentum, which the correction's derivation does not cover)")
+    if cfg.schedule == "pb" and not cfg.discrepancy_correction:
+        raise CLIError("--delay-compensation with --schedule pb needs --discrepancy-correction "
+                       "(PipeMare T2's backward weights give the gradient the lag it removes)")
 
 
 def _check_nadam(cfg: TrainConfig) -> None:

@@ -152,6 +152,8 @@ def build_pipeline(
         "correction_decay": cfg.correction_decay,
         "weight_decay": cfg.weight_decay,
     }
+    if cfg.delay_compensation:  # an option of SGD/Adam(W)/NAdam only (config refuses muon)
+        opt_kwargs["delay_compensation"] = cfg.delay_compensation
 
     def make_optimizer(params: list[Any]) -> torch.optim.Optimizer:
         if cfg.optimizer == "nadam":  # AsyncPP's NAdamW; beta1 is --momentum

@@ -159,6 +159,15 @@ def add_hparam_arguments(p: argparse.ArgumentParser) -> None:
         help="--optimizer nadam: AsyncPP's per-stage beta1, m + D_s (B - m) / S (e.g. 0.99)",
     )
     p.add_argument(
+        "--delay-compensation",
+        type=float,
+        default=0.0,
+        metavar="LAMBDA",
+        help="DC-ASGD's lambda: g + lambda * g * g * (D_s * delta) with PipeMare's delta "
+        "(pipedream, 2bw; pb with --discrepancy-correction). compare: the *+dc methods' "
+        "lambda (default 0.04 there)",
+    )
+    p.add_argument(
         "--no-scaling",
         dest="ref_batch",
         action="store_const",

@@ -53,6 +53,7 @@ class _AdamBase(DelayOptimizer):
         prediction_horizon: float | None,
         discrepancy_correction: bool,
         correction_decay: float,
+        delay_compensation: float = 0.0,
     ) -> None:
         if isinstance(betas, list):
             betas = tuple(betas)
@@ -74,6 +75,7 @@ class _AdamBase(DelayOptimizer):
             "prediction_horizon": prediction_horizon,
             "discrepancy_correction": discrepancy_correction,
             "correction_decay": correction_decay,
+            "delay_compensation": delay_compensation,
             "fused": fused,
         }
         super().__init__(params, defaults)
@@ -128,7 +130,7 @@ class _AdamBase(DelayOptimizer):
             keys.append("max_exp_avg_sq")
         if group["prediction"] is not None:
             keys.append("last_update")
-        if self._correction_gamma(group) is not None:
+        if self._delta_gamma(group) is not None:
             keys.append("delta")
         return keys
 
@@ -165,7 +167,7 @@ class _AdamBase(DelayOptimizer):
         lr = group["lr"]
         if not (reference and isinstance(lr, Tensor) and "lr_scale" not in group):
             lr = self.effective_lr(group)
-        gamma = self._correction_gamma(group)
+        gamma = self._delta_gamma(group)
         horizon = 0.0
         if predicted is not None:
             horizon = self._adam_horizon(group, self._horizon(group))
@@ -190,6 +192,7 @@ class _AdamBase(DelayOptimizer):
             predict_horizon=horizon,
             delta=state.get("delta") if gamma is not None else None,
             delta_gamma=gamma if gamma is not None else 0.0,
+            dc_coeff=self._dc_coeff(group),
             grad_scale=grad_scale,
             found_inf=found_inf,
             validate=False,
@@ -246,6 +249,7 @@ class Adam(_AdamBase):
         prediction_horizon: float | None = None,
         discrepancy_correction: bool = False,
         correction_decay: float = 0.1,
+        delay_compensation: float = 0.0,
     ) -> None:
         super().__init__(
             params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
@@ -253,7 +257,7 @@ class Adam(_AdamBase):
             decoupled_weight_decay=decoupled_weight_decay, delay=delay,
             spike_compensation=spike_compensation, prediction=prediction,
             prediction_horizon=prediction_horizon, discrepancy_correction=discrepancy_correction,
-            correction_decay=correction_decay,
+            correction_decay=correction_decay, delay_compensation=delay_compensation,
         )
 
 
@@ -284,6 +288,7 @@ class AdamW(_AdamBase):
         prediction_horizon: float | None = None,
         discrepancy_correction: bool = False,
         correction_decay: float = 0.1,
+        delay_compensation: float = 0.0,
     ) -> None:
         super().__init__(
             params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
@@ -291,7 +296,7 @@ class AdamW(_AdamBase):
             decoupled_weight_decay=True, delay=delay,
             spike_compensation=spike_compensation, prediction=prediction,
             prediction_horizon=prediction_horizon, discrepancy_correction=discrepancy_correction,
-            correction_decay=correction_decay,
+            correction_decay=correction_decay, delay_compensation=delay_compensation,
         )
 
     def __setstate__(self, state: dict[str, Any]) -> None:

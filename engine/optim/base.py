@@ -140,6 +140,23 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
         return group["correction_decay"] ** (1.0 / group["delay"])
 
     @staticmethod
+    def _delta_gamma(group: dict[str, Any]) -> float | None:
+        """gamma_s of the group's delta buffer, which PipeMare T2 and delay compensation
+        share (one buffer when both are on; DC keeps its own when T2 is off), or None when
+        the group keeps no delta (both off, or tau_s = 0)."""
+        if group["delay"] == 0 or not (
+            group["discrepancy_correction"] or group.get("delay_compensation", 0.0)
+        ):
+            return None
+        return group["correction_decay"] ** (1.0 / group["delay"])
+
+    @staticmethod
+    def _dc_coeff(group: dict[str, Any]) -> float:
+        """lambda * tau_s: the delay-compensated gradient is g + lambda * g * g * (tau_s *
+        delta), tau_s * delta estimating w_t - w_(t-tau) (ALGORITHMS.md); 0.0 when off."""
+        return float(group.get("delay_compensation", 0.0)) * group["delay"]
+
+    @staticmethod
     def _horizon(group: dict[str, Any]) -> float:
         """Prediction horizon H: ``prediction_horizon`` if set, else the group's delay."""
         h = group["prediction_horizon"]

@@ -8,7 +8,8 @@ w, v, the prediction and PipeMare's delta once, rounding every operation as torc
 kernels round the reference's ops, so its result is bit-identical to the reference's.
 
 It serves contiguous fp32 CPU tensors without autograd; everything else (bf16/fp16/fp64/
-complex params, non-contiguous tensors, a differentiable step) runs the reference, which
+complex params, non-contiguous tensors, a differentiable step, delay compensation's
+``dc_coeff``) runs the reference, which
 :func:`sgd_update` calls itself, so the two are interchangeable as the ``fn`` of an update.
 ``engine.optim.SGD`` uses it for CPU steps with spike compensation, prediction or delta;
 plain momentum SGD stays on torch's ops (bitwise torch.optim.SGD by construction). Set
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor
 
 from engine.optim import functional
+from engine.optim.functional_dc import check_dc
 
 __all__ = ["ENV", "available", "enabled", "eligible", "sgd_update", "variant"]
 
@@ -92,6 +94,7 @@ def sgd_update(
     predict_coeff: float = 0.0,
     delta: Tensor | None = None,
     delta_gamma: float = 0.0,
+    dc_coeff: float = 0.0,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
     validate: bool = True,
@@ -103,14 +106,16 @@ def sgd_update(
         functional.validate_sgd_args(param, grad, momentum_buffer, momentum=momentum,
                                      dampening=dampening, sc_delay=sc_delay, predicted=predicted,
                                      delta=delta, grad_scale=grad_scale, found_inf=found_inf)
+        check_dc(dc_coeff, delta, param)
     buf = momentum_buffer if momentum != 0 else None
     native = _native()
-    if native is None or not eligible(param, grad, buf, predicted, delta, grad_scale):
+    # delay compensation (dc_coeff) is not in the loop: the reference computes it
+    if native is None or dc_coeff != 0 or not eligible(param, grad, buf, predicted, delta, grad_scale):
         functional.sgd_update(param, grad, momentum_buffer, lr=lr, momentum=momentum,
                               dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                               maximize=maximize, init_momentum=init_momentum, sc_delay=sc_delay,
                               predicted=predicted, predict_coeff=predict_coeff, delta=delta,
-                              delta_gamma=delta_gamma, grad_scale=grad_scale,
+                              delta_gamma=delta_gamma, dc_coeff=dc_coeff, grad_scale=grad_scale,
                               found_inf=found_inf, validate=False)
         return False
     if found_inf is not None and bool(found_inf.item() != 0):

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from engine.optim.functional_dc import check_dc, delay_compensate
+
 __all__ = [
     "spike_coeffs",
     "prediction_coeff",
@@ -249,6 +251,7 @@ def sgd_update(
     predict_coeff: float = 0.0,
     delta: Tensor | None = None,
     delta_gamma: float = 0.0,
+    dc_coeff: float = 0.0,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
     validate: bool = True,
@@ -258,6 +261,7 @@ def sgd_update(
     ::
 
         g  = grad (/ grad_scale), negated if maximize
+        g  = g + dc_coeff * g * g * delta   if dc_coeff != 0 (delay compensation)
         g' = g + wd * w
         v  = g' on the first step (init_momentum), else m * v + (1 - d) * g'
         u  = b * g' + a * v  if sc_delay > 0   (spike compensation; supersedes nesterov,
@@ -272,6 +276,7 @@ def sgd_update(
         validate_sgd_args(param, grad, momentum_buffer, momentum=momentum,
                           dampening=dampening, sc_delay=sc_delay, predicted=predicted,
                           delta=delta, grad_scale=grad_scale, found_inf=found_inf)
+        check_dc(dc_coeff, delta, param)
     if _skip(found_inf):
         return
     w = _as_f32(param)  # fp32 params: the param itself, updated in place like torch
@@ -280,6 +285,7 @@ def sgd_update(
         g = g.div(grad_scale.float())
     if maximize:
         g = -g
+    g = delay_compensate(g, delta, dc_coeff, _workspace)
     w_old = w.clone() if delta is not None else None
 
     if weight_decay != 0:
@@ -377,6 +383,7 @@ def adam_update(
     predict_horizon: float = 0.0,
     delta: Tensor | None = None,
     delta_gamma: float = 0.0,
+    dc_coeff: float = 0.0,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
     validate: bool = True,
@@ -406,12 +413,15 @@ def adam_update(
       ``last_update`` (if given) keeps ``w_old - w_new`` so a prediction at another horizon
       can be made later with ``predict(param, last_update, H)``. Under AdamW the applied
       step includes the decoupled decay.
+    * ``dc_coeff`` (lambda * tau_s): the gradient becomes g + dc_coeff * g * g * delta before
+      the weight decay and the moments (:mod:`engine.optim.functional_dc`).
     """
     if validate:  # the optimizers validate once per layout and pass validate=False
         validate_adam_args(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step,
                            amsgrad=amsgrad, sc_delay=sc_delay, last_update=last_update,
                            predicted=predicted, delta=delta, grad_scale=grad_scale,
                            found_inf=found_inf)
+        check_dc(dc_coeff, delta, param)
     if _skip(found_inf):
         return
     w = _as_f32(param)
@@ -420,6 +430,7 @@ def adam_update(
         g = g.div(grad_scale.float())
     if maximize:
         g = -g
+    g = delay_compensate(g, delta, dc_coeff, _workspace)  # before the weight decay, as DC-ASGD
     w_old = w.clone() if (last_update is not None or predicted is not None
                           or delta is not None) else None
 

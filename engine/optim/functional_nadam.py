@@ -21,9 +21,11 @@ from engine.optim.functional import (
     _check_common,
     _check_like,
     _skip,
+    _workspace,
     state_dtype,
     store_and_derive,
 )
+from engine.optim.functional_dc import check_dc, delay_compensate
 
 __all__ = ["nadam_update", "validate_nadam_args", "stage_beta1", "nadam_mu"]
 
@@ -79,6 +81,7 @@ def nadam_update(
     predict_horizon: float = 0.0,
     delta: Tensor | None = None,
     delta_gamma: float = 0.0,
+    dc_coeff: float = 0.0,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
     validate: bool = True,
@@ -93,12 +96,14 @@ def nadam_update(
     the gradient and ``mu_next / (1 - prod mu * mu_next)`` to the first moment. With
     ``capturable``/``differentiable`` the coefficients stay tensors, as torch's path for
     those flags. ``last_update``, ``predicted`` and ``delta`` are written after the step
-    as for Adam (:func:`engine.optim.functional.store_and_derive`).
+    as for Adam (:func:`engine.optim.functional.store_and_derive`). ``dc_coeff``: the
+    delay-compensated gradient, as :func:`engine.optim.functional.adam_update`.
     """
     if validate:
         validate_nadam_args(param, grad, exp_avg, exp_avg_sq, mu_product, step,
                             last_update=last_update, predicted=predicted, delta=delta,
                             grad_scale=grad_scale, found_inf=found_inf)
+        check_dc(dc_coeff, delta, param)
     if _skip(found_inf):
         return
     w = _as_f32(param)
@@ -107,6 +112,7 @@ def nadam_update(
         g = g.div(grad_scale.float())
     if maximize:
         g = -g
+    g = delay_compensate(g, delta, dc_coeff, _workspace)  # before the weight decay, as DC-ASGD
     w_old = w.clone() if (last_update is not None or predicted is not None
                           or delta is not None) else None
     target = param

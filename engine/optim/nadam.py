@@ -65,6 +65,7 @@ class NAdam(_AdamBase):
         prediction_horizon: float | None = None,
         discrepancy_correction: bool = False,
         correction_decay: float = 0.1,
+        delay_compensation: float = 0.0,
         stage_beta1: tuple[float, int] | None = None,
     ) -> None:
         if isinstance(betas, list):
@@ -89,6 +90,7 @@ class NAdam(_AdamBase):
             "prediction_horizon": prediction_horizon,
             "discrepancy_correction": discrepancy_correction,
             "correction_decay": correction_decay,
+            "delay_compensation": delay_compensation,
             "stage_beta1": stage_beta1,
             "fused": fused,
         }
@@ -163,7 +165,7 @@ class NAdam(_AdamBase):
         found_inf: Tensor | None,
     ) -> None:
         reference = fn is self._kernel_pair[0]
-        gamma = self._correction_gamma(group)
+        gamma = self._delta_gamma(group)
         # the reference path takes a Tensor lr as torch does (its rounding follows it)
         lr = group["lr"]
         if not (reference and isinstance(lr, Tensor) and "lr_scale" not in group):
@@ -188,6 +190,7 @@ class NAdam(_AdamBase):
             predict_horizon=float(self._horizon(group)) if predicted is not None else 0.0,
             delta=state.get("delta") if gamma is not None else None,
             delta_gamma=gamma if gamma is not None else 0.0,
+            dc_coeff=self._dc_coeff(group),
             grad_scale=grad_scale,
             found_inf=found_inf,
             validate=False,

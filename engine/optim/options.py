@@ -3,8 +3,9 @@
 Why per param group: the pipeline sets each stage's delay D_s on its optimizer's groups, and
 a user may give groups their own lr or weight decay, so the delay-related options
 (``delay``, ``spike_compensation``, ``prediction``, ``prediction_horizon``,
-``discrepancy_correction``, ``correction_decay``) are group defaults like ``lr``. Every check
-names the option, its value and the group, and runs before anything changes.
+``discrepancy_correction``, ``correction_decay``, ``delay_compensation``) are group defaults
+like ``lr``. Every check names the option, its value and the group, and runs before anything
+changes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import Tensor
 __all__ = [
     "DELAY_DEFAULTS",
     "PREDICTION_MODES",
+    "check_delay_compensation",
     "check_delay_options",
     "check_torch_flags",
     "is_real_number",
@@ -120,7 +122,19 @@ def check_delay_options(group: dict[str, Any], where: str) -> None:
             f"{where}correction_decay={decay!r} is invalid: PipeMare's D_decay must lie in (0, 1) "
             "(gamma = D_decay ** (1 / delay))"
         )
+    check_delay_compensation(group, where)
     check_torch_flags(group, where)
     for name in ("maximize", "spike_compensation", "discrepancy_correction"):
         if not isinstance(group[name], bool):
             raise TypeError(f"{where}{name}={group[name]!r} is invalid: it must be True or False")
+
+
+def check_delay_compensation(group: dict[str, Any], where: str) -> None:
+    """``delay_compensation`` (DC-ASGD's lambda, ALGORITHMS.md "Delay-compensated
+    gradients"): a finite number >= 0; 0 (the default, also when absent) is off."""
+    lam = group.get("delay_compensation", 0.0)
+    if not (is_real_number(lam) and math.isfinite(lam) and lam >= 0.0):
+        raise ValueError(
+            f"{where}delay_compensation={lam!r} is invalid: it is DC-ASGD's lambda in "
+            "g + lambda * g * g * (w_t - w_(t-tau)), a finite number >= 0 (0 turns it off)"
+        )

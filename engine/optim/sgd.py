@@ -31,6 +31,10 @@ class SGD(DelayOptimizer):
         prediction_horizon: H; ``None`` means the group's delay.
         discrepancy_correction / correction_decay: PipeMare T2's delta buffer;
             :meth:`backward_weights` returns w - delay * delta.
+        delay_compensation: DC-ASGD's lambda (0 = off): the gradient becomes
+            g + lambda * g * g * (delay * delta) before anything else uses it, with PipeMare's
+            delta (kept for it when discrepancy_correction is off) as the estimate of
+            w_t - w_(t-delay). The project's own combination (ALGORITHMS.md).
         fused: ``None`` (Triton on CUDA, reference on CPU), ``True`` or ``False``.
 
     On CPU, steps with spike compensation, prediction or PipeMare's delta run
@@ -67,6 +71,7 @@ class SGD(DelayOptimizer):
         prediction_horizon: float | None = None,
         discrepancy_correction: bool = False,
         correction_decay: float = 0.1,
+        delay_compensation: float = 0.0,
     ) -> None:
         defaults = {
             **DELAY_DEFAULTS,
@@ -84,6 +89,7 @@ class SGD(DelayOptimizer):
             "prediction_horizon": prediction_horizon,
             "discrepancy_correction": discrepancy_correction,
             "correction_decay": correction_decay,
+            "delay_compensation": delay_compensation,
             "fused": fused,
         }
         #: update calls (one per flat buffer or tensor) by the path that ran them
@@ -128,7 +134,7 @@ class SGD(DelayOptimizer):
         keys = []
         if group["momentum"] != 0:
             keys.append("momentum_buffer")
-        if self._correction_gamma(group) is not None:
+        if self._delta_gamma(group) is not None:
             keys.append("delta")
         return keys
 
@@ -155,7 +161,7 @@ class SGD(DelayOptimizer):
         found_inf: Tensor | None,
     ) -> None:
         lr = self.effective_lr(group)
-        gamma = self._correction_gamma(group)
+        gamma = self._delta_gamma(group)
         coeff = 0.0
         if predicted is not None:
             coeff = _functional().prediction_coeff(group["prediction"], lr, group["momentum"], self._horizon(group))
@@ -179,6 +185,7 @@ class SGD(DelayOptimizer):
             predict_coeff=coeff,
             delta=state.get("delta") if gamma is not None else None,
             delta_gamma=gamma if gamma is not None else 0.0,
+            dc_coeff=self._dc_coeff(group),
             grad_scale=grad_scale,
             found_inf=found_inf,
             validate=False,

@@ -56,6 +56,12 @@ class OptionChecks:
                     f"{where}params[{j}] is {p.dtype}; params must be float32, float64, bfloat16, "
                     "float16, complex64 or complex128"
                 )
+            if group.get("delay_compensation", 0.0) and p.is_complex():
+                raise TypeError(
+                    f"{where}delay_compensation={group['delay_compensation']!r} needs real "
+                    f"params, but params[{j}] is {p.dtype} (its g * g term is elementwise on "
+                    "real coordinates); set delay_compensation=0 for this param group"
+                )
             if group["fused"] is True and p.device.type == "meta":
                 raise ValueError(
                     f"{where}fused=True needs real tensors, but params[{j}] is on the meta "
@@ -131,6 +137,7 @@ class OptionChecks:
                 "gradients, please consider torch.optim.SparseAdam instead (as torch.optim)"
             )
         on = [k for k in ("spike_compensation", "discrepancy_correction") if group[k]]
+        on += ["delay_compensation"] if group.get("delay_compensation", 0.0) else []
         on += ["prediction"] if group["prediction"] is not None else []
         on += ["fused=True"] if group["fused"] else []
         on += ["AMP grad_scale/found_inf"] if getattr(self, "grad_scale", None) is not None else []

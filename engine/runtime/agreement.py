@@ -48,7 +48,7 @@ def fingerprint(
     if opt is not None:
         pipe_settings["optimizer mitigations"] = {
             k: opt.defaults[k]
-            for k in ("spike_compensation", "prediction", "discrepancy_correction")
+            for k in ("spike_compensation", "prediction", "discrepancy_correction", "delay_compensation")
             if opt.defaults.get(k) is not None
         }
     settings = [[k, v] for k, v in pipe_settings.items()] + [["engine version", engine.__version__]]

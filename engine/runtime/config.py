@@ -234,4 +234,31 @@ def resolve_mitigations(
             "discrepancy_correction=True: build the engine optimizer with "
             "discrepancy_correction=True (it keeps PipeMare's delta)"
         )
+    _check_delay_compensation(spec, bridges, correction)
     return weight_prediction, correction
+
+
+def _check_delay_compensation(spec: ScheduleSpec, bridges: list[Any], correction: bool) -> None:
+    """Delay compensation (ALGORITHMS.md) corrects a gradient computed at w_(t-tau) towards
+    w_t: it needs weights that lag, i.e. stashed versions (pipedream, 2bw) or, under live
+    weights (pb), PipeMare T2's backward weights w_t - tau_s * delta, whose lag it removes."""
+    for s, bridge in enumerate(bridges):
+        if bridge is None or bridge.opt is None or not bridge.is_engine:
+            continue
+        # groups may differ (e.g. no DC for embeddings): any group with it needs a lag
+        lam = next((g["delay_compensation"] for g in bridge.opt.param_groups
+                    if g.get("delay_compensation")), 0.0)
+        if not lam:
+            continue
+        if spec.synchronous:
+            raise PipelineConfigError(
+                f"stage {s}: delay_compensation={lam!r} compensates delayed gradients, but "
+                f"{spec.describe()} has no delay; use an asynchronous schedule or set it to 0"
+            )
+        if spec.weights == "live" and not correction:
+            raise PipelineConfigError(
+                f"stage {s}: delay_compensation={lam!r} under {spec.describe()} needs "
+                "discrepancy_correction=True: with live weights the backward reads w_t, and "
+                "only PipeMare T2's w_t - tau_s * delta gives the gradient the lag "
+                "tau_s * delta that the compensation removes"
+            )
