@@ -24,11 +24,18 @@ from engine.optim import cpu_loop, functional
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.skipif(not cpu_loop.available(),
-                                reason="engine._C predates the fused CPU loop: rebuild it")
 
 GRAIN = 32768  # the loop's at::parallel_for grain
 MOMENTUM_MODES = ("none", "plain", "nesterov", "spike1", "spike3")
+
+
+def test_the_loop_is_built() -> None:
+    # no skip: a stale extension would silently run every SGD step on the reference path
+    assert cpu_loop.available(), (
+        "engine._C has no sgd_step_cpu: rebuild it (PE_BUILD_CUDA=0 python setup.py build_ext "
+        "--inplace, or pip install --no-build-isolation -e .)"
+    )
+    assert cpu_loop.variant() in ("fma", "baseline")
 
 
 @functools.lru_cache(maxsize=4)  # inputs only: every use clones them
