@@ -158,9 +158,11 @@ def _extension():
     cuda, why = _want_cuda()
     archs = _cuda_archs() if cuda else []
     gen = _write_build_config(archs)
-    sources = ["csrc/arena.cpp", "csrc/bindings.cpp"]
+    sources = ["csrc/arena.cpp", "csrc/bindings.cpp", "csrc/sgd_cpu.cpp"]
     include_dirs = [str(ROOT / "csrc"), str(gen)]
-    cxx_flags = ["-O2", "-g0"]
+    # -O3 vectorises csrc/sgd_cpu.cpp's loop; no contraction, so its multiply-adds round as
+    # written (that file must match torch's rounding bit for bit)
+    cxx_flags = ["-O3", "-g0", "-ffp-contract=off"]
     print(f"[pipeline-engine] building engine._C with{'' if cuda else 'out'} CUDA ({why})"
           + (f"; archs {', '.join(archs)}" if cuda else ""))
     if cuda:

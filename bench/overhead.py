@@ -24,6 +24,8 @@ Cases (``--cases``; the targets are those of the runtime rewrite, this script on
   recorded for both. Target <= 1.05x with zero page faults per step.
 * ``pb-batch1-sc``, ``pb-batch1-plain`` (diagnostic, only with ``--cases``): pb-batch1 with
   spike compensation only, and with plain momentum SGD: what each mitigation adds.
+* ``pb-batch1-cpu-loop`` (diagnostic): pb-batch1 with engine.optim's fused CPU loop against
+  the same pipeline on the reference path (``PE_CPU_LOOP=0``); same math, bitwise equal.
 
     python bench/overhead.py --out /tmp/overhead              # all cases, 21 rounds
     python bench/overhead.py --quick --cases tiny-gpipe --out /tmp/o   # smoke run
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -64,6 +67,7 @@ from overhead_peers import (  # noqa: E402
 
 import engine  # noqa: E402
 import engine.models  # noqa: E402  (not among engine's lazy attributes)
+from engine.optim import cpu_loop  # noqa: E402
 
 S = 8
 M = 8
@@ -267,6 +271,46 @@ def pb_batch1_case(mitigations: str = "sc+lwp") -> Case:
                 "plain per-sample loop", 1.3, build, check)
 
 
+def _cpu_loop_set(on: bool, step: Step) -> Step:
+    """``step`` with engine.optim's fused CPU loop on or off (PE_CPU_LOOP, read every step)."""
+
+    def run() -> object:
+        old = os.environ.get(cpu_loop.ENV)
+        os.environ[cpu_loop.ENV] = "1" if on else "0"
+        try:
+            return step()
+        finally:
+            if old is None:
+                del os.environ[cpu_loop.ENV]
+            else:
+                os.environ[cpu_loop.ENV] = old
+
+    return run
+
+
+def pb_batch1_loop_case() -> Case:
+    data = digits_data()
+
+    def build() -> tuple[Step, Step]:
+        return tuple(_cpu_loop_set(on, stepper(pb_batch1_pipeline(residual_stages()).step, data))
+                     for on in (True, False))  # type: ignore[return-value]
+
+    def check() -> str:
+        stages = [residual_stages(), residual_stages()]
+        pipes = [pb_batch1_pipeline(s) for s in stages]
+        steps = [_cpu_loop_set(on, stepper(p.step, data[:4])) for on, p in zip((True, False), pipes, strict=True)]
+        for _ in range(4):
+            for step in steps:
+                step()
+        loop_calls = sum(st.optimizer.update_paths["cpu_loop"] for st in pipes[0].stages)
+        if not cpu_loop.available() or loop_calls == 0:
+            raise AssertionError("pb-batch1-cpu-loop: the fused CPU loop never ran (rebuild engine._C)")
+        return compare_weights(stages[0], stages[1], "pb-batch1-cpu-loop")
+
+    return Case("pb-batch1-cpu-loop", "pb batch1 S=8 M=8 sc+lwp", "engine, fused CPU loop",
+                "engine, reference path", 1.0, build, check)
+
+
 def dense_case(schedule: str) -> Case:
     data = regression_data(64, 1024, count=4)
 
@@ -296,6 +340,7 @@ CASES: dict[str, Callable[[], Case]] = {
     # diagnostic, not in the default list: what pb-batch1 costs without LWP, without SC
     "pb-batch1-sc": lambda: pb_batch1_case("sc"),
     "pb-batch1-plain": lambda: pb_batch1_case("plain"),
+    "pb-batch1-cpu-loop": pb_batch1_loop_case,
 }
 DEFAULT_CASES = ["tiny-gpipe", "tiny-1f1b", "tiny-pb", "pb-batch1", "dense-1f1b", "dense-gpipe"]
 

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "arena.h"
+#include "sgd_cpu.h"
 #ifdef PE_WITH_CUDA
 #include "cuda/arena_cuda.h"
 #endif
@@ -202,6 +203,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Removes the access-policy window from one stream (cudaStream_t as an int).");
   m.def("stream_window", &stream_window, py::arg("device"), py::arg("stream"),
         "The access-policy window on a stream: base, num_bytes, hit_ratio (for checks).");
+
+  m.def("sgd_step_cpu", &pe::sgd_step_cpu, py::arg("param"), py::arg("grad"),
+        py::arg("momentum_buffer"), py::arg("predicted"), py::arg("delta"), py::arg("lr"),
+        py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"),
+        py::arg("maximize"), py::arg("init_momentum"), py::arg("spike"), py::arg("sc_a"),
+        py::arg("sc_bd"), py::arg("predict_coeff"), py::arg("delta_gamma"),
+        py::arg("grad_scale"),
+        "One fused SGD step (spike compensation, prediction, delta) over contiguous fp32 CPU "
+        "tensors, in place; use it through engine.optim.cpu_loop. Returns the ISA variant.");
+  m.def("sgd_cpu_variant", &pe::sgd_cpu_variant,
+        "The ISA variant sgd_step_cpu runs here: 'fma' or 'baseline' (follows torch's CPU "
+        "capability, so the loop rounds as torch's kernels do).");
 
   py::class_<pe::Arena>(m, "Arena")
       .def(py::init<int64_t>(), py::arg("alignment"))

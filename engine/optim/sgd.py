@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import Tensor
 
+from engine.optim import cpu_loop
 from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _functional, _is_real_number
 from engine.optim.options import scalar
 
@@ -35,6 +36,11 @@ class SGD(DelayOptimizer):
             delta (kept for it when discrepancy_correction is off) as the estimate of
             w_t - w_(t-delay). The project's own combination (ALGORITHMS.md).
         fused: ``None`` (Triton on CUDA, reference on CPU), ``True`` or ``False``.
+
+    On CPU, steps with spike compensation, prediction or PipeMare's delta run
+    :mod:`engine.optim.cpu_loop` (one fused pass, bit-identical to the reference) on fp32
+    contiguous tensors; ``PE_CPU_LOOP=0`` forces the reference. ``update_paths`` counts the
+    update calls by path (``"cpu_loop"``, ``"reference"``, ``"triton"``).
 
     torch's keywords mean what they mean there: ``foreach`` picks an implementation and never
     changes a result (the flat path already updates a whole bucket in one call; with
@@ -86,6 +92,8 @@ class SGD(DelayOptimizer):
             "delay_compensation": delay_compensation,
             "fused": fused,
         }
+        #: update calls (one per flat buffer or tensor) by the path that ran them
+        self.update_paths: dict[str, int] = {"cpu_loop": 0, "reference": 0, "triton": 0}
         super().__init__(params, defaults)
 
     def _check_options(self, group: dict[str, Any], where: str) -> None:
@@ -157,7 +165,11 @@ class SGD(DelayOptimizer):
         coeff = 0.0
         if predicted is not None:
             coeff = _functional().prediction_coeff(group["prediction"], lr, group["momentum"], self._horizon(group))
-        fn(
+        sc_delay = group["delay"] if group["spike_compensation"] else 0
+        ref = self._kernel_pair[0]
+        if fn is ref and (sc_delay or predicted is not None or gamma is not None) and cpu_loop.enabled():
+            fn = cpu_loop.sgd_update  # runs the reference itself where the loop does not apply
+        ran_loop = fn(
             param,
             grad,
             state.get("momentum_buffer"),
@@ -168,7 +180,7 @@ class SGD(DelayOptimizer):
             nesterov=group["nesterov"],
             maximize=group["maximize"],
             init_momentum=init,
-            sc_delay=group["delay"] if group["spike_compensation"] else 0,
+            sc_delay=sc_delay,
             predicted=predicted,
             predict_coeff=coeff,
             delta=state.get("delta") if gamma is not None else None,
@@ -178,6 +190,8 @@ class SGD(DelayOptimizer):
             found_inf=found_inf,
             validate=False,
         )
+        path = "cpu_loop" if ran_loop is True else "reference" if fn is ref or ran_loop is False else "triton"
+        self.update_paths[path] += 1
 
     def _sparse_update(self, group: dict[str, Any], p: Tensor) -> None:
         state = self.state.get(p)
