@@ -158,6 +158,9 @@ def build_pipeline(
             rule = None if cfg.stage_beta1 is None else (cfg.stage_beta1, cfg.stages)
             return engine.optim.NAdam(params, lr=lr, betas=(momentum, 0.999),
                                       decoupled_weight_decay=True, stage_beta1=rule, **opt_kwargs)
+        if cfg.optimizer == "basis-rotation":  # the source's script: betas (momentum, 0.999)
+            return engine.optim.BasisRotation(params, lr=lr, betas=(momentum, 0.999),
+                                              weight_decay=cfg.weight_decay)
         if cfg.optimizer in ("adam", "adamw"):
             cls = engine.optim.AdamW if cfg.optimizer == "adamw" else engine.optim.Adam
             return cls(params, lr=lr, betas=(momentum, 0.999), **opt_kwargs)
