@@ -10,8 +10,10 @@ import math
 
 import pytest
 import torch
+from test_runtime_support import data, make_pipe
 from test_runtime_versions import check_versions, run
 
+import engine
 import engine.optim
 from engine.cli.config import CLIError, TrainConfig, check_config
 from engine.optim import BasisRotation
@@ -253,6 +255,30 @@ def test_trains_under_stashing_and_pb_reading_the_scheduled_versions(schedule):
         state = opt.state[matrix]
         assert {"Q_L", "Q_R"} <= set(state) and int(state["step"]) == len(hist.w[0]) - 1
         assert opt.param_groups[0]["delay"] == pipe.delays[pipe.stages.index(st)]
+
+
+def test_pipeline_checkpoint_keeps_the_rotation_state(tmp_path):
+    """engine.save/load carry the covariances and bases (not param-shaped) of every stage: the
+    restored pipeline continues bit for bit."""
+    def make(params):
+        return BasisRotation(params, lr=0.01, betas=(0.9, 0.999), precondition_frequency=2)
+
+    (a, _, _), (b, _, _) = make_pipe(3, "pipedream", 3, make), make_pipe(3, "pipedream", 3, make)
+    batches = data(8, 3)
+    for x, y in batches[:4]:
+        a.step(x, y)
+    a.flush()
+    engine.save(a, tmp_path / "rot.safetensors")
+    engine.load(b, tmp_path / "rot.safetensors")
+    for x, y in batches[4:]:
+        a.step(x, y)
+        b.step(x, y)
+    a.flush()
+    b.flush()
+    for sa, sb in zip(a.stages, b.stages, strict=True):
+        assert "Q_L" in sb.optimizer.state[sb.optimizer.param_groups[0]["params"][1]]
+        for pa, pb in zip(sa.module.parameters(), sb.module.parameters(), strict=True):
+            assert torch.equal(pa, pb)
 
 
 def test_cli_builds_it_and_refuses_the_delay_mitigations():
