@@ -12,7 +12,8 @@ them through ``step()`` (``engine.runtime.optim_bridge``), with no fused or flat
 
 2-D parameters (``rotate`` on, both sides at most ``max_dim``) take the rotated update;
 every other parameter (1-D, larger matrices, complex, zero-size, ``rotate=False`` groups)
-takes AdamW, op for op as torch.optim.AdamW (``engine.optim.functional.adam_update``).
+takes AdamW: torch's fused AdamW kernel for fp32/fp64 parameters (one call per group and
+device), torch's single-tensor AdamW op for op (``functional.adam_update``) for the others.
 docs/ALGORITHMS.md ("Basis rotation") has the exact update and marks the choices that are
 this project's own.
 """
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.optim.adam import adam
 
 from engine.optim import functional
 from engine.optim.options import is_real_number
@@ -140,28 +142,50 @@ class BasisRotation(Optimizer):
                 loss = closure()
         self._check_before_step()
         for group in self.param_groups:
+            plain = []
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if self._rotated(group, p):
                     self._rotated_step(group, p)
                 else:
-                    self._adamw_step(group, p)
+                    plain.append(p)
+            if plain:
+                self._adamw_step(group, plain)
         return loss
 
-    def _adamw_step(self, group: dict[str, Any], p: Tensor) -> None:
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            for key in ("exp_avg", "exp_avg_sq"):
-                state[key] = _zeros_like_state(p)
+    def _adamw_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        """AdamW for the parameters that are not rotated: torch's fused AdamW kernel over the
+        fp32/fp64 ones of one device (one call instead of one per tensor: a model's many
+        biases and norms made this half of the step's time), ``functional.adam_update`` (torch's
+        single-tensor AdamW, op for op) for the others (fp32 state for bf16/fp16, complex)."""
         beta1, beta2 = group["betas"]
-        functional.adam_update(
-            p, p.grad, state["exp_avg"], state["exp_avg_sq"], None,
-            step=state["step"], lr=_number(group["lr"]), beta1=beta1, beta2=beta2,
-            eps=group["eps"], weight_decay=group["weight_decay"], decoupled=True,
-            amsgrad=False, maximize=False,
-        )
+        lr = _number(group["lr"])
+        fused: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    state[key] = _zeros_like_state(p)
+            if p.dtype in (torch.float32, torch.float64) and not p.grad.is_sparse:
+                fused.setdefault((p.device, p.dtype), []).append(p)
+                continue
+            functional.adam_update(
+                p, p.grad, state["exp_avg"], state["exp_avg_sq"], None,
+                step=state["step"], lr=lr, beta1=beta1, beta2=beta2,
+                eps=group["eps"], weight_decay=group["weight_decay"], decoupled=True,
+                amsgrad=False, maximize=False,
+            )
+        for ps in fused.values():
+            states = [self.state[p] for p in ps]
+            adam(
+                ps, [p.grad for p in ps], [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
+                fused=True, foreach=False, decoupled_weight_decay=True, amsgrad=False,
+                beta1=beta1, beta2=beta2, lr=lr, weight_decay=group["weight_decay"],
+                eps=group["eps"], maximize=False,
+            )
 
     def _rotated_step(self, group: dict[str, Any], p: Tensor) -> None:
         state = self.state[p]
@@ -184,9 +208,9 @@ class BasisRotation(Optimizer):
         t = int(state["step"])
         # 1. covariances (EMA of G G^T and G^T G)
         if left:
-            state["L"].lerp_(g @ g.T, 1.0 - beta_s)
+            state["L"].addmm_(g, g.T, beta=beta_s, alpha=1.0 - beta_s)
         if right:
-            state["R"].lerp_(g.T @ g, 1.0 - beta_s)
+            state["R"].addmm_(g.T, g, beta=beta_s, alpha=1.0 - beta_s)
         # 2. eigenbases: eigh at the first step, one QR power iteration every T steps
         if "Q_L" not in state and "Q_R" not in state:
             if left:
@@ -204,11 +228,16 @@ class BasisRotation(Optimizer):
         exp_avg.lerp_(g, 1.0 - beta1)
         g_rot = _project(g, q_l, q_r)
         exp_avg_sq.mul_(beta2).addcmul_(g_rot, g_rot, value=1.0 - beta2)
-        update = _project_back(_project(exp_avg, q_l, q_r) / (exp_avg_sq.sqrt() + eps), q_l, q_r)
-        # 4. decoupled weight decay, then the step with the source's bias correction
+        ratio = _project(exp_avg, q_l, q_r) / exp_avg_sq.sqrt().add_(eps)
+        if q_r is not None:
+            ratio = ratio @ q_r.T
+        # 4. decoupled weight decay and the step (the source's bias correction), as one addmm
         step_size = lr * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t)
         w = p if p.dtype == dtype else p.to(dtype)
-        w.mul_(1.0 - lr * wd).add_(update, alpha=-step_size)
+        if q_l is not None:
+            w.addmm_(q_l, ratio, beta=1.0 - lr * wd, alpha=-step_size)
+        else:
+            w.mul_(1.0 - lr * wd).add_(ratio, alpha=-step_size)
         if w is not p:
             p.copy_(w)  # bf16/fp16 params: rounded once, math in fp32
 
@@ -258,15 +287,6 @@ def _project(x: Tensor, q_l: Tensor | None, q_r: Tensor | None) -> Tensor:
         x = q_l.T @ x
     if q_r is not None:
         x = x @ q_r
-    return x
-
-
-def _project_back(x: Tensor, q_l: Tensor | None, q_r: Tensor | None) -> Tensor:
-    """Q_L X Q_R^T."""
-    if q_r is not None:
-        x = x @ q_r.T
-    if q_l is not None:
-        x = q_l @ x
     return x
 
 
