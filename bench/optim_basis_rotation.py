@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--frequency", type=int, default=10, help="T, the refresh period")
+    ap.add_argument("--geometry", choices=("bi", "uni"), default="bi", help="rotation_geometry")
     ap.add_argument("--flat", action="store_true", help="AdamW over one arena bucket")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (the CLI's default 1)")
     args = ap.parse_args()
@@ -62,7 +63,7 @@ def main() -> None:
         "adamw": lambda ps: engine.optim.AdamW(ps, lr=3e-3, betas=(0.9, 0.999), weight_decay=0.1),
         "basis-rotation": lambda ps: engine.optim.BasisRotation(
             ps, lr=3e-3, betas=(0.9, 0.999), weight_decay=0.1,
-            precondition_frequency=args.frequency),
+            precondition_frequency=args.frequency, rotation_geometry=args.geometry),
     }
     opts = {}
     for name, make in sides.items():
@@ -84,7 +85,7 @@ def main() -> None:
     print(f"model: gpt layers={args.layers} width={args.width} vocab={data.num_classes} "
           f"context={data.num_features}: {n_params:,} params, {matrices} matrices; "
           f"AdamW {'flat (one arena bucket)' if args.flat else 'per tensor'}; "
-          f"T={args.frequency}; {args.rounds} rounds x {args.steps} steps; {args.threads} thread(s); "
+          f"T={args.frequency}, {args.geometry}; {args.rounds} rounds x {args.steps} steps; {args.threads} thread(s); "
           f"torch {torch.__version__}")
     state_adamw = sum(t.numel() * t.element_size() for s in opts["adamw"][0].state.values()
                       for k, t in s.items() if k != "step")
