@@ -168,7 +168,7 @@ class BasisRotation(Optimizer):
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 for key in ("exp_avg", "exp_avg_sq"):
                     state[key] = _zeros_like_state(p)
-            if p.dtype in (torch.float32, torch.float64) and not p.grad.is_sparse:
+            if p.dtype in (torch.float32, torch.float64):  # sparse grads: refused before
                 fused.setdefault((p.device, p.dtype), []).append(p)
                 continue
             functional.adam_update(
