@@ -48,7 +48,7 @@ __all__ = [
 #: every schedule family of the catalog (a new family is trainable from the command line)
 SCHEDULES: tuple[str, ...] = _CATALOG
 PREDICTIONS = ("lwp", "spectrain", "spectrain_reuse")
-OPTIMIZERS = ("sgd", "adam", "adamw", "nadam", "muon")
+OPTIMIZERS = ("sgd", "adam", "adamw", "nadam", "muon", "basis-rotation")
 TASKS = ("classify", "lm")
 SYNC_SCHEDULES = ("naive", "gpipe", "1f1b")
 
@@ -212,6 +212,7 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.pipemare_warmup is not None and cfg.pipemare_warmup < 0:
         raise CLIError(f"--pipemare-warmup {cfg.pipemare_warmup} must be >= 0")
     _check_nadam(cfg)
+    _check_basis_rotation(cfg)
     _check_delay_compensation(cfg)
     if cfg.prediction is not None and cfg.momentum == 0 and cfg.optimizer == "sgd":
         raise CLIError("--prediction extrapolates the momentum buffer; it needs --momentum > 0")
@@ -260,3 +261,20 @@ def _check_nadam(cfg: TrainConfig) -> None:
                            "orthogonalised, not linear in the momentum (use --optimizer sgd or adam)")
         if cfg.prediction is not None and cfg.prediction_mode != "linear":
             raise CLIError("--optimizer muon predicts with --prediction-mode linear only")
+
+
+def _check_basis_rotation(cfg: TrainConfig) -> None:
+    """Basis rotation is the paper's method alone: it keeps no last step to predict from, no
+    delta and no spike term (docs/ALGORITHMS.md, "Basis rotation")."""
+    if cfg.optimizer != "basis-rotation":
+        return
+    for flag, on in (
+        ("--spike-compensation", cfg.spike_compensation),
+        ("--prediction", cfg.prediction is not None),
+        ("--discrepancy-correction", cfg.discrepancy_correction),
+        ("--pipemare-lr", cfg.pipemare_lr),
+        ("--delay-compensation", bool(cfg.delay_compensation)),
+    ):
+        if on:
+            raise CLIError(f"{flag} does not apply to --optimizer basis-rotation: it takes none of "
+                           "the engine's delay mitigations (use --optimizer adam/adamw for them)")

@@ -163,6 +163,9 @@ def build_pipeline(
         if cfg.optimizer == "muon":  # Moonlight's recipe: one lr for both parts, AdamW-matched RMS
             return engine.optim.Muon(params, lr=lr, momentum=momentum, adjust_lr_fn="match_rms_adamw",
                                      adamw_lr=None, **opt_kwargs)
+        if cfg.optimizer == "basis-rotation":  # the source's script: betas (momentum, 0.999)
+            return engine.optim.BasisRotation(params, lr=lr, betas=(momentum, 0.999),
+                                              weight_decay=cfg.weight_decay)
         if cfg.optimizer in ("adam", "adamw"):
             cls = engine.optim.AdamW if cfg.optimizer == "adamw" else engine.optim.Adam
             return cls(params, lr=lr, betas=(momentum, 0.999), **opt_kwargs)

@@ -7,16 +7,20 @@ group they also take the delay D_s of their pipeline stage and the staleness mit
 ALGORITHMS.md (spike compensation, weight prediction, PipeMare's discrepancy correction);
 ``PipeMareLR`` is PipeMare's learning-rate rescheduling (T1). Updates run as fused Triton
 kernels on CUDA (``fused=None``) and over the C++ arena's flat buffers when the params live
-there; ``engine.optim.functional`` is the readable reference math.
+there; ``engine.optim.functional`` is the readable reference math. ``BasisRotation`` (Adam in
+the gradients' eigenbasis, Jung et al. 2026) is matrix work: a plain torch optimizer over
+per-matrix tensors, without the delay options or a fused path.
 """
 
 from __future__ import annotations
 
 from engine.optim.adam import Adam, AdamW
 from engine.optim.base import PREDICTION_MODES, DelayOptimizer
+from engine.optim.basis_rotation import BasisRotation
 from engine.optim.lr_scheduler import PipeMareLR
 from engine.optim.muon import Muon
 from engine.optim.nadam import NAdam
 from engine.optim.sgd import SGD
 
-__all__ = ["SGD", "Adam", "AdamW", "NAdam", "Muon", "PipeMareLR", "DelayOptimizer", "PREDICTION_MODES"]
+__all__ = ["SGD", "Adam", "AdamW", "NAdam", "Muon", "BasisRotation", "PipeMareLR", "DelayOptimizer",
+           "PREDICTION_MODES"]
