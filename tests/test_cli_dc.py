@@ -36,6 +36,8 @@ def test_flag_reaches_every_stage_optimizer(optimizer: str) -> None:
         ({"schedule": "gpipe", "delay_compensation": 0.1}, "--schedule gpipe has no delay"),
         ({"schedule": "pb", "delay_compensation": 0.1}, "needs --discrepancy-correction"),
         ({"schedule": "2bw", "optimizer": "muon", "delay_compensation": 0.1}, "Muon has no delay compensation"),
+        ({"schedule": "2bw", "optimizer": "basis-rotation", "delay_compensation": 0.1},
+         "--delay-compensation does not apply to --optimizer basis-rotation"),
     ],
 )
 def test_bad_settings_are_refused(kw: dict, match: str) -> None:
