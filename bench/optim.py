@@ -232,6 +232,11 @@ class Provider:
             return
         nbytes, ops = count_traffic(self.step)
         counted = nbytes / numel
+        if self.name == "engine" and nbytes == 0:
+            # no aten op moved a byte: the step is the fused C++ loop (engine/optim/cpu_loop.py), one pass
+            # whose traffic is the model's; count_traffic cannot see inside it
+            self.how = f"fused CPU loop (engine._C, one pass): {self.how}"
+            return
         if self.name == "engine":
             self.how = (f"reference path: {ops} aten ops; the fused kernel would move "
                         f"{self.bytes_per_param:g}")
