@@ -86,3 +86,33 @@ def cast_rne(x, dtype: tl.constexpr):
     else:
         out = x.to(dtype)
     return out
+
+
+@triton.jit
+def load_and_decay(param_ptr, grad_ptr, scale_ptr, delta_ptr, offs, mask, weight_decay, decay,
+                   dc_coef, SCALE: tl.constexpr, MAXIMIZE: tl.constexpr,
+                   WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, DELTA: tl.constexpr,
+                   DC: tl.constexpr):
+    """Load w and g in fp32, unscale (AMP) and negate (maximize) g, delay-compensate it (DC:
+    g += dc_coef * g * g * delta), apply the weight decay (decoupled: w *= 1 - lr * wd; else
+    g += wd * w); returns (w, g, w before the decay, delta) (shared by the SGD, Adam and NAdam kernels;
+    SGD passes DECOUPLED=False).
+    delta is loaded here, once, when kept (``w`` stands in for it otherwise: never used)."""
+    w = tl.load(param_ptr + offs, mask=mask).to(tl.float32)
+    g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
+    if SCALE:
+        g = tl.div_rn(g, tl.load(scale_ptr).to(tl.float32))
+    if MAXIMIZE:
+        g = -g
+    d = w
+    if DELTA:
+        d = tl.load(delta_ptr + offs, mask=mask)
+        if DC:
+            g = g + dc_coef * (g * g) * d  # delay compensation (DC needs DELTA)
+    w_old = w
+    if WEIGHT_DECAY:
+        if DECOUPLED:
+            w = w * decay
+        else:
+            g = g + weight_decay * w
+    return w, g, w_old, d

@@ -34,15 +34,10 @@ from engine.triton_kernels._launch import (
     default_block,
     grid_for,
     interpreting,
+    load_and_decay,
     placeholder,
 )
-from engine.triton_kernels.adam import (
-    _advance_step,
-    _log,
-    adam_moments,
-    load_and_decay,
-    store_step,
-)
+from engine.triton_kernels.adam import _advance_step, _log, adam_moments, store_step
 
 __all__ = ["fused_nadam_update", "nadam_kernel", "launch_nadam"]
 

@@ -29,6 +29,7 @@ from engine.triton_kernels._launch import (
     default_block,
     grid_for,
     interpreting,
+    load_and_decay,
     placeholder,
 )
 
@@ -59,18 +60,10 @@ def sgd_kernel(
         n = tl.where(tl.load(inf_ptr) == 0, n, 0)
     mask = offs < n
 
-    w = tl.load(param_ptr + offs, mask=mask).to(tl.float32)
-    g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
-    if SCALE:
-        g = tl.div_rn(g, tl.load(scale_ptr).to(tl.float32))
-    if MAXIMIZE:
-        g = -g
-    if DELTA:
-        d = tl.load(delta_ptr + offs, mask=mask)  # read once: DC's estimate, then updated
-        if DC:
-            g = g + dc_coef * (g * g) * d  # delay compensation (DC needs DELTA)
-    if WEIGHT_DECAY:
-        g = g + weight_decay * w
+    # delta is read once: DC's estimate, then updated; SGD's decay is always L2 (coupled)
+    w, g, _w_old, d = load_and_decay(param_ptr, grad_ptr, scale_ptr, delta_ptr, offs, mask,
+                                     weight_decay, 1.0, dc_coef, SCALE, MAXIMIZE, WEIGHT_DECAY,
+                                     False, DELTA, DC)
 
     if MOMENTUM:
         if INIT:
