@@ -116,3 +116,14 @@ def load_and_decay(param_ptr, grad_ptr, scale_ptr, delta_ptr, offs, mask, weight
         else:
             g = g + weight_decay * w
     return w, g, w_old, d
+
+
+@triton.jit
+def block_offsets(n, inf_ptr, BLOCK: tl.constexpr, CHECK_INF: tl.constexpr):
+    """This program's element offsets (int64: a stage's flat buffer can exceed 2**31
+    elements) and their mask; with CHECK_INF an overflowed AMP step (found_inf != 0) masks
+    every element, so nothing is read or written (shared by the SGD, Adam and NAdam kernels)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if CHECK_INF:
+        n = tl.where(tl.load(inf_ptr) == 0, n, 0)
+    return offs, offs < n

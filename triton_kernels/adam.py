@@ -34,6 +34,7 @@ from engine.optim.functional import validate_adam_args
 from engine.optim.functional_dc import check_dc
 from engine.triton_kernels._launch import (
     GPU_WARPS,
+    block_offsets,
     cast_rne,
     check_launchable,
     default_block,
@@ -68,11 +69,7 @@ def adam_kernel(
     DEVICE_STEP: tl.constexpr,
     LERP_SMALL: tl.constexpr,
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    if CHECK_INF:
-        # an overflowed AMP step masks every load and store: nothing is read or written
-        n = tl.where(tl.load(inf_ptr) == 0, n, 0)
-    mask = offs < n
+    offs, mask = block_offsets(n, inf_ptr, BLOCK, CHECK_INF)
 
     if DEVICE_STEP:
         # bias corrections from the (already incremented) step, in fp64: 1 - beta2**t

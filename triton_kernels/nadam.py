@@ -30,6 +30,7 @@ from engine.optim.functional_dc import check_dc
 from engine.optim.functional_nadam import nadam_mu, validate_nadam_args
 from engine.triton_kernels._launch import (
     GPU_WARPS,
+    block_offsets,
     check_launchable,
     default_block,
     grid_for,
@@ -61,11 +62,7 @@ def nadam_kernel(
     DEVICE_STEP: tl.constexpr,
     LERP_SMALL: tl.constexpr,
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    if CHECK_INF:
-        # an overflowed AMP step masks every load and store: nothing is read or written
-        n = tl.where(tl.load(inf_ptr) == 0, n, 0)
-    mask = offs < n
+    offs, mask = block_offsets(n, inf_ptr, BLOCK, CHECK_INF)
     if DEVICE_STEP:
         # the coefficients from the (already advanced) step and mu_product, in fp64:
         # mu_t = beta1 * (1 - 0.5 * 0.96^(t * psi))

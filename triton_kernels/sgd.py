@@ -24,6 +24,7 @@ from engine.optim.functional import spike_coeffs, validate_sgd_args
 from engine.optim.functional_dc import check_dc
 from engine.triton_kernels._launch import (
     GPU_WARPS,
+    block_offsets,
     cast_rne,
     check_launchable,
     default_block,
@@ -53,12 +54,7 @@ def sgd_kernel(
     SCALE: tl.constexpr,
     CHECK_INF: tl.constexpr,
 ):
-    # int64 offsets: a stage's flat buffer can exceed 2**31 elements
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    if CHECK_INF:
-        # an overflowed AMP step masks every load and store: nothing is read or written
-        n = tl.where(tl.load(inf_ptr) == 0, n, 0)
-    mask = offs < n
+    offs, mask = block_offsets(n, inf_ptr, BLOCK, CHECK_INF)
 
     # delta is read once: DC's estimate, then updated; SGD's decay is always L2 (coupled)
     w, g, _w_old, d = load_and_decay(param_ptr, grad_ptr, scale_ptr, delta_ptr, offs, mask,
