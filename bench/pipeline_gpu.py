@@ -5,8 +5,9 @@ The question (issue 10's goal: >= 3x, i.e. a time ratio <= 0.33): on one GPU, ba
 training is launch-bound, one small kernel after another on one stream. Pipelined
 backpropagation splits the model into S stages, each on its own CUDA stream
 (``cuda_streams=True``), so the stages' kernels of different samples overlap, and with
-``cuda_graphs=True`` a stage's steady-state work is replayed as a graph instead of launched
-kernel by kernel.
+``cuda_graphs=True`` every stage's optimizer step (one per micro-batch in pb) is replayed from
+a CUDA graph instead of run through Python and launched (engine/runtime/graphs.py; the
+forwards and backwards are still launched kernel by kernel).
 
 Sides (bench/harness.py: alternating paired rounds, median time ratio with a 95 % interval,
 ``torch.cuda.synchronize`` around every block):

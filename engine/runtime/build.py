@@ -92,8 +92,11 @@ def build_store(
     module: nn.Module,
     s: int,
     factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    cuda_graphs: bool = False,
 ) -> tuple[WeightStore, OptimizerBridge | None]:
-    """The weight store and optimizer bridge of stage ``s`` (module docstring)."""
+    """The weight store and optimizer bridge of stage ``s`` (module docstring).
+    ``cuda_graphs``: refuse an optimizer or device the graphs cannot capture before the
+    module's parameters move into an arena."""
     from engine.arena import flatten_
 
     named = _unique_params(module)
@@ -106,6 +109,12 @@ def build_store(
             f"stage {s}: the optimizer factory returned {type(opt).__name__}; it must return a "
             "torch.optim.Optimizer (e.g. optimizer=lambda params: engine.optim.SGD(params, lr=0.1))"
         )
+    if cuda_graphs:
+        from engine.runtime.graphs import graph_refusal
+
+        reason = graph_refusal(s, opt, named[0][1].device)
+        if reason is not None:
+            raise PipelineConfigError(reason)
     where = {id(t): i for i, t in enumerate(temp)}
     groups: list[list[int]] = []
     placed: set[int] = set()

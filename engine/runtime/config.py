@@ -45,6 +45,7 @@ class PipelineConfig:
     trace: bool
     correction_decay: float
     l2_persistence: float = 0.0  # fraction of the device's persisting L2; 0: off
+    cuda_graphs: bool = False  # replay each stage's optimizer step (engine.runtime.graphs)
 
     @property
     def distributed(self) -> bool:
@@ -82,6 +83,7 @@ def check_options(
     synchronous_hint: bool | None,
     schedule_name: str = "",
     l2_persistence: object = False,
+    cuda_graphs: object = False,
 ) -> PipelineConfig:
     """Validate the stage-independent options (``synchronous_hint``: whether the schedule
     name is a synchronous family, None when not known yet)."""
@@ -119,6 +121,8 @@ def check_options(
         )
     if not isinstance(trace, bool):
         raise PipelineConfigError(f"trace={trace!r} must be True or False")
+    if not isinstance(cuda_graphs, bool):
+        raise PipelineConfigError(f"cuda_graphs={cuda_graphs!r} must be True or False")
     l2_fraction = check_l2_option(l2_persistence)
     if l2_fraction and distributed:
         raise PipelineConfigError(
@@ -164,6 +168,7 @@ def check_options(
         trace=bool(trace),
         correction_decay=float(correction_decay),
         l2_persistence=l2_fraction,
+        cuda_graphs=cuda_graphs,
     )
 
 

@@ -31,6 +31,7 @@ from engine.optim.flat import FlatBinding
 from engine.runtime import labels
 
 if TYPE_CHECKING:
+    from engine.runtime.graphs import StepGraphs
     from engine.runtime.weight_store import WeightStore
 
 __all__ = ["OptimizerBridge"]
@@ -61,6 +62,8 @@ class OptimizerBridge:
         self._fallback_t2 = False
         self._decay = 0.1
         self.delay = 0
+        #: CUDA graphs of the step (Pipeline(cuda_graphs=True); engine.runtime.graphs)
+        self.graphs: StepGraphs | None = None
 
     # ------------------------------------------------------------------ options
 
@@ -166,6 +169,15 @@ class OptimizerBridge:
         return float(g["delay"] if h is None else h) == float(horizon)
 
     def _step(self) -> None:
+        """``opt.step()``, replayed from a CUDA graph where one was recorded for the same
+        launch arguments (``self.graphs``)."""
+        if self.graphs is None:
+            self._eager_step()
+            return
+        self.graphs.run(self._eager_step)
+        self.opt._opt_called = True  # type: ignore[attr-defined]  (see _eager_step)
+
+    def _eager_step(self) -> None:
         """``opt.step()``; without step hooks and with no profiler recording, the step
         function itself, skipping torch's per-call profiler label and hook machinery (the
         label alone costs a dispatcher round trip per update)."""

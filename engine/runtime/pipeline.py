@@ -26,6 +26,7 @@ from engine.runtime import inputs as _inputs
 from engine.runtime.build import build_module, build_store, resolve_stage_specs
 from engine.runtime.config import PipelineConfig, check_options, resolve_mitigations
 from engine.runtime.executor import Executor
+from engine.runtime.graphs import attach_step_graphs
 from engine.runtime.host_memory import keep_freed_host_memory
 from engine.runtime.l2 import apply_l2
 from engine.runtime.policy import SpecTrain, make_policy
@@ -121,6 +122,11 @@ class Pipeline:
             the stage modules are the ranks*v virtual stages, rank r running r, r+ranks, ...
             in Megatron's order. Under gloo/NCCL one process per rank (R = stages / v
             processes per replica) holds its v stages (engine/runtime/virtual.py).
+        cuda_graphs: replay each stage's optimizer step from a CUDA graph
+            (engine/runtime/graphs.py): recorded once a step's launch arguments repeat (same
+            options, same buffers), eager otherwise; ``stats()["cuda_graphs"]`` counts both.
+            engine.optim SGD/Adam/AdamW/NAdam with the fused kernels, stages on CUDA; refused
+            otherwise, before anything is built.
     """
 
     def __init__(
@@ -153,6 +159,7 @@ class Pipeline:
         deferred_batch_norm: bool = False,
         l2_persistence: bool | float = False,
         virtual_stages: int | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         fam = FAMILIES.get(schedule) if isinstance(schedule, str) else None
         self._virtual_stages = virtual_stages
@@ -171,6 +178,7 @@ class Pipeline:
             synchronous_hint=None if fam is None else fam.synchronous,
             schedule_name=schedule if isinstance(schedule, str) else "",
             l2_persistence=l2_persistence,
+            cuda_graphs=cuda_graphs,
         )
         if self.config.distributed:
             from engine.runtime.rank import build_distributed
@@ -198,7 +206,7 @@ class Pipeline:
 
             modules = [convert_deferred_batch_norm(m, spec.chunks) for m in modules]
         ties = tie_stages(modules, spec)
-        built = [build_store(m, s, optimizer) for s, m in enumerate(modules)]
+        built = [build_store(m, s, optimizer, self.config.cuda_graphs) for s, m in enumerate(modules)]
         self._finish(
             spec, modules, built, list(range(spec.stages)), loss_fn, weight_prediction,
             discrepancy_correction, lr_scheduler,
@@ -278,6 +286,8 @@ class Pipeline:
         if streams is None:
             streams = self._make_streams(stages, cfg.cuda_streams, l2=bool(cfg.l2_persistence))
         self._streams = streams
+        if cfg.cuda_graphs:
+            attach_step_graphs(stages)
         self._l2 = apply_l2(stages, streams, cfg.l2_persistence, owner=self)
         self._executor = Executor(spec, stages, on_nonfinite=cfg.on_nonfinite, streams=streams)
         self._checked: set[Any] = set()
@@ -444,7 +454,9 @@ class Pipeline:
         far (it stops growing once the schedule's steps repeat); ``l2_persisting_bytes``:
         persisting-L2 bytes granted per stage (0 when off or unsupported), and
         ``l2_persistence``: the ``requested`` fraction, the device's ``set_aside_bytes`` and
-        ``max_persisting_bytes``, and the ``reason`` when a stage got nothing.
+        ``max_persisting_bytes``, and the ``reason`` when a stage got nothing;
+        ``cuda_graphs``: per stage (None when off) optimizer steps ``replays``-ed from a graph,
+        ``captures``, ``eager`` steps and the ``last_eager_reason``.
         """
         ex = self._executor
         unit, wall = ex.clock.bubble()
@@ -471,6 +483,11 @@ class Pipeline:
             "stage_indices": [st.index for st in self.stages],
             "l2_persisting_bytes": list(self._l2.granted),
             "l2_persistence": self._l2.stats(),
+            "cuda_graphs": [
+                st.bridge.graphs.stats()
+                if st.bridge is not None and st.bridge.graphs is not None else None
+                for st in self.stages
+            ],
         }
 
     def reset_stats(self) -> None:

@@ -114,7 +114,10 @@ def build_distributed(
 
         ties = tie_stages(list(specs), spec, stages=mine)
         connect_ties(ties, ranks, cfg.data_parallel, layout.stage, layout.replica)
-    built = [build_store(m, s, optimizer) for s, m in zip(mine, modules, strict=True)]
+    built = [
+        build_store(m, s, optimizer, pipe.config.cuda_graphs)
+        for s, m in zip(mine, modules, strict=True)
+    ]
     from engine.runtime.agreement import agree, fingerprint
 
     bridge = built[0][1]
