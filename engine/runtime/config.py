@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import PipelineConfigError
+from engine.runtime.device_flags import refuse_distributed
 from engine.runtime.l2 import check_l2_option
 from engine.schedule.spec import ScheduleSpec
 
@@ -29,7 +30,7 @@ __all__ = [
 CHECKPOINT_MODES = ("never", "except_last", "always")
 WEIGHT_PREDICTIONS = ("lwp", "spectrain", "spectrain_reuse")
 TRANSPORTS = ("local", "gloo", "nccl")
-NONFINITE = ("raise", "skip")
+NONFINITE = ("raise", "skip", "skip_update")
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,8 @@ def check_options(
             "stages in one process. Use on_nonfinite='raise' (every rank raises at the end of "
             "the step) or transport='local'."
         )
+    if distributed and on_nonfinite == "skip_update" and synchronous_hint is False:
+        raise refuse_distributed(f"schedule={schedule_name!r}", str(transport))
     if cuda_streams not in (None, True, False):
         raise PipelineConfigError(f"cuda_streams={cuda_streams!r} must be None, True or False")
     if cuda_streams and distributed:

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from engine.runtime import labels
 from engine.runtime.clock import Clock
+from engine.runtime.device_flags import DeviceFlags
 from engine.runtime.failures import FailureHandling
 from engine.runtime.interrupts import Interrupts
 from engine.runtime.program import BB, OP_NAMES, B, F, StepCompiler, StepProgram, U, W
@@ -86,7 +87,9 @@ class Executor(SynchronousSteps, FailureHandling):
     Args:
         spec: the resolved schedule.
         stages: the Stage objects held here (all of them locally).
-        on_nonfinite: "raise" or "skip" (see ``Pipeline.step``).
+        on_nonfinite: "raise", "skip" or "skip_update" (see ``Pipeline.step``).
+        device_flags: asynchronous "skip_update": flag non-finite losses on the device
+            (:mod:`~engine.runtime.device_flags`) instead of reading each one on the host.
         streams: the per-stage streams (CUDA, or the CPU stand-in).
     """
 
@@ -97,6 +100,7 @@ class Executor(SynchronousSteps, FailureHandling):
         *,
         on_nonfinite: str,
         streams: StageStreams,
+        device_flags: bool = False,
     ) -> None:
         self.spec = spec
         self.S = spec.stages
@@ -111,7 +115,8 @@ class Executor(SynchronousSteps, FailureHandling):
         self.scale = 1.0 / (self.M if self.sync else spec.update_size)
         #: asynchronous schedules act on a non-finite loss at once (one host read per
         #: micro-batch); synchronous ones check the step's losses before its update phase
-        self.immediate_nonfinite = not self.sync
+        self.immediate_nonfinite = not self.sync and not device_flags
+        self.flags = DeviceFlags() if device_flags else None
         program = spec.program
         ranks = program.ranks if program is not None and program.rank_order is not None else None
         self.clock = Clock(self.S, spec.split_backward, ranks)
@@ -370,6 +375,9 @@ class Executor(SynchronousSteps, FailureHandling):
         if loss is None or inp is None:
             return False
         self.losses.append((n, loss, inp.samples))
+        if self.flags is not None:  # no host read: the flag skips the updates on the device
+            self.flags.mark(self.stages, i, loss)
+            return False
         if not self.immediate_nonfinite or math.isfinite(loss.item()):
             return False
         self._drop_everywhere(i)
@@ -439,6 +447,17 @@ class Executor(SynchronousSteps, FailureHandling):
             if st.index > 0:
                 self.grads[(st.index - 1, i)] = (gin, None)
 
+    def fold_flags(self) -> None:
+        """Add the device-side counts of "skip_update" (non-finite losses, updates skipped)
+        to the host counters: one host read (``stats()``)."""
+        if self.flags is None:
+            return
+        self.streams.join()
+        bad, skipped = self.flags.fold(self.stages)
+        self.dropped += bad
+        for st, k in zip(self.stages, skipped, strict=True):
+            st.skipped_updates += k
+
     def _drop_everywhere(self, i: int) -> None:
         """Micro-batch i contributes no gradient at any stage (a non-finite loss)."""
         self.dropped += 1
@@ -467,6 +486,6 @@ class Executor(SynchronousSteps, FailureHandling):
             value = (sum(loss.double() * b for _, loss, b in losses) / total).float()
         bad: list[int] = []
         # one host read for the step; a non-finite mean means some loss is not finite
-        if not self.immediate_nonfinite and not math.isfinite(float(value)):
+        if not self.immediate_nonfinite and self.flags is None and not math.isfinite(float(value)):
             bad = [n for n, loss, _ in losses if not bool(torch.isfinite(loss).all())]
         return StepResult(value, len(bad), bad)

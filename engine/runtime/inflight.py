@@ -110,6 +110,7 @@ def _stage_state(pipe: Pipeline, st: Stage) -> dict[str, Any]:
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0:
             raise _refuse(pipe, f"stage {st.index}'s {name or 'module'} is an active dropout")
     store = st.store
+    skip = st.bridge.skip if st.bridge is not None else None
     stash = []
     for e in sorted(st.stash.entries(), key=lambda e: e.i):
         _rebuildable(pipe, st, e)
@@ -123,6 +124,7 @@ def _stage_state(pipe: Pipeline, st: Stage) -> dict[str, Any]:
             "t_f": e.t_f,
             "scale": e.scale,
             "dropped": e.dropped,
+            "flag": e.flag.clone() if e.flag is not None else None,  # on_nonfinite="skip_update"
         })
     return {
         "index": st.index,
@@ -140,6 +142,7 @@ def _stage_state(pipe: Pipeline, st: Stage) -> dict[str, Any]:
         "live_pins": sorted(store._live_pins),
         "held": store._held,
         "stash": stash,
+        "found_inf": skip.found_inf.clone() if skip is not None else None,
     }
 
 
@@ -209,6 +212,12 @@ def check(pipe: Pipeline, state: Any) -> None:
         if sd.get("policy") != st.policy.name:
             raise _fail(f"{where}: weight policy {sd.get('policy')!r} saved, {st.policy.name!r} here")
         _same(sd.get("grads", []), st.store.grad_flats(), f"{where}: pending gradients")
+        skip = st.bridge.skip if st.bridge is not None else None
+        if sd.get("found_inf") is not None and skip is None:
+            raise _fail(
+                f"{where}: saved with on_nonfinite='skip_update' (its pending update group "
+                "carries non-finite flags), this pipeline has another on_nonfinite"
+            )
         for v in sd.get("slots", []):
             _same(v.get("flats", []), st.store.live_flats(), f"{where}: weight buffer {v.get('slot')}")
         for e in sd.get("stash", []):
@@ -307,4 +316,11 @@ def _rebuild(st: Stage, sd: dict[str, Any], moved: dict[int, int], n_base: int) 
     st.pending = sd["pending"]
     st.pending_weight = float(sd["pending_weight"])
     st.pending_mbs = list(sd["pending_mbs"])
+    for e in sd["stash"]:
+        entry = st.stash.get(e["i"])
+        if entry is not None and e.get("flag") is not None:
+            entry.flag = e["flag"]
+    skip = st.bridge.skip if st.bridge is not None else None
+    if skip is not None and sd.get("found_inf") is not None:
+        skip.found_inf.copy_(sd["found_inf"])  # into the persistent accumulator itself
     st._t_f = {int(n): int(t) for n, t in sd["t_f"]}

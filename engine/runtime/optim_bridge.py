@@ -29,6 +29,7 @@ from torch import Tensor
 
 from engine.optim.flat import FlatBinding
 from engine.runtime import labels
+from engine.runtime.device_flags import SkipFlags
 
 if TYPE_CHECKING:
     from engine.runtime.graphs import StepGraphs
@@ -64,6 +65,8 @@ class OptimizerBridge:
         self.delay = 0
         #: CUDA graphs of the step (Pipeline(cuda_graphs=True); engine.runtime.graphs)
         self.graphs: StepGraphs | None = None
+        #: on_nonfinite="skip_update": the found_inf accumulator every step hands the optimizer
+        self.skip: SkipFlags | None = None
 
     # ------------------------------------------------------------------ options
 
@@ -95,6 +98,16 @@ class OptimizerBridge:
         """Track PipeMare's delta here (the optimizer does not keep one)."""
         self._fallback_t2 = True
         self._decay = decay
+
+    def enable_skip_flags(self) -> None:
+        """Skip updates on the device when a flagged micro-batch is in the group
+        (engine.runtime.device_flags; engine optimizers only, checked before)."""
+        self.skip = SkipFlags(self.shadow[0].device if self.shadow else torch.device("cpu"))
+
+    def flag(self, flag: Tensor) -> None:
+        """A backward of a flagged micro-batch joined the pending group."""
+        if self.skip is not None:
+            self.skip.add(flag)
 
     @property
     def keeps_delta(self) -> bool:
@@ -137,8 +150,11 @@ class OptimizerBridge:
             if not self.is_engine:
                 self._torch_step()
                 return None
+            # a skipped step (found_inf) writes no prediction, and whether it skips is known
+            # on the device only: the transient is then filled lazily by the next forward
             want = (
                 prediction_key is not None
+                and self.skip is None
                 and self.opt.param_groups[0].get("prediction") is not None
                 and self._default_horizon(prediction_key)
             )
@@ -146,7 +162,11 @@ class OptimizerBridge:
             for b, binding in enumerate(self._bindings):
                 if binding is not None:
                     binding.predicted = outs[b] if outs is not None else None
-            self._step()
+            if self.skip is not None:
+                self._step(self.skip.found_inf)
+                self.skip.after_step()
+            else:
+                self._step()
             if want and self.opt.last_step_predicted:
                 outs = store.transient_flats()
                 lives = store.live_flats()
@@ -168,16 +188,18 @@ class OptimizerBridge:
         h = g.get("prediction_horizon")
         return float(g["delay"] if h is None else h) == float(horizon)
 
-    def _step(self) -> None:
-        """``opt.step()``, replayed from a CUDA graph where one was recorded for the same
-        launch arguments (``self.graphs``)."""
+    def _step(self, found_inf: Tensor | None = None) -> None:
+        """``opt.step()`` (with ``found_inf`` when given), replayed from a CUDA graph where one
+        was recorded for the same launch arguments (``self.graphs``; ``found_inf`` is one
+        persistent tensor, so its address repeats)."""
         if self.graphs is None:
-            self._eager_step()
+            self._eager_step(found_inf)
             return
-        self.graphs.run(self._eager_step)
+        extra = (found_inf.data_ptr(),) if found_inf is not None else ()
+        self.graphs.run(lambda: self._eager_step(found_inf), extra)
         self.opt._opt_called = True  # type: ignore[attr-defined]  (see _eager_step)
 
-    def _eager_step(self) -> None:
+    def _eager_step(self, found_inf: Tensor | None = None) -> None:
         """``opt.step()``; without step hooks and with no profiler recording, the step
         function itself, skipping torch's per-call profiler label and hook machinery (the
         label alone costs a dispatcher round trip per update)."""
@@ -191,9 +213,9 @@ class OptimizerBridge:
             or _torch_optimizer._global_optimizer_pre_hooks
             or _torch_optimizer._global_optimizer_post_hooks
         ):
-            opt.step()
+            opt.step() if found_inf is None else opt.step(found_inf=found_inf)
         else:
-            raw(opt)
+            raw(opt) if found_inf is None else raw(opt, found_inf=found_inf)
             # what an LR scheduler's wrapper of opt.step would record (else it warns that
             # scheduler.step() ran before optimizer.step())
             opt._opt_called = True  # type: ignore[attr-defined]

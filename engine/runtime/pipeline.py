@@ -25,6 +25,7 @@ from engine.errors import NotFlushedError, PipelineConfigError, ScheduleError
 from engine.runtime import inputs as _inputs
 from engine.runtime.build import build_module, build_store, resolve_stage_specs
 from engine.runtime.config import PipelineConfig, check_options, resolve_mitigations
+from engine.runtime.device_flags import check_skip_update
 from engine.runtime.executor import Executor
 from engine.runtime.graphs import attach_step_graphs
 from engine.runtime.host_memory import keep_freed_host_memory
@@ -97,7 +98,7 @@ class Pipeline:
             optimizer makes the runtime track delta (decay ``correction_decay``).
         lr_scheduler: ``optimizer -> LRScheduler`` per stage, created after delays are set,
             stepped after every update.
-        on_nonfinite: "raise" or "skip" a non-finite loss (see ``step``).
+        on_nonfinite: "raise", "skip" or "skip_update" a non-finite loss (see ``step``).
         trace: keep per-micro-batch records (t_F, t_B, update) in ``pipe.stages[s].records``.
         data_parallel: R replicas of every stage (gloo/NCCL only).
         timeout: seconds any wait on another rank may take (gloo/NCCL).
@@ -250,6 +251,9 @@ class Pipeline:
         )
         self.weight_prediction = prediction
         self.discrepancy_correction = correction
+        device_flags = cfg.on_nonfinite == "skip_update" and check_skip_update(
+            spec, bridges, cfg.transport
+        )
         if spec.program is not None:
             self.delays = list(analyze(spec.program).delays)
         else:
@@ -267,6 +271,8 @@ class Pipeline:
                     bridge.set_group_option("prediction_horizon", float(policy.s_f))
                 if correction and not bridge.keeps_delta:
                     bridge.enable_fallback_correction(cfg.correction_decay)
+                if device_flags:
+                    bridge.enable_skip_flags()
             st = Stage(
                 s, spec.stages, module, store, bridge, policy, cfg.recompute(s, spec.stages),
                 loss_fn if s == spec.stages - 1 else None, trace=cfg.trace,
@@ -289,7 +295,9 @@ class Pipeline:
         if cfg.cuda_graphs:
             attach_step_graphs(stages)
         self._l2 = apply_l2(stages, streams, cfg.l2_persistence, owner=self)
-        self._executor = Executor(spec, stages, on_nonfinite=cfg.on_nonfinite, streams=streams)
+        self._executor = Executor(
+            spec, stages, on_nonfinite=cfg.on_nonfinite, streams=streams, device_flags=device_flags
+        )
         self._checked: set[Any] = set()
 
     @staticmethod
@@ -382,7 +390,11 @@ class Pipeline:
         micro-batch at every stage (zero gradient) and raise with the rest of the step pending
         (it runs at the next call). With ``"skip"`` a synchronous step applies no update at
         any stage (``stats()["skipped_steps"]``); an asynchronous micro-batch is dropped at
-        every stage and the rest of its update group is renormalised.
+        every stage and the rest of its update group is renormalised (one host read of the
+        loss per micro-batch). ``"skip_update"`` reads nothing: each loss becomes a device flag
+        and every stage's update whose group holds a flagged micro-batch is skipped whole, on
+        the device (engine.optim optimizers only; synchronous schedules: as ``"skip"``);
+        ``stats()`` counts them.
 
         Any other exception inside the step: see :mod:`engine.runtime.executor` (synchronous
         steps roll back; asynchronous ones stop at an action boundary, dropping the micro-batch
@@ -459,6 +471,7 @@ class Pipeline:
         ``captures``, ``eager`` steps and the ``last_eager_reason``.
         """
         ex = self._executor
+        ex.fold_flags()  # "skip_update" counts on the device: one host read
         unit, wall = ex.clock.bubble()
         return {
             "schedule": self.spec.name,

@@ -361,6 +361,8 @@ class Stage:
             if entry.pin is not None:
                 self.store.release(entry.pin, i)
             return DROPPED if self.index > 0 else None
+        if entry.flag is not None and self.bridge is not None:  # on_nonfinite="skip_update"
+            self.bridge.flag(entry.flag)
         if self.chain and not self.is_last:
             self.pending_weight += entry.scale  # ran in the last stage's backward
             return None
@@ -378,9 +380,8 @@ class Stage:
         return BackwardJob(self, i, n, entry, grad, buf)
 
     def settle(self) -> None:
-        """Point the parameters back at the live weights (the end of every executor run: in
-        rebase mode they stay on the transient between actions, saving two pointer switches
-        per forward)."""
+        """Point the parameters back at the live weights (the end of every executor run: in rebase
+        mode they stay on the transient between actions, saving two pointer switches per forward)."""
         if self.store.active != LIVE_BUFFER:
             self.store.point(LIVE_BUFFER)
 
@@ -530,6 +531,8 @@ class Stage:
         backward that failed halfway: its partial sums cannot be told apart)."""
         self.store.zero_grads()
         self.pending_weight = 0.0
+        if self.bridge is not None and self.bridge.skip is not None:
+            self.bridge.skip.clear()
 
     def forget_pending(self) -> None:
         """Forget the pending group entirely (a rolled-back synchronous step)."""

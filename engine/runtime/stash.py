@@ -40,6 +40,7 @@ class StashEntry:
     dropped: bool = False
     buf: int = -1  # the weight buffer the forward ran on (-1: live)
     target: Any = None  # the last stage's target (a resumed pipeline re-runs the forward)
+    flag: Any = None  # on_nonfinite="skip_update": the loss's device flag (1.0: not finite)
 
 
 class ActivationStash:

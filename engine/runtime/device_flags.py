@@ -1,0 +1,125 @@
+"""Non-finite losses of asynchronous schedules as device flags (``on_nonfinite="skip_update"``).
+
+Why: ``"skip"`` drops a micro-batch with a non-finite loss at every stage, which needs the
+loss on the host the moment its forward ends -- one host synchronisation per micro-batch, a
+stall of the whole CPU-side schedule on a GPU. Here the last stage turns each loss into a
+0-dim float32 flag on its device (1.0: not finite) and nothing is read back:
+
+* the flag rides on the micro-batch's stash entry at every stage; when a stage's backward of
+  that micro-batch runs, the flag is added to the stage's accumulator (:class:`SkipFlags`, one
+  persistent 0-dim tensor, the same object every step so a CUDA graph can capture it);
+* the stage's update hands the accumulator to the optimizer as AMP's ``found_inf``
+  (``opt.step(found_inf=...)``): engine.optim skips the whole update -- weights and state --
+  on the device when it is non-zero; then the accumulator is cleared, the gradient buffers
+  are zeroed as after any update, and the update count advances;
+* the counters behind ``stats()`` (non-finite micro-batches, skipped updates per stage) are
+  device tensors too, read back in one transfer when ``stats()`` asks (:meth:`DeviceFlags.fold`).
+
+An update group of one micro-batch (pb) thus equals dropping it; a larger group is skipped
+whole (GradScaler's semantics), where ``"skip"`` would renormalise the rest of the group.
+docs/ALGORITHMS.md, "Non-finite losses".
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from engine.errors import PipelineConfigError
+
+if TYPE_CHECKING:
+    from engine.runtime.stage import Stage
+    from engine.schedule.spec import ScheduleSpec
+
+__all__ = ["DeviceFlags", "SkipFlags", "check_skip_update", "refuse_distributed"]
+
+
+class SkipFlags:
+    """One stage's accumulator of the flags in its pending update group and its count of
+    updates skipped on the device (both persistent 0-dim float32 tensors)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        self.skipped = torch.zeros((), dtype=torch.float32, device=device)
+
+    def add(self, flag: Tensor) -> None:
+        """A backward of a flagged (or clean: 0.0) micro-batch joined the pending group."""
+        self.found_inf.add_(flag.to(self.found_inf.device, non_blocking=True))
+
+    def after_step(self) -> None:
+        """The optimizer consumed the accumulator: count a skip, start the next group clean."""
+        self.skipped.add_(self.found_inf.ne(0))
+        self.found_inf.zero_()
+
+    def clear(self) -> None:
+        """The pending gradients were discarded (a failed backward): so are their flags."""
+        self.found_inf.zero_()
+
+
+class DeviceFlags:
+    """The executor's side: flags every stage's stash entry of a micro-batch whose loss the
+    last stage just computed, counts non-finite losses on the device, folds the counters."""
+
+    def __init__(self) -> None:
+        self.nonfinite: Tensor | None = None  # created on the first loss's device
+
+    def mark(self, stages: list[Stage], i: int, loss: Tensor) -> None:
+        """Flag micro-batch ``i`` (segment id) at every local stage: no host read."""
+        flag = torch.isfinite(loss).all().logical_not().to(torch.float32)
+        if self.nonfinite is None:
+            self.nonfinite = torch.zeros((), dtype=torch.float32, device=flag.device)
+        self.nonfinite.add_(flag)
+        for st in stages:
+            e = st.stash.get(i)
+            if e is not None:  # (its backward comes later at every stage)
+                e.flag = flag
+
+    def fold(self, stages: list[Stage]) -> tuple[int, list[int]]:
+        """(non-finite losses, skipped updates per stage) since the last fold, in one host
+        read; the device counters restart from zero. Call after the stage streams joined."""
+        counters: list[Tensor] = [] if self.nonfinite is None else [self.nonfinite]
+        counters += [st.bridge.skip.skipped for st in stages if _flags_of(st) is not None]
+        if not counters:
+            return 0, [0] * len(stages)
+        dev = counters[0].device
+        values = [int(v) for v in torch.stack([c.to(dev) for c in counters]).tolist()]
+        for c in counters:
+            c.zero_()
+        bad = values.pop(0) if self.nonfinite is not None else 0
+        skipped = [values.pop(0) if _flags_of(st) is not None else 0 for st in stages]
+        return bad, skipped
+
+
+def _flags_of(st: Stage) -> SkipFlags | None:
+    return st.bridge.skip if st.bridge is not None else None
+
+
+def check_skip_update(spec: ScheduleSpec, bridges: list[Any], transport: str) -> bool:
+    """Whether ``on_nonfinite="skip_update"`` runs as device flags (asynchronous schedules;
+    synchronous ones check the step's losses once before the update phase, as ``"skip"``);
+    refuses what it cannot do, before any step."""
+    if spec.synchronous:
+        return False
+    if transport != "local":
+        raise refuse_distributed(spec.describe(), transport)
+    for s, bridge in enumerate(bridges):
+        if bridge is not None and bridge.opt is not None and not bridge.is_engine:
+            raise PipelineConfigError(
+                f"on_nonfinite='skip_update': stage {s}'s optimizer is a "
+                f"{type(bridge.opt).__module__}.{type(bridge.opt).__qualname__}, which takes no "
+                "found_inf to skip its update on the device; use an engine.optim optimizer "
+                "(e.g. optimizer=lambda p: engine.optim.SGD(p, lr=0.1)) or on_nonfinite='skip'"
+            )
+    return True
+
+
+def refuse_distributed(schedule: str, transport: str) -> PipelineConfigError:
+    """The error for "skip_update" with an asynchronous schedule under gloo/NCCL."""
+    return PipelineConfigError(
+        f"on_nonfinite='skip_update' with {schedule} and transport={transport!r}: the "
+        "non-finite flag of a micro-batch would have to travel with its gradient to the "
+        "earlier ranks, which the multi-process transports do not carry. Use "
+        "on_nonfinite='raise' (every rank raises at the end of the step) or transport='local'."
+    )

@@ -1,0 +1,261 @@
+"""on_nonfinite="skip_update": asynchronous schedules flag non-finite losses on the device and
+skip the updates that hold them via the optimizer's found_inf, with no host read per
+micro-batch (engine/runtime/device_flags.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_support import DEVICE, needs_kernels
+from torch import nn
+
+import engine
+from engine import Pipeline
+from engine.errors import PipelineConfigError
+
+mse = nn.functional.mse_loss
+RUNTIME = str(Path(engine.__file__).parent / "runtime")
+
+
+def _stages(S: int = 3) -> list[nn.Module]:
+    torch.manual_seed(0)
+    out: list[nn.Module] = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(S - 1)]
+    return out + [nn.Linear(4, 1)]
+
+
+def sgd(p):
+    return engine.optim.SGD(p, lr=0.1, momentum=0.9)
+
+
+def adam(p):
+    return engine.optim.Adam(p, lr=0.01)
+
+
+def _pipe(schedule: str, mode: str, optimizer=sgd, S: int = 3, **kw) -> Pipeline:
+    return Pipeline(
+        [m.to(DEVICE) for m in _stages(S)], schedule=schedule, chunks=4, loss_fn=mse,
+        optimizer=optimizer, on_nonfinite=mode, **kw,
+    )
+
+
+def _batches(nan_at: dict[int, list[int]] | None = None, n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """n mini-batches of 4 micro-batches (2 samples each); ``nan_at[step]`` lists the
+    micro-batches of that step whose target (so loss) is NaN."""
+    g = torch.Generator().manual_seed(2)
+    out = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(n)]
+    for step, mbs in (nan_at or {}).items():
+        for m in mbs:
+            out[step][1][2 * m] = float("nan")
+    return [(x.to(DEVICE), y.to(DEVICE)) for x, y in out]
+
+
+def _snapshot(pipe: Pipeline) -> list[torch.Tensor]:
+    out = [t.detach().clone() for st in pipe.stages for t in st.module.state_dict().values()]
+    for st in pipe.stages:
+        for s in st.optimizer.state.values():
+            out += [v.clone() for v in s.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _counters(pipe: Pipeline) -> tuple[int, list[int], list[int]]:
+    st = pipe.stats()
+    return st["dropped_microbatches"], st["skipped_updates"], st["updates"]
+
+
+def _clean_after(pipe: Pipeline) -> None:
+    """Gradient buffers (the arena's flat ones) are zero after the last update, and the
+    weights are finite: the NaN gradients of the skipped updates were cleared with them."""
+    assert pipe.flushed
+    for st in pipe.stages:
+        assert all(not g.any() for g in st.store.grad_flats())
+        assert all(torch.isfinite(p).all() for p in st.module.parameters())
+        assert not st.bridge.skip.found_inf.any()
+
+
+@pytest.mark.parametrize("optimizer", [sgd, adam], ids=["sgd", "adam"])
+@pytest.mark.parametrize("schedule", ["pb", "pipedream"])
+def test_groups_of_one_equal_dropping_the_microbatch(schedule: str, optimizer) -> None:
+    """Update groups of one micro-batch: skipping the update that holds it is dropping it.
+    Bitwise equal to "skip" (which reads every loss on the host), counters equal after
+    every step."""
+    data = _batches({1: [1], 2: [0, 3]})
+    a = _pipe(schedule, "skip_update", optimizer)
+    b = _pipe(schedule, "skip", optimizer)
+    assert a.spec.update_size == 1
+    for x, y in data:
+        a.step(x, y)
+        b.step(x, y)
+        assert _counters(a) == _counters(b)
+    a.flush()
+    b.flush()
+    assert _counters(a) == _counters(b) and _counters(a)[0] == 3
+    assert _same(_snapshot(a), _snapshot(b))
+    _clean_after(a)
+
+
+def test_larger_group_is_skipped_whole() -> None:
+    """2BW, groups of 4: one NaN micro-batch skips its group's update at every stage (AMP's
+    semantics) -- bitwise the run in which every micro-batch of that group was dropped --
+    and the next update is clean. The accumulator is one tensor object for the whole run."""
+    a = _pipe("2bw", "skip_update", adam)
+    b = _pipe("2bw", "skip", adam)
+    assert a.spec.update_size == 4
+    accs = [st.bridge.skip.found_inf for st in a.stages]
+    for (x, y), (xb, yb) in zip(_batches({1: [2]}), _batches({1: [0, 1, 2, 3]}), strict=True):
+        a.step(x, y)
+        b.step(xb, yb)
+    a.flush()
+    b.flush()
+    assert _same(_snapshot(a), _snapshot(b))
+    dropped, skipped, updates = _counters(a)
+    assert dropped == 1 and skipped == [1, 1, 1] and len(set(updates)) == 1
+    assert _counters(b)[1] == [1, 1, 1]  # "skip": the group had nothing left to apply
+    _clean_after(a)
+    assert [st.bridge.skip.found_inf for st in a.stages] == accs
+    # and it differs from "skip" with the same single NaN: that renormalises the other three
+    c = _pipe("2bw", "skip", adam)
+    for x, y in _batches({1: [2]}):
+        c.step(x, y)
+    c.flush()
+    assert not _same(_snapshot(a), _snapshot(c))
+
+
+def test_prediction_after_a_skipped_update() -> None:
+    """pb with LWP: a skipped step writes no prediction, so the next forward predicts from
+    the (unchanged) weights and momentum -- bitwise what "skip" gives."""
+    def lwp(p):
+        return engine.optim.SGD(p, lr=0.1, momentum=0.9, prediction="linear")
+
+    a = _pipe("pb", "skip_update", lwp)
+    b = _pipe("pb", "skip", lwp)
+    for x, y in _batches({1: [1, 2]}):
+        a.step(x, y)
+        b.step(x, y)
+    a.flush()
+    b.flush()
+    assert _same(_snapshot(a), _snapshot(b))
+    _clean_after(a)
+
+
+def test_no_host_read_per_microbatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing in engine/runtime reads a tensor on the host during the steps ("skip" reads
+    each loss: the counter sees those); stats() folds the counters in one read."""
+    reads: list[str] = []
+
+    def spy(name: str):
+        orig = getattr(torch.Tensor, name)
+
+        def wrapped(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(RUNTIME) or caller == __file__:
+                reads.append(f"{name} from {Path(caller).name}")
+            return orig(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapped)
+
+    import math
+
+    real_isfinite = math.isfinite
+
+    def isfinite(v):  # float(tensor) inside math.isfinite is a host read too
+        if isinstance(v, torch.Tensor):
+            reads.append("math.isfinite")
+        return real_isfinite(v)
+
+    data = _batches({1: [1]})
+    pipes = {m: _pipe("pb", m) for m in ("skip_update", "skip")}
+    for p in pipes.values():  # the first step validates shapes (a dry run): not steady state
+        p.step(*data[0])
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
+        spy(name)
+    monkeypatch.setattr(math, "isfinite", isfinite)
+    for x, y in data[1:]:
+        pipes["skip_update"].step(x, y)
+    assert reads == []
+    pipes["skip_update"].stats()
+    assert reads == ["tolist from device_flags.py"]
+    reads.clear()
+    for x, y in data[1:]:
+        pipes["skip"].step(x, y)
+    assert len(reads) >= 3 * 4  # one per micro-batch: what the device flags avoid
+
+
+@needs_kernels
+def test_fused_kernels_skip_on_the_device() -> None:
+    """fused=True (Triton; interpreted on CPU): the kernels take the accumulator as found_inf."""
+    def fused(p):
+        return engine.optim.Adam(p, lr=0.01, fused=True)
+
+    a = _pipe("pb", "skip_update", fused, S=2)
+    b = _pipe("pb", "skip", fused, S=2)
+    data = _batches({0: [3]}, n=2)
+    for x, y in data:
+        a.step(x, y)
+        b.step(x, y)
+    a.flush()
+    b.flush()
+    assert _same(_snapshot(a), _snapshot(b))
+    assert _counters(a) == _counters(b) and _counters(a)[1] == [1, 1]
+
+
+def test_synchronous_schedule_skips_the_step_as_skip() -> None:
+    a = _pipe("1f1b", "skip_update")
+    b = _pipe("1f1b", "skip")
+    for x, y in _batches({1: [2]}):
+        a.step(x, y)
+        b.step(x, y)
+    assert _same(_snapshot(a), _snapshot(b)) and a.skipped_steps == 1
+    assert all(st.bridge.skip is None for st in a.stages)  # one host read per step already
+
+
+def test_refusals_name_what_is_wrong() -> None:
+    stages = _stages()
+    before = [p.detach().clone() for m in stages for p in m.parameters()]
+    with pytest.raises(PipelineConfigError, match=r"stage 0's optimizer is a torch\.optim\.sgd\.SGD.*found_inf.*engine\.optim"):
+        Pipeline(
+            stages, schedule="pb", chunks=4, loss_fn=mse, on_nonfinite="skip_update",
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        )
+    assert all(torch.equal(a, p) for a, p in zip(before, (p for m in stages for p in m.parameters()), strict=True))
+    with pytest.raises(PipelineConfigError, match=r"on_nonfinite='skip_update' with schedule='pb' and transport='gloo'.*gradient"):
+        Pipeline(
+            _stages(), schedule="pb", chunks=4, loss_fn=mse, optimizer=sgd,
+            on_nonfinite="skip_update", transport="gloo",
+        )
+    # a synchronous schedule checks the step's losses once before its update phase: any optimizer
+    Pipeline(_stages(), schedule="gpipe", chunks=4, loss_fn=mse, on_nonfinite="skip_update",
+             optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+
+
+def test_resume_unflushed_keeps_the_flags() -> None:
+    """A flagged micro-batch in flight and a flagged pending group are saved with the
+    state dict: save + load + continue equals the uninterrupted run bit for bit."""
+    data = _batches({1: [2]}, n=4)  # micro-batch 6: in stage 0's stash, stage 1's pending group
+    a = _pipe("pipedream", "skip_update", update_size=2)
+    for x, y in data[:2]:
+        a.step(x, y)
+    state = a.state_dict()
+    saved = state["in_flight"]["stages"]
+    assert [e["flag"].item() for e in saved[0]["stash"]] == [1.0, 0.0]
+    assert [sd["found_inf"].item() for sd in saved] == [0.0, 1.0, 0.0]
+    b = _pipe("pipedream", "skip_update", update_size=2)
+    b.load_state_dict(state)
+    for x, y in data[2:]:
+        a.step(x, y)
+        b.step(x, y)
+    a.flush()
+    b.flush()
+    assert _same(_snapshot(a), _snapshot(b))
+    _clean_after(b)
+    # the counters are not saved (as with "skip"): stage 2 skipped its update before the save
+    assert _counters(a)[1] == [1, 1, 1] and _counters(b)[1] == [1, 1, 0]
+    c = _pipe("pipedream", "skip", update_size=2)
+    with pytest.raises(engine.errors.CheckpointError, match="skip_update"):
+        c.load_state_dict(state)
