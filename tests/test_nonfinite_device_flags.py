@@ -261,3 +261,53 @@ def test_resume_unflushed_keeps_the_flags() -> None:
     c = _pipe("pipedream", "skip", update_size=2)
     with pytest.raises(engine.errors.CheckpointError, match="skip_update"):
         c.load_state_dict(state)
+
+
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        raise RuntimeError("backward failure on the marked sample")
+
+
+class _FailOnMarked(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x)
+        return _FailInBackward.apply(y) if bool((x[:, 0] == 123.0).any()) else y
+
+
+def test_failed_backward_discards_the_flags_with_the_gradients() -> None:
+    """2BW: micro-batch 4 is flagged, then stage 0's backward of micro-batch 5 fails inside
+    the autograd call it shares with stages 1 and 2 (micro-batches 6, 7): each of them
+    discards its pending gradients -- micro-batch 4's NaN ones included -- and with them the
+    flags, so no stale flag skips a later update; the run goes on clean."""
+    stages = _stages()
+    stages[0] = _FailOnMarked(stages[0])
+    pipe = Pipeline(stages, schedule="2bw", chunks=4, loss_fn=mse, optimizer=sgd,
+                    on_nonfinite="skip_update", checkpoint="never")
+    data = _batches({1: [0]})
+    data[1][0][2, 0] = 123.0  # micro-batch 1 of step 1: global 5
+    pipe.step(*data[0])
+    with pytest.raises(RuntimeError, match="backward failure"):
+        pipe.step(*data[1])
+    for st in pipe.stages:
+        assert 4 in st.pending_mbs and not st.bridge.skip.found_inf.any()
+        assert all(not g.any() for g in st.store.grad_flats())
+    before = _snapshot(pipe)
+    for x, y in data[2:]:
+        pipe.step(x, y)
+    pipe.flush()
+    dropped, skipped, updates = _counters(pipe)
+    assert dropped == 4 and skipped == [1, 1, 1] and updates == [4, 4, 4]
+    _clean_after(pipe)
+    # the updates after the failed group applied their gradients at every stage
+    after = _snapshot(pipe)
+    n = sum(1 for _ in pipe.stages[0].module.parameters())
+    assert all(not torch.equal(a, b) for a, b in zip(before[:n], after[:n], strict=True))
