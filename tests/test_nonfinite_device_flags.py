@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from kernel_support import DEVICE, needs_kernels
+from test_runtime_errors import _same, _snapshot
 from torch import nn
 
 import engine
@@ -52,16 +53,13 @@ def _batches(nan_at: dict[int, list[int]] | None = None, n: int = 4) -> list[tup
     return [(x.to(DEVICE), y.to(DEVICE)) for x, y in out]
 
 
-def _snapshot(pipe: Pipeline) -> list[torch.Tensor]:
-    out = [t.detach().clone() for st in pipe.stages for t in st.module.state_dict().values()]
-    for st in pipe.stages:
-        for s in st.optimizer.state.values():
-            out += [v.clone() for v in s.values() if isinstance(v, torch.Tensor)]
-    return out
-
-
-def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+def _run(pipes: list[Pipeline], data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Step every pipeline through ``data``, then flush them."""
+    for x, y in data:
+        for p in pipes:
+            p.step(x, y)
+    for p in pipes:
+        p.flush()
 
 
 def _counters(pipe: Pipeline) -> tuple[int, list[int], list[int]]:
@@ -122,9 +120,7 @@ def test_larger_group_is_skipped_whole() -> None:
     assert [st.bridge.skip.found_inf for st in a.stages] == accs
     # and it differs from "skip" with the same single NaN: that renormalises the other three
     c = _pipe("2bw", "skip", adam)
-    for x, y in _batches({1: [2]}):
-        c.step(x, y)
-    c.flush()
+    _run([c], _batches({1: [2]}))
     assert not _same(_snapshot(a), _snapshot(c))
 
 
@@ -138,11 +134,7 @@ def test_prediction_after_a_skipped_update() -> None:
     # forwards read (engine/runtime/stage.py, rebase), so a stale transient shows
     a = _pipe("pb", "skip_update", lwp, checkpoint="never")
     b = _pipe("pb", "skip", lwp, checkpoint="never")
-    for x, y in _batches({1: [1, 2]}):
-        a.step(x, y)
-        b.step(x, y)
-    a.flush()
-    b.flush()
+    _run([a, b], _batches({1: [1, 2]}))
     assert _same(_snapshot(a), _snapshot(b))
     _clean_after(a)
 
@@ -198,12 +190,7 @@ def test_fused_kernels_skip_on_the_device() -> None:
 
     a = _pipe("pb", "skip_update", fused, S=2)
     b = _pipe("pb", "skip", fused, S=2)
-    data = _batches({0: [3]}, n=2)
-    for x, y in data:
-        a.step(x, y)
-        b.step(x, y)
-    a.flush()
-    b.flush()
+    _run([a, b], _batches({0: [3]}, n=2))
     assert _same(_snapshot(a), _snapshot(b))
     assert _counters(a) == _counters(b) and _counters(a)[1] == [1, 1]
 
@@ -211,9 +198,7 @@ def test_fused_kernels_skip_on_the_device() -> None:
 def test_synchronous_schedule_skips_the_step_as_skip() -> None:
     a = _pipe("1f1b", "skip_update")
     b = _pipe("1f1b", "skip")
-    for x, y in _batches({1: [2]}):
-        a.step(x, y)
-        b.step(x, y)
+    _run([a, b], _batches({1: [2]}))
     assert _same(_snapshot(a), _snapshot(b)) and a.skipped_steps == 1
     assert all(st.bridge.skip is None for st in a.stages)  # one host read per step already
 
@@ -250,11 +235,7 @@ def test_resume_unflushed_keeps_the_flags() -> None:
     assert [sd["found_inf"].item() for sd in saved] == [0.0, 1.0, 0.0]
     b = _pipe("pipedream", "skip_update", update_size=2)
     b.load_state_dict(state)
-    for x, y in data[2:]:
-        a.step(x, y)
-        b.step(x, y)
-    a.flush()
-    b.flush()
+    _run([a, b], data[2:])
     assert _same(_snapshot(a), _snapshot(b))
     _clean_after(b)
     # the counters are not saved (as with "skip"): stage 2 skipped its update before the save
@@ -289,7 +270,7 @@ def test_failed_backward_discards_the_flags_with_the_gradients() -> None:
     the autograd call it shares with stages 1 and 2 (micro-batches 6, 7): each of them
     discards its pending gradients -- micro-batch 4's NaN ones included -- and with them the
     flags, so no stale flag skips a later update; the run goes on clean."""
-    stages = _stages()
+    stages = [m.to(DEVICE) for m in _stages()]
     stages[0] = _FailOnMarked(stages[0])
     pipe = Pipeline(stages, schedule="2bw", chunks=4, loss_fn=mse, optimizer=sgd,
                     on_nonfinite="skip_update", checkpoint="never")
