@@ -124,16 +124,26 @@ def test_larger_group_is_skipped_whole() -> None:
     assert not _same(_snapshot(a), _snapshot(c))
 
 
-def test_prediction_after_a_skipped_update() -> None:
-    """pb with LWP: a skipped step writes no prediction, so the next forward predicts from
-    the (unchanged) weights and momentum -- bitwise what "skip" gives."""
-    def lwp(p):
-        return engine.optim.SGD(p, lr=0.1, momentum=0.9, prediction="linear")
+@pytest.mark.parametrize(
+    ("opt_kw", "pipe_kw"),
+    [
+        (dict(prediction="linear"), {}),
+        (dict(prediction="linear"), dict(weight_prediction="spectrain_reuse")),
+        (dict(discrepancy_correction=True), {}),
+    ],
+    ids=["lwp", "spectrain_reuse", "pipemare_t2"],
+)
+def test_computed_weights_after_a_skipped_update(opt_kw: dict, pipe_kw: dict) -> None:
+    """pb with a weight mitigation: a skipped step writes no prediction, so the next forward
+    predicts from the (unchanged) weights and state; PipeMare's delta is state the skip
+    keeps -- bitwise what "skip" gives."""
+    def make(p):
+        return engine.optim.SGD(p, lr=0.1, momentum=0.9, **opt_kw)
 
-    # checkpoint="never": each backward copies the live weights into the transient the
-    # forwards read (engine/runtime/stage.py, rebase), so a stale transient shows
-    a = _pipe("pb", "skip_update", lwp, checkpoint="never")
-    b = _pipe("pb", "skip", lwp, checkpoint="never")
+    # checkpoint="never": with LWP each backward copies the live weights into the transient
+    # the forwards read (engine/runtime/stage.py, rebase), so a stale transient shows
+    a = _pipe("pb", "skip_update", make, checkpoint="never", **pipe_kw)
+    b = _pipe("pb", "skip", make, checkpoint="never", **pipe_kw)
     _run([a, b], _batches({1: [1, 2]}))
     assert _same(_snapshot(a), _snapshot(b))
     _clean_after(a)
