@@ -303,3 +303,52 @@ def test_failed_backward_discards_the_flags_with_the_gradients() -> None:
     after = _snapshot(pipe)
     n = sum(1 for _ in pipe.stages[0].module.parameters())
     assert all(not torch.equal(a, b) for a, b in zip(before[:n], after[:n], strict=True))
+
+
+@needs_kernels
+def test_step_graphs_replay_the_skip() -> None:
+    """With the step replayed from a (CUDA) graph, found_inf is a launch argument like any
+    buffer: the accumulator is one persistent tensor, so the key repeats and skipped and
+    applied updates replay from the same graph. On CPU a recorder stands in for the graph
+    (tests/test_runtime_graphs.py); bitwise the run without graphs."""
+    from test_runtime_graphs import Recorder
+
+    from engine.runtime.graphs import StepGraphs
+
+    def fused(p):
+        return engine.optim.SGD(p, lr=0.05, momentum=0.9, fused=True)
+
+    a = _pipe("pb", "skip_update", fused, S=2)
+    b = _pipe("pb", "skip_update", fused, S=2)
+    for st in a.stages:
+        st.bridge.graphs = StepGraphs(st.index, st.bridge.opt, Recorder())
+    _run([a, b], _batches({2: [1]}, n=3))  # update 9 is skipped, replayed like updates 2..11
+    assert _same(_snapshot(a), _snapshot(b))
+    assert _counters(a)[1] == [1, 1]
+    assert all(s["replays"] == 10 and s["captures"] == 1 for s in a.stats()["cuda_graphs"])
+
+
+@pytest.mark.cuda
+def test_gpu_graph_replays_skip_updates() -> None:
+    """The same with real CUDA graphs (Pipeline(cuda_graphs=True)); needs a GPU."""
+    def run(graphs: bool) -> tuple[list[torch.Tensor], dict]:
+        torch.manual_seed(0)
+        stages = [nn.Sequential(nn.Linear(16, 32), nn.Tanh()).cuda(), nn.Linear(32, 4).cuda()]
+        pipe = Pipeline(stages, schedule="pb", chunks=4, loss_fn=mse, optimizer=adam,
+                        on_nonfinite="skip_update", cuda_graphs=graphs)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for k in range(8):
+            x = torch.randn(4, 16, device="cuda", generator=g)
+            y = torch.randn(4, 4, device="cuda", generator=g)
+            if k == 4:
+                y[1] = float("nan")
+            pipe.step(x, y)
+        pipe.flush()
+        torch.cuda.synchronize()
+        return [p.detach().cpu() for st in pipe.stages for p in st.store.params], pipe.stats()
+
+    eager, _ = run(False)
+    graphed, stats = run(True)
+    assert all(torch.equal(x, y) for x, y in zip(eager, graphed, strict=True))
+    assert stats["skipped_updates"] == [1, 1]
+    assert all(s["replays"] > 0 for s in stats["cuda_graphs"])
