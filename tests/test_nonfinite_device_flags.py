@@ -16,6 +16,7 @@ from torch import nn
 import engine
 from engine import Pipeline
 from engine.errors import PipelineConfigError
+from engine.runtime.device_flags import check_skip_update
 
 mse = nn.functional.mse_loss
 RUNTIME = str(Path(engine.__file__).parent / "runtime")
@@ -77,6 +78,21 @@ def _clean_after(pipe: Pipeline) -> None:
         assert not st.bridge.skip.found_inf.any()
 
 
+def _watch_updates(pipe: Pipeline) -> list[tuple[int, int, bool, bool, bool]]:
+    """Per update, as (stage, update, ...): whether it was flagged, whether its gradient
+    buffers held a non-finite value before it, and whether they were zero after it."""
+    seen = []
+    for st in pipe.stages:
+        def update(*args, st=st, orig=st.update, **kwargs):
+            flagged = bool(st.bridge.skip.found_inf)
+            bad = any(not torch.isfinite(g).all() for g in st.store.grad_flats())
+            u = st.updates
+            orig(*args, **kwargs)
+            seen.append((st.index, u, flagged, bad, all(not g.any() for g in st.store.grad_flats())))
+        st.update = update
+    return seen
+
+
 @pytest.mark.parametrize("optimizer", [sgd, adam], ids=["sgd", "adam"])
 @pytest.mark.parametrize("schedule", ["pb", "pipedream"])
 def test_groups_of_one_equal_dropping_the_microbatch(schedule: str, optimizer) -> None:
@@ -107,12 +123,16 @@ def test_larger_group_is_skipped_whole() -> None:
     b = _pipe("2bw", "skip", adam)
     assert a.spec.update_size == 4
     accs = [st.bridge.skip.found_inf for st in a.stages]
+    seen = _watch_updates(a)
     for (x, y), (xb, yb) in zip(_batches({1: [2]}), _batches({1: [0, 1, 2, 3]}), strict=True):
         a.step(x, y)
         b.step(xb, yb)
     a.flush()
     b.flush()
     assert _same(_snapshot(a), _snapshot(b))
+    # update 1 of every stage: flagged, its NaN gradients in the flat buffers (the flagged
+    # backward ran), zeroed by the skipped update like by any other
+    assert sorted(seen) == [(s, u, u == 1, u == 1, True) for s in range(3) for u in range(4)]
     dropped, skipped, updates = _counters(a)
     assert dropped == 1 and skipped == [1, 1, 1] and len(set(updates)) == 1
     assert _counters(b)[1] == [1, 1, 1]  # "skip": the group had nothing left to apply
@@ -227,6 +247,11 @@ def test_refusals_name_what_is_wrong() -> None:
             _stages(), schedule="pb", chunks=4, loss_fn=mse, optimizer=sgd,
             on_nonfinite="skip_update", transport="gloo",
         )
+    # a schedule given as a program is resolved after the process group exists: the same
+    # refusal then comes from check_skip_update, before the executor is built
+    spec = _pipe("pb", "skip").spec
+    with pytest.raises(PipelineConfigError, match=r"skip_update' with .*pb.* and transport='nccl'"):
+        check_skip_update(spec, [], "nccl")
     # a synchronous schedule checks the step's losses once before its update phase: any optimizer
     Pipeline(_stages(), schedule="gpipe", chunks=4, loss_fn=mse, on_nonfinite="skip_update",
              optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
