@@ -114,7 +114,8 @@ class Executor(SynchronousSteps, FailureHandling):
         #: loss scale of every micro-batch: a full update group sums to the mean loss
         self.scale = 1.0 / (self.M if self.sync else spec.update_size)
         #: asynchronous schedules act on a non-finite loss at once (one host read per
-        #: micro-batch); synchronous ones check the step's losses before its update phase
+        #: micro-batch) or flag it on the device ("skip_update"); synchronous ones check the
+        #: step's losses before its update phase
         self.immediate_nonfinite = not self.sync and not device_flags
         self.flags = DeviceFlags() if device_flags else None
         program = spec.program
