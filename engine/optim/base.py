@@ -37,6 +37,7 @@ from engine.optim import functional
 from engine.optim.computed import ComputedWeights
 from engine.optim.dispatch import FUSED_DTYPES, kernels, use_fused
 from engine.optim.flat import FlatBinding, arena_binding
+from engine.optim.multi import MultiTensorSteps
 from engine.optim.options import (
     DELAY_DEFAULTS,
     PREDICTION_MODES,
@@ -77,7 +78,7 @@ def _functional() -> Any:
     return functional
 
 
-class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
+class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorSteps, Optimizer):
     """Base class of ``engine.optim.SGD``, ``Adam``, ``AdamW`` and ``NAdam``.
 
     Subclasses provide the family name (``"sgd"``, ``"adam"``, ``"nadam"``), the state keys a
@@ -110,6 +111,8 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
         self.last_step_predicted = False
         self._kernel_pair = kernels(self._family)
         self._fuse_cache: dict[int, tuple[Any, ...]] = {}
+        self._layouts = {}  # multi-tensor launches per group (engine.optim.multi)
+        self._state_version = 0
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ options
@@ -331,7 +334,10 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
         grad_scale: Tensor | None,
         found_inf: Tensor | None,
     ) -> None:
-        """One update call per tensor (params not in a flat buffer)."""
+        """Params not in a flat buffer: fused, one launch per dtype signature
+        (:mod:`engine.optim.multi`); what the kernels cannot take, one update call per tensor."""
+        if fuse and params:
+            params = self._multi_tensors(group, params, grad_scale, found_inf)
         ref, fused = self._kernel_pair
         keys = self._state_keys(group)
         for p in params:
@@ -454,6 +460,7 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
                     view.copy_(old)
                 self.state[p][key] = view
             flat[key] = buf
+            self._bump_state_version()
         return flat
 
     def _is_fresh(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
@@ -480,4 +487,5 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
             shared = first.detach().to(dtype=torch.float32, device=params[0].device).clone()
         for p in params:
             self.state[p][key] = shared
+        self._bump_state_version()
         return shared
