@@ -113,6 +113,7 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorStep
         self._fuse_cache: dict[int, tuple[Any, ...]] = {}
         self._layouts = {}  # multi-tensor launches per group (engine.optim.multi)
         self._state_version = 0
+        self._bucket_tables = {}
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ options
@@ -316,13 +317,17 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorStep
         fuse = self._fused_choice(index, group, params)
         done: set[int] = set()
         wrote = True
+        # several fused buckets: one multi-tensor launch per dtype signature, after the loop
+        batch: list[tuple[Any, ...]] | None = [] if fuse and len(bindings) > 1 else None
         for b in bindings:
-            if self._flat_step(group, b, ref, fused, fuse, grad_scale, found_inf):
+            if self._flat_step(group, b, ref, fused, fuse, grad_scale, found_inf, batch):
                 if len(bindings) == 1 and params is group["params"]:
                     return wrote  # covered whole (checked above)
                 done.update(map(id, b.params))
             elif b.predicted is not None:
                 wrote = False
+        if batch:
+            self._multi_buckets(group, batch, grad_scale, found_inf)
         self._step_tensors(group, [p for p in params if id(p) not in done], fuse, grad_scale, found_inf)
         return wrote
 
@@ -393,8 +398,10 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorStep
         fuse: bool,
         grad_scale: Tensor | None,
         found_inf: Tensor | None,
+        batch: list[tuple[Any, ...]] | None = None,
     ) -> bool:
-        """One update over a binding's flat buffers; False when it does not qualify.
+        """One update over a binding's flat buffers; False when it does not qualify. With
+        ``batch`` a fused update is appended there instead (the caller launches the batch).
 
         It qualifies when every tensor of the binding has a gradient in the flat gradient
         buffer (torch skips tensors without grads; the flat update would move them through
@@ -442,7 +449,10 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorStep
         tensors = {k: flat[k] for k in self._state_keys(group)}
         for key, _ in self._shared_scalars:
             tensors[key] = flat[key]
-        self._call_update(fn, group, view.param, view.grad, tensors, init, predicted, grad_scale, found_inf)
+        if batch is not None and fn is fused:
+            batch.append((view.param, view.grad, tensors, init, predicted))
+        else:
+            self._call_update(fn, group, view.param, view.grad, tensors, init, predicted, grad_scale, found_inf)
         b.initialized = True
         return True
 

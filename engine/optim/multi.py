@@ -81,6 +81,8 @@ class MultiTensorSteps:
     #: group id -> (group, its layout); the group is kept so that its id stays its own
     _layouts: dict[int, tuple[dict[str, Any], Layout]]
     _state_version: int
+    #: group id -> (group, {dtype signature: (data pointers, table)}) of several flat buckets
+    _bucket_tables: dict[int, tuple[dict[str, Any], dict[tuple[Any, ...], tuple[Any, Any]]]]
 
     def _multi_tensors(self, group: dict[str, Any], params: list[Tensor],
                        grad_scale: Tensor | None, found_inf: Tensor | None) -> list[Tensor]:
@@ -179,6 +181,37 @@ class MultiTensorSteps:
         layout.param_ptrs = list(map(_PTR, layout.fused))
         layout.grad_ptrs = [g.data_ptr() for g in map(_GRAD, layout.fused)]
         return layout
+
+    def _multi_buckets(self, group: dict[str, Any], batch: list[tuple[Any, ...]],
+                       grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+        """Several flat buckets of one group, each prepared as (param, grad, state, init,
+        predicted): one launch per dtype signature. The tables are cached by the buckets'
+        data pointers (a handful per bucket; the arena swaps a live buffer in place)."""
+        by_sig: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
+        for item in batch:
+            param, grad, tensors, init, predicted = item
+            sig = (param.dtype, grad.dtype, tuple(t.dtype for t in tensors.values()),
+                   predicted is not None and predicted.dtype, init)
+            by_sig.setdefault(sig, []).append(item)
+        fn = multi_kernel(self._family)
+        cache = self._bucket_tables.setdefault(id(group), (group, {}))[1]
+        for sig, items in by_sig.items():
+            keys = list(items[0][2])
+            ptrs = tuple(t.data_ptr() for param, grad, tensors, _, pred in items
+                         for t in (param, grad, *tensors.values(), *([pred] if pred is not None else [])))
+            cached = cache.get(sig)
+            if cached is None or cached[0] != ptrs:
+                rows: dict[str, list[Tensor] | None] = {"param": [i[0] for i in items],
+                                                        "grad": [i[1] for i in items]}
+                rows.update({STATE_ROLES[k]: [i[2][k] for i in items] for k in keys})
+                if sig[3] is not False:
+                    rows["pred"] = [i[4] for i in items]
+                cached = cache[sig] = (ptrs, fn.table(rows))
+            table = cached[1]
+            state_lists = {k: table.tensors(STATE_ROLES[k]) for k in keys}
+            predicted = table.tensors("pred") if table.has("pred") else None
+            self._call_update(fn, group, table, None, state_lists, sig[-1], predicted,
+                              grad_scale, found_inf)
 
     def _bump_state_version(self) -> None:
         """The optimizer replaced a state tensor (flat views, shared counts): layouts rebuild."""
