@@ -68,10 +68,11 @@ def segment_offsets(meta_ptr, chunk_ptr, nseg, inf_ptr, NUMEL_ROW: tl.constexpr,
 @triton.jit
 def segment_ptr(meta_ptr, nseg, seg, ROW: tl.constexpr, T: tl.constexpr, ALIGNED: tl.constexpr):
     """The typed data pointer of role ``ROW`` of segment ``seg``."""
-    addr = tl.load(meta_ptr + ROW * nseg + seg)
+    ptr = tl.load(meta_ptr + ROW * nseg + seg).to(tl.pointer_type(T))
     if ALIGNED:
-        addr = tl.multiple_of(addr, 16)
-    return addr.to(tl.pointer_type(T))
+        # on the pointer itself: a hint on the int64 address does not survive the cast
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
 
 
 def _host(values: list[int], device: torch.device) -> Tensor:
