@@ -18,14 +18,16 @@ multiple of 16) every block access is vectorized to the expected width (fp32: 12
 bf16/fp16: 128 bits where all swept tensors are 16-bit, 64 bits beside fp32 tensors, see
 triton_kernels/_launch.py); and no variant the launchers pick goes through shared memory.
 
-The default set (133 cases; NAdam's 24 of them: every dtype pair off and on, the host path,
+The default set (138 cases; NAdam's 24 of them: every dtype pair off and on, the host path,
 odd and unaligned sizes; ~25 CPU-s: ~15-40 s on 2 cores) covers every dtype pair, each flag
 alone (delay compensation ``dc`` with the delta it reads), everything on, and the unhinted,
-i64 and n == 1 specializations; the ``slow`` sweep (2,025 cases, ~5 CPU-min; only with
+i64 and n == 1 specializations, and five multi-tensor launches (triton_kernels/multi.py: each
+kernel with everything on, aligned, and one unaligned); the ``slow`` sweep (2,130 cases, ~5 CPU-min; only with
 ``PE_AOT_SWEEP=1``, which .ci/run sets for a second pytest call so the default suite stays
 near 10 minutes) adds SGD's full flag product per dtype, Adam's full product of the flags that change memory
 traffic (the arithmetic-only flags rotate through their combinations), and the mixed-dtype
-pairs with every flag alone.
+pairs with every flag alone, and the multi-tensor kernels over every dtype pair, odd sizes
+and each flag alone.
 """
 
 from __future__ import annotations
@@ -403,7 +405,7 @@ def _script(tmp: Path, name: str, code: str) -> Path:
 @pytest.fixture(scope="module", params=["default", pytest.param("sweep", marks=pytest.mark.slow)])
 def compiled(request, tmp_path_factory):
     if request.param == "sweep" and os.environ.get("PE_AOT_SWEEP") != "1":
-        pytest.skip("the 2,025-case sweep (~5 CPU-min) runs with PE_AOT_SWEEP=1, as .ci/run does "
+        pytest.skip("the 2,130-case sweep (~5 CPU-min) runs with PE_AOT_SWEEP=1, as .ci/run does "
                     "after the default suite; the default set covers every flag and dtype pair")
     tmp = tmp_path_factory.mktemp(f"aot_{request.param}")
     env = _env(tmp)

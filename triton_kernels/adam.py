@@ -1,5 +1,10 @@
 """Fused Adam / AdamW step: one pass over a flat buffer (or one tensor) per call.
 
+The update itself is a ``@triton.jit`` body (``adam_body``) that two kernels call:
+``adam_kernel`` over one tensor, and ``adam_multi_kernel`` over the segments of a
+``SegmentTable`` (many tensors or flat buckets of one param group, one launch; see
+triton_kernels/multi.py), so both compute the same bits.
+
 Reads w, g, exp_avg, exp_avg_sq (and max_exp_avg_sq for AMSGrad) once and writes the new
 weights and moments, plus, when asked, the applied update (``last_update``), the predicted
 weights and PipeMare's ``delta`` in the same pass (the delay-compensated gradient reads that
@@ -44,7 +49,13 @@ from engine.triton_kernels._launch import (
     load_and_decay,
     placeholder,
 )
-from engine.triton_kernels.multi import SegmentTable, check_roles, segment_offsets, segment_ptr
+from engine.triton_kernels.multi import (
+    SegmentTable,
+    check_roles,
+    launch_segments,
+    segment_offsets,
+    segment_ptr,
+)
 
 __all__ = ["fused_adam_update", "fused_adam_multi", "adam_kernel", "adam_multi_kernel",
            "launch_adam", "adam_moments", "store_step", "ADAM_ROLES"]
@@ -440,7 +451,7 @@ def fused_adam_multi(
                                last_update=last, predicted=pred, delta=d,
                                grad_scale=grad_scale, found_inf=found_inf)
     param = table.tensors("param")[0]
-    check_dc(dc_coeff, table.tensors("delta")[0] if table.has("delta") else None, param)
+    check_dc(dc_coeff, table.first("delta"), param)
     if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
         raise ValueError(f"Adam needs 0 <= beta < 1, got beta1={beta1!r}, beta2={beta2!r}")
     steps = table.unique("step")
@@ -455,7 +466,4 @@ def fused_adam_multi(
         dc_coeff=dc_coeff, last=table.has("last"), predict=table.has("pred"),
         delta=table.has("delta"), scale=grad_scale is not None,
         check_inf=found_inf is not None, device_step=True)
-    adam_multi_kernel[table.grid()](
-        table.meta, table.chunks, table.nseg, placeholder(grad_scale, param),
-        placeholder(found_inf, param), *scalars, BLOCK=table.block, ALIGNED=table.aligned,
-        **table.dtype_args(_ADAM_DTYPES), **flags)
+    launch_segments(adam_multi_kernel, table, _ADAM_DTYPES, scalars, flags, grad_scale, found_inf)

@@ -30,15 +30,17 @@ refuses a table with a released role until it is refreshed.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.triton_kernels._launch import check_launchable, default_block
+from engine.triton_kernels._launch import check_launchable, default_block, placeholder
 
-__all__ = ["SegmentTable", "check_roles", "segment_offsets", "segment_ptr", "TL_DTYPES"]
+__all__ = ["SegmentTable", "check_roles", "launch_segments", "segment_offsets", "segment_ptr",
+           "TL_DTYPES"]
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
              torch.float64: tl.float64}  # float64: one-element scalars only (a loaded step)
@@ -191,6 +193,10 @@ class SegmentTable:
             raise ValueError(f"segment table role {role!r} is released or unused")
         return refs
 
+    def first(self, role: str) -> Tensor | None:
+        """Segment 0's tensor of ``role``, or None when the launch does not use the role."""
+        return self.tensors(role)[0] if self.has(role) else None
+
     def unique(self, role: str) -> list[Tensor]:
         """The distinct tensors of ``role`` (a flat bucket's params share one step count)."""
         return list({id(t): t for t in self.tensors(role)}.values())
@@ -246,3 +252,13 @@ def check_roles(table: SegmentTable, wanted: Mapping[str, bool]) -> None:
     if not table.ready:
         raise ValueError("the segment table has a released role: refresh it with the current "
                          "tensors before the launch")
+
+
+def launch_segments(kernel: Any, table: SegmentTable, dtype_names: Mapping[str, str],
+                    scalars: Sequence[float], flags: Mapping[str, Any],
+                    grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+    """One launch of a ``*_multi_kernel`` over ``table`` (the argument order they share)."""
+    param = table.tensors("param")[0]
+    kernel[table.grid()](table.meta, table.chunks, table.nseg, placeholder(grad_scale, param),
+                         placeholder(found_inf, param), *scalars, BLOCK=table.block,
+                         ALIGNED=table.aligned, **table.dtype_args(dtype_names), **flags)

@@ -1,5 +1,10 @@
 """Fused NAdam / NAdamW step: one pass over a flat buffer (or one tensor) per call.
 
+The update itself is a ``@triton.jit`` body (``nadam_body``) that two kernels call:
+``nadam_kernel`` over one tensor, and ``nadam_multi_kernel`` over the segments of a
+``SegmentTable`` (many tensors or flat buckets of one param group, one launch; see
+triton_kernels/multi.py), so both compute the same bits.
+
 Reads w, g, exp_avg, exp_avg_sq once and writes the new weights and moments, plus, when
 asked, the applied update (``last_update``), the predicted weights and PipeMare's ``delta``
 in the same pass. The math is ``engine.optim.functional_nadam.nadam_update``: fp32
@@ -39,7 +44,13 @@ from engine.triton_kernels._launch import (
     placeholder,
 )
 from engine.triton_kernels.adam import _advance_step, _log, adam_moments, store_step
-from engine.triton_kernels.multi import SegmentTable, check_roles, segment_offsets, segment_ptr
+from engine.triton_kernels.multi import (
+    SegmentTable,
+    check_roles,
+    launch_segments,
+    segment_offsets,
+    segment_ptr,
+)
 
 __all__ = ["fused_nadam_update", "fused_nadam_multi", "nadam_kernel", "nadam_multi_kernel",
            "launch_nadam", "NADAM_ROLES"]
@@ -358,7 +369,7 @@ def fused_nadam_multi(
             validate_nadam_args(p, g, m, v, prod, st, last_update=last, predicted=pred,
                                 delta=d, grad_scale=grad_scale, found_inf=found_inf)
     param = table.tensors("param")[0]
-    check_dc(dc_coeff, table.tensors("delta")[0] if table.has("delta") else None, param)
+    check_dc(dc_coeff, table.first("delta"), param)
     if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
         raise ValueError(f"NAdam needs 0 <= beta < 1, got beta1={beta1!r}, beta2={beta2!r}")
     pairs = list({id(s): (s, p) for s, p in zip(table.tensors("step"), table.tensors("prod"),
@@ -375,7 +386,4 @@ def fused_nadam_multi(
         dc_coeff=dc_coeff, last=table.has("last"), predict=table.has("pred"),
         delta=table.has("delta"), scale=grad_scale is not None,
         check_inf=found_inf is not None, device_step=True)
-    nadam_multi_kernel[table.grid()](
-        table.meta, table.chunks, table.nseg, placeholder(grad_scale, param),
-        placeholder(found_inf, param), *scalars, BLOCK=table.block, ALIGNED=table.aligned,
-        **table.dtype_args(_NADAM_DTYPES), **flags)
+    launch_segments(nadam_multi_kernel, table, _NADAM_DTYPES, scalars, flags, grad_scale, found_inf)

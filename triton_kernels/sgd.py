@@ -1,5 +1,10 @@
 """Fused momentum-SGD step: one pass over a flat buffer (or one tensor) per call.
 
+The update itself is a ``@triton.jit`` body (``sgd_body``) that two kernels call:
+``sgd_kernel`` over one tensor, and ``sgd_multi_kernel`` over the segments of a
+``SegmentTable`` (many tensors or flat buckets of one param group, one launch; see
+triton_kernels/multi.py), so both compute the same bits.
+
 Why a kernel: torch's single-tensor SGD with weight decay, momentum and the delay mitigations
 reads and writes the weights, gradient and buffers several times (one pass per torch op);
 this kernel reads w, g and the momentum buffer once and writes the new weights, the buffer
@@ -33,7 +38,13 @@ from engine.triton_kernels._launch import (
     load_and_decay,
     placeholder,
 )
-from engine.triton_kernels.multi import SegmentTable, check_roles, segment_offsets, segment_ptr
+from engine.triton_kernels.multi import (
+    SegmentTable,
+    check_roles,
+    launch_segments,
+    segment_offsets,
+    segment_ptr,
+)
 
 __all__ = ["fused_sgd_update", "fused_sgd_multi", "sgd_kernel", "sgd_multi_kernel", "launch_sgd",
            "SGD_ROLES"]
@@ -300,7 +311,7 @@ def fused_sgd_multi(
             validate_sgd_args(p, g, b, momentum=momentum, dampening=dampening,
                               sc_delay=sc_delay, predicted=pr, delta=d,
                               grad_scale=grad_scale, found_inf=found_inf)
-    check_dc(dc_coeff, table.tensors("delta")[0] if table.has("delta") else None,
+    check_dc(dc_coeff, table.first("delta"),
              table.tensors("param")[0])
     scalars, flags = _sgd_args(
         lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
@@ -308,8 +319,4 @@ def fused_sgd_multi(
         predict=table.has("pred"), predict_coeff=predict_coeff, delta=table.has("delta"),
         delta_gamma=delta_gamma, dc_coeff=dc_coeff, scale=grad_scale is not None,
         check_inf=found_inf is not None)
-    param = table.tensors("param")[0]
-    sgd_multi_kernel[table.grid()](
-        table.meta, table.chunks, table.nseg, placeholder(grad_scale, param),
-        placeholder(found_inf, param), *scalars, BLOCK=table.block, ALIGNED=table.aligned,
-        **table.dtype_args(_SGD_DTYPES), **flags)
+    launch_segments(sgd_multi_kernel, table, _SGD_DTYPES, scalars, flags, grad_scale, found_inf)
