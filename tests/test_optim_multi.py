@@ -64,6 +64,7 @@ SGD_CASES = {
     "nesterov_maximize": dict(nesterov=True, maximize=True),
     "sc_pred_delta_dc_amp": dict(sc_delay=3, dampening=0.1, pred=True, delta=True, dc_coeff=0.5,
                                  scale=True),
+    "amp_overflow": dict(scale=True, inf=True, delta=True),  # nothing may change
 }
 
 
@@ -72,6 +73,7 @@ SGD_CASES = {
 def test_sgd_multi_equals_single(case: str, dtype: torch.dtype) -> None:
     o = dict(SGD_CASES[case])
     pred, delta, scale = o.pop("pred", False), o.pop("delta", False), o.pop("scale", False)
+    found_inf = torch.ones(1, device=DEVICE) if o.pop("inf", False) else None
     kw = dict(dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False,
                    maximize=False, init_momentum=False, predict_coeff=0.3, delta_gamma=0.5), **o)
     roles = {"param": "param", "grad": "param"}
@@ -92,7 +94,7 @@ def test_sgd_multi_equals_single(case: str, dtype: torch.dtype) -> None:
                              delta=rows.get("delta"), grad_scale=gs, found_inf=found_inf, **kw)
 
     _compare(single, multi, roles, ksgd.SGD_ROLES, (), dtype, kw,
-             offset=1 if case == "plain" else 3)
+             offset=1 if case == "plain" else 3, found_inf=found_inf)
 
 
 ADAM_CASES = {
@@ -101,6 +103,7 @@ ADAM_CASES = {
                                    maximize=True),
     "sc_pred_delta_dc_amp": dict(sc_delay=2, last=True, pred=True, delta=True, dc_coeff=50.0,
                                  weight_decay=1e-2, scale=True),
+    "amp_overflow": dict(scale=True, inf=True, amsgrad=True),  # nothing, step included, changes
 }
 
 
@@ -124,6 +127,7 @@ def test_adam_multi_equals_single(case: str, dtype: torch.dtype) -> None:
     o = dict(ADAM_CASES[case])
     roles = _adam_roles(o, nadam=False)
     scale = o.pop("scale", False)
+    found_inf = torch.ones(1, device=DEVICE) if o.pop("inf", False) else None
     for flag in ("last", "pred", "delta"):  # in roles
         o.pop(flag, None)
     kw = dict(dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
@@ -142,7 +146,8 @@ def test_adam_multi_equals_single(case: str, dtype: torch.dtype) -> None:
                                predicted=rows.get("pred"), delta=rows.get("delta"),
                                grad_scale=gs, found_inf=found_inf, **kw)
 
-    _compare(single, multi, roles, kadam.ADAM_ROLES, ("step",), dtype, kw, offset=2)
+    _compare(single, multi, roles, kadam.ADAM_ROLES, ("step",), dtype, kw, offset=2,
+             found_inf=found_inf)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -288,6 +293,7 @@ def test_layout_cache_refreshes_grads_and_rebuilds_only_on_layout_change() -> No
     opt.load_state_dict(opt.state_dict())
     rebuilt = step(True)
     assert rebuilt is not None and rebuilt is not layout
+    assert len(opt._layouts) == 1  # the replaced group's layout (and its state) is dropped
     opt.param_groups[0]["amsgrad"] = True
     assert step(True) not in (layout, rebuilt)
 

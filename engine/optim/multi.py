@@ -81,6 +81,7 @@ class MultiTensorSteps:
     #: group id -> (group, its layout); the group is kept so that its id stays its own
     _layouts: dict[int, tuple[dict[str, Any], Layout]]
     _state_version: int
+    param_groups: list[dict[str, Any]]
     #: group id -> (group, {dtype signature: (data pointers, table)}) of several flat buckets
     _bucket_tables: dict[int, tuple[dict[str, Any], dict[tuple[Any, ...], tuple[Any, Any]]]]
 
@@ -94,6 +95,7 @@ class MultiTensorSteps:
         layout = entry[1] if entry is not None and entry[0] is group else None
         if layout is None or not self._layout_holds(layout, params, key):
             layout = self._build_layout(group, params, key)
+            self._forget_dead_groups(layouts)
             layouts[id(group)] = (group, layout)
         fn = multi_kernel(self._family)
         for launch in layout.launches:
@@ -194,13 +196,17 @@ class MultiTensorSteps:
                    predicted is not None and predicted.dtype, init)
             by_sig.setdefault(sig, []).append(item)
         fn = multi_kernel(self._family)
-        cache = self._bucket_tables.setdefault(id(group), (group, {}))[1]
+        entry = self._bucket_tables.get(id(group))
+        if entry is None or entry[0] is not group:
+            entry = self._bucket_tables[id(group)] = (group, {})
+        cache = entry[1]
         for sig, items in by_sig.items():
             keys = list(items[0][2])
             ptrs = tuple(t.data_ptr() for param, grad, tensors, _, pred in items
                          for t in (param, grad, *tensors.values(), *([pred] if pred is not None else [])))
             cached = cache.get(sig)
             if cached is None or cached[0] != ptrs:
+                self._forget_dead_groups(self._bucket_tables)
                 rows: dict[str, list[Tensor] | None] = {"param": [i[0] for i in items],
                                                         "grad": [i[1] for i in items]}
                 rows.update({STATE_ROLES[k]: [i[2][k] for i in items] for k in keys})
@@ -212,6 +218,13 @@ class MultiTensorSteps:
             predicted = table.tensors("pred") if table.has("pred") else None
             self._call_update(fn, group, table, None, state_lists, sig[-1], predicted,
                               grad_scale, found_inf)
+
+    def _forget_dead_groups(self, cache: dict[int, tuple[dict[str, Any], Any]]) -> None:
+        """Drop the entries of groups no longer in ``param_groups`` (load_state_dict replaces
+        them), with the state tensors their tables hold; runs on a rebuild only."""
+        live = {id(g): g for g in self.param_groups}
+        for k in [k for k, (g, _) in cache.items() if live.get(k) is not g]:
+            del cache[k]
 
     def _bump_state_version(self) -> None:
         """The optimizer replaced a state tensor (flat views, shared counts): layouts rebuild."""
