@@ -66,7 +66,6 @@ class Layout:
     state_obj: Any
     fused: list[Tensor] = field(default_factory=list)  # launched params, launch by launch
     param_ptrs: list[int] = field(default_factory=list)
-    grad_ptrs: list[int] = field(default_factory=list)
     launches: list[Launch] = field(default_factory=list)
     rest: list[Tensor] = field(default_factory=list)
     fresh: bool = False
@@ -130,7 +129,6 @@ class MultiTensorSteps:
         # torch's .grad setter keeps a gradient's dtype, shape and device those of its param
         for launch in layout.launches:
             launch.table.refresh("grad", grads[launch.span], ptrs[launch.span])
-        layout.grad_ptrs = ptrs
         return True
 
     def _build_layout(self, group: dict[str, Any], params: list[Tensor],
@@ -180,8 +178,8 @@ class MultiTensorSteps:
             layout.launches.append(Launch(table, state_lists, predicted, sig[-1], span))
             layout.fused.extend(ps)
             layout.fresh |= sig[-1]
+        layout.key = self._layout_key(group)  # with the state entries just created
         layout.param_ptrs = list(map(_PTR, layout.fused))
-        layout.grad_ptrs = [g.data_ptr() for g in map(_GRAD, layout.fused)]
         return layout
 
     def _multi_buckets(self, group: dict[str, Any], batch: list[tuple[Any, ...]],
