@@ -43,15 +43,16 @@ def _tensors(n: int, dtype: torch.dtype, gen: torch.Generator, roles: dict[str, 
 
 
 def _compare(single, multi, roles, table_roles, scalar_roles, dtype, kwargs, offset=0,
-             found_inf=None):
+             found_inf=None, sizes=SIZES):
     gen = torch.Generator().manual_seed(0)
-    segs = [_tensors(n, dtype, gen, roles, offset if i % 2 else 0) for i, n in enumerate(SIZES)]
+    segs = [_tensors(n, dtype, gen, roles, offset if i % 2 else 0) for i, n in enumerate(sizes)]
     copies = [{k: t.clone() for k, t in s.items()} for s in segs]
     for s in segs:
         single(s, found_inf)
     rows = {r: [c[r] for c in copies] for r in roles}
     table = SegmentTable(table_roles, rows, scalar_roles=scalar_roles)
-    assert table.nseg == len(SIZES) and table.aligned is False  # odd sizes: the scalar path
+    # odd sizes or views: the scalar path; sizes of 16s at fresh allocations: the hinted one
+    assert table.nseg == len(sizes) and table.aligned is (offset == 0 and sizes is not SIZES)
     multi(table, rows, found_inf)
     for s, c in zip(segs, copies, strict=True):
         for role in roles:
@@ -148,6 +149,9 @@ def test_adam_multi_equals_single(case: str, dtype: torch.dtype) -> None:
 
     _compare(single, multi, roles, kadam.ADAM_ROLES, ("step",), dtype, kw, offset=2,
              found_inf=found_inf)
+    if case == "sc_pred_delta_dc_amp":  # ALIGNED=True (the GPU's vectorized variant)
+        _compare(single, multi, roles, kadam.ADAM_ROLES, ("step",), dtype, kw,
+                 sizes=[16, 4096, 65536 + 16])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
