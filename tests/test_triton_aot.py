@@ -18,14 +18,16 @@ multiple of 16) every block access is vectorized to the expected width (fp32: 12
 bf16/fp16: 128 bits where all swept tensors are 16-bit, 64 bits beside fp32 tensors, see
 triton_kernels/_launch.py); and no variant the launchers pick goes through shared memory.
 
-The default set (133 cases; NAdam's 24 of them: every dtype pair off and on, the host path,
+The default set (138 cases; NAdam's 24 of them: every dtype pair off and on, the host path,
 odd and unaligned sizes; ~25 CPU-s: ~15-40 s on 2 cores) covers every dtype pair, each flag
 alone (delay compensation ``dc`` with the delta it reads), everything on, and the unhinted,
-i64 and n == 1 specializations; the ``slow`` sweep (2,025 cases, ~5 CPU-min; only with
+i64 and n == 1 specializations, and five multi-tensor launches (triton_kernels/multi.py: each
+kernel with everything on, aligned, and one unaligned); the ``slow`` sweep (2,130 cases, ~5 CPU-min; only with
 ``PE_AOT_SWEEP=1``, which .ci/run sets for a second pytest call so the default suite stays
 near 10 minutes) adds SGD's full flag product per dtype, Adam's full product of the flags that change memory
 traffic (the arithmetic-only flags rotate through their combinations), and the mixed-dtype
-pairs with every flag alone.
+pairs with every flag alone, and the multi-tensor kernels over every dtype pair, odd sizes
+and each flag alone.
 """
 
 from __future__ import annotations
@@ -67,11 +69,47 @@ ADAM_ARITH = [dict(wd=w, decoupled=d, maximize=m, sc=s, lerp_small=ls)
               for m in (False, True) for s in (False, True) for ls in (True, False)]
 
 
-def _case(family, dtype, grad=None, n=N_ARENA, odd=(), block=None, **opts):
+def _case(family, dtype, grad=None, n=N_ARENA, odd=(), block=None, multi=False, **opts):
     base = {"sgd": SGD_OFF, "adam": ADAM_OFF, "nadam": NADAM_OFF}[family]
     assert set(opts) <= set(base), opts
     return dict(family=family, dtype=dtype, grad=grad or dtype, n=n, odd=list(odd),
-                block=block, opts=dict(base, **opts))
+                block=block, multi=multi, opts=dict(base, **opts))
+
+
+def _multi(family, dtype, grad=None, n=N_ARENA, odd=(), **opts):
+    """A multi-tensor launch (two segments; the kernel derives the step on the device)."""
+    if family != "sgd":
+        opts["device_step"] = True
+    return _case(family, dtype, grad, n=n, odd=odd, multi=True, **opts)
+
+
+def multi_default_cases() -> dict[str, dict]:
+    """A handful: every kernel with everything on, aligned (the vectorized path) and one
+    unaligned (the scalar path)."""
+    return {
+        "multi_sgd_float32_on": _multi("sgd", "float32", **SGD_ON),
+        "multi_sgd_bfloat16_on": _multi("sgd", "bfloat16", **SGD_ON),
+        "multi_adam_float32_on": _multi("adam", "float32", **ADAM_ON),
+        "multi_nadam_float32_on": _multi("nadam", "float32", **NADAM_ON),
+        "multi_adam_float32_on_unaligned": _multi("adam", "float32", n=N_ODD, odd=["all"],
+                                                  **ADAM_ON),
+    }
+
+
+def multi_sweep_cases() -> dict[str, dict]:
+    cases = {}
+    for family, on in (("sgd", SGD_ON), ("adam", ADAM_ON), ("nadam", NADAM_ON)):
+        for dtype, grad in itertools.product(DTYPES, DTYPES):
+            cases[f"sweep_multi_{family}_{dtype}_{grad}_on"] = _multi(family, dtype, grad, **on)
+            cases[f"sweep_multi_{family}_{dtype}_{grad}_off"] = _multi(family, dtype, grad)
+        for dtype in DTYPES:
+            cases[f"sweep_multi_{family}_{dtype}_on_n_odd"] = _multi(family, dtype, n=N_ODD,
+                                                                     **on)
+        for name, opts in _singles(family).items():
+            if family == "nadam" and name in ("amsgrad", "sc"):
+                continue
+            cases[f"sweep_multi_{family}_float32_{name}"] = _multi(family, "float32", **opts)
+    return cases
 
 
 def _singles(family):
@@ -119,7 +157,7 @@ def default_cases() -> dict[str, dict]:
     cases["nadam_float32_on_n_odd"] = _case("nadam", "float32", n=N_ODD, **NADAM_ON)
     cases["nadam_bfloat16_on_unaligned"] = _case("nadam", "bfloat16", n=N_ODD, odd=["all"],
                                                  **NADAM_ON)
-    return cases
+    return cases | multi_default_cases()
 
 
 def sweep_cases() -> dict[str, dict]:
@@ -147,7 +185,7 @@ def sweep_cases() -> dict[str, dict]:
                                 ("i64", N_I64, ()), ("n1", 1, ())):
                 cases[f"sweep_{family}_{dtype}_on_{tag}"] = _case(family, dtype, n=n, odd=odd,
                                                                   **on)
-    return cases
+    return cases | multi_sweep_cases()
 
 
 _SCRIPT = r"""
@@ -161,6 +199,7 @@ from triton.runtime.jit import create_function_from_signature
 import engine.triton_kernels.adam as adam_mod
 import engine.triton_kernels.nadam as nadam_mod
 import engine.triton_kernels.sgd as sgd_mod
+from engine.triton_kernels.multi import SegmentTable
 
 cases = json.load(open(sys.argv[1]))
 shard, shards, out_path = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -187,8 +226,12 @@ class Capture:
 sgd_mod.sgd_kernel = Capture(sgd_mod.sgd_kernel)
 adam_mod.adam_kernel = Capture(adam_mod.adam_kernel)
 adam_mod._advance_step = lambda step, found_inf: None  # a device op beside the kernel
+adam_mod._advance_steps = lambda steps, found_inf: None
 nadam_mod.nadam_kernel = Capture(nadam_mod.nadam_kernel)
 nadam_mod._advance_step = lambda step, found_inf: None
+nadam_mod._advance_on_device = lambda *args: None
+for mod, name in ((sgd_mod, "sgd"), (adam_mod, "adam"), (nadam_mod, "nadam")):
+    setattr(mod, f"{name}_multi_kernel", Capture(getattr(mod, f"{name}_multi_kernel")))
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -198,7 +241,47 @@ def tensor(role, dtype, n, odd):
     return torch.empty(n, dtype=dtype, device="meta")
 
 
+def launch_multi(case):
+    # two segments of meta tensors: pointers are their (offset) addresses, so an "odd" view
+    # is unaligned; sizes n and n + 1024 keep n's divisibility
+    o, n, odd = case["opts"], case["n"], case["odd"]
+    p, st = DT[case["dtype"]], torch.float32
+    sizes = (n, n + 1024)
+    t = lambda role, dtype, on=True: [tensor(role, dtype, k, odd) for k in sizes] if on else None
+    one = lambda on: torch.ones(1, device="meta") if on else None
+    scalars = lambda v: [torch.full((), v, device="meta") for _ in sizes]
+    rows = dict(param=t("param", p), grad=t("grad", DT[case["grad"]]), pred=t("pred", p, o["predict"]),
+                delta=t("delta", st, o["delta"]))
+    common = dict(predicted=rows["pred"], delta=rows["delta"], dc_coeff=0.5 if o["dc"] else 0.0,
+                  grad_scale=one(o["scale"]), found_inf=one(o["inf"]), validate=False)
+    if case["family"] == "sgd":
+        rows["buf"] = t("buf", st, o["momentum"])
+        table = SegmentTable(sgd_mod.SGD_ROLES, rows)
+        sgd_mod.fused_sgd_multi(
+            table, lr=0.1, momentum=0.9 if o["momentum"] else 0.0, dampening=0.0,
+            weight_decay=0.01 if o["wd"] else 0.0, nesterov=o["nesterov"],
+            maximize=o["maximize"], init_momentum=o["init"], sc_delay=2 if o["sc"] else 0,
+            predict_coeff=0.2, delta_gamma=0.5, **common)
+        return
+    rows.update(m=t("m", st), v=t("v", st), last=t("last", st, o["last"]), step=scalars(1.0))
+    kw = dict(lr=1e-3, beta1=0.9 if o["lerp_small"] else 0.3, beta2=0.999, eps=1e-8,
+              weight_decay=0.01 if o["wd"] else 0.0, decoupled=o["decoupled"],
+              maximize=o["maximize"], last_update=rows["last"], predict_horizon=2.0,
+              delta_gamma=0.5, step=rows["step"], **common)
+    if case["family"] == "nadam":
+        rows["prod"] = scalars(0.5)
+        table = SegmentTable(nadam_mod.NADAM_ROLES, rows, scalar_roles=("step", "prod"))
+        nadam_mod.fused_nadam_multi(table, momentum_decay=4e-3, **kw)
+    else:
+        rows["vmax"] = t("vmax", st, o["amsgrad"])
+        table = SegmentTable(adam_mod.ADAM_ROLES, rows, scalar_roles=("step",))
+        adam_mod.fused_adam_multi(table, amsgrad=o["amsgrad"], sc_delay=2 if o["sc"] else 0,
+                                  **kw)
+
+
 def launch(case):
+    if case.get("multi"):
+        return launch_multi(case)
     o, n, odd = case["opts"], case["n"], case["odd"]
     p, st = DT[case["dtype"]], torch.float32
     t = lambda role, dtype, on=True: tensor(role, dtype, n, odd) if on else None
@@ -269,7 +352,9 @@ for key, (index, (fn, options, signature, constexprs, attrs)) in variants.items(
     hinted = sorted(fn.arg_names[k[0]] for k, v in attrs.items() if ["tt.divisibility", 16] in v)
     rec = {"kernel": fn.__name__, "num_warps": options.num_warps, "hinted": hinted,
            "signature": {k: v for k, v in signature.items() if v != "constexpr"},
-           "constexprs": {fn.arg_names[k[0]]: v for k, v in constexprs.items()}}
+           # dtype constexprs (the multi-tensor kernels' operand types) as their names
+           "constexprs": {fn.arg_names[k[0]]: v if isinstance(v, (bool, int, float)) else str(v)
+                          for k, v in constexprs.items()}}
     try:
         k = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
                            options=options.__dict__)
@@ -320,7 +405,7 @@ def _script(tmp: Path, name: str, code: str) -> Path:
 @pytest.fixture(scope="module", params=["default", pytest.param("sweep", marks=pytest.mark.slow)])
 def compiled(request, tmp_path_factory):
     if request.param == "sweep" and os.environ.get("PE_AOT_SWEEP") != "1":
-        pytest.skip("the 2,025-case sweep (~5 CPU-min) runs with PE_AOT_SWEEP=1, as .ci/run does "
+        pytest.skip("the 2,130-case sweep (~5 CPU-min) runs with PE_AOT_SWEEP=1, as .ci/run does "
                     "after the default suite; the default set covers every flag and dtype pair")
     tmp = tmp_path_factory.mktemp(f"aot_{request.param}")
     env = _env(tmp)
@@ -369,8 +454,30 @@ def test_every_case_launches_and_compiles_for_sm90(compiled):
           f"{len(compiled['variants'])} distinct variants compiled for sm_90")
 
 
+def test_multi_tensor_variants_specialized_as_a_gpu_launch(compiled):
+    """The multi-tensor kernels: operand dtypes are constexprs, the tables are aligned
+    arguments, and ALIGNED (the in-kernel hints) holds exactly where every pointer is 16-byte
+    aligned and every size a multiple of 16."""
+    checked = 0
+    for name, spec in compiled["specs"].items():
+        if not spec["multi"]:
+            continue
+        v = _variant(compiled, name)
+        c = v["constexprs"]
+        assert v["kernel"] == f"{spec['family']}_multi_kernel", name
+        assert c["ALIGNED"] == (not spec["odd"] and spec["n"] % 16 == 0), (name, c["ALIGNED"])
+        tl_name = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+        assert (c["PARAM_T"], c["GRAD_T"]) == (tl_name[spec["dtype"]], tl_name[spec["grad"]]), c
+        assert {"meta_ptr", "chunk_ptr"} <= set(v["hinted"]), name
+        assert v["num_warps"] == 4, name
+        checked += 1
+    assert checked >= 5
+
+
 def test_specialized_as_a_gpu_launch(compiled):
     for name, spec in compiled["specs"].items():
+        if spec["multi"]:
+            continue  # test_multi_tensor_variants_specialized_as_a_gpu_launch
         v = _variant(compiled, name)
         sig, o, hinted = v["signature"], spec["opts"], set(v["hinted"])
         p, g = (f"*{ {'float32': 'fp32', 'bfloat16': 'bf16', 'float16': 'fp16'}[spec[k]] }"
@@ -456,13 +563,20 @@ def _expected_accesses(spec) -> tuple[Counter, Counter]:
     if spec["family"] == "nadam" and o["inf"] and not o["device_step"]:
         scalars -= 1  # the host read found_inf
     scalar = Counter({32: scalars})
+    if spec["multi"]:
+        # the tables: segment index, chunk start, size, and one data pointer per operand in use
+        rows = set(loads) | set(stores) | ({"step"} if o.get("device_step") else set())
+        rows |= {"prod"} if spec["family"] == "nadam" and o["device_step"] else set()
+        scalar[64] += 3 + len(rows)
     return widths(loads) + scalar, widths(stores)
 
 
 def test_arena_path_is_vectorized(compiled):
     """Aligned pointers, n a multiple of 16: fp32 in 128-bit accesses; bf16/fp16 in 128-bit
-    ones, or 64-bit beside fp32 (one shared layout, no exchange between threads)."""
-    checked = 0
+    ones, or 64-bit beside fp32 (one shared layout, no exchange between threads). The same
+    for an aligned multi-tensor launch (ALIGNED: its hints give the same accesses), whose
+    unaligned launch is scalar."""
+    checked = multi = 0
     for name, spec in compiled["specs"].items():
         if spec["odd"] or spec["n"] % 16 or not _on_default_block(spec):
             continue
@@ -476,7 +590,10 @@ def test_arena_path_is_vectorized(compiled):
         if spec["dtype"] == spec["grad"] == "float32":
             assert set(got_stores) == {128}, name
         checked += 1
-    assert checked >= 50
+        multi += spec["multi"]
+    assert checked >= 50 and multi >= 4
+    v = _variant(compiled, "multi_adam_float32_on_unaligned")
+    assert set(v["loads"]) <= {"32", "64"} and set(v["stores"]) == {"32"}
 
 
 def test_no_shared_memory_round_trip(compiled):

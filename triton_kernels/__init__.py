@@ -9,6 +9,9 @@ compensation, weight prediction, PipeMare's delta, AMP unscale / skip).
 ``nadam``: fused NAdam / NAdamW step (prediction, PipeMare's delta, AMP; momentum schedule
 computed in the kernel from the device step and mu_product).
 ``_launch``: what the launchers share (block sizes, argument checks, bf16 rounding).
+``multi``: multi-tensor apply: the ``SegmentTable`` (device pointer and chunk tables) that lets
+each family's ``*_multi_kernel`` update many tensors or flat buckets in one launch, running the
+same jit body as the single-tensor kernel (``fused_<family>_multi``).
 
 The launchers have exactly the signatures of the reference functions in
 ``engine.optim.functional``. The kernel modules are imported on first attribute access:
@@ -25,6 +28,10 @@ _LAZY = {
     "fused_sgd_update": "engine.triton_kernels.sgd",
     "fused_adam_update": "engine.triton_kernels.adam",
     "fused_nadam_update": "engine.triton_kernels.nadam",
+    "fused_sgd_multi": "engine.triton_kernels.sgd",
+    "fused_adam_multi": "engine.triton_kernels.adam",
+    "fused_nadam_multi": "engine.triton_kernels.nadam",
+    "SegmentTable": "engine.triton_kernels.multi",
 }
 
 __all__ = list(_LAZY)

@@ -1,5 +1,10 @@
 """Fused momentum-SGD step: one pass over a flat buffer (or one tensor) per call.
 
+The update itself is a ``@triton.jit`` body (``sgd_body``) that two kernels call:
+``sgd_kernel`` over one tensor, and ``sgd_multi_kernel`` over the segments of a
+``SegmentTable`` (many tensors or flat buckets of one param group, one launch; see
+triton_kernels/multi.py), so both compute the same bits.
+
 Why a kernel: torch's single-tensor SGD with weight decay, momentum and the delay mitigations
 reads and writes the weights, gradient and buffers several times (one pass per torch op);
 this kernel reads w, g and the momentum buffer once and writes the new weights, the buffer
@@ -33,29 +38,28 @@ from engine.triton_kernels._launch import (
     load_and_decay,
     placeholder,
 )
+from engine.triton_kernels.multi import (
+    SegmentTable,
+    check_roles,
+    launch_segments,
+    segment_offsets,
+    segment_ptr,
+)
 
-__all__ = ["fused_sgd_update", "sgd_kernel", "launch_sgd"]
+__all__ = ["fused_sgd_update", "fused_sgd_multi", "sgd_kernel", "sgd_multi_kernel", "launch_sgd",
+           "SGD_ROLES"]
 
 
 @triton.jit
-def sgd_kernel(
-    param_ptr, grad_ptr, buf_ptr, pred_ptr, delta_ptr, scale_ptr, inf_ptr,
-    n, lr, momentum, keep, weight_decay, sc_a, sc_b, pred_coeff, gamma, keep_gamma, dc_coef,
-    BLOCK: tl.constexpr,
-    WEIGHT_DECAY: tl.constexpr,
-    MOMENTUM: tl.constexpr,
-    INIT: tl.constexpr,
-    NESTEROV: tl.constexpr,
-    SC: tl.constexpr,
-    MAXIMIZE: tl.constexpr,
-    PREDICT: tl.constexpr,
-    DELTA: tl.constexpr,
-    DC: tl.constexpr,
-    SCALE: tl.constexpr,
-    CHECK_INF: tl.constexpr,
+def sgd_body(
+    param_ptr, grad_ptr, buf_ptr, pred_ptr, delta_ptr, scale_ptr, offs, mask,
+    lr, momentum, keep, weight_decay, sc_a, sc_b, pred_coeff, gamma, keep_gamma, dc_coef,
+    WEIGHT_DECAY: tl.constexpr, MOMENTUM: tl.constexpr, INIT: tl.constexpr,
+    NESTEROV: tl.constexpr, SC: tl.constexpr, MAXIMIZE: tl.constexpr, PREDICT: tl.constexpr,
+    DELTA: tl.constexpr, DC: tl.constexpr, SCALE: tl.constexpr,
 ):
-    offs, mask = block_offsets(n, inf_ptr, BLOCK, CHECK_INF)
-
+    """The update of the elements ``offs`` (masked): what both the single-tensor and the
+    multi-tensor kernel run."""
     # delta is read once: DC's estimate, then updated; SGD's decay is always L2 (coupled)
     w, g, _w_old, d = load_and_decay(param_ptr, grad_ptr, scale_ptr, delta_ptr, offs, mask,
                                      weight_decay, 1.0, dc_coef, SCALE, MAXIMIZE, WEIGHT_DECAY,
@@ -91,6 +95,103 @@ def sgd_kernel(
         if DELTA:
             d = d * gamma + keep_gamma * (w_st - w)
             tl.store(delta_ptr + offs, d, mask=mask)
+
+
+@triton.jit
+def sgd_kernel(
+    param_ptr, grad_ptr, buf_ptr, pred_ptr, delta_ptr, scale_ptr, inf_ptr,
+    n, lr, momentum, keep, weight_decay, sc_a, sc_b, pred_coeff, gamma, keep_gamma, dc_coef,
+    BLOCK: tl.constexpr,
+    WEIGHT_DECAY: tl.constexpr,
+    MOMENTUM: tl.constexpr,
+    INIT: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    SC: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    PREDICT: tl.constexpr,
+    DELTA: tl.constexpr,
+    DC: tl.constexpr,
+    SCALE: tl.constexpr,
+    CHECK_INF: tl.constexpr,
+):
+    offs, mask = block_offsets(n, inf_ptr, BLOCK, CHECK_INF)
+    sgd_body(param_ptr, grad_ptr, buf_ptr, pred_ptr, delta_ptr, scale_ptr, offs, mask,
+             lr, momentum, keep, weight_decay, sc_a, sc_b, pred_coeff, gamma, keep_gamma,
+             dc_coef, WEIGHT_DECAY, MOMENTUM, INIT, NESTEROV, SC, MAXIMIZE, PREDICT, DELTA, DC,
+             SCALE)
+
+
+#: operand rows of the multi-tensor table (triton_kernels/multi.py), in order
+SGD_ROLES = ("param", "grad", "buf", "pred", "delta")
+_SGD_DTYPES = {"param": "PARAM_T", "grad": "GRAD_T", "buf": "BUF_T", "pred": "PRED_T",
+               "delta": "DELTA_T"}
+
+
+@triton.jit
+def sgd_multi_kernel(
+    meta_ptr, chunk_ptr, nseg, scale_ptr, inf_ptr,
+    lr, momentum, keep, weight_decay, sc_a, sc_b, pred_coeff, gamma, keep_gamma, dc_coef,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    PARAM_T: tl.constexpr,
+    GRAD_T: tl.constexpr,
+    BUF_T: tl.constexpr,
+    PRED_T: tl.constexpr,
+    DELTA_T: tl.constexpr,
+    WEIGHT_DECAY: tl.constexpr,
+    MOMENTUM: tl.constexpr,
+    INIT: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    SC: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    PREDICT: tl.constexpr,
+    DELTA: tl.constexpr,
+    DC: tl.constexpr,
+    SCALE: tl.constexpr,
+    CHECK_INF: tl.constexpr,
+):
+    seg, offs, mask = segment_offsets(meta_ptr, chunk_ptr, nseg, inf_ptr, 5, BLOCK, ALIGNED,
+                                      CHECK_INF)
+    sgd_body(segment_ptr(meta_ptr, nseg, seg, 0, PARAM_T, ALIGNED),
+             segment_ptr(meta_ptr, nseg, seg, 1, GRAD_T, ALIGNED),
+             segment_ptr(meta_ptr, nseg, seg, 2, BUF_T, ALIGNED),
+             segment_ptr(meta_ptr, nseg, seg, 3, PRED_T, ALIGNED),
+             segment_ptr(meta_ptr, nseg, seg, 4, DELTA_T, ALIGNED),
+             scale_ptr, offs, mask,
+             lr, momentum, keep, weight_decay, sc_a, sc_b, pred_coeff, gamma, keep_gamma,
+             dc_coef, WEIGHT_DECAY, MOMENTUM, INIT, NESTEROV, SC, MAXIMIZE, PREDICT, DELTA, DC,
+             SCALE)
+
+
+def _sgd_args(*, lr: float, momentum: float, dampening: float, weight_decay: float,
+              nesterov: bool, maximize: bool, init_momentum: bool, sc_delay: int,
+              predict: bool, predict_coeff: float, delta: bool, delta_gamma: float,
+              dc_coeff: float, scale: bool, check_inf: bool) -> tuple[tuple[float, ...], dict]:
+    """The kernels' float arguments and constexpr flags (shared by both launchers)."""
+    use_momentum = momentum != 0
+    sc = use_momentum and sc_delay > 0
+    sc_a, sc_b = spike_coeffs(momentum, sc_delay) if sc else (0.0, 0.0)
+    sc_b *= 1 - dampening  # the spike term's (1 - d), as the reference (ALGORITHMS.md)
+    scalars = (float(lr), float(momentum), float(1 - dampening), float(weight_decay),
+               float(sc_a), float(sc_b), float(predict_coeff), float(delta_gamma),
+               float(1 - delta_gamma), float(dc_coeff))
+    flags = dict(
+        WEIGHT_DECAY=weight_decay != 0,
+        MOMENTUM=use_momentum,
+        # flags that change no code are canonicalised, so that no launch compiles a
+        # duplicate variant (e.g. at the second step of momentum-free SGD)
+        INIT=use_momentum and bool(init_momentum),
+        NESTEROV=use_momentum and not sc and bool(nesterov),
+        SC=sc,
+        MAXIMIZE=bool(maximize),
+        PREDICT=predict,
+        DELTA=delta,
+        DC=dc_coeff != 0,
+        SCALE=scale,
+        CHECK_INF=check_inf,
+        num_warps=1 if interpreting() else GPU_WARPS,
+    )
+    return scalars, flags
 
 
 def launch_sgd(
@@ -130,34 +231,19 @@ def launch_sgd(
     n = param.numel()
     if n == 0:
         return
-    sc = use_momentum and sc_delay > 0
-    sc_a, sc_b = spike_coeffs(momentum, sc_delay) if sc else (0.0, 0.0)
-    sc_b *= 1 - dampening  # the spike term's (1 - d), as the reference (ALGORITHMS.md)
+    scalars, flags = _sgd_args(
+        lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+        nesterov=nesterov, maximize=maximize, init_momentum=init_momentum, sc_delay=sc_delay,
+        predict=predicted is not None, predict_coeff=predict_coeff, delta=delta is not None,
+        delta_gamma=delta_gamma, dc_coeff=dc_coeff, scale=grad_scale is not None,
+        check_inf=found_inf is not None)
     block = block or default_block(param, grad, momentum_buffer if use_momentum else None,
                                    delta)
     sgd_kernel[grid_for(n, block)](
         param, grad, placeholder(momentum_buffer if use_momentum else None, param),
         placeholder(predicted, param), placeholder(delta, param),
         placeholder(grad_scale, param), placeholder(found_inf, param),
-        n, float(lr), float(momentum), float(1 - dampening), float(weight_decay),
-        float(sc_a), float(sc_b), float(predict_coeff), float(delta_gamma),
-        float(1 - delta_gamma), float(dc_coeff),
-        BLOCK=block,
-        WEIGHT_DECAY=weight_decay != 0,
-        MOMENTUM=use_momentum,
-        # flags that change no code are canonicalised, so that no launch compiles a
-        # duplicate variant (e.g. at the second step of momentum-free SGD)
-        INIT=use_momentum and bool(init_momentum),
-        NESTEROV=use_momentum and not sc and bool(nesterov),
-        SC=sc,
-        MAXIMIZE=bool(maximize),
-        PREDICT=predicted is not None,
-        DELTA=delta is not None,
-        DC=dc_coeff != 0,
-        SCALE=grad_scale is not None,
-        CHECK_INF=found_inf is not None,
-        num_warps=1 if interpreting() else GPU_WARPS,
-    )
+        n, *scalars, BLOCK=block, **flags)
 
 
 def fused_sgd_update(
@@ -189,3 +275,48 @@ def fused_sgd_update(
                init_momentum=init_momentum, sc_delay=sc_delay, predicted=predicted,
                predict_coeff=predict_coeff, delta=delta, delta_gamma=delta_gamma,
                dc_coeff=dc_coeff, grad_scale=grad_scale, found_inf=found_inf, validate=validate)
+
+
+def fused_sgd_multi(
+    table: SegmentTable,
+    grads: object = None,
+    momentum_buffers: object = None,
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+    init_momentum: bool,
+    sc_delay: int = 0,
+    predicted: object = None,
+    predict_coeff: float = 0.0,
+    delta: object = None,
+    delta_gamma: float = 0.0,
+    dc_coeff: float = 0.0,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    validate: bool = True,
+) -> None:
+    """:func:`fused_sgd_update` over every segment of ``table`` (roles :data:`SGD_ROLES`) in
+    one launch. The tensor arguments only say which operands the caller means (None: not
+    used) and must agree with the table; ``validate`` checks every segment as the
+    single-tensor launcher does (the optimizers validate once per layout)."""
+    use_momentum = momentum != 0
+    check_roles(table, {"grad": True, "buf": use_momentum, "pred": predicted is not None,
+                        "delta": delta is not None})
+    if validate:
+        for p, g, b, pr, d in table.segments(SGD_ROLES):
+            validate_sgd_args(p, g, b, momentum=momentum, dampening=dampening,
+                              sc_delay=sc_delay, predicted=pr, delta=d,
+                              grad_scale=grad_scale, found_inf=found_inf)
+    check_dc(dc_coeff, table.first("delta"),
+             table.tensors("param")[0])
+    scalars, flags = _sgd_args(
+        lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+        nesterov=nesterov, maximize=maximize, init_momentum=init_momentum, sc_delay=sc_delay,
+        predict=table.has("pred"), predict_coeff=predict_coeff, delta=table.has("delta"),
+        delta_gamma=delta_gamma, dc_coeff=dc_coeff, scale=grad_scale is not None,
+        check_inf=found_inf is not None)
+    launch_segments(sgd_multi_kernel, table, _SGD_DTYPES, scalars, flags, grad_scale, found_inf)

@@ -37,6 +37,7 @@ from engine.optim import functional
 from engine.optim.computed import ComputedWeights
 from engine.optim.dispatch import FUSED_DTYPES, kernels, use_fused
 from engine.optim.flat import FlatBinding, arena_binding
+from engine.optim.multi import MultiTensorSteps
 from engine.optim.options import (
     DELAY_DEFAULTS,
     PREDICTION_MODES,
@@ -77,7 +78,7 @@ def _functional() -> Any:
     return functional
 
 
-class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
+class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorSteps, Optimizer):
     """Base class of ``engine.optim.SGD``, ``Adam``, ``AdamW`` and ``NAdam``.
 
     Subclasses provide the family name (``"sgd"``, ``"adam"``, ``"nadam"``), the state keys a
@@ -110,6 +111,9 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
         self.last_step_predicted = False
         self._kernel_pair = kernels(self._family)
         self._fuse_cache: dict[int, tuple[Any, ...]] = {}
+        self._layouts = {}  # multi-tensor launches per group (engine.optim.multi)
+        self._state_version = 0
+        self._bucket_tables = {}
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ options
@@ -313,13 +317,17 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
         fuse = self._fused_choice(index, group, params)
         done: set[int] = set()
         wrote = True
+        # several fused buckets: one multi-tensor launch per dtype signature, after the loop
+        batch: list[tuple[Any, ...]] | None = [] if fuse and len(bindings) > 1 else None
         for b in bindings:
-            if self._flat_step(group, b, ref, fused, fuse, grad_scale, found_inf):
+            if self._flat_step(group, b, ref, fused, fuse, grad_scale, found_inf, batch):
                 if len(bindings) == 1 and params is group["params"]:
                     return wrote  # covered whole (checked above)
                 done.update(map(id, b.params))
             elif b.predicted is not None:
                 wrote = False
+        if batch:
+            self._multi_buckets(group, batch, grad_scale, found_inf)
         self._step_tensors(group, [p for p in params if id(p) not in done], fuse, grad_scale, found_inf)
         return wrote
 
@@ -331,7 +339,10 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
         grad_scale: Tensor | None,
         found_inf: Tensor | None,
     ) -> None:
-        """One update call per tensor (params not in a flat buffer)."""
+        """Params not in a flat buffer: fused, one launch per dtype signature
+        (:mod:`engine.optim.multi`); what the kernels cannot take, one update call per tensor."""
+        if fuse and params:
+            params = self._multi_tensors(group, params, grad_scale, found_inf)
         ref, fused = self._kernel_pair
         keys = self._state_keys(group)
         for p in params:
@@ -387,8 +398,10 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
         fuse: bool,
         grad_scale: Tensor | None,
         found_inf: Tensor | None,
+        batch: list[tuple[Any, ...]] | None = None,
     ) -> bool:
-        """One update over a binding's flat buffers; False when it does not qualify.
+        """One update over a binding's flat buffers; False when it does not qualify. With
+        ``batch`` a fused update is appended there instead (the caller launches the batch).
 
         It qualifies when every tensor of the binding has a gradient in the flat gradient
         buffer (torch skips tensors without grads; the flat update would move them through
@@ -436,7 +449,10 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
         tensors = {k: flat[k] for k in self._state_keys(group)}
         for key, _ in self._shared_scalars:
             tensors[key] = flat[key]
-        self._call_update(fn, group, view.param, view.grad, tensors, init, predicted, grad_scale, found_inf)
+        if batch is not None and fn is fused:
+            batch.append((view.param, view.grad, tensors, init, predicted))
+        else:
+            self._call_update(fn, group, view.param, view.grad, tensors, init, predicted, grad_scale, found_inf)
         b.initialized = True
         return True
 
@@ -454,6 +470,7 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
                     view.copy_(old)
                 self.state[p][key] = view
             flat[key] = buf
+            self._bump_state_version()
         return flat
 
     def _is_fresh(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
@@ -480,4 +497,5 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, Optimizer):
             shared = first.detach().to(dtype=torch.float32, device=params[0].device).clone()
         for p in params:
             self.state[p][key] = shared
+        self._bump_state_version()
         return shared

@@ -14,17 +14,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["kernels", "use_fused", "FUSED_DTYPES"]
+__all__ = ["kernels", "multi_kernel", "use_fused", "FUSED_DTYPES"]
 
 #: param dtypes the fused kernels read and write; other dtypes take the reference path
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_FUSED: dict[str, Callable[..., Any]] = {}
+_MODULES: dict[str, Any] = {}
+#: one-element operands of the multi-tensor kernels (the rest sweep a tensor each)
+_SCALAR_ROLES = ("step", "prod")
 
 
-def _fused(family: str) -> Callable[..., Any]:
-    fn = _FUSED.get(family)
-    if fn is None:
+def _module(family: str) -> Any:
+    module = _MODULES.get(family)
+    if module is None:
         try:
             module = importlib.import_module(f"engine.triton_kernels.{family}")
         except ImportError as exc:
@@ -32,19 +34,43 @@ def _fused(family: str) -> Callable[..., Any]:
                 f"fused update needs engine.triton_kernels.{family} and triton ({exc}); "
                 "install triton==3.6.0 or pass fused=False"
             ) from exc
-        fn = getattr(module, f"fused_{family}_update")
-        _FUSED[family] = fn
-    return fn
+        _MODULES[family] = module
+    return module
+
+
+def _fused(family: str, multi: bool = False) -> Callable[..., Any]:
+    return getattr(_module(family), f"fused_{family}_{'multi' if multi else 'update'}")
 
 
 class _Fused:
-    """Calls ``engine.triton_kernels.<family>.fused_<family>_update``, imported on first call."""
+    """Calls ``engine.triton_kernels.<family>.fused_<family>_update`` (``multi``: the
+    multi-tensor ``fused_<family>_multi``), imported on first call."""
 
-    def __init__(self, family: str) -> None:
+    def __init__(self, family: str, multi: bool = False) -> None:
         self.family = family
+        self.multi = multi
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _fused(self.family)(*args, **kwargs)
+        return _fused(self.family, self.multi)(*args, **kwargs)
+
+    def table(self, rows: dict[str, list[Tensor] | None]) -> Any:
+        """A multi-tensor launch's ``SegmentTable`` over ``rows`` (role -> tensors)."""
+        module = _module(self.family)
+        from engine.triton_kernels.multi import SegmentTable
+
+        roles = getattr(module, f"{self.family.upper()}_ROLES")
+        return SegmentTable(roles, rows, scalar_roles=[r for r in _SCALAR_ROLES if r in roles])
+
+
+_MULTI: dict[str, _Fused] = {}
+
+
+def multi_kernel(family: str) -> _Fused:
+    """The multi-tensor fused update of ``family`` (one launch over many tensors)."""
+    fn = _MULTI.get(family)
+    if fn is None:
+        fn = _MULTI[family] = _Fused(family, multi=True)
+    return fn
 
 
 def kernels(family: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
