@@ -15,6 +15,7 @@ from torch import nn
 import engine
 import engine.optim as eo
 from engine import Pipeline, PipelineConfigError
+from engine.optim.flat import FlatBinding
 from engine.runtime.graphs import StepGraphs, launch_key
 
 
@@ -212,3 +213,19 @@ def test_gpu_per_step_lr_schedule_stays_eager():
     graphed, stats = _gpu_run(True, make, scheduler=sched)
     assert all(torch.equal(x, y) for x, y in zip(eager, graphed, strict=True))
     assert all(s["replays"] == 0 for s in stats["cuda_graphs"])
+
+
+def test_group_over_several_buckets_runs_eagerly():
+    """Mixed dtypes make two buckets in one group: one multi-tensor launch whose pointer table
+    is rebuilt when a buffer changes, so no graph may hold on to it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3).to(torch.bfloat16))
+    arena = engine.flatten_(model)
+    opt = eo.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    views = [arena.flat_view(b) for b in range(len(arena.buckets))]
+    opt.bind_flat([FlatBinding(view=v, params=tuple(v.params)) for v in views])  # as a stage
+    for p in model.parameters():
+        p.grad.copy_(torch.randn_like(p))
+    opt.step()
+    assert len(opt._group_bindings(0, opt.param_groups[0])) == 2
+    assert "2 flat buckets" in launch_key(opt)

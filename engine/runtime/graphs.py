@@ -20,7 +20,9 @@ bookkeeping and snapshots, gradient rescaling of partial groups, data-parallel a
 LR schedulers run as before, around the replay, on the same stage stream.
 
 A step that is not in the steady state of a bound stage -- the first step (it creates the
-state), a step in which some parameter got no gradient (its ``.grad`` is hidden, so the
+state), a param group spread over several flat buckets (mixed dtypes: one multi-tensor launch
+whose device pointer table is rebuilt when a buffer changes, which a graph would not see), a
+step in which some parameter got no gradient (its ``.grad`` is hidden, so the
 gradients are not all in the flat buffer), a Tensor-valued option (the kernels read it on the
 host), optimizer step hooks (they would run at capture only), a profiler recording (labels)
 -- runs eagerly; ``Pipeline.stats()["cuda_graphs"]`` counts the steps of each kind per stage
@@ -99,6 +101,11 @@ def launch_key(opt: Any, extra: tuple[Hashable, ...] = ()) -> tuple[Hashable, ..
     for i, group in enumerate(opt.param_groups):
         params = group["params"]
         bindings = opt._group_bindings(i, group)
+        if len(bindings) > 1:
+            # one multi-tensor launch reads a pointer table that is rebuilt (a new device
+            # tensor) whenever a bucket's buffer changes: a graph would keep reading the old one
+            return (f"param group {i} spans {len(bindings)} flat buckets (one multi-tensor "
+                    "launch whose pointer table is rebuilt when a buffer changes)")
         covered = 0
         buffers = []
         for b in bindings:
