@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / ".ci" / "gpu"
-PHASES = ["build", "test", "bench-kernels", "bench-pipeline"]
+PHASES = ["build", "test", "test-optim", "bench-kernels", "bench-pipeline"]
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
@@ -77,9 +77,18 @@ def test_each_phase_lists_its_commands_and_writes_nothing(tmp_path: Path) -> Non
 
     test = listed["test"]
     gpu_files = [a for a in test["test/pytest-gpu"] if a.startswith("tests/")]
+    gpu_files += [a for a in listed["test-optim"]["test-optim/pytest-gpu"] if a.startswith("tests/")]
     for name in ("test_kernels_sgd.py", "test_kernels_adam.py", "test_optim_fused.py",
                  "test_arena.py", "test_runtime_cuda.py"):
         assert f"tests/{name}" in gpu_files
+    # every file that puts its tensors on the kernel device runs whole on the GPU (a file
+    # missing here would only run its cuda-marked tests there, and its kernels never compiled)
+    on_kernel_device = sorted(
+        f"tests/{f.name}" for f in (ROOT / "tests").glob("test_*.py")
+        if re.search(r"^from kernel_support import", f.read_text(), re.M)
+    )
+    assert set(on_kernel_device) <= set(gpu_files), set(on_kernel_device) - set(gpu_files)
+    assert len(gpu_files) == len(set(gpu_files))
     marked = test["test/pytest-cuda-marked"]
     assert ("-m", "cuda") in zip(marked, marked[1:], strict=False)
     assert {f"--ignore={f}" for f in gpu_files} <= set(marked)  # nothing runs twice

@@ -377,3 +377,32 @@ def test_gpu_graph_replays_skip_updates() -> None:
     assert all(torch.equal(x, y) for x, y in zip(eager, graphed, strict=True))
     assert stats["skipped_updates"] == [1, 1]
     assert all(s["replays"] > 0 for s in stats["cuda_graphs"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_gpu_steady_state_steps_never_sync_the_host(graphs: bool) -> None:
+    """Issue 10's "no host syncs in steady state": once warm (kernels compiled, state made,
+    graphs recorded), pb steps with skip_update run under CUDA's sync debug mode "error", which
+    raises at any synchronizing call (an .item(), a bool() of a CUDA tensor, a blocking copy)."""
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(16, 32), nn.Tanh()).cuda(), nn.Linear(32, 4).cuda()]
+    sgd = lambda p: engine.optim.SGD(p, lr=0.05, momentum=0.9,  # noqa: E731
+                                     spike_compensation=True, prediction="linear")
+    pipe = Pipeline(stages, schedule="pb", chunks=4, loss_fn=mse, optimizer=sgd,
+                    on_nonfinite="skip_update", cuda_graphs=graphs)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [(torch.randn(4, 16, device="cuda", generator=g),
+                torch.randn(4, 4, device="cuda", generator=g)) for _ in range(9)]
+    for x, y in batches[:6]:
+        pipe.step(x, y)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x, y in batches[6:]:
+            pipe.step(x, y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    if graphs:
+        assert all(s["replays"] > 0 for s in pipe.stats()["cuda_graphs"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_support import DEVICE, needs_kernels
 from torch import nn
 
 import engine
@@ -32,12 +33,12 @@ class Recorder:
 
 def _model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).to(DEVICE)
 
 
 def _backward(model: nn.Module, k: int) -> None:
     g = torch.Generator().manual_seed(100 + k)
-    x = torch.randn(4, 5, generator=g)
+    x = torch.randn(4, 5, generator=g).to(DEVICE)
     model(x).square().mean().backward()
 
 
@@ -71,6 +72,7 @@ SGD_SC_LWP = {"lr": 0.05, "momentum": 0.9, "delay": 2, "spike_compensation": Tru
               "prediction": "linear", "fused": True}
 
 
+@needs_kernels
 @pytest.mark.parametrize("make_opt", [
     lambda ps: eo.SGD(ps, **SGD_SC_LWP),
     lambda ps: eo.Adam(ps, lr=1e-2, delay=1, prediction="linear", fused=True),
@@ -89,6 +91,7 @@ def test_capture_after_a_repeat_then_replay_equals_plain_steps(make_opt):
             assert torch.equal(oa.state[p][key], t), key
 
 
+@needs_kernels
 def test_lr_change_recaptures_and_per_step_changes_stay_eager():
     a, b, oa, ob, graphs, rec = _pair(lambda ps: eo.SGD(ps, **SGD_SC_LWP))
     _steps(a, b, oa, ob, graphs, 0, 4)
@@ -109,6 +112,7 @@ def test_lr_change_recaptures_and_per_step_changes_stay_eager():
     assert _same(a, b)
 
 
+@needs_kernels
 def test_tensor_option_hooks_and_missing_grads_run_eagerly():
     a, b, oa, ob, graphs, rec = _pair(lambda ps: eo.SGD(ps, **SGD_SC_LWP))
     _steps(a, b, oa, ob, graphs, 0, 3)
@@ -129,6 +133,7 @@ def test_tensor_option_hooks_and_missing_grads_run_eagerly():
     assert graphs.replays == 2 and _same(a, b)
 
 
+@needs_kernels
 def test_key_holds_buffers_and_amp_tensors():
     a, _b, oa, _ob, _graphs, _rec = _pair(lambda ps: eo.SGD(ps, **SGD_SC_LWP))
     _backward(a, 0)
@@ -215,11 +220,12 @@ def test_gpu_per_step_lr_schedule_stays_eager():
     assert all(s["replays"] == 0 for s in stats["cuda_graphs"])
 
 
+@needs_kernels
 def test_group_over_several_buckets_runs_eagerly():
     """Mixed dtypes make two buckets in one group: one multi-tensor launch whose pointer table
     is rebuilt when a buffer changes, so no graph may hold on to it."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3).to(torch.bfloat16))
+    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3).to(torch.bfloat16)).to(DEVICE)
     arena = engine.flatten_(model)
     opt = eo.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
     views = [arena.flat_view(b) for b in range(len(arena.buckets))]
