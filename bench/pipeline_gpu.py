@@ -16,7 +16,8 @@ Sides (bench/harness.py: alternating paired rounds, median time ratio with a 95 
   engine.models.residual_mlp(64, 10, layers=16, width=--width) in 8 stages of 2 layers,
   ``engine.optim.SGD(lr=1e-3, momentum=0.9, spike_compensation=True, prediction="linear")``
   with ``weight_prediction="lwp"`` (bench/overhead.py's pb-batch1 case, on the GPU),
-  ``checkpoint="never"``, ``cuda_streams=True``; and, only when ``engine.Pipeline`` accepts a
+  ``checkpoint="never"``, ``cuda_streams=True``, ``on_nonfinite="skip_update"`` (no host read
+  per micro-batch: engine/runtime/device_flags.py); and, only when ``engine.Pipeline`` accepts a
   ``cuda_graphs`` keyword (checked with inspect.signature at run time), a second case with
   ``cuda_graphs=True`` as well. Without the keyword that case is reported as not available.
 * peer: the unsplit model trained per sample with torch.optim.SGD(momentum=0.9) on the same
@@ -79,7 +80,9 @@ def stages_of(net: nn.Sequential) -> list[nn.Module]:
 def pipeline(stages: list[nn.Module], *, streams: bool, graphs: bool) -> engine.Pipeline:
     """pb batch-1 with SC + LWP (bench/overhead.py's pb-batch1), on the stages' device."""
     opt_kw, pipe_kw = PB1_MITIGATIONS["sc+lwp"]
-    kw: dict[str, object] = {"cuda_streams": streams}
+    # "skip_update": non-finite losses flagged on the device, so no micro-batch waits for a
+    # host read of its loss (with "raise"/"skip" every forward of the last stage syncs)
+    kw: dict[str, object] = {"cuda_streams": streams, "on_nonfinite": "skip_update"}
     if graphs:
         kw["cuda_graphs"] = True  # only reached when graphs_keyword() said it exists
     return engine.Pipeline(
@@ -132,7 +135,7 @@ def run(device: torch.device, *, width: int = 64, rounds: int = 15, warmup: int 
                   f"finite ({float(losses[-1]):.3f} after 4 steps)"),
             extra={"target_ratio": TARGET_RATIO, "cuda_streams": float(streams),
                    "cuda_graphs": float(graphs), "graphs_keyword": float(graphs_keyword()),
-                   "stages": S, "chunks": M, "width": width},
+                   "stages": S, "chunks": M, "width": width, "device_flags": 1.0},
         ))
         log(f"{summary_line(rows[-1])} (goal <= {TARGET_RATIO:.2f}x, i.e. >= 3x faster)")
     return rows
