@@ -103,3 +103,35 @@ def test_flat_buffers_are_handed_over_not_looked_up() -> None:
     grads = [p.grad for p in st.module.parameters()]
     flat_grad = st.store.arena.flat_grad(0)
     assert all(g.untyped_storage().data_ptr() == flat_grad.untyped_storage().data_ptr() for g in grads)
+
+
+def test_steady_steps_check_the_gradients_once(monkeypatch) -> None:
+    """In the steady state a bound group's gradients are checked once per step (one C-level
+    pass in _check_before_step), not again by the update; a replaced .grad leaves the steady
+    state and the step still equals the per-tensor path."""
+    import engine
+    from engine.optim.flat import FlatBinding
+
+    def model() -> nn.Module:
+        torch.manual_seed(5)
+        return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 5))
+
+    a, b = model(), model()
+    engine.flatten_(a)
+    oa = eo.SGD(a.parameters(), lr=0.1, momentum=0.9, spike_compensation=True, delay=2)
+    ob = eo.SGD(b.parameters(), lr=0.1, momentum=0.9, spike_compensation=True, delay=2)
+    calls = []
+    real = FlatBinding.grads_in_buffer
+    monkeypatch.setattr(FlatBinding, "grads_in_buffer", lambda self: calls.append(1) or real(self))
+    x = torch.randn(3, 5)
+    for k in range(4):
+        for m, o in ((a, oa), (b, ob)):
+            o.zero_grad(set_to_none=False)
+            m(x * (k + 1)).square().mean().backward()
+        if k == 2:  # a fresh gradient tensor: not the flat buffer's view any more
+            a[0].weight.grad = a[0].weight.grad.clone()
+        calls.clear()
+        oa.step()
+        ob.step()
+        assert len(calls) == (1 if k != 2 else 2), k  # step 2: checked, then rebound
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))

@@ -245,7 +245,9 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorStep
         if explicit is not None:
             return explicit
         params = group["params"]
-        ids = tuple(map(id, params))
+        # the list's identity and length, as FlatBinding.covers: a group's list changes only
+        # through add_param_group or load_state_dict, which rebuild it (and clear _auto)
+        ids = (id(params), len(params))
         cached = self._auto.get(index)
         if cached is not None and cached[0] == ids:
             return cached[1]
@@ -301,8 +303,9 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorStep
             self._step_tensors(group, params, False, grad_scale, found_inf)
             return True
         bindings = self._group_bindings(index, group)
-        if len(bindings) == 1 and bindings[0].covers(group["params"]) and bindings[0].grads_in_buffer():
-            # the steady state of a bound stage: one flat update, no per-parameter work
+        if len(bindings) == 1 and bindings[0].steady:
+            # the steady state of a bound stage (checked by _check_before_step): one flat
+            # update, no per-parameter work
             params = group["params"]
         else:
             params = [p for p in group["params"] if p.grad is not None]
@@ -413,7 +416,7 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorStep
         if view.grad is None or torch.is_complex(view.param):
             return False
         params = b.params
-        if not b.grads_in_buffer():
+        if not (b.steady or b.grads_in_buffer()):
             for p in params:
                 if p.grad is None:
                     return False

@@ -49,6 +49,9 @@ class FlatBinding:
     state: dict[str, Tensor] = field(default_factory=dict)
     grad_views: tuple[Tensor, ...] = ()
     initialized: bool = False
+    #: set by the step's checks: the binding covers its whole group and every ``.grad`` is its
+    #: flat-buffer view (checked once per step, then trusted by the update)
+    steady: bool = False
     _covers_key: tuple[int, int] | None = None
     _covers: bool = False
 

@@ -8,6 +8,8 @@ keeping them together is what keeps the conditions the same as torch's.
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 from typing import Any
 
@@ -18,6 +20,11 @@ from engine.optim.functional import _PARAM_DTYPES
 from engine.optim.options import check_delay_options
 
 __all__ = ["OptionChecks", "PARAM_DTYPES"]
+
+# C-level iteration for the per-step sparse check: no Python loop over the parameters
+_GRAD = operator.attrgetter("grad")
+_IS_SPARSE = operator.attrgetter("is_sparse")
+_NOT_NONE = functools.partial(operator.is_not, None)
 
 #: parameter dtypes the optimizers update (the reference path's, complex as torch.optim does)
 PARAM_DTYPES = _PARAM_DTYPES
@@ -122,8 +129,17 @@ class OptionChecks:
             elif seen[1] != okey:
                 self._check_options(group, f"param_groups[{i}]: ")
             checked[i] = (pkey, okey)
+            bindings = self._group_bindings(i, group)
+            for b in bindings:
+                b.steady = False
+            if len(bindings) == 1 and bindings[0].covers(params) and bindings[0].grads_in_buffer():
+                # the steady state of a bound stage: dense flat gradients, checked once here
+                bindings[0].steady = True
+                continue
             if i in self._bindings:
                 continue  # bound buckets hold dense flat gradients by construction
+            if not any(map(_IS_SPARSE, filter(_NOT_NONE, map(_GRAD, params)))):
+                continue
             for j, p in enumerate(params):
                 g = p.grad
                 if g is not None and g.is_sparse:
