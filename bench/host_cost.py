@@ -1,0 +1,135 @@
+"""Host time of an engine optimizer step against its parameter count (kernel launches stubbed).
+
+Why: on a GPU a stage's update is a few kernel launches, and everything the optimizer does on
+the host around them -- option checks, dispatch, state and layout lookups -- is paid per step
+whatever the parameter sizes. Issue 10 asks that host work not grow with the number of
+parameters. Here the Triton launches are replaced by a no-op (``kernel[grid](...)`` returns at
+once), so what is timed is the Python side of ``opt.step()`` alone, on any machine.
+
+Cases, each a paired ratio (bench/harness.py: alternating rounds, median with a 95 %
+interval): the same optimizer over ``--many`` parameters (candidate) against ``--few``
+(peer), 64 elements each, SGD with spike compensation and linear prediction and Adam with
+linear prediction, on
+
+* ``flat``: parameters in one arena bucket (``engine.flatten_``: a stage's steady state, one
+  launch per group);
+* ``tensors``: plain parameters (the multi-tensor path: one launch per dtype signature).
+
+A ratio of 1 means the host time does not depend on the parameter count; the per-step times
+are in the CSV (``candidate_ms``/``peer_ms``).
+
+    python bench/host_cost.py --out /tmp/host            # 15 rounds
+    python bench/host_cost.py --quick --out /tmp/host    # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # no GPU needed: nothing is launched
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import RatioRow, paired, summary_line, write_ratio_csv  # noqa: E402
+
+import engine  # noqa: E402
+import engine.optim as eo  # noqa: E402
+from engine.triton_kernels import adam as _adam  # noqa: E402
+from engine.triton_kernels import nadam as _nadam  # noqa: E402
+from engine.triton_kernels import sgd as _sgd  # noqa: E402
+
+KERNELS = ((_sgd, "sgd_kernel"), (_sgd, "sgd_multi_kernel"), (_adam, "adam_kernel"),
+           (_adam, "adam_multi_kernel"), (_nadam, "nadam_kernel"), (_nadam, "nadam_multi_kernel"))
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: ``kernel[grid](*args)`` does nothing."""
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def stubbed_launches() -> Iterator[None]:
+    """Every optimizer kernel a no-op inside the block (restored after)."""
+    saved = [(module, name, getattr(module, name)) for module, name in KERNELS
+             if hasattr(module, name)]  # (older engines have no multi-tensor kernels)
+    try:
+        for module, name, _ in saved:
+            setattr(module, name, _NoLaunch())
+        yield
+    finally:
+        for module, name, kernel in saved:
+            setattr(module, name, kernel)
+
+
+OPTIMIZERS = {
+    "sgd+sc+lwp": lambda ps: eo.SGD(ps, lr=0.1, momentum=0.9, spike_compensation=True, delay=2,
+                                    prediction="linear", fused=True),
+    "adam+pred": lambda ps: eo.Adam(ps, lr=0.1, delay=2, prediction="linear", fused=True),
+}
+
+
+def stepper(n: int, flat: bool, make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+            ) -> Callable[[], None]:
+    torch.manual_seed(0)
+    params = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(64)) for _ in range(n)])
+    if flat:
+        engine.flatten_(params)  # .grad becomes a view of the bucket's flat gradient
+    ps = list(params.parameters())
+    for p in ps:
+        if p.grad is None:
+            p.grad = torch.randn_like(p)
+        else:
+            p.grad.copy_(torch.randn_like(p))
+    opt = make(ps)
+    for _ in range(2):
+        opt.step()  # state created, layouts cached
+    return opt.step
+
+
+def run(*, few: int, many: int, rounds: int, min_time: float, label: str,
+        log: Callable[[str], None] = print) -> list[RatioRow]:
+    rows = []
+    for name, make in OPTIMIZERS.items():
+        for flat in (True, False):
+            path = "flat" if flat else "tensors"
+            with stubbed_launches():
+                res = paired(stepper(many, flat, make), stepper(few, flat, make), rounds=rounds,
+                             warmup=2, min_time=min_time)
+            rows.append(res.row(
+                "host_cost", f"{name} {path}", f"{many} params", f"{few} params", label=label,
+                note="kernel launches stubbed: host time of opt.step() only",
+                extra={"few": few, "many": many, "flat": float(flat)},
+            ))
+            log(summary_line(rows[-1]))
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--few", type=int, default=8)
+    ap.add_argument("--many", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--min-time", type=float, default=0.05)
+    ap.add_argument("--quick", action="store_true", help="3 rounds, short blocks")
+    ap.add_argument("--label", default="")
+    args = ap.parse_args(argv)
+    rounds, min_time = (3, 0.01) if args.quick else (args.rounds, args.min_time)
+    rows = run(few=args.few, many=args.many, rounds=rounds, min_time=min_time, label=args.label)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_ratio_csv(rows, args.out / "host_cost.csv")
+    print(f"wrote {args.out / 'host_cost.csv'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
