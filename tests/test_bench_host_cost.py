@@ -4,8 +4,10 @@ small run writes the ratio CSV."""
 from __future__ import annotations
 
 import csv
+import os
 from pathlib import Path
 
+import pytest
 import torch
 from bench_support import load_bench
 
@@ -13,6 +15,13 @@ import engine.optim as eo
 from engine.triton_kernels import sgd as ksgd
 
 bench = load_bench("host_cost")
+
+# CPU optimizers with fused=True (launches stubbed): the optimizer refuses them unless the
+# interpreter is on, as on CPU CI; the script itself sets TRITON_INTERPRET=1 before importing
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="bench/host_cost.py times CPU optimizers with fused=True: needs TRITON_INTERPRET=1",
+)
 
 
 def test_launches_are_stubbed_inside_the_block_only() -> None:

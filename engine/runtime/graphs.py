@@ -119,7 +119,7 @@ def launch_key(opt: Any, extra: tuple[Hashable, ...] = ()) -> tuple[Hashable, ..
             buffers.append((_ptr(b.view.param), _ptr(b.view.grad), _ptr(b.predicted), state))
         if covered != len(params):
             return f"param group {i}: some of its parameters are outside the stage's flat buffers"
-        if params and not opt._fused_choice(i, group, list(params)):
+        if params and not opt._fused_choice(i, group, params):
             return (f"param group {i} runs the reference path (a dtype the fused kernels do not "
                     "take)")
         options = []
