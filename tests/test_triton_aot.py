@@ -225,10 +225,9 @@ class Capture:
 
 sgd_mod.sgd_kernel = Capture(sgd_mod.sgd_kernel)
 adam_mod.adam_kernel = Capture(adam_mod.adam_kernel)
-adam_mod._advance_step = lambda step, found_inf: None  # a device op beside the kernel
-adam_mod._advance_steps = lambda steps, found_inf: None
+adam_mod._advance_steps = lambda steps, found_inf: None  # a device op beside the kernel
 nadam_mod.nadam_kernel = Capture(nadam_mod.nadam_kernel)
-nadam_mod._advance_step = lambda step, found_inf: None
+nadam_mod._advance_steps = lambda steps, found_inf: None
 nadam_mod._advance_on_device = lambda *args: None
 for mod, name in ((sgd_mod, "sgd"), (adam_mod, "adam"), (nadam_mod, "nadam")):
     setattr(mod, f"{name}_multi_kernel", Capture(getattr(mod, f"{name}_multi_kernel")))

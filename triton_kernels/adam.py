@@ -235,19 +235,9 @@ def _log(beta: float) -> float:
     return math.log(beta) if beta > 0 else -math.inf
 
 
-def _advance_step(step: Tensor, found_inf: Tensor | None) -> None:
-    if found_inf is None:
-        step += 1
-    elif found_inf.device == step.device:
-        # device-side: no host synchronization
-        step.add_((found_inf.reshape(()) == 0).to(step.dtype))
-    elif found_inf.item() == 0:
-        step += 1
-
-
 def _advance_steps(steps: list[Tensor], found_inf: Tensor | None) -> None:
-    """:func:`_advance_step` of several step counts with one foreach op (same values: + 1.0
-    in fp32, or + (found_inf == 0))."""
+    """Add 1 to each step count, or, with AMP's ``found_inf``, add (found_inf == 0): on the
+    device when found_inf is there (no host synchronization). One foreach op for all."""
     if found_inf is None:
         torch._foreach_add_(steps, 1)
     elif found_inf.device == steps[0].device:
@@ -310,7 +300,7 @@ def launch_adam(
     elif device_step and step.device != param.device:
         raise ValueError("device_step=True needs step on the param's device")
 
-    _advance_step(step, found_inf)
+    _advance_steps([step], found_inf)
 
     sc_a = beta1 ** int(sc_delay) if sc_delay > 0 else 0.0
     if device_step:

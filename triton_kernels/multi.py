@@ -202,11 +202,9 @@ class SegmentTable:
         return list({id(t): t for t in self.tensors(role)}.values())
 
     def release(self, role: str) -> None:
-        """Drop the references to ``role``'s tensors (the pointers stay, for :meth:`same`)."""
+        """Drop the references to ``role``'s tensors (the pointers stay: :meth:`refresh`
+        compares against them)."""
         self._refs[role] = None
-
-    def same(self, role: str, ptrs: list[int]) -> bool:
-        return self.ptrs[role] == ptrs
 
     def refresh(self, role: str, ts: Sequence[Tensor], ptrs: list[int] | None = None) -> None:
         """Point ``role`` at new tensors of the same sizes, dtype and device: one row rebuilt

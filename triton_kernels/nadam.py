@@ -43,7 +43,7 @@ from engine.triton_kernels._launch import (
     load_and_decay,
     placeholder,
 )
-from engine.triton_kernels.adam import _advance_step, _log, adam_moments, store_step
+from engine.triton_kernels.adam import _advance_steps, _log, adam_moments, store_step
 from engine.triton_kernels.multi import (
     SegmentTable,
     check_roles,
@@ -172,7 +172,7 @@ def nadam_multi_kernel(
 def _advance_on_device(step: Tensor, mu_product: Tensor, found_inf: Tensor | None, beta1: float,
                        momentum_decay: float) -> None:
     """Device ops only: step += (no overflow); mu_product *= mu_t (1 on an overflow)."""
-    _advance_step(step, found_inf)
+    _advance_steps([step], found_inf)
     mu_t = beta1 * (1.0 - 0.5 * torch.pow(0.96, step.double() * momentum_decay))
     if found_inf is not None:
         mu_t = torch.where(found_inf.reshape(()) == 0, mu_t, torch.ones_like(mu_t))
