@@ -45,6 +45,24 @@ _PTR = Tensor.data_ptr
 _CONTIGUOUS = Tensor.is_contiguous
 
 
+def _signature(param: Tensor, grad: Tensor, state: dict[str, Tensor],
+               predicted: Tensor | None, init: bool) -> tuple[Any, ...]:
+    """What one launch shares: every operand's dtype, whether a prediction is written, the
+    first-step flag."""
+    return (param.dtype, grad.dtype, tuple(t.dtype for t in state.values()),
+            predicted is not None and predicted.dtype, init)
+
+
+def _segment_table(kernel: Any, params: list[Tensor], grads: list[Tensor],
+                   state: dict[str, list[Tensor]], predicted: list[Tensor] | None) -> Any:
+    """The kernel's segment table over these operands (state keys mapped to their roles)."""
+    rows: dict[str, list[Tensor] | None] = {"param": params, "grad": grads}
+    rows.update({STATE_ROLES[k]: v for k, v in state.items()})
+    if predicted is not None:
+        rows["pred"] = predicted
+    return kernel.table(rows)
+
+
 @dataclass(eq=False)
 class Launch:
     """One multi-tensor launch: its table, the state lists the family's update call forwards,
@@ -159,20 +177,15 @@ class MultiTensorSteps:
             counts_seen.update(map(id, counts))
             tensors = {k: state[k] for k in keys}
             predicted = self._predicted_buffer(group, p, p)
-            sig = (p.dtype, g.dtype, tuple(t.dtype for t in tensors.values()),
-                   predicted is not None and predicted.dtype, init)
+            sig = _signature(p, g, tensors, predicted, init)
             by_sig.setdefault(sig, []).append((p, tensors, predicted))
         kernel = multi_kernel(self._family)
         start = 0
         for sig, items in by_sig.items():
             ps = [p for p, _, _ in items]
             state_lists = {k: [t[k] for _, t, _ in items] for k in keys}
-            rows: dict[str, list[Tensor] | None] = {"param": ps, "grad": list(map(_GRAD, ps))}
-            rows.update({STATE_ROLES[k]: v for k, v in state_lists.items()})
             predicted = [pr for _, _, pr in items] if items[0][2] is not None else None
-            if predicted is not None:
-                rows["pred"] = predicted
-            table = kernel.table(rows)
+            table = _segment_table(kernel, ps, list(map(_GRAD, ps)), state_lists, predicted)
             span = slice(start, start + len(ps))
             start += len(ps)
             layout.launches.append(Launch(table, state_lists, predicted, sig[-1], span))
@@ -190,9 +203,7 @@ class MultiTensorSteps:
         by_sig: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
         for item in batch:
             param, grad, tensors, init, predicted = item
-            sig = (param.dtype, grad.dtype, tuple(t.dtype for t in tensors.values()),
-                   predicted is not None and predicted.dtype, init)
-            by_sig.setdefault(sig, []).append(item)
+            by_sig.setdefault(_signature(param, grad, tensors, predicted, init), []).append(item)
         fn = multi_kernel(self._family)
         entry = self._bucket_tables.get(id(group))
         if entry is None or entry[0] is not group:
@@ -205,12 +216,11 @@ class MultiTensorSteps:
             cached = cache.get(sig)
             if cached is None or cached[0] != ptrs:
                 self._forget_dead_groups(self._bucket_tables)
-                rows: dict[str, list[Tensor] | None] = {"param": [i[0] for i in items],
-                                                        "grad": [i[1] for i in items]}
-                rows.update({STATE_ROLES[k]: [i[2][k] for i in items] for k in keys})
-                if sig[3] is not False:
-                    rows["pred"] = [i[4] for i in items]
-                cached = cache[sig] = (ptrs, fn.table(rows))
+                table = _segment_table(
+                    fn, [i[0] for i in items], [i[1] for i in items],
+                    {k: [i[2][k] for i in items] for k in keys},
+                    [i[4] for i in items] if sig[3] is not False else None)
+                cached = cache[sig] = (ptrs, table)
             table = cached[1]
             state_lists = {k: table.tensors(STATE_ROLES[k]) for k in keys}
             predicted = table.tensors("pred") if table.has("pred") else None
