@@ -44,7 +44,6 @@ import torch
 import torch.optim.optimizer as _torch_optimizer
 from torch import Tensor
 
-from engine.errors import PipelineConfigError
 from engine.runtime import labels
 
 __all__ = ["CudaGraphBackend", "StepGraphs", "attach_step_graphs", "graph_refusal", "launch_key"]
@@ -209,16 +208,8 @@ def graph_refusal(stage: int, opt: Any, device: torch.device) -> str | None:
 
 
 def attach_step_graphs(stages: Sequence[Any], backend: GraphBackend | None = None) -> None:
-    """Check every stage (all before any is changed) and give each stage optimizer bridge a
-    :class:`StepGraphs`. Raises PipelineConfigError naming the stage otherwise."""
-    todo = []
+    """Give each stage optimizer bridge a :class:`StepGraphs` (what cannot be captured was
+    refused by :func:`graph_refusal` in ``build_store``, before the model moved)."""
     for st in stages:
-        bridge = st.bridge
-        if bridge is None or not st.store.params:
-            continue  # a stage without parameters has no step
-        reason = graph_refusal(st.index, bridge.opt, st.store.params[0].device)
-        if reason is not None:
-            raise PipelineConfigError(reason)
-        todo.append((st, bridge))
-    for st, bridge in todo:
-        bridge.graphs = StepGraphs(st.index, bridge.opt, backend)
+        if st.bridge is not None:  # (a stage without parameters has no step)
+            st.bridge.graphs = StepGraphs(st.index, st.bridge.opt, backend)
