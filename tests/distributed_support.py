@@ -1097,9 +1097,11 @@ def phase_resume_inflight(
 
     out: dict[str, Any] = {}
     for name in names:
-        tree = name.startswith("tree-")
-        kw = configs(S)[name.removeprefix("tree-")]
-        data = varlen_batch if tree else batch
+        tree, nan = name.startswith("tree-"), name.startswith("nan-")
+        kw = configs(S)[name.removeprefix("tree-").removeprefix("nan-")]
+        data = varlen_batch if tree else nan_batch if nan else batch
+        if nan:  # NaN losses in flight at the save: their flags are on the wire and stashed
+            kw = dict(kw, on_nonfinite="skip_update")
         try:
             def make(kw: dict[str, Any] = kw, tree: bool = tree) -> Any:
                 if tree:  # dict activations with a mask and a constant, random lengths
@@ -1138,6 +1140,85 @@ def phase_resume_inflight(
                 "state_equal": len(ta) == len(tb) and all(
                     torch.equal(x, y) for x, y in zip(ta, tb, strict=True)
                 ),
+            }
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+#: on_nonfinite="skip_update": step -> micro-batches (mod M) whose first target row is NaN
+NAN_AT = {1: [1], 2: [0, 3], 3: [2], 6: [1]}
+
+
+def nan_batch(step: int, B: int = 8, M: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`batch` with a NaN in the first target row of the micro-batches ``NAN_AT`` names
+    (with data parallelism that row goes to replica 0 only)."""
+    x, y = batch(step, B)
+    for m in NAN_AT.get(step, ()):
+        y[(m % M) * (B // M)] = float("nan")
+    return x, y
+
+
+def phase_skip_update(
+    rank: int, S: int, names: list[str], R: int = 1, transport: str = "gloo"
+) -> dict[str, Any]:
+    """on_nonfinite="skip_update" under gloo (the flags travel with the gradients) vs the
+    local run with the same flags: weights, losses (NaN where the local one is NaN) and the
+    device counters. With R replicas, vs one replica with the R-times larger batch, where a
+    NaN reaches one replica only: every replica must skip the same updates."""
+    from engine import Pipeline
+
+    out: dict[str, Any] = {}
+    B, M = (8, 4) if R == 1 else (4, 2)
+    device = "cuda" if transport == "nccl" else "cpu"
+    for name in names:
+        kw = dict(configs(S)[name], on_nonfinite="skip_update", chunks=M)
+        try:
+            pipe = Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport=transport,
+                            data_parallel=R, timeout=30, **kw)
+            d, b = pipe.layout.replica, B // M
+
+            def shard(t: torch.Tensor, d: int = d, b: int = b) -> torch.Tensor:
+                big = t.split(R * b)  # replica d: rows d*b .. (d+1)*b-1 of every micro-batch
+                return torch.cat([mb[d * b : (d + 1) * b] for mb in big])
+
+            losses = []
+            for t in range(STEPS):
+                x, y = nan_batch(t, R * B, M)
+                if R > 1:
+                    x, y = shard(x), shard(y)
+                losses.append(pipe.step(x, y).detach().to(device).clone())
+            pipe.flush()
+            ref = Pipeline([f().to(device) for f in stage_factories(S)],
+                           loss_fn=nn.functional.mse_loss, **kw)
+            ref_losses = [ref.step(*(t.to(device) for t in nan_batch(t, R * B, M))).detach().clone()
+                          for t in range(STEPS)]
+            ref.flush()
+            s = pipe.layout.stage
+            mine = [p.detach() for p in pipe.stages[0].module.parameters()]
+            theirs = [p.detach() for p in ref.stages[s].module.parameters()]
+            got, want = pipe.stats(), ref.stats()
+            out[name] = {
+                "weights_equal": all(torch.equal(a, c) for a, c in zip(mine, theirs, strict=True)),
+                "max_diff": max(float((a - c).abs().max()) for a, c in zip(mine, theirs, strict=True)),
+                "finite": all(bool(torch.isfinite(a).all()) for a in mine),
+                "losses_equal": all(
+                    torch.equal(a, c) or (a.isnan().all() and c.isnan().all())
+                    for a, c in zip(losses, ref_losses, strict=True)
+                ),
+                "loss_diff": max(
+                    float((a - c).abs()) for a, c in zip(losses, ref_losses, strict=True)
+                    if not c.isnan()
+                ),
+                "nan_losses": [bool(x.isnan()) for x in losses],
+                "ref_nan_losses": [bool(x.isnan()) for x in ref_losses],
+                "skipped": got["skipped_updates"][0],
+                "ref_skipped": want["skipped_updates"][s],
+                "dropped": got["dropped_microbatches"],
+                "ref_dropped": want["dropped_microbatches"],
+                "updates": got["updates"][0],
+                "ref_updates": want["updates"][s],
+                "found_inf_clear": not bool(pipe.stages[0].bridge.skip.found_inf.any()),
             }
         except Exception:
             out[name] = {"error": traceback.format_exc()}

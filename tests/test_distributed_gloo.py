@@ -24,6 +24,9 @@ pytestmark = [
 ]
 
 KILL_TIMEOUT = 8.0
+#: asynchronous configurations run with on_nonfinite="skip_update" and NaN losses
+SKIP_UPDATE = ["pb", "pb-k2", "pb-lwp", "pb-pipemare-t2", "pb-spectrain-reuse", "pipedream", "2bw"]
+SKIP_UPDATE_DP = ["pb", "2bw"]
 STALL_TIMEOUT = 4.0
 
 
@@ -39,6 +42,7 @@ def two() -> list[dict[str, Any]]:
             ("varlen_mixed", dict(S=2, names=["1f1b-tied", "pb"])),
             ("interleaved", dict(R=2)),
             ("reject_input", dict(S=2)),
+            ("skip_update", dict(S=2, names=SKIP_UPDATE)),
             ("reject_later", dict(S=2)),  # terminal: the last stage stops mid-step
         ],
     )
@@ -53,6 +57,7 @@ def four() -> list[dict[str, Any]]:
             ("varlen", dict(S=4, names=["1f1b-tied", "pb"])),
             ("varlen_mixed", dict(S=4, names=["pipedream"])),
             ("interleaved", dict(R=4)),
+            ("skip_update", dict(S=4, names=SKIP_UPDATE)),
             ("kill", dict(S=4, victim=2, timeout=KILL_TIMEOUT)),  # terminal
         ],
     )
@@ -64,6 +69,7 @@ def grid() -> list[dict[str, Any]]:
         4,
         [
             ("data_parallel", dict(S=2, R=2)),
+            ("skip_update", dict(S=2, R=2, names=SKIP_UPDATE_DP)),
             ("stall", dict(S=4, victim=1, timeout=STALL_TIMEOUT)),  # terminal
         ],
     )
@@ -232,3 +238,41 @@ def test_data_parallel_equals_one_replica_with_larger_batch(
         assert got["moved"] > 1e-3  # training changed the weights
         assert got["max_diff"] < 1e-5, (rank, got)
         assert got["loss_diff"] < 1e-5, (rank, got)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", SKIP_UPDATE)
+def test_skip_update_flags_travel_with_the_gradients(
+    two: list[dict[str, Any]], four: list[dict[str, Any]], world: int, name: str
+) -> None:
+    """on_nonfinite="skip_update" under gloo: each NaN loss's device flag reaches every
+    earlier rank with its gradient, so every rank skips exactly the updates the local run
+    skips (bitwise equal weights, NaN losses where it has them, the same device counters)."""
+    results = two if world == 2 else four
+    for rank, res in enumerate(results):
+        assert "fatal" not in res, res.get("fatal")
+        got = res["skip_update"][name]
+        assert "error" not in got, f"rank {rank}: {got.get('error')}"
+        assert got["weights_equal"], f"rank {rank} ({name}): max |diff| {got['max_diff']}"
+        assert got["finite"] and got["found_inf_clear"], (rank, got)
+        assert got["losses_equal"] and got["nan_losses"] == got["ref_nan_losses"], (rank, got)
+        assert any(got["nan_losses"])
+        assert got["updates"] == got["ref_updates"]
+        assert got["skipped"] == got["ref_skipped"] > 0, (rank, got)
+        # the non-finite losses are counted where they were computed: the last stage
+        assert got["dropped"] == (got["ref_dropped"] if rank == world - 1 else 0), (rank, got)
+
+
+@pytest.mark.parametrize("name", SKIP_UPDATE_DP)
+def test_skip_update_replicas_skip_the_same_updates(grid: list[dict[str, Any]], name: str) -> None:
+    """2 replicas x 2 stages, a NaN that reaches replica 0 only: the flag is averaged with
+    the gradients, so both replicas skip (else replica 1 would apply the NaN mean) and equal
+    one replica with the larger batch."""
+    for rank, res in enumerate(grid):
+        assert "fatal" not in res, res.get("fatal")
+        got = res["skip_update"][name]
+        assert "error" not in got, f"rank {rank}: {got.get('error')}"
+        assert got["finite"], (rank, got)
+        assert got["max_diff"] < 1e-5 and got["loss_diff"] < 1e-5, (rank, got)
+        assert got["nan_losses"] == got["ref_nan_losses"] and any(got["nan_losses"])
+        assert got["skipped"] == got["ref_skipped"] > 0, (rank, got)

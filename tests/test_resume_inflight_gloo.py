@@ -1,7 +1,8 @@
 """Resume without a flush under gloo: each rank saves and loads its own stage's in-flight
 state (including the messages on the wire between ranks); S=2, a few representative cases,
 some through engine.save/engine.load's checkpoint directory, two with tree-valued stages
-(a dict with a mask and a constant between stages) and random sequence lengths."""
+(a dict with a mask and a constant between stages) and random sequence lengths, two with
+on_nonfinite="skip_update" and NaN losses in flight (flags stashed and on the wire)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from typing import Any
 import pytest
 from distributed_support import spawn
 
-NAMES = ["pipedream", "2bw", "pb-k2", "pb-spectrain-reuse", "tree-pipedream", "tree-pb-k2"]
-THROUGH_DIRECTORY = ("2bw", "pb-k2", "tree-pb-k2")
+NAMES = [
+    "pipedream", "2bw", "pb-k2", "pb-spectrain-reuse", "tree-pipedream", "tree-pb-k2", "nan-pb",
+    "nan-2bw",
+]
+THROUGH_DIRECTORY = ("2bw", "pb-k2", "tree-pb-k2", "nan-2bw")
 
 
 @pytest.fixture(scope="module")

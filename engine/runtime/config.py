@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import PipelineConfigError
-from engine.runtime.device_flags import refuse_distributed
 from engine.runtime.l2 import check_l2_option
 from engine.schedule.spec import ScheduleSpec
 
@@ -110,11 +109,10 @@ def check_options(
         raise PipelineConfigError(
             f"on_nonfinite='skip' with schedule={schedule_name!r} and transport={transport!r}: "
             "dropping one micro-batch at every stage of an asynchronous pipeline needs all "
-            "stages in one process. Use on_nonfinite='raise' (every rank raises at the end of "
-            "the step) or transport='local'."
+            "stages in one process. Use on_nonfinite='skip_update' (engine.optim optimizers: "
+            "the update that holds it is skipped on every rank), 'raise' (every rank raises at "
+            "the end of the step) or transport='local'."
         )
-    if distributed and on_nonfinite == "skip_update" and synchronous_hint is False:
-        raise refuse_distributed(f"schedule={schedule_name!r}", str(transport))
     if cuda_streams not in (None, True, False):
         raise PipelineConfigError(f"cuda_streams={cuda_streams!r} must be None, True or False")
     if cuda_streams and distributed:

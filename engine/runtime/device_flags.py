@@ -12,6 +12,10 @@ stall of the whole CPU-side schedule on a GPU. Here the last stage turns each lo
   (``opt.step(found_inf=...)``): engine.optim skips the whole update -- weights and state --
   on the device when it is non-zero; then the accumulator is cleared, the gradient buffers
   are zeroed as after any update, and the update count advances;
+* under gloo/NCCL (one stage per process) the flag travels from the last stage to the first
+  as one more 1-element message with each micro-batch's gradient (transport/p2p.py), still on
+  the device; with data-parallel replicas the accumulators are averaged with the gradients
+  before the update, so every replica skips the same updates and the replicas stay equal;
 * the counters behind ``stats()`` (non-finite micro-batches, skipped updates per stage) are
   device tensors too, read back in one transfer when ``stats()`` asks (:meth:`DeviceFlags.fold`).
 
@@ -33,7 +37,7 @@ if TYPE_CHECKING:
     from engine.runtime.stage import Stage
     from engine.schedule.spec import ScheduleSpec
 
-__all__ = ["DeviceFlags", "SkipFlags", "check_skip_update", "refuse_distributed"]
+__all__ = ["DeviceFlags", "SkipFlags", "check_skip_update"]
 
 
 class SkipFlags:
@@ -96,14 +100,12 @@ def _flags_of(st: Stage) -> SkipFlags | None:
     return st.bridge.skip if st.bridge is not None else None
 
 
-def check_skip_update(spec: ScheduleSpec, bridges: list[Any], transport: str) -> bool:
+def check_skip_update(spec: ScheduleSpec, bridges: list[Any]) -> bool:
     """Whether ``on_nonfinite="skip_update"`` runs as device flags (asynchronous schedules;
     synchronous ones check the step's losses once before the update phase, as ``"skip"``);
     refuses what it cannot do, before any step."""
     if spec.synchronous:
         return False
-    if transport != "local":
-        raise refuse_distributed(spec.describe(), transport)
     for s, bridge in enumerate(bridges):
         if bridge is not None and bridge.opt is not None and not bridge.is_engine:
             raise PipelineConfigError(
@@ -114,12 +116,3 @@ def check_skip_update(spec: ScheduleSpec, bridges: list[Any], transport: str) ->
             )
     return True
 
-
-def refuse_distributed(schedule: str, transport: str) -> PipelineConfigError:
-    """The error for "skip_update" with an asynchronous schedule under gloo/NCCL."""
-    return PipelineConfigError(
-        f"on_nonfinite='skip_update' with {schedule} and transport={transport!r}: the "
-        "non-finite flag of a micro-batch would have to travel with its gradient to the "
-        "earlier ranks, which the multi-process transports do not carry. Use "
-        "on_nonfinite='raise' (every rank raises at the end of the step) or transport='local'."
-    )

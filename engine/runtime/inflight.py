@@ -154,8 +154,10 @@ def capture(pipe: Pipeline) -> dict[str, Any] | None:
         return None  # (a rank with nothing in flight may still have messages on the wire)
     if ex.tail is not None:
         raise _refuse(pipe, "a step was interrupted and the rest of its program is pending")
+    # messages between ranks first: a gradient received now brings its "skip_update" flag
+    # into the stash entry that the stage's state holds
+    wire = ex.wire_state() if pipe.config.distributed else None
     stages = [_stage_state(pipe, st) for st in pipe.stages]
-    wire = ex.wire_state() if pipe.config.distributed else None  # messages between ranks
     return {
         "wire": wire,
         "n_base": ex.n_base,

@@ -251,9 +251,7 @@ class Pipeline:
         )
         self.weight_prediction = prediction
         self.discrepancy_correction = correction
-        device_flags = cfg.on_nonfinite == "skip_update" and check_skip_update(
-            spec, bridges, cfg.transport
-        )
+        device_flags = cfg.on_nonfinite == "skip_update" and check_skip_update(spec, bridges)
         if spec.program is not None:
             self.delays = list(analyze(spec.program).delays)
         else:
@@ -298,6 +296,7 @@ class Pipeline:
         self._executor = Executor(
             spec, stages, on_nonfinite=cfg.on_nonfinite, streams=streams, device_flags=device_flags
         )
+        self._device_flags = device_flags  # (a rank's executor replaces this one)
         self._checked: set[Any] = set()
 
     @staticmethod

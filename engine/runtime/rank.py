@@ -149,12 +149,19 @@ def build_distributed(
         lr_scheduler, streams=streams,
     )
     for st in pipe.stages:  # (a virtual stage's runtime names it in errors)
-        st.grad_hook = (pipe._rank.per_stage[st.index] if virtual else pipe._rank).reduce_gradients
+        reduce = (pipe._rank.per_stage[st.index] if virtual else pipe._rank).reduce_gradients
+        skip = st.bridge.skip if st.bridge is not None else None
+        if skip is not None:  # one replica's flag skips the update on every replica
+            reduce = _with_flag(reduce, skip.found_inf)
+        st.grad_hook = reduce
+    if pipe._device_flags:
+        for tp in tps.values():
+            tp.flags = True  # gradients carry their micro-batch's non-finite flag
     if virtual:
         pipe._rank.stages = [(st.index, st.module, st.loss_fn) for st in pipe.stages]
     pipe._executor = RankExecutor(
         spec, pipe.stages, on_nonfinite=cfg.on_nonfinite, streams=streams, rank=pipe._rank,
-        transports=tps, lane=layout.stage if virtual else mine[0],
+        transports=tps, lane=layout.stage if virtual else mine[0], device_flags=pipe._device_flags,
     )
     pipe.ties = ties
     if ties:
@@ -162,6 +169,12 @@ def build_distributed(
 
         pipe._executor.ties = TiedGradients(ties, pipe.stages)
     pipe.replicas = cfg.data_parallel
+
+
+def _with_flag(reduce: Callable[[list[Tensor]], None], found_inf: Tensor) -> Callable[[list[Tensor]], None]:
+    """The data-parallel gradient mean, with the stage's found_inf accumulator averaged along
+    (non-zero on every replica when it is on any: they skip the same updates)."""
+    return lambda flats: reduce([*flats, found_inf])
 
 
 class RankExecutor(Executor):
@@ -186,6 +199,8 @@ class RankExecutor(Executor):
         #: ("act" | "grad", micro-batch) -> a message received before its RF/RB op: at a save
         #: of the in-flight state (wire_state), or loaded with it
         self._early: dict[tuple[str, int], Any] = {}
+        #: on_nonfinite="skip_update": (stage, micro-batch) -> the flag its SB op sends along
+        self._out_flags: dict[tuple[int, int], Tensor] = {}
 
     # ------------------------------------------------------------------ running
 
@@ -231,10 +246,12 @@ class RankExecutor(Executor):
                     self.grads[(s, i)] = (self._early.pop(("grad", i)), None)
                 else:
                     self.grads[(s, i)] = (tp.recv("grad", s, i, base + prog.certain[s][pc]), None)
+                    if self.flags is not None:
+                        self._flag_arrived(st, tp, i)
             elif op == SF:
                 tp.send("act", s, i, boxes[s].pop(("act", i)))
             elif op == SB:
-                tp.send("grad", s, i, boxes[s].pop(("grad", i)))
+                tp.send("grad", s, i, boxes[s].pop(("grad", i)), self._out_flags.pop((s, i), None))
             else:
                 if hook is not None:
                     hook(s, OP_NAMES[op], self.n_base + i)
@@ -253,13 +270,18 @@ class RankExecutor(Executor):
             self._outboxes[st.index][("act", i)] = out
         elif loss is not None and inp is not None:
             self.losses.append((n, loss, inp.samples))
+            if self.flags is not None:  # no host read: the flag travels with the gradients
+                self.flags.mark(self.stages, i, loss)
 
     def _rank_backward(self, st: Any, i: int) -> None:
         s = st.index
         grad = None
         if not st.is_last:
             grad, _ = self.grads.pop((s, i))
+        entry = st.stash.get(i) if self.flags is not None else None
         gin = st.backward(i, self.n_base + i, grad)
+        if entry is not None and entry.flag is not None and s > 0:
+            self._out_flags[(s, i)] = entry.flag
         if s > 0:
             if gin is DROPPED:
                 raise PipelineInputError(
@@ -267,6 +289,14 @@ class RankExecutor(Executor):
                     "it was dropped, which needs every stage in one process"
                 )
             self._outboxes[s][("grad", i)] = gin  # None / []: no input leaf carries a gradient
+
+    def _flag_arrived(self, st: Any, tp: Any, i: int) -> None:
+        """The flag that came with micro-batch i's gradient joins its stash entry, whose
+        backward adds it to the stage's found_inf ("skip_update")."""
+        flag = tp.arrived_flags.pop(i, None)
+        entry = st.stash.get(i)
+        if flag is not None and entry is not None:
+            entry.flag = flag.reshape(())
 
     # ------------------------------------------------------------------ saving in flight
 
@@ -298,6 +328,8 @@ class RankExecutor(Executor):
             for mb in self._in_transit(channel):
                 if (channel, mb) not in self._early:  # (an earlier save received it)
                     value = tp.recv(channel, self.s, mb)
+                    if channel == "grad" and self.flags is not None:
+                        self._flag_arrived(self.stage, tp, mb)
                     if value is not None:  # None: no leaf carries a gradient, nothing travels
                         self._early[(channel, mb)] = value
         tp.wait_sends()
@@ -307,15 +339,20 @@ class RankExecutor(Executor):
             out[key] = []
             for (c, mb), v in sorted(box.items()):
                 value, flags = trees.detached_copy(v)  # a tensor, or a tree of them
-                out[key].append({"channel": c, "mb": mb, "value": value, "grad": flags})
+                flag = self._out_flags.get((self.s, mb)) if key == "outbox" and c == "grad" else None
+                out[key].append({"channel": c, "mb": mb, "value": value, "grad": flags,
+                                 "flag": None if flag is None else flag.clone()})
         return out
 
     def load_wire_state(self, state: dict[str, Any]) -> None:
         """Undo :meth:`wire_state` in a fresh rank: early receives and the outbox."""
+        self._out_flags.clear()
         for key, box in (("received", self._early), ("outbox", self._outbox)):
             box.clear()
             for d in state[key]:
                 box[(d["channel"], d["mb"])] = trees.with_grad_flags(d["value"], d["grad"])
+                if d.get("flag") is not None:
+                    self._out_flags[(self.s, d["mb"])] = d["flag"].to(self.transport.device)
 
     # ------------------------------------------------------------------ the step protocol
 
@@ -368,7 +405,8 @@ class RankExecutor(Executor):
                 f"{nonfinite} micro-batch(es) gave a non-finite loss at the last stage of an "
                 f"asynchronous {self.spec.describe()} pipeline under a multi-process transport; "
                 "their gradients were not dropped (that needs every stage in one process) and "
-                "already entered updates. Reload the last checkpoint and lower the learning rate."
+                "already entered updates. Reload the last checkpoint and lower the learning rate; "
+                "on_nonfinite='skip_update' (engine.optim optimizers) skips such updates instead."
             )
         if prog.ends_segment:
             self._close_segment()

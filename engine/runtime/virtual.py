@@ -114,8 +114,8 @@ class VirtualStageTransport:
         return side
 
     # the runtime's calls, routed
-    def send(self, channel: str, stage: int, mb: int, value: Any) -> None:
-        self._side(channel, "send").send(channel, stage, mb, value)
+    def send(self, channel: str, stage: int, mb: int, value: Any, flag: Any = None) -> None:
+        self._side(channel, "send").send(channel, stage, mb, value, flag)
 
     def recv(self, channel: str, stage: int, mb: int, certain: int | None = None) -> Any:
         return self._side(channel, "recv").recv(channel, stage, mb, certain)

@@ -14,14 +14,29 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from engine.errors import PeerError, ShapeAgreementError
 
-__all__ = ["Transport", "PeerError", "ShapeAgreementError", "CHANNELS"]
+__all__ = ["Transport", "PeerError", "ShapeAgreementError", "CHANNELS", "DTYPES", "MAX_DIMS"]
 
 #: "act": stage s -> s+1 (forward activations); "grad": stage s -> s-1 (input gradients)
 CHANNELS = ("act", "grad")
+#: what the multi-process transports carry
+DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+MAX_DIMS = 8
 
 
 class Transport(ABC):
@@ -32,8 +47,12 @@ class Transport(ABC):
     name: str = "?"
 
     @abstractmethod
-    def send(self, channel: str, stage: int, mb: int, tensor: Any) -> None:
-        """Send ``tensor`` from ``stage`` on ``channel`` (asynchronously where possible)."""
+    def send(
+        self, channel: str, stage: int, mb: int, tensor: Any, flag: Tensor | None = None
+    ) -> None:
+        """Send ``tensor`` from ``stage`` on ``channel`` (asynchronously where possible);
+        ``flag``: the micro-batch's non-finite flag, which a gradient carries where the
+        transport's ``flags`` is set (on_nonfinite="skip_update")."""
 
     @abstractmethod
     def recv(self, channel: str, stage: int, mb: int, certain: int | None = None) -> Any | None:

@@ -14,7 +14,10 @@ its :class:`~engine.runtime.trees.Signature` (structure, constants, and each ten
 path, shape, dtype and requires_grad), sent as a pickled skeleton. Per micro-batch an
 activation is an 8-byte header and one message per tensor leaf, in leaf order (under gloo the
 header rides inside the first leaf's message when that leaf is small: framing.py); a gradient
-is one message per leaf that requires grad (none when no leaf does); constants are never
+is one message per leaf that requires grad (none when no leaf does), plus, with
+``on_nonfinite="skip_update"`` (:attr:`P2PTransport.flags`), a last 1-element float32 message:
+the micro-batch's non-finite flag, which travels from the last stage to the first with its
+gradient and never through the host (engine/runtime/device_flags.py); constants are never
 sent again.
 
 Variable shapes: the structure, constants, dtypes and requires_grad are fixed at the
@@ -89,29 +92,16 @@ from engine.runtime.first_failure import first
 from engine.runtime.transport.base import PeerError, ShapeAgreementError, Transport
 from engine.runtime.transport.framing import Posted, fills, frame, framed_buffer, head_message
 from engine.runtime.transport.framing import inline as inline_header
+from engine.runtime.transport.handshake import Handshake
 from engine.runtime.trees import Signature, flatten
 
-__all__ = ["P2PTransport", "DTYPES", "MAX_DIMS", "HEADER_TAG", "META_TAG"]
+__all__ = ["P2PTransport", "HEADER_TAG", "META_TAG"]
 
-DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-)
-MAX_DIMS = 8
-_ERROR = -1  # length of a meta message that says "the sender failed its dry run"
 #: gloo tags of the per-activation header and of a new Signature (data: tag 0; loss: 7)
 HEADER_TAG, META_TAG = 8, 9
 
 
-class P2PTransport(Transport):
+class P2PTransport(Handshake, Transport):
     """Blocking receives / asynchronous sends to the neighbouring stages' ranks.
 
     Args:
@@ -169,6 +159,10 @@ class P2PTransport(Transport):
         #: how many metadata messages (new Signatures) this rank sent since the handshake
         self.shape_changes = 0
         self.comm_stream: Any = None
+        #: gradients carry their micro-batch's non-finite flag (on_nonfinite="skip_update");
+        #: a received one waits in ``arrived_flags`` (micro-batch -> 1-element tensor)
+        self.flags = False
+        self.arrived_flags: dict[int, Tensor] = {}
         if backend == "nccl":
             if device.type != "cuda":
                 raise ValueError(
@@ -212,61 +206,6 @@ class P2PTransport(Transport):
                 + first(self.ranks[self.stage])
             ) from exc
 
-    # ------------------------------------------------------------------ handshake
-
-    def unsupported(self, tree: Any) -> str:
-        """Why the tensors of ``tree`` cannot travel on this transport ("" when they can)."""
-        for path, meta in Signature.of(tree).metas(grad=False):
-            if meta.dtype not in DTYPES:
-                at = f"{path} " if path else ""
-                return (
-                    f"{self.who(self.stage)} would send {at}{meta.shape} {meta.dtype} to "
-                    f"{self.who(self.stage + 1)}: supported dtypes are {[str(d) for d in DTYPES]}"
-                )
-        return ""
-
-    def send_meta(self, channel: str, tree: Any | None) -> None:
-        """Announce what this stage will send on ``channel``: the Signature of ``tree`` (a
-        tensor or a tree of them; None: my dry run failed and the receiver must not wait for
-        data)."""
-        peer = self.peer_stage(channel, "send")
-        payload = b""
-        if tree is not None:
-            sig = Signature.of(tree)
-            payload = pickle.dumps(sig.skeleton)
-            self._agree(channel, "send", sig)
-        head = torch.tensor([len(payload) if tree is not None else _ERROR], dtype=torch.int64)
-        works = [dist.isend(head.to(self._meta_device()), self.ranks[peer], group=self.group)]
-        if payload:
-            body = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            works.append(dist.isend(body.to(self._meta_device()), self.ranks[peer], group=self.group))
-        for work in works:
-            self.wait(work, f"sending the {channel} handshake", peer)
-
-    def recv_meta(self, channel: str) -> Signature | None:
-        """Receive the peer's announcement on ``channel``; None if the peer failed."""
-        peer = self.peer_stage(channel, "recv")
-        head = torch.zeros(1, dtype=torch.int64, device=self._meta_device())
-        what = f"receiving the {channel} handshake"
-        self.wait(dist.irecv(head, self.ranks[peer], group=self.group), what, peer)
-        n = int(head.cpu()[0])
-        if n == _ERROR:
-            return None
-        body = torch.empty(n, dtype=torch.uint8, device=self._meta_device())
-        self.wait(dist.irecv(body, self.ranks[peer], group=self.group), what, peer)
-        sig = Signature(pickle.loads(body.cpu().numpy().tobytes()))
-        self._agree(channel, "recv", sig)
-        return sig
-
-    def _agree(self, channel: str, direction: str, sig: Signature) -> None:
-        self.meta[(channel, direction)] = sig
-        # the gradients of an activation go the other way: its leaves that require grad
-        other = "grad" if channel == "act" else "act"
-        self.meta[(other, "recv" if direction == "send" else "send")] = sig
-
-    def _meta_device(self) -> torch.device:
-        return self.device if self.backend == "nccl" else torch.device("cpu")
-
     # ------------------------------------------------------------------ data
 
     def _check(
@@ -302,7 +241,9 @@ class P2PTransport(Transport):
             "and requires_grad of the first one (only tensor shapes may change)."
         )
 
-    def send(self, channel: str, stage: int, mb: int, value: Any) -> None:
+    def send(
+        self, channel: str, stage: int, mb: int, value: Any, flag: Tensor | None = None
+    ) -> None:
         if not isinstance(value, (Tensor, tuple, list, dict)) and not (
             value is None and channel == "grad"
         ):
@@ -311,6 +252,9 @@ class P2PTransport(Transport):
                 f"micro-batch {mb} (got {value!r}); distributed transports carry tensors only"
             )
         tensors, new = self._check(channel, mb, value)
+        if channel == "grad" and self.flags:  # (flag None: a clean micro-batch)
+            zero = torch.zeros(1, dtype=torch.float32, device=self.device)
+            tensors = [*tensors, zero if flag is None else flag.reshape(1).float()]
         if not tensors and channel == "grad":
             return  # no leaf carries a gradient: nothing travels
         ts = [t.detach().contiguous() for t in tensors]
@@ -447,7 +391,7 @@ class P2PTransport(Transport):
             )
         if channel == "grad":
             agreed = self._sent_sigs.pop(mb, agreed)  # the shapes mb's activation left with
-        if channel == "grad" and not agreed.grad_at:
+        if channel == "grad" and not agreed.grad_at and not self.flags:
             # no leaf carries a gradient, so no message proves that the activation arrived:
             # wait for its send instead (the peer receives it before it would send a gradient)
             sent = self._sends.pop(("act", mb), None)
@@ -494,6 +438,11 @@ class P2PTransport(Transport):
             if sent is not None:
                 self._wait_all(sent[0], sent[2], self.peer_stage("act", "send"))
         if channel == "grad":
+            if self.flags:
+                self.arrived_flags[mb] = bufs[-1]
+                bufs = bufs[:-1]
+            if not bufs:  # no leaf carries a gradient (the flag came alone)
+                return None if agreed.single else []
             return bufs[0] if agreed.single else bufs
         return agreed.build(bufs)
 
@@ -512,6 +461,8 @@ class P2PTransport(Transport):
     def _post(self, channel: str, mb: int, agreed: Signature, src: int) -> Posted:
         metas = agreed.metas(grad=channel == "grad")
         bufs = [torch.empty(meta.shape, dtype=meta.dtype, device=self.device) for _, meta in metas]
+        if channel == "grad" and self.flags:
+            bufs.append(torch.empty(1, dtype=torch.float32, device=self.device))
         msgs, head = list(bufs), None
         if channel == "act" and inline_header(self.backend, agreed):
             msgs[0], head, bufs[0] = framed_buffer(metas[0][1], self.device)
@@ -548,3 +499,4 @@ class P2PTransport(Transport):
         self._heads.clear()
         self._sent_sigs.clear()
         self._recv_sigs.clear()
+        self.arrived_flags.clear()
