@@ -19,6 +19,10 @@ stages), the same micro-batches and the same optimizer (SGD with momentum):
   to the theoretical time ratio M/(M+S-1) (``extra.theory_ratio``): GPipe's bubble per
   mini-batch when every stage takes the same time and communication is free. Async schedules
   run ``--steps`` mini-batches without flushing, then one flush (inside the timed block).
+* ``flags_cost`` (only with ``--cases pb-skip-update``): ``engine`` ``pb`` with
+  ``on_nonfinite="skip_update"`` (each gradient carries its micro-batch's non-finite flag, one
+  more gloo message) vs the same run with ``"raise"`` (one loss check per step), both with
+  engine.optim.SGD.
 
 Timing: every comparison is a paired measurement through bench/harness.py. Inside each rank
 the two providers alternate (AB, BA, ...) round by round; a round times one block of
@@ -70,20 +74,23 @@ class EngineRunner:
 
     def __init__(
         self, schedule: str, S: int, M: int, width: int, layers: int, timeout: float,
-        virtual: int = 1,
+        virtual: int = 1, on_nonfinite: str | None = None,
     ) -> None:
+        import engine.optim
         from engine import Pipeline
 
         s = dist.get_rank()
+        opt = torch.optim.SGD if on_nonfinite is None else engine.optim.SGD
         self.pipe = Pipeline(
             [lambda i=i: stage_module(i, width, layers) for i in range(S * virtual)],
             schedule=schedule,
             virtual_stages=virtual if virtual > 1 else None,
             chunks=M,
             loss_fn=nn.functional.mse_loss,
-            optimizer=lambda p: torch.optim.SGD(p, lr=1e-4, momentum=0.9),
+            optimizer=lambda p: opt(p, lr=1e-4, momentum=0.9),
             checkpoint="never",
             transport="gloo",
+            on_nonfinite=on_nonfinite or "raise",
             timeout=timeout,
         )
         self.first, self.last = s == 0, s == S - 1
@@ -247,6 +254,12 @@ def main() -> None:
 
     for s in ("pipedream", "2bw", "pb"):
         makers[s] = lambda s=s: against_gpipe(s)
+    # what the non-finite flags cost: one more message per gradient (not in the default list)
+    makers["pb-skip-update"] = lambda: (
+        "flags_cost", "pb-skip-update", "engine pb on_nonfinite=skip_update",
+        EngineRunner("pb", S, M, args.width, args.layers, args.timeout, 1, "skip_update"),
+        "engine pb on_nonfinite=raise",
+        EngineRunner("pb", S, M, args.width, args.layers, args.timeout, 1, "raise"))
     unknown = [c for c in wanted if c not in makers]
     if unknown:
         ap.error(f"unknown --cases {unknown}; choose from {sorted(makers)}")

@@ -1165,16 +1165,20 @@ def phase_skip_update(
     """on_nonfinite="skip_update" under gloo (the flags travel with the gradients) vs the
     local run with the same flags: weights, losses (NaN where the local one is NaN) and the
     device counters. With R replicas, vs one replica with the R-times larger batch, where a
-    NaN reaches one replica only: every replica must skip the same updates."""
+    NaN reaches one replica only: every replica must skip the same updates. ``first-*``: pb
+    with a parameterless stage 0 (its output carries no gradient: the flag travels alone)."""
     from engine import Pipeline
 
     out: dict[str, Any] = {}
     B, M = (8, 4) if R == 1 else (4, 2)
     device = "cuda" if transport == "nccl" else "cpu"
     for name in names:
-        kw = dict(configs(S)[name], on_nonfinite="skip_update", chunks=M)
+        kw = dict(configs(S)[name.removeprefix("first-")], on_nonfinite="skip_update", chunks=M)
+        factories = stage_factories(S)
+        if name.startswith("first-"):
+            factories = [nn.Tanh, *factories[1:]]
         try:
-            pipe = Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport=transport,
+            pipe = Pipeline(factories, loss_fn=nn.functional.mse_loss, transport=transport,
                             data_parallel=R, timeout=30, **kw)
             d, b = pipe.layout.replica, B // M
 
@@ -1189,7 +1193,7 @@ def phase_skip_update(
                     x, y = shard(x), shard(y)
                 losses.append(pipe.step(x, y).detach().to(device).clone())
             pipe.flush()
-            ref = Pipeline([f().to(device) for f in stage_factories(S)],
+            ref = Pipeline([f().to(device) for f in factories],
                            loss_fn=nn.functional.mse_loss, **kw)
             ref_losses = [ref.step(*(t.to(device) for t in nan_batch(t, R * B, M))).detach().clone()
                           for t in range(STEPS)]
@@ -1200,8 +1204,10 @@ def phase_skip_update(
             got, want = pipe.stats(), ref.stats()
             out[name] = {
                 "weights_equal": all(torch.equal(a, c) for a, c in zip(mine, theirs, strict=True)),
-                "max_diff": max(float((a - c).abs().max()) for a, c in zip(mine, theirs, strict=True)),
+                "max_diff": max((float((a - c).abs().max()) for a, c in zip(mine, theirs, strict=True)),
+                                default=0.0),
                 "finite": all(bool(torch.isfinite(a).all()) for a in mine),
+                "params": len(mine),
                 "losses_equal": all(
                     torch.equal(a, c) or (a.isnan().all() and c.isnan().all())
                     for a, c in zip(losses, ref_losses, strict=True)
@@ -1212,13 +1218,14 @@ def phase_skip_update(
                 ),
                 "nan_losses": [bool(x.isnan()) for x in losses],
                 "ref_nan_losses": [bool(x.isnan()) for x in ref_losses],
-                "skipped": got["skipped_updates"][0],
-                "ref_skipped": want["skipped_updates"][s],
+                "skipped": got["skipped_updates"][0] if mine else None,
+                "ref_skipped": want["skipped_updates"][s] if mine else None,
                 "dropped": got["dropped_microbatches"],
                 "ref_dropped": want["dropped_microbatches"],
                 "updates": got["updates"][0],
                 "ref_updates": want["updates"][s],
-                "found_inf_clear": not bool(pipe.stages[0].bridge.skip.found_inf.any()),
+                "found_inf_clear": pipe.stages[0].bridge is None
+                or not bool(pipe.stages[0].bridge.skip.found_inf.any()),
             }
         except Exception:
             out[name] = {"error": traceback.format_exc()}

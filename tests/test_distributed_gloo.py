@@ -42,7 +42,7 @@ def two() -> list[dict[str, Any]]:
             ("varlen_mixed", dict(S=2, names=["1f1b-tied", "pb"])),
             ("interleaved", dict(R=2)),
             ("reject_input", dict(S=2)),
-            ("skip_update", dict(S=2, names=SKIP_UPDATE)),
+            ("skip_update", dict(S=2, names=[*SKIP_UPDATE, "first-pb"])),
             ("reject_later", dict(S=2)),  # terminal: the last stage stops mid-step
         ],
     )
@@ -248,17 +248,28 @@ def test_skip_update_flags_travel_with_the_gradients(
     """on_nonfinite="skip_update" under gloo: each NaN loss's device flag reaches every
     earlier rank with its gradient, so every rank skips exactly the updates the local run
     skips (bitwise equal weights, NaN losses where it has them, the same device counters)."""
-    results = two if world == 2 else four
+    _check_skip_update(two if world == 2 else four, "skip_update", name)
+
+
+def test_skip_update_flag_travels_alone(two: list[dict[str, Any]]) -> None:
+    """pb with a parameterless stage 0: no leaf carries a gradient back to it, so the flag is
+    the whole message (and the ranks still agree on what travels)."""
+    _check_skip_update(two, "skip_update", "first-pb")
+
+
+def _check_skip_update(results: list[dict[str, Any]], phase: str, name: str) -> None:
+    world = len(results)
     for rank, res in enumerate(results):
         assert "fatal" not in res, res.get("fatal")
-        got = res["skip_update"][name]
+        got = res[phase][name]
         assert "error" not in got, f"rank {rank}: {got.get('error')}"
         assert got["weights_equal"], f"rank {rank} ({name}): max |diff| {got['max_diff']}"
         assert got["finite"] and got["found_inf_clear"], (rank, got)
         assert got["losses_equal"] and got["nan_losses"] == got["ref_nan_losses"], (rank, got)
         assert any(got["nan_losses"])
-        assert got["updates"] == got["ref_updates"]
-        assert got["skipped"] == got["ref_skipped"] > 0, (rank, got)
+        if got["params"]:  # (a parameterless stage has no update to skip)
+            assert got["updates"] == got["ref_updates"]
+            assert got["skipped"] == got["ref_skipped"] > 0, (rank, got)
         # the non-finite losses are counted where they were computed: the last stage
         assert got["dropped"] == (got["ref_dropped"] if rank == world - 1 else 0), (rank, got)
 
