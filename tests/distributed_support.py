@@ -119,6 +119,16 @@ def _train(
     return losses
 
 
+def replica_rows(d: int, R: int, b: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Replica d's share of a batch for R replicas: rows d*b .. (d+1)*b-1 of every micro-batch
+    (R*b rows) of the big batch."""
+
+    def shard(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([mb[d * b : (d + 1) * b] for mb in t.split(R * b)])
+
+    return shard
+
+
 def _local(
     S: int, kw: dict[str, Any], steps: int, B: int = 8, device: str = "cpu"
 ) -> tuple[Any, list[torch.Tensor]]:
@@ -256,14 +266,7 @@ def phase_data_parallel(rank: int, S: int, R: int) -> dict[str, Any]:
                 timeout=30,
                 **kw,
             )
-            d = pipe.layout.replica
-            b = B // M
-
-            def shard(t: torch.Tensor, d: int = d, b: int = b) -> torch.Tensor:
-                # replica d gets rows d*b .. (d+1)*b-1 of every micro-batch of the big batch
-                big = t.split(R * b)
-                return torch.cat([mb[d * b : (d + 1) * b] for mb in big])
-
+            shard = replica_rows(pipe.layout.replica, R, B // M)
             losses = _train(pipe, STEPS, B=R * B, shard=shard)
             ref, ref_losses = _local(S * v, kw, STEPS, B=R * B)
             held = [st.index for st in pipe.stages]
@@ -280,7 +283,7 @@ def phase_data_parallel(rank: int, S: int, R: int) -> dict[str, Any]:
                 "moved": max(
                     float((a - f).abs().max()) for a, f in zip(mine, initial, strict=True)
                 ),
-                "replica": d,
+                "replica": pipe.layout.replica,
                 "stages": held,
             }
         except Exception:
@@ -1180,12 +1183,7 @@ def phase_skip_update(
         try:
             pipe = Pipeline(factories, loss_fn=nn.functional.mse_loss, transport=transport,
                             data_parallel=R, timeout=30, **kw)
-            d, b = pipe.layout.replica, B // M
-
-            def shard(t: torch.Tensor, d: int = d, b: int = b) -> torch.Tensor:
-                big = t.split(R * b)  # replica d: rows d*b .. (d+1)*b-1 of every micro-batch
-                return torch.cat([mb[d * b : (d + 1) * b] for mb in big])
-
+            shard = replica_rows(pipe.layout.replica, R, B // M)
             losses = []
             for t in range(STEPS):
                 x, y = nan_batch(t, R * B, M)

@@ -296,7 +296,6 @@ class Pipeline:
         self._executor = Executor(
             spec, stages, on_nonfinite=cfg.on_nonfinite, streams=streams, device_flags=device_flags
         )
-        self._device_flags = device_flags  # (a rank's executor replaces this one)
         self._checked: set[Any] = set()
 
     @staticmethod

@@ -148,20 +148,21 @@ def build_distributed(
         spec, modules, built, mine, loss_fn, weight_prediction, discrepancy_correction,
         lr_scheduler, streams=streams,
     )
+    device_flags = pipe._executor.flags is not None  # (the local executor, replaced below)
     for st in pipe.stages:  # (a virtual stage's runtime names it in errors)
         reduce = (pipe._rank.per_stage[st.index] if virtual else pipe._rank).reduce_gradients
         skip = st.bridge.skip if st.bridge is not None else None
         if skip is not None:  # one replica's flag skips the update on every replica
             reduce = _with_flag(reduce, skip.found_inf)
         st.grad_hook = reduce
-    if pipe._device_flags:
+    if device_flags:
         for tp in tps.values():
             tp.flags = True  # gradients carry their micro-batch's non-finite flag
     if virtual:
         pipe._rank.stages = [(st.index, st.module, st.loss_fn) for st in pipe.stages]
     pipe._executor = RankExecutor(
         spec, pipe.stages, on_nonfinite=cfg.on_nonfinite, streams=streams, rank=pipe._rank,
-        transports=tps, lane=layout.stage if virtual else mine[0], device_flags=pipe._device_flags,
+        transports=tps, lane=layout.stage if virtual else mine[0], device_flags=device_flags,
     )
     pipe.ties = ties
     if ties:

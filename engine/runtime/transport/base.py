@@ -19,7 +19,7 @@ from torch import Tensor
 
 from engine.errors import PeerError, ShapeAgreementError
 
-__all__ = ["Transport", "PeerError", "ShapeAgreementError", "CHANNELS", "DTYPES", "MAX_DIMS"]
+__all__ = ["Transport", "PeerError", "ShapeAgreementError", "CHANNELS", "DTYPES"]
 
 #: "act": stage s -> s+1 (forward activations); "grad": stage s -> s-1 (input gradients)
 CHANNELS = ("act", "grad")
@@ -36,7 +36,6 @@ DTYPES: tuple[torch.dtype, ...] = (
     torch.uint8,
     torch.bool,
 )
-MAX_DIMS = 8
 
 
 class Transport(ABC):
