@@ -185,5 +185,5 @@ def looped_bfs(ranks: int, virtual_stages: int, chunks: int, steps: int = 1) -> 
     return build("looped_bfs", loop_placement(R, R * v), M, units, steps=T)
 
 
-#: the rank-program families: name -> (stages per rank fixed by the family or None, builder)
+#: the families this module generates (their catalog rows: catalog.PROGRAM_FAMILIES)
 RANK_PROGRAMS = ("zbv", "dualpipev", "looped_bfs")
