@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.schedule import ScheduleError, generate, interleaved, validate
+from engine.schedule import Action, ScheduleError, generate, interleaved, validate
 from engine.schedule.tdp import from_csv, to_csv
 from engine.schedule.vshape import dualpipev, looped_bfs, zbv
 
@@ -152,6 +152,16 @@ def test_what_cannot_run_is_refused_with_its_cell(text: str, match: str) -> None
     fmt = "compute_only" if "SEND_F0\n" in text and "RECV" not in text else None
     with pytest.raises(ScheduleError, match=match):
         from_csv(text, format=fmt)
+
+
+def test_missing_file_and_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="no CSV file 'nowhere.csv'"):
+        from_csv("nowhere.csv")
+    with pytest.raises(ValueError, match="format must be one of"):
+        from_csv("0F0,0B0\n", format="both")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="a path or the CSV text"):
+        from_csv(3)  # type: ignore[arg-type]
+    assert from_csv("0F0,0B0\n").actions[0][-1] == Action.update([0])
 
 
 def test_a_deadlocking_order_names_its_cell() -> None:

@@ -77,11 +77,12 @@ class _Cell:
 
 def _read_rows(source: str | os.PathLike[str]) -> list[list[str]]:
     if isinstance(source, os.PathLike) or (
-        isinstance(source, str) and "\n" not in source and "," not in source
-        and os.path.exists(source)
+        isinstance(source, str) and "\n" not in source and os.path.isfile(source)
     ):
         with open(source, newline="") as f:
             text = f.read()
+    elif isinstance(source, str) and "\n" not in source and source.lower().endswith(".csv"):
+        raise ValueError(f"no CSV file {source!r} (give a path that exists, or the CSV text)")
     elif isinstance(source, str):
         text = source
     else:
@@ -411,9 +412,7 @@ def to_csv(
             f"gradients per stage); {s.name!r} has weights={s.weights!r}, update_size="
             f"{s.update_size}"
         )
-    if s.has_comms and format == "compute_only":
-        pass
-    elif not s.has_comms and format == "compute_comms":
+    if format == "compute_comms" and not s.has_comms:  # lowered as the runtime would
         from engine.schedule.lower import add_comms
 
         s = add_comms(s)
