@@ -25,6 +25,7 @@ from engine.schedule import (
     zbv,
 )
 from engine.schedule.render import describe, timeline_figure
+from engine.schedule.text import strip
 
 # a folder of its own: test_schedule_golden checks that its folder holds only its cases
 GOLDEN_DIR = Path(__file__).parent / "golden" / "schedules" / "vshape"
@@ -74,6 +75,23 @@ def test_bubble_and_memory() -> None:
     assert analyze(zbv(4, 8), {"F": 1, "B": 2, "W": 1}).bubble_fraction < 0.07
     assert max(analyze(looped_bfs(2, 2, 4)).rank_activation_peak) == 8  # every micro-batch, twice
     assert analyze(dualpipev(4, 16)).bubble_fraction < analyze(generate("1f1b", 4, 16)).bubble_fraction
+
+
+def test_memory_bound_is_checked_and_met() -> None:
+    from engine.schedule.validate import activation_bound
+
+    for make in (lambda: zbv(3, 7), lambda: dualpipev(3, 7), lambda: looped_bfs(2, 3, 4)):
+        s = make()
+        rep = analyze(s)
+        bounds = [activation_bound(s, st) for st in range(s.stages)]
+        assert list(rep.activation_peak) == bounds  # the bound is tight
+    # one more forward in flight on stage 3 of zbv R=2 (bound min(M, S-s) = 1) is refused
+    s = strip(zbv(2, 4))  # compute only: the communication is implied
+    acts = list(s.actions[3])
+    acts.insert(acts.index(Action.backward(0)), acts.pop(acts.index(Action.forward(1))))
+    bad = replace(s, actions=(*s.actions[:3], tuple(acts)))
+    with pytest.raises(ScheduleError, match=r"stage 3, action 1 \(F1\): holds .* above the bound 1"):
+        validate(bad)
 
 
 def test_refusals() -> None:

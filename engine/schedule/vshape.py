@@ -32,7 +32,7 @@ from engine.schedule.ir import Action, Kind, Schedule
 from engine.schedule.ranked import Unit, build, loop_placement, v_placement
 
 __all__ = ["zbv", "dualpipev", "looped_bfs", "zbv_rank_order", "dualpipev_rank_order",
-           "looped_bfs_rank_order", "RANK_PROGRAMS"]
+           "looped_bfs_rank_order", "RANK_PROGRAMS", "activation_bound"]
 
 
 def _one(stage: int, kind: Kind, mb: int) -> Unit:
@@ -187,3 +187,16 @@ def looped_bfs(ranks: int, virtual_stages: int, chunks: int, steps: int = 1) -> 
 
 #: the families this module generates (their catalog rows: catalog.PROGRAM_FAMILIES)
 RANK_PROGRAMS = ("zbv", "dualpipev", "looped_bfs")
+
+
+def activation_bound(name: str, stages: int, stage: int, chunks: int) -> int | None:
+    """Micro-batches whose activations ``stage`` of a ``name`` program holds at most (None
+    for other names): ZB-V and DualPipeV min(M, S-s) over their S = 2R stages (a split B
+    keeps its activations until W), as 1F1B's S-s but counted in stages of the V; looped BFS M
+    (all forwards of a stage before its backwards). The analysis measures exactly these peaks
+    (tests/test_schedule_vshape.py)."""
+    if name in ("zbv", "dualpipev"):
+        return min(chunks, stages - stage)
+    if name == "looped_bfs":
+        return chunks
+    return None
