@@ -154,3 +154,27 @@ def test_broken_program_is_refused_before_anything_runs() -> None:
                  schedule=parse("schedule bad stages=2 chunks=2 steps=1 update_size=2 order=x "
                                 "weights=live ticks=0\ns0: F0 B0 F1 B1 U0-1\ns1: F0 F1 B0 B1 U0-1\n"))
     assert all(torch.equal(p, q) for p, q in zip(before, [p for m in stages for p in m.parameters()]))
+
+
+def test_any_placement_map_is_followed() -> None:
+    """Contiguous blocks (rank 0 holds stages 0 and 1, rank 1 stages 2 and 3), neither
+    round-robin nor V: each rank runs its first stage's forwards, its second's, then the
+    backwards in reverse (looped BFS's order on these blocks)."""
+    from engine.schedule import Action, Kind, simulate, to_csv
+    from engine.schedule.ranked import build
+
+    M, place = 3, ((0, 1), (2, 3))
+    units = [
+        [((s, Action.forward(m)),) for s in held for m in range(M)]
+        + [((s, Action(Kind.BACKWARD, (m,))),) for s in reversed(held) for m in range(M)]
+        for held in place
+    ]
+    program = build("blocks", place, M, units)
+    assert program.placement == place and [program.rank_of(s) for s in range(4)] == [0, 0, 1, 1]
+    tl = simulate(program)  # one lane per rank: rank 0's two stages never overlap in time
+    spans = sorted((tl.start[s][i], tl.end[s][i]) for s in (0, 1) for i in range(len(tl.start[s]))
+                   if program.actions[s][i].kind.is_compute)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert parse(format_schedule(program)) == program
+    assert from_csv(to_csv(program), name="blocks") == program
+    _equals_unpipelined(program, "except_last", steps=2)
