@@ -13,8 +13,10 @@ stages), the same micro-batches and the same optimizer (SGD with momentum):
 * ``vs_torch``: ``engine`` ``gpipe`` / ``1f1b`` / ``zbh1`` vs torch's ``ScheduleGPipe`` /
   ``Schedule1F1B`` / ``ScheduleInterleavedZeroBubble`` with one stage per rank (ZB-H1's order);
   ``engine`` ``interleaved`` with ``--virtual`` v stages per rank (S*v stage modules) vs torch's
-  ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` on the same S*v modules.
-  No activation recomputation on either side.
+  ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` on the same S*v modules;
+  ``looped-bfs``: ``engine`` ``looped_bfs`` vs torch's ``ScheduleLoopedBFS`` (same S*v modules).
+  No activation recomputation on either side. (ZB-V and DualPipeV place stages as a V, which
+  the engine runs only in one process so far: no gloo case for them yet.)
 * ``async_vs_gpipe``: ``engine`` ``pipedream`` / ``2bw`` / ``pb`` vs ``engine`` ``gpipe``, next
   to the theoretical time ratio M/(M+S-1) (``extra.theory_ratio``): GPipe's bubble per
   mini-batch when every stage takes the same time and communication is free. Async schedules
@@ -199,8 +201,8 @@ def main() -> None:
         "--ranks", type=int, default=4, help="processes (= stages) when not started by torchrun"
     )
     ap.add_argument("--cases", nargs="*", default=None,
-                    help="only these cases (gpipe 1f1b zbh1 interleaved interleaved-zb pipedream "
-                    "2bw pb); default all")
+                    help="only these cases (gpipe 1f1b zbh1 interleaved interleaved-zb looped-bfs "
+                    "pipedream 2bw pb); default all but looped-bfs")
     ap.add_argument("--virtual", type=int, default=2,
                     help="v, stages per rank of the interleaved cases (S*v stage modules)")
     args = ap.parse_args()
@@ -244,6 +246,9 @@ def main() -> None:
                                    ours("interleaved", v),
                                    f"torch ScheduleInterleavedZeroBubble v={v}",
                                    theirs("ScheduleInterleavedZeroBubble", v)),
+        "looped-bfs": lambda: ("vs_torch", "looped-bfs", f"engine looped_bfs v={v}",
+                               ours("looped_bfs", v), f"torch ScheduleLoopedBFS v={v}",
+                               theirs("ScheduleLoopedBFS", v)),
     }
     gpipe_peer: list[EngineRunner] = []
 
@@ -279,7 +284,7 @@ def main() -> None:
         theory = M / (M + S - 1) if bench == "async_vs_gpipe" else 1.0
         row = res.row(bench, case, cand_label, peer_label, label=args.label, note=note,
                       extra={"theory_ratio": theory, "stages": S, "chunks": M,
-                             "virtual": v if case.startswith("interleaved") else 1,
+                             "virtual": v if case.startswith(("interleaved", "looped")) else 1,
                              "micro_batch": b, "width": args.width, "steps": args.steps})
         rows.append(row)
         if rank == 0:

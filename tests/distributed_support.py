@@ -1328,3 +1328,44 @@ def phase_interleaved(rank: int, R: int, v: int = 2, steps: int = 2) -> dict[str
             "unchanged": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
         }
     return out
+
+
+def phase_rank_programs(rank: int, R: int, csvs: dict[str, str]) -> dict[str, Any]:
+    """Programs of several round-robin stages per rank under gloo vs the local run: looped BFS
+    by name and the CSVs torch's schedule classes dumped (``csvs``: name -> CSV text); then the
+    V placement, refused with the placement named (tests/test_schedule_gloo_programs.py)."""
+    from engine import Pipeline, PipelineConfigError
+    from engine.schedule import from_csv, zbv
+
+    V = 2 * R
+    programs: dict[str, Any] = {"looped_bfs": "looped_bfs"}
+    programs.update({k: from_csv(text, name=k, drop_fsdp=True) for k, text in csvs.items()})
+    out: dict[str, Any] = {}
+    for name, program in programs.items():
+        kw = dict(schedule=program, chunks=4, optimizer=_sgd(), loss_fn=nn.functional.mse_loss)
+        if program == "looped_bfs":
+            kw["virtual_stages"] = 2
+        pipe = Pipeline(stage_factories(V), transport="gloo", timeout=30, **kw)
+        ref = Pipeline([f() for f in stage_factories(V)], **kw)
+        same = True
+        for t in range(2):
+            x, y = batch(t)
+            same &= torch.equal(pipe.step(x, y), ref.step(x, y))
+        held = [st.index for st in pipe.stages]
+        out[name] = {
+            "stages": held,
+            "losses_equal": same,
+            "weights_equal": all(
+                torch.equal(a, b)
+                for s in held
+                for a, b in zip(pipe._executor.by_index[s].module.parameters(),
+                                ref.stages[s].module.parameters(), strict=True)
+            ),
+        }
+    try:
+        Pipeline(stage_factories(V), schedule=zbv(R, 4), chunks=4, optimizer=_sgd(),
+                 loss_fn=nn.functional.mse_loss, transport="gloo", timeout=30)
+        out["zbv_refused"] = ""
+    except PipelineConfigError as exc:
+        out["zbv_refused"] = str(exc)
+    return out

@@ -75,16 +75,32 @@ def test_hand_written_program_equals_built_in_bitwise() -> None:
         assert torch.equal(p, q)
 
 
-def test_partly_split_program_is_refused_naming_the_stage() -> None:
-    text = (
-        "schedule half stages=2 chunks=2 steps=1 update_size=2 order=x weights=live ticks=0\n"
-        "s0: F0 F1 B0 B1 U0-1\n"
-        "s1: F0 B0 F1 B1 W0 W1 U0-1\n"
-    )
+def test_partly_split_synchronous_program_equals_whole_backwards() -> None:
+    """Stage 1 splits its backwards, stage 0 runs them whole (DualPipeV mixes both on one
+    stage): the same training as whole backwards everywhere."""
+    head = "schedule half stages=2 chunks=2 steps=1 update_size=2 order=x weights=live ticks=0\n"
+    split = head + "s0: F0 F1 B0 B1 U0-1\ns1: F0 B0 F1 B1 W0 W1 U0-1\n"
+    whole = head + "s0: F0 F1 B0 B1 U0-1\ns1: F0 B0 F1 B1 U0-1\n"
+    a, b = _stages(2), _stages(2)
+    pa, pb = _pipe(a, split), _pipe(b, whole)
+    assert pa._executor.spec.split_only == (frozenset(), frozenset({0, 1}))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        x, y = torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)
+        assert torch.equal(pa.step(x, y), pb.step(x, y))
+    for p, q in zip([p for m in a for p in m.parameters()], [p for m in b for p in m.parameters()], strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_partly_split_asynchronous_program_is_refused() -> None:
+    base = generate("pb", stages=2, chunks=2, steps=2, order="1f1b")
+    s1 = tuple(x for a in base.actions[1]
+               for x in ((a, Action.weight(a.mb)) if a.kind is Kind.BACKWARD else (a,)))
+    program = dataclasses.replace(base, name="pbw", actions=(base.actions[0], s1), ticks=None)
     stages = _stages(2)
     before = copy.deepcopy([p.detach() for m in stages for p in m.parameters()])
-    with pytest.raises(PipelineConfigError, match=r"not those of micro-batches \[0, 1\] on stage 0"):
-        _pipe(stages, text)
+    with pytest.raises(PipelineConfigError, match=r"splits the backwards of only some"):
+        _pipe(stages, program)
     assert all(torch.equal(p, q) for p, q in
                zip(before, [p.detach() for m in stages for p in m.parameters()], strict=True))
 

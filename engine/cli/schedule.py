@@ -1,32 +1,48 @@
-"""``python -m engine schedule NAME --stages S --chunks M``: print, analyse and draw a schedule.
+"""``python -m engine schedule NAME|FILE``: print, analyse and draw a schedule.
 
 Why here as well as ``python -m engine.schedule``: the command line a user discovers is
 ``python -m engine``; this subcommand uses only the public ``engine.schedule`` API (generate,
-format_schedule, analyze, render_timeline, chrome_trace) and adds the one-line errors of the
-CLI. It prints the schedule's text form (one row per stage) and the analysis summary
-(per-stage delays, weight versions, activation peak, bubble fraction).
+the rank-program families, from_csv/to_csv, format_schedule, analyze, render_timeline,
+chrome_trace) and adds the one-line errors of the CLI. It prints the schedule's text form (one
+row per stage, cut into blocks of tick columns that fit ``--width``) and the analysis summary
+(per-stage delays, weight versions, activation peak, bubble fraction; per rank the bubble
+ratio and activation peak when ranks hold several stages).
+
+NAME is a catalog family (``1f1b``, ``pb``, ...), a rank-program family (``interleaved``,
+``zbv``, ``dualpipev``, ``looped_bfs``; ``--stages`` then counts ranks) or a file: a TDP CSV
+(``.csv``, as torch.distributed.pipelining, torchtitan and NeMo read them) or the text form.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from pathlib import Path
 
 from engine.cli import CLIError
+from engine.schedule.catalog import PROGRAM_FAMILIES
 from engine.schedule.catalog import SCHEDULES as NAMES  # the catalog is torch-free
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "wrap_schedule_text"]
+
+PROGRAMS = tuple(PROGRAM_FAMILIES)
+_PER_RANK = ("interleaved", "looped_bfs")  # v stages per rank, -v sets v
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", help=f"schedule: one of {', '.join(NAMES)} or interleaved")
     p.add_argument(
-        "-S", "--stages", type=int, default=4, help="pipeline stages (ranks for interleaved; 4)"
+        "name",
+        help=f"schedule: one of {', '.join(NAMES + PROGRAMS)}, or a file (.csv: TDP's CSV, "
+        "else the text form)",
+    )
+    p.add_argument(
+        "-S", "--stages", type=int, default=4,
+        help="pipeline stages; ranks for interleaved, zbv, dualpipev, looped_bfs (default 4)",
     )
     p.add_argument(
         "-v", "--virtual-stages", type=int, default=None,
-        help="interleaved only: virtual stages per rank (default 2)",
+        help="interleaved and looped_bfs: stages per rank (default 2)",
     )
     p.add_argument(
         "-M", "--chunks", type=int, default=8, help="micro-batches per mini-batch (default 8)"
@@ -37,47 +53,118 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--order", choices=("dataflow", "1f1b"), default=None, help="pb only")
     p.add_argument("--compact", action="store_true", help="omit sends/receives and ticks")
+    p.add_argument(
+        "--width", type=int, default=100,
+        help="wrap the text form into blocks of tick columns this wide (0: one line per stage)",
+    )
+    p.add_argument(
+        "--drop-fsdp", action="store_true",
+        help="reading a CSV: skip FSDP's UNSHARD/RESHARD cells instead of refusing them",
+    )
     p.add_argument("--png", default=None, help="write a timeline PNG here")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
+    p.add_argument("--csv", default=None, help="write the schedule as TDP's CSV here")
+    p.add_argument(
+        "--csv-format", choices=("compute_only", "compute_comms"), default="compute_only",
+        help="--csv: TDP's format (default compute_only, what torchtitan loads)",
+    )
+
+
+def _load(args: argparse.Namespace):  # noqa: ANN202
+    from engine.schedule import dualpipev, from_csv, generate, interleaved, looped_bfs, parse, zbv
+
+    name = args.name
+    path = Path(name)
+    if name not in NAMES + PROGRAMS and (path.suffix or path.exists()):
+        if not path.is_file():
+            raise CLIError(f"no schedule file {name!r} (and no schedule family of that name)")
+        if path.suffix.lower() == ".csv":
+            return from_csv(path, name=path.stem.replace(" ", "_") or "csv", drop_fsdp=args.drop_fsdp)
+        return parse(path.read_text())
+    if name not in NAMES + PROGRAMS:
+        raise CLIError(
+            f"unknown schedule {name!r}; choose one of {', '.join(NAMES + PROGRAMS)} or give a "
+            ".csv or text-form file"
+        )
+    if args.virtual_stages is not None and name not in _PER_RANK:
+        raise CLIError(f"--virtual-stages is only for interleaved and looped_bfs, not {name!r}")
+    if name in PROGRAMS:
+        if args.update_size is not None or args.order is not None:
+            raise ValueError(f"{name} takes neither --update-size nor --order")
+        v = 2 if args.virtual_stages is None else args.virtual_stages
+        if name == "interleaved":
+            return interleaved(args.stages, v, args.chunks, args.steps)
+        if name == "looped_bfs":
+            return looped_bfs(args.stages, v, args.chunks, args.steps)
+        return (zbv if name == "zbv" else dualpipev)(args.stages, args.chunks, args.steps)
+    order = None if args.order == "dataflow" else args.order
+    return generate(name, args.stages, args.chunks, args.steps, args.update_size, order)
+
+
+def wrap_schedule_text(text: str, width: int) -> str:
+    """The text form cut for a terminal: stage lines of tick columns (``s0: a | b | ...``) are
+    split into blocks of whole columns no wider than ``width`` (each block headed ``# ticks
+    a-b``), other long lines wrapped with an indent. ``width`` <= 0 returns ``text``."""
+    if width <= 0:
+        return text
+    lines = text.rstrip("\n").split("\n")
+    stage = [ln for ln in lines if ln[:1] == "s" and ":" in ln and " | " in ln]
+    def wrap(ls: list[str]) -> list[str]:
+        return [
+            w for ln in ls
+            for w in textwrap.wrap(ln, width, subsequent_indent="    ", break_on_hyphens=False) or [""]
+        ]
+
+    head, tail = wrap(lines[:1]), wrap([ln for ln in lines[1:] if ln not in stage])
+    if not stage or max(len(x) for x in stage) <= width:
+        return "\n".join(head + [ln for ln in lines[1:] if ln in stage] + tail) + "\n"
+    labels = [ln.split(":", 1)[0] + ":" for ln in stage]
+    cols = [ln.split(":", 1)[1][1:].split(" | ") for ln in stage]
+    lw = max(len(x) for x in labels)
+    n = max(len(c) for c in cols)
+    widths = [max(len(c[j]) if j < len(c) else 1 for c in cols) for j in range(n)]
+    blocks: list[tuple[int, int]] = []
+    start, used = 0, lw
+    for j, w in enumerate(widths):
+        add = w + (3 if j > start else 1)
+        if j > start and used + add > width:
+            blocks.append((start, j))
+            start, used = j, lw + 1 + w
+        else:
+            used += add
+    blocks.append((start, n))
+    body: list[str] = []
+    for a, b in blocks:
+        body.append(f"# ticks {a}-{b - 1}")
+        for label, c in zip(labels, cols, strict=True):
+            cells = [c[j].ljust(widths[j]) for j in range(a, min(b, len(c)))]
+            body.append((label.ljust(lw) + " " + " | ".join(cells)).rstrip())
+    return "\n".join(head + body + tail) + "\n"
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.schedule import (
-        ScheduleError,
-        analyze,
-        chrome_trace,
-        format_schedule,
-        generate,
-        interleaved,
-        render_timeline,
-    )
+    from engine.schedule import ScheduleError, analyze, chrome_trace, format_schedule, render_timeline
+    from engine.schedule.tdp import to_csv
 
-    if args.name not in (*NAMES, "interleaved"):
-        raise CLIError(
-            f"unknown schedule {args.name!r}; choose one of {', '.join(NAMES)}, interleaved"
-        )
-    if args.virtual_stages is not None and args.name != "interleaved":
-        raise CLIError(f"--virtual-stages is only for interleaved, not {args.name!r}")
     for flag, v in (("--stages", args.stages), ("--chunks", args.chunks), ("--steps", args.steps)):
         if v < 1:
             raise CLIError(f"{flag} {v} must be >= 1")
     if args.update_size is not None and args.update_size < 1:
         raise CLIError(f"--update-size {args.update_size} must be >= 1")
-    order = None if args.order == "dataflow" else args.order
     try:
-        if args.name == "interleaved":
-            if args.update_size is not None or args.order is not None:
-                raise ValueError("interleaved takes neither --update-size nor --order")
-            v = 2 if args.virtual_stages is None else args.virtual_stages
-            sched = interleaved(args.stages, v, args.chunks, args.steps)
-        else:
-            sched = generate(
-                args.name, args.stages, args.chunks, args.steps, args.update_size, order
-            )
-    except (ScheduleError, ValueError, TypeError) as exc:
+        sched = _load(args)
+        text = format_schedule(sched, comms=not args.compact, ticks=not args.compact)
+        print(wrap_schedule_text(text, args.width), end="")
+        report = analyze(sched)
+        for line in report.summary().split("\n"):
+            print(textwrap.fill(line, max(args.width, 40) if args.width > 0 else 10**6,
+                                subsequent_indent="      "))
+        if args.csv:
+            Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
+            to_csv(sched, args.csv, format=args.csv_format)
+            print(f"wrote {args.csv}")
+    except (ScheduleError, ValueError, TypeError, OSError) as exc:
         raise CLIError(str(exc)) from None
-    print(format_schedule(sched, comms=not args.compact, ticks=not args.compact), end="")
-    print(analyze(sched).summary())
     if args.png:
         Path(args.png).parent.mkdir(parents=True, exist_ok=True)
         render_timeline(sched, args.png)

@@ -32,9 +32,11 @@ class _Replay:
     """Both replays (unit costs and wall time) in one pass: per action one call, one dict
     lookup, instead of one per cost model (the sync steps' flush replays every step)."""
 
-    def __init__(self, S: int, split: bool = False, ranks: int | None = None) -> None:
+    def __init__(self, S: int, split: bool = False, ranks: int | tuple[int, ...] | None = None) -> None:
         self.S = S
-        self.L = S if ranks is None else ranks  # lanes: a stage runs on lane s % L
+        # lanes: a stage runs on lane s % L, or on rank_of[s] for a placement such as the V
+        self.L = S if ranks is None else ranks if isinstance(ranks, int) else max(ranks) + 1
+        self.rank_of = [s % self.L for s in range(S)] if not isinstance(ranks, tuple) else list(ranks)
         self.unit = _UNIT_SPLIT if split else _UNIT
         self.free_u = [0.0] * self.L
         self.free_w = [0.0] * self.L
@@ -54,6 +56,7 @@ class _Replay:
         end_u, end_w = self.end_u, self.end_w
         busy_u, busy_w = self.busy_u, self.busy_w
         unit = self.unit
+        rank_of = self.rank_of
         for j in range(k):
             s, op, n, sec = log[j]  # type: ignore[misc]
             log[j] = None
@@ -64,7 +67,7 @@ class _Replay:
                     dep = done.pop((s - 1, _F, n), None)
             elif op == _B and s < S - 1:  # (a W waits for nothing on another stage)
                 dep = done.pop((s + 1, _B, n), None)
-            r = s % L
+            r = rank_of[s]
             a, b = free_u[r], free_w[r]
             if a < bu:
                 a = bu
@@ -104,10 +107,12 @@ class _Replay:
 class Clock:
     """Unit-cost and wall-time replay of the executed forwards and backwards."""
 
-    def __init__(self, num_stages: int, split: bool = False, ranks: int | None = None) -> None:
+    def __init__(
+        self, num_stages: int, split: bool = False, ranks: int | tuple[int, ...] | None = None
+    ) -> None:
         self.num_stages = num_stages
         self.split = split  # the schedule splits backwards into B and W (unit costs 1 + 1)
-        self.ranks = ranks  # virtual stages: stage s runs on rank s % ranks
+        self.ranks = ranks  # virtual stages: stage s on rank s % ranks (or ranks[s], a placement)
         self.reset()
 
     def reset(self) -> None:

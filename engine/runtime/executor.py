@@ -119,13 +119,18 @@ class Executor(SynchronousSteps, FailureHandling):
         self.immediate_nonfinite = not self.sync and not device_flags
         self.flags = DeviceFlags() if device_flags else None
         program = spec.program
-        ranks = program.ranks if program is not None and program.rank_order is not None else None
+        ranks = (
+            tuple(program.rank_of(s) for s in range(program.stages))
+            if program is not None and program.rank_order is not None
+            else None
+        )
         self.clock = Clock(self.S, spec.split_backward, ranks)
         #: synchronous steps chain the stages' graphs (one process holds every stage), unless
         #: the schedule splits backwards into B and W: those run per stage, as scheduled
         self.chain_sync = len(stages) == spec.stages and not spec.split_backward
         for st in stages:
             st.split = spec.split_backward
+            st.split_only = spec.split_only[st.index] if spec.split_only is not None else None
         self.tracker = BufferTracker([st.module for st in stages])
         self.interrupts = Interrupts()
         #: testing hook, called before every action as hook(stage, kind, micro-batch id);

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils.checkpoint
@@ -119,9 +119,9 @@ class Stage:
         #: chained (synchronous steps in one process): stage inputs keep the previous stage's
         #: graph and the last stage's backward runs every stage's (set by the executor)
         self.chain = False
-        #: B computes only the input gradient, W(i) the rest (set by the executor); _deferred: Bs awaiting W
-        self.split = False
-        self._deferred: dict[int, BackwardJob] = {}
+        #: B: input gradient only, W(i) the rest, for split_only's micro-batches (None: all); by the executor
+        self.split, self.split_only = False, cast("frozenset[int] | None", None)
+        self._deferred: dict[int, BackwardJob] = {}  # Bs awaiting their W
         remap = policy.remaps_saved_weights and not recompute and not self._all_live()
         weight_bytes = sum(f.numel() * f.element_size() for f in store.live_flats())
         #: rebase instead of remapping (see _rebase_transient): small stages whose backward
@@ -331,7 +331,7 @@ class Stage:
         job = self.begin_backward(i, n, grad)
         if job is None or isinstance(job, _Dropped):
             return job
-        if self.split:  # the input gradient now, the weight gradient at W(i)
+        if self.split and (self.split_only is None or i in self.split_only):  # input grad now, W later
             self.stash.put(job.entry)  # its activations live until W(i): the peak counts them
             self._deferred[i] = job
             try:

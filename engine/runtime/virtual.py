@@ -58,6 +58,12 @@ def check_virtual(spec: ScheduleSpec, data_parallel: int) -> int:
             f"{what} is asynchronous; across processes virtual stages run synchronous programs "
             "only (schedule='interleaved'); use transport='local'"
         )
+    if program.placement is not None:  # the V's turn joins two stages of one rank
+        raise PipelineConfigError(
+            f"{what} places its stages as {[list(r) for r in program.placement]}; across "
+            "processes only round-robin placement runs so far (stage s on rank s % R: "
+            "interleaved, looped_bfs); run V schedules (zbv, dualpipev) with transport='local'"
+        )
     if R < 2:
         raise PipelineConfigError(
             f"{what} puts all {spec.stages} stages on one rank of each replica "

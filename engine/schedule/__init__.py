@@ -18,6 +18,8 @@ Modules: ``ir`` (Action, Schedule), ``streams`` (stage_actions: the open-ended p
 streams every runtime transport executes), ``text`` (format/parse), ``generators`` (generate,
 the streams cut at T*M micro-batches),
 ``interleaved`` (interleaved 1F1B: v virtual stages per rank and each rank's order),
+``ranked`` (programs stated rank by rank: placement, overlapped pairs), ``vshape`` (ZB-V,
+DualPipeV, looped BFS), ``tdp`` (torch.distributed.pipelining's CSV: from_csv, to_csv),
 ``simulate`` (global clock, deadlock detection), ``validate``, ``versions`` (t_F/t_B and
 weight versions per policy), ``analysis`` (analyze), ``render`` (PNG, Chrome trace).
 Importing this package does not import torch or matplotlib.
@@ -42,6 +44,8 @@ from engine.schedule.streams import stage_actions, stage_ticks, truncate
 from engine.schedule.text import format_schedule, parse
 from engine.schedule.validate import activation_bound, validate
 from engine.schedule.versions import Versions, stage_versions
+from engine.schedule.tdp import from_csv, to_csv
+from engine.schedule.vshape import dualpipev, looped_bfs, zbv
 
 __all__ = [
     "SCHEDULES",
@@ -57,9 +61,12 @@ __all__ = [
     "activation_bound",
     "analyze",
     "chrome_trace",
+    "dualpipev",
     "format_schedule",
+    "from_csv",
     "generate",
     "interleaved",
+    "looped_bfs",
     "parse",
     "render_timeline",
     "schedule_delays",
@@ -68,6 +75,8 @@ __all__ = [
     "stage_ticks",
     "stage_versions",
     "steady_steps",
+    "to_csv",
     "truncate",
     "validate",
+    "zbv",
 ]

@@ -6,6 +6,7 @@ is the fastest way to understand or debug one, and needs no Python session.
     python -m engine.schedule pb -S 3 -M 3 --steps 2 --png pb.png --trace pb.json
     python -m engine.schedule 1f1b -S 4 -M 8 --compact
     python -m engine.schedule --file my_schedule.txt      # validate a hand-written one
+    python -m engine.schedule --file zbv.csv              # or a TDP CSV (engine.schedule.tdp)
 """
 
 from __future__ import annotations
@@ -32,15 +33,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-T", "--steps", type=int, default=1)
     p.add_argument("-k", "--update-size", type=int, default=None)
     p.add_argument("--order", default=None, help="pb only: dataflow (default) or 1f1b")
-    p.add_argument("--file", help="read a schedule in text form instead of generating one")
+    p.add_argument(
+        "--file", help="read a schedule (text form, or TDP's CSV when it ends in .csv)"
+    )
     p.add_argument("--compact", action="store_true", help="print without sends/receives and ticks")
     p.add_argument("--png", help="write a timeline PNG here")
     p.add_argument("--trace", help="write a Chrome trace JSON here")
     args = p.parse_args(argv)
     try:
-        if args.file:
+        if args.file and args.file.lower().endswith(".csv"):
+            from engine.schedule.tdp import from_csv
+
+            sched: Schedule = from_csv(args.file)
+        elif args.file:
             with open(args.file) as f:
-                sched: Schedule = parse(f.read())
+                sched = parse(f.read())
         elif args.name:
             sched = generate(
                 args.name, args.stages, args.chunks, args.steps, args.update_size, args.order

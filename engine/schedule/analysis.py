@@ -31,6 +31,8 @@ Definitions used (per stage s):
   backward split into B and W: the weight gradient still reads the activations).
 * ``bubble_fraction``: 1 - (busy time of all ranks) / (R * makespan) under the cost model
   (R = S without virtual stages); ``idle_fraction[s]`` the same per (virtual) stage.
+* ``rank_activation_peak[r]``: the most micro-batches whose activations rank r's stages hold
+  at once (walking the rank's order); the per-rank memory of multi-stage placements.
 * ``rank_bubble[r]``: Megatron's bubble ratio of rank r, idle time / busy time. For
   interleaved 1F1B with equal costs per virtual stage it is exactly (R-1)/(v*M) whenever
   M >= R (and max(1, M // R) divides M); with M < R it is larger (tests/test_schedule_interleaved.py).
@@ -82,6 +84,9 @@ class ScheduleReport:
     records: tuple[tuple[MicroBatchRecord, ...], ...]
     timeline: Timeline
     rank_bubble: tuple[float, ...] = ()
+    #: per rank, the most micro-batches whose activations its stages hold at once (the
+    #: memory that matters when a rank holds several stages: ZB-V's claim is 1F1B's peak)
+    rank_activation_peak: tuple[int, ...] = ()
 
     def record(self, stage: int, mb: int) -> MicroBatchRecord:
         """The record of micro-batch ``mb`` on ``stage``."""
@@ -106,9 +111,9 @@ class ScheduleReport:
             )
         if s.rank_order is not None:
             lines.extend(
-                f"  rank {r} (stages {list(range(r, s.stages, s.ranks))}): bubble ratio "
-                f"idle/busy {b:.4f}"
-                for r, b in enumerate(self.rank_bubble)
+                f"  rank {r} (stages {list(s.rank_stages(r))}): bubble ratio "
+                f"idle/busy {b:.4f}, activation peak {p} micro-batches"
+                for r, (b, p) in enumerate(zip(self.rank_bubble, self.rank_activation_peak, strict=True))
             )
         return "\n".join(lines)
 
@@ -228,6 +233,18 @@ def analyze(
     rank_bubble = tuple((makespan - b) / b if b > 0 else 0.0 for b in rank_busy)
     R = schedule.ranks
     bubble = 1.0 - busy_total / (R * makespan) if makespan > 0 else 0.0
+    rank_peaks = []
+    for r in range(R):
+        held, peak = 0, 0
+        splits = {st: schedule.split_mbs(st) for st in schedule.rank_stages(r)}
+        for st, i in schedule.rank_sequence(r):
+            a = schedule.actions[st][i]
+            if a.kind is Kind.FORWARD:
+                held += 1
+                peak = max(peak, held)
+            elif schedule.releases_activations(st, a, splits[st]):
+                held -= 1
+        rank_peaks.append(peak)
     return ScheduleReport(
         schedule=schedule,
         costs=cost,
@@ -241,4 +258,5 @@ def analyze(
         records=tuple(records),
         timeline=timeline,
         rank_bubble=rank_bubble,
+        rank_activation_peak=tuple(rank_peaks),
     )

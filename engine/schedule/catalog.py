@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from engine._checks import check_positive_int
 
-__all__ = ["Family", "FAMILIES", "SCHEDULES", "SYNCHRONOUS", "family"]
+__all__ = ["Family", "FAMILIES", "PROGRAM_FAMILIES", "SCHEDULES", "SYNCHRONOUS", "family"]
 
 
 @dataclass(frozen=True)
@@ -162,3 +162,14 @@ def family(name: object) -> Family:
         raise ValueError(f"unknown schedule {name!r}; known schedules: {', '.join(SCHEDULES)}")
     return fam
 
+
+
+#: families stated rank by rank (several stages per rank, generated as one-mini-batch programs
+#: by engine.schedule.interleaved and engine.schedule.vshape; all synchronous, live weights,
+#: k = M): name -> (stage placement, what it is)
+PROGRAM_FAMILIES: dict[str, tuple[str, str]] = {
+    "interleaved": ("round-robin, v per rank", "Megatron's interleaved 1F1B"),
+    "zbv": ("V, 2 per rank", "zero-bubble V: B and W split, Ws fill the bubbles"),
+    "dualpipev": ("V, 2 per rank", "DualPipeV: a forward overlapped with another's backward"),
+    "looped_bfs": ("round-robin, v per rank", "breadth-first: all forwards stage by stage"),
+}

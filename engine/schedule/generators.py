@@ -38,8 +38,13 @@ def _unit_ticks(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
     """
     split = any(a.kind is Kind.WEIGHT for acts in schedule.actions for a in acts)
     tl = simulate(schedule, UNIT_SPLIT_COSTS if split else UNIT_COSTS)
+    start = [list(st) for st in tl.start]
+    if schedule.overlaps:  # an overlapped pair is issued at once: one tick (one CSV cell)
+        index = [{a: i for i, a in enumerate(acts)} for acts in schedule.actions]
+        for sa, a, sb, b in schedule.overlaps:
+            start[sb][index[sb][b]] = start[sa][index[sa][a]]
     out: list[tuple[int, ...]] = []
-    for acts, starts in zip(schedule.actions, tl.start, strict=True):
+    for acts, starts in zip(schedule.actions, start, strict=True):
         compute = [i for i, a in enumerate(acts) if a.kind.is_compute]
         ticks: list[int] = []
         for i, a in enumerate(acts):

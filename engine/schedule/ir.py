@@ -57,6 +57,17 @@ unchanged, and rank r = s % R (R = stages / v ranks) runs virtual stages r, r+R,
 virtual stage whose next action runs, so the rank executes its stages' lists merged in that
 order, one action at a time. The simulator and the validator execute ranks sequentially in
 this order (the deadlock check that matters for one process per rank).
+
+Placement (which rank holds which stages): by default round-robin as above. ``placement``
+names the stages of every rank explicitly, e.g. the V of zero-bubble V schedules (rank r holds
+r and 2R-1-r, so the last stage is back on rank 0 and the loss is computed where the input
+entered) or any other map; every consumer asks :meth:`Schedule.rank_of` / ``rank_stages``.
+
+Overlapped pairs (DualPipeV): ``overlaps`` lists pairs of compute actions of one rank -- a
+forward of one stage and a backward of another -- that the rank issues together (torch's
+``(0F7;7B3)OVERLAP_F_B``). They are adjacent in the rank's order and run in that order (on
+CPU one after the other, which is also what the simulator charges); the pair only records
+that a GPU runtime may overlap them, and the CSV writer prints them as one cell.
 """
 
 from __future__ import annotations
@@ -229,6 +240,10 @@ class Schedule:
     virtual_stages: int = 1
     #: per rank, the virtual stage of each action in the order the rank runs them
     rank_order: tuple[tuple[int, ...], ...] | None = field(default=None)
+    #: per rank, the stages it holds (None: round-robin, stage s on rank s % R)
+    placement: tuple[tuple[int, ...], ...] | None = field(default=None)
+    #: overlapped pairs (stage, action, stage, action), adjacent in their rank's order
+    overlaps: tuple[tuple[int, Action, int, Action], ...] = field(default=())
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", tuple(tuple(a) for a in self.actions))
@@ -264,7 +279,13 @@ class Schedule:
 
     def _check_ranks(self) -> None:
         v = self.virtual_stages
+        if self.placement is not None:
+            self._check_placement()
+        if self.overlaps:
+            object.__setattr__(self, "overlaps", tuple(sorted(tuple(p) for p in self.overlaps)))
         if v == 1 and self.rank_order is None:
+            if self.overlaps:
+                raise ValueError("overlapped pairs need a rank_order (a rank runs several stages)")
             return
         if not isinstance(v, int) or v < 2 or self.stages % v:
             raise ValueError(
@@ -279,7 +300,7 @@ class Schedule:
         if len(order) != R:
             raise ValueError(f"rank_order has {len(order)} lists for {R} ranks (stages / v)")
         for r, seq in enumerate(order):
-            own = range(r, self.stages, R)
+            own = self.rank_stages(r)
             for vs in own:
                 if seq.count(vs) != len(self.actions[vs]):
                     raise ValueError(
@@ -288,18 +309,72 @@ class Schedule:
                     )
             foreign = sorted(set(seq) - set(own))
             if foreign:
+                where = (
+                    f"its placement is {list(own)}" if self.placement is not None
+                    else f"rank r runs the stages s with s % {R} == r"
+                )
                 raise ValueError(
                     f"rank {r}'s order names virtual stages {foreign}, which run on other ranks "
-                    f"(rank r runs the stages s with s % {R} == r)"
+                    f"({where})"
+                )
+        self._check_overlaps()
+
+    def _check_placement(self) -> None:
+        place = tuple(tuple(int(x) for x in r) for r in self.placement)  # type: ignore[union-attr]
+        object.__setattr__(self, "placement", place)
+        held = sorted(x for r in place for x in r)
+        if held != list(range(self.stages)):
+            raise ValueError(
+                f"placement {[list(r) for r in place]} must put each of the {self.stages} stages "
+                "on exactly one rank"
+            )
+        sizes = {len(r) for r in place}
+        if sizes != {self.virtual_stages}:
+            raise ValueError(
+                f"placement {[list(r) for r in place]} must give every rank virtual_stages="
+                f"{self.virtual_stages} stages"
+            )
+
+    def _check_overlaps(self) -> None:
+        if not self.overlaps:
+            return
+        pos: dict[tuple[int, Action], tuple[int, int]] = {}
+        for r in range(self.ranks):
+            for p, (vs, i) in enumerate(self.rank_sequence(r)):
+                pos[(vs, self.actions[vs][i])] = (r, p)
+        for sa, a, sb, b in self.overlaps:
+            pa, pb = pos.get((sa, a)), pos.get((sb, b))
+            what = f"overlapped pair ({sa}:{a};{sb}:{b})"
+            if pa is None or pb is None:
+                raise ValueError(f"{what} names an action its stage does not have")
+            if not (a.kind.is_compute and b.kind.is_compute):
+                raise ValueError(f"{what}: both halves must be F, B or W")
+            if pa[0] != pb[0] or pb[1] != pa[1] + 1:
+                raise ValueError(
+                    f"{what}: the halves must be adjacent in one rank's order (rank, position "
+                    f"{pa} and {pb})"
                 )
 
     @property
     def ranks(self) -> int:
         """R: processes the schedule runs on (``stages`` when there are no virtual stages)."""
+        if self.placement is not None:
+            return len(self.placement)
         return self.stages // self.virtual_stages
+
+    def rank_stages(self, rank: int) -> tuple[int, ...]:
+        """The stages ``rank`` holds, in increasing order of stage for round-robin placement."""
+        if self.placement is not None:
+            return self.placement[rank]
+        return tuple(range(rank, self.stages, self.ranks))
 
     def rank_of(self, stage: int) -> int:
         """The rank that runs (virtual) stage ``stage``."""
+        if self.placement is not None:
+            for r, held in enumerate(self.placement):
+                if stage in held:
+                    return r
+            raise ValueError(f"stage {stage} is on no rank of placement {self.placement}")
         return stage % self.ranks
 
     def rank_sequence(self, rank: int) -> list[tuple[int, int]]:

@@ -44,6 +44,8 @@ def add_comms(program: Schedule) -> Schedule:
     the tick of the compute after it, a send that of the compute before it)."""
     if program.has_comms:
         return program
+    if program.rank_order is not None:
+        return _add_comms_by_rank(program)
     S = program.stages
     actions: list[tuple[Action, ...]] = []
     ticks: list[tuple[int, ...]] | None = [] if program.ticks is not None else None
@@ -100,3 +102,75 @@ def flushes_every_minibatch(program: Schedule) -> bool:
         if pending:
             return False
     return True
+
+
+def _units(program: Schedule, rank: int) -> list[list[tuple[int, int]]]:
+    """Rank ``rank``'s sequence cut into units: one action, or an overlapped pair."""
+    paired = {(sa, a) for sa, a, _, _ in program.overlaps}
+    units: list[list[tuple[int, int]]] = []
+    glue = False
+    for vs, i in program.rank_sequence(rank):
+        if glue:
+            units[-1].append((vs, i))
+        else:
+            units.append([(vs, i)])
+        glue = (vs, program.actions[vs][i]) in paired
+    return units
+
+
+def unit_comms(
+    program: Schedule, unit: list[tuple[int, Action]]
+) -> tuple[list[tuple[int, Action]], list[tuple[int, Action]]]:
+    """The receives before and the sends after one unit (an action or an overlapped pair), as
+    (stage, action): receives from another rank first, then those from the rank itself; sends
+    to the rank itself first, then those to other ranks. The CSV reader re-inserts the
+    same-rank ones (TDP leaves them out) at exactly these places."""
+    S = program.stages
+    recvs: list[tuple[bool, int, Action]] = []
+    sends: list[tuple[bool, int, Action]] = []
+    for s, a in unit:
+        w = _wrapped(s, S, a)
+        k = w.index(a)
+        for c in w[:k]:
+            peer = s + c.kind.peer_offset
+            recvs.append((program.rank_of(peer) == program.rank_of(s), s, c))
+        for c in w[k + 1 :]:
+            peer = s + c.kind.peer_offset
+            sends.append((program.rank_of(peer) != program.rank_of(s), s, c))
+    recvs.sort(key=lambda x: x[0])
+    sends.sort(key=lambda x: x[0])
+    return [(s, c) for _, s, c in recvs], [(s, c) for _, s, c in sends]
+
+
+def _add_comms_by_rank(program: Schedule) -> Schedule:
+    actions: list[list[Action]] = [[] for _ in range(program.stages)]
+    ticks: list[list[int]] | None = (
+        [[] for _ in range(program.stages)] if program.ticks is not None else None
+    )
+    order: list[tuple[int, ...]] = []
+    for r in range(program.ranks):
+        seq: list[int] = []
+
+        def emit(s: int, a: Action, t: int | None) -> None:
+            actions[s].append(a)
+            seq.append(s)
+            if ticks is not None:
+                ticks[s].append(t)  # type: ignore[arg-type]
+
+        for unit in _units(program, r):
+            acts = [(s, program.actions[s][i]) for s, i in unit]
+            tk = [program.ticks[s][i] for s, i in unit] if program.ticks is not None else None
+            recvs, sends = unit_comms(program, acts)
+            for s, c in recvs:
+                emit(s, c, tk[0] if tk else None)
+            for j, (s, a) in enumerate(acts):
+                emit(s, a, tk[j] if tk else None)
+            for s, c in sends:
+                emit(s, c, tk[-1] if tk else None)
+        order.append(tuple(seq))
+    return replace(
+        program,
+        actions=tuple(map(tuple, actions)),
+        ticks=None if ticks is None else tuple(map(tuple, ticks)),
+        rank_order=tuple(order),
+    )

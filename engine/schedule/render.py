@@ -36,6 +36,31 @@ _CATEGORY = {
 }
 
 
+def describe(schedule: Schedule, bubble: float | None = None) -> str:
+    """One line naming a schedule's shape in words, e.g. ``zbv: 4 stages on 2 ranks (V
+    placement), 8 micro-batches per mini-batch, 1 mini-batch, update every 8; bubble 0.04``."""
+    s = schedule
+    name = s.name if s.order in (s.name, "") else f"{s.name} (order {s.order})"
+    where = f"{s.stages} stages"
+    if s.rank_order is not None:
+        shape = "V placement" if s.placement is not None and _is_v(s) else (
+            "placement " + ",".join("+".join(map(str, r)) for r in s.placement)
+            if s.placement is not None else "round-robin"
+        )
+        where += f" on {s.ranks} ranks ({shape})"
+    steps = f"{s.steps} mini-batch" + ("es" if s.steps != 1 else "")
+    text = (
+        f"{name}: {where}, {s.chunks} micro-batches per mini-batch, {steps}, "
+        f"update every {s.update_size}"
+    )
+    return text if bubble is None else f"{text}; bubble {bubble:.3f}"
+
+
+def _is_v(s: Schedule) -> bool:
+    R = s.ranks
+    return s.placement == tuple((r, 2 * R - 1 - r) for r in range(R))
+
+
 def render_timeline(
     schedule: Schedule,
     path: str | os.PathLike[str],
@@ -47,6 +72,23 @@ def render_timeline(
 
     Zero-cost updates are drawn as thin red bars. Returns the path written.
     """
+    import matplotlib.pyplot as plt
+
+    fig = timeline_figure(schedule, costs, title=title)
+    out = os.fspath(path)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def timeline_figure(
+    schedule: Schedule,
+    costs: Costs | Mapping[str, object] | None = None,
+    *,
+    title: str | None = None,
+) -> Any:
+    """The matplotlib figure :func:`render_timeline` saves; its x extent covers every box
+    (a zero-cost update at the very end is drawn centred on the makespan)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -58,7 +100,8 @@ def render_timeline(
     makespan = max(report.makespan, 1e-9)
     S = schedule.ranks  # rows: one per rank (= stage without virtual stages)
     virtual = schedule.rank_order is not None
-    width = min(max(6.0, makespan * 0.25), 60.0)
+    # boxes labelled stage:micro-batch (ranks of several stages) need more room per unit
+    width = min(max(6.0, makespan * (0.4 if virtual else 0.25)), 60.0)
     fig, ax = plt.subplots(figsize=(width, 0.6 * S + 1.4))
     thin = makespan / 400.0
     for s in range(schedule.stages):
@@ -82,20 +125,17 @@ def render_timeline(
             if virtual and a.kind is not Kind.UPDATE:
                 label = f"{s}:{a.mb}"
             ax.text(t0 + dur / 2, y, label, ha="center", va="center", fontsize=7, color="white")
-    ax.set_xlim(0, makespan)
+    right = max([makespan] + [p.get_x() + p.get_width() for p in ax.patches])
+    left = min([0.0] + [p.get_x() for p in ax.patches])
+    ax.set_xlim(left, right)
     ax.set_ylim(-0.6, S - 0.4)
     ax.set_yticks(range(S))
     ax.set_yticklabels([f"{'rank' if virtual else 'stage'} {S - 1 - y}" for y in range(S)])
     ax.set_xlabel("time (cost units)")
-    ax.set_title(
-        title
-        or (
-            f"{schedule.name} ({schedule.order}) S={S}"
-            + (f" v={schedule.virtual_stages}" if virtual else "")
-            + f" M={schedule.chunks} T={schedule.steps} "
-            f"k={schedule.update_size}: bubble {report.bubble_fraction:.3f}"
-        )
-    )
+    import textwrap
+
+    text = title or describe(schedule, report.bubble_fraction)
+    ax.set_title("\n".join(textwrap.wrap(text, int(width * 13), break_on_hyphens=False)), fontsize=9)
     ax.legend(
         handles=[Patch(color=c, label=_CATEGORY[k]) for k, c in _COLOURS.items()],
         loc="upper left",
@@ -103,10 +143,7 @@ def render_timeline(
         fontsize=8,
     )
     fig.tight_layout()
-    out = os.fspath(path)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def chrome_trace(

@@ -172,20 +172,32 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
                     row.append((r, where[r][(da.kind, da.mb)]))
         deps.append(row)
 
+    # an overlapped pair starts when both halves can: the first waits for the second's input
+    partner: dict[tuple[int, int], tuple[int, int]] = {}
+    if schedule.overlaps:
+        index = [{a: i for i, a in enumerate(stage)} for stage in acts]
+        for sa, a, sb, b in schedule.overlaps:
+            partner[(sa, index[sa][a])] = (sb, index[sb][b])
+
     while True:
         progress = False
         for lane, seq in enumerate(lanes):
             while pos[lane] < len(seq):
                 s, i = seq[pos[lane]]
-                dep = deps[s][i]
                 ready = 0.0
-                if dep == "missing":
+                blocked = False
+                for ds, di in ((s, i), partner.get((s, i), (s, i))):
+                    dep = deps[ds][di]
+                    if dep == "missing":
+                        blocked = True
+                    elif isinstance(dep, tuple):
+                        r, j = dep
+                        if not done[r][j]:
+                            blocked = True
+                        else:
+                            ready = max(ready, end[r][j])
+                if blocked:
                     break
-                if isinstance(dep, tuple):
-                    r, j = dep
-                    if not done[r][j]:
-                        break
-                    ready = end[r][j]
                 t0 = max(free[lane], ready)
                 a = acts[s][i]
                 split = a.kind is Kind.BACKWARD and (Kind.WEIGHT, a.mb) in where[s]

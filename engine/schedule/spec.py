@@ -27,6 +27,7 @@ from engine.schedule.ir import Kind, Schedule
 from engine.schedule.lower import add_comms, flushes_every_minibatch
 from engine.schedule.text import parse
 from engine.schedule.validate import validate
+from engine.schedule.vshape import RANK_PROGRAMS, dualpipev, looped_bfs, zbv
 
 __all__ = ["ScheduleSpec", "resolve_schedule"]
 
@@ -45,8 +46,11 @@ class ScheduleSpec:
     weights: str
     synchronous: bool
     program: Schedule | None = None
-    #: every backward is split into B (input gradient) and a later W (weight gradient)
+    #: backwards are split into B (input gradient) and a later W (weight gradient)
     split_backward: bool = False
+    #: with split_backward, per stage the micro-batches (index within a step) whose backward
+    #: is split, when only some are (DualPipeV); None: every backward is split
+    split_only: tuple[frozenset[int], ...] | None = None
 
     @property
     def is_program(self) -> bool:
@@ -82,6 +86,8 @@ def resolve_schedule(
     to the one-mini-batch program :func:`~engine.schedule.interleaved.interleaved` builds."""
     if schedule == INTERLEAVED:
         schedule = _interleaved_program(stages, chunks, update_size, order, virtual_stages)
+    elif isinstance(schedule, str) and schedule in RANK_PROGRAMS:
+        schedule = _rank_program(schedule, stages, chunks, update_size, order, virtual_stages)
     elif virtual_stages is not None:
         raise ValueError(
             f"virtual_stages={virtual_stages!r} is only for schedule='interleaved' (or a "
@@ -137,6 +143,38 @@ def _interleaved_program(
     return interleaved(stages // v, v, chunks)
 
 
+def _rank_program(
+    name: str, stages: int, chunks: int | None, update_size: int | None, order: str | None,
+    v: int | None,
+) -> Schedule:
+    """``zbv``/``dualpipev`` (2 stages per rank, as a V) and ``looped_bfs`` (v per rank,
+    round-robin): one-mini-batch programs over the ``stages`` stage modules."""
+    if chunks is None:
+        raise ValueError(f"schedule={name!r} needs chunks=M (micro-batches per step)")
+    if update_size not in (None, chunks):
+        raise ValueError(
+            f"{name!r} updates once per mini-batch, so update_size must equal chunks "
+            f"(M={chunks}), got {update_size}; drop update_size"
+        )
+    if order not in (None, name):
+        raise ValueError(f"schedule {name!r} runs in its own order, not {order!r}")
+    if name == "looped_bfs":
+        if v is None or isinstance(v, bool) or not isinstance(v, int) or v < 2 or stages % v:
+            raise ValueError(
+                f"schedule='looped_bfs' needs virtual_stages=v, an int >= 2 dividing the "
+                f"number of stage modules ({stages}), got {v!r}"
+            )
+        return looped_bfs(stages // v, v, chunks)
+    if v not in (None, 2):
+        raise ValueError(f"{name!r} places exactly 2 stages per rank; drop virtual_stages={v!r}")
+    if stages % 2:
+        raise ValueError(
+            f"{name!r} places 2 stages per rank as a V (rank r holds r and 2R-1-r): the number "
+            f"of stage modules must be even, got {stages}"
+        )
+    return (zbv if name == "zbv" else dualpipev)(stages // 2, chunks)
+
+
 def _resolve_program(
     program: Schedule,
     stages: int,
@@ -161,9 +199,15 @@ def _resolve_program(
             + " (a program fixes its stages, chunks, update size and order: leave those "
             "options unset or equal to the program's header)"
         )
-    split = _split_backward(program)
+    split, split_only = _split_backward(program)
     lowered = add_comms(program)
     validate(lowered)
+    if split_only is not None and not flushes_every_minibatch(lowered):
+        raise ValueError(
+            f"the schedule program {program.name!r} splits the backwards of only some "
+            "micro-batches; the runtime runs that in synchronous programs only (every W in the "
+            "mini-batch of its B)"
+        )
     return ScheduleSpec(
         name=program.name,
         stages=program.stages,
@@ -174,21 +218,21 @@ def _resolve_program(
         synchronous=flushes_every_minibatch(lowered),
         program=lowered,
         split_backward=split,
+        split_only=split_only,
     )
 
 
-def _split_backward(program: Schedule) -> bool:
-    """Whether the program splits its backwards into B and W; the runtime needs all or none
-    (a stage runs every B as input-gradient-only, or every B whole)."""
+def _split_backward(program: Schedule) -> tuple[bool, tuple[frozenset[int], ...] | None]:
+    """Whether the program splits backwards into B and W, and when it splits only some, per
+    stage the micro-batches it splits (as indices within their step, what the runtime sees)."""
     split = [program.split_mbs(s) for s in range(program.stages)]
     if not any(split):
-        return False
-    for s, acts in enumerate(program.actions):
-        missing = sorted({a.mb for a in acts if a.kind is Kind.BACKWARD} - split[s])
-        if missing:
-            raise ValueError(
-                f"the schedule program {program.name!r} splits some backwards into B and W "
-                f"but not those of micro-batches {missing} on stage {s}; the runtime needs a "
-                "W for every B (or none at all)"
-            )
-    return True
+        return False, None
+    partial = any(
+        {a.mb for a in acts if a.kind is Kind.BACKWARD} - split[s]
+        for s, acts in enumerate(program.actions)
+    )
+    if not partial:
+        return True, None
+    M = program.chunks
+    return True, tuple(frozenset(m % M for m in mbs) for mbs in split)

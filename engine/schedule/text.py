@@ -31,6 +31,10 @@ Grammar:
   (one per virtual stage) are followed by one line per rank, ``r<index>: 0*3 2*3 0*1 ...``:
   the rank's order as runs ``stage*count`` (run ``count`` next actions of that virtual
   stage). Schedules without virtual stages print neither.
+* Placement other than round-robin (V schedules): the header also has
+  ``placement=0+3,1+2`` (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2).
+* Overlapped pairs (DualPipeV's ``OVERLAP_F_B``): one line ``pairs: 0:F3/3:B1 ...`` after
+  the rank lines, each pair as ``stage:action/stage:action``.
 * Blank lines and lines starting with ``#`` are ignored.
 """
 
@@ -43,7 +47,7 @@ from engine.schedule.ir import Action, Kind, Schedule, format_action
 
 _TOKEN = re.compile(r"^(SF|RF|SB|RB|F|B|W|U)([0-9][0-9+\-]*)$")
 _HEADER_KEYS = ("stages", "chunks", "steps", "update_size", "order", "weights", "ticks")
-_OPTIONAL_KEYS = ("virtual",)
+_OPTIONAL_KEYS = ("virtual", "placement")
 
 
 def _format_rank_order(seq: tuple[int, ...]) -> str:
@@ -131,12 +135,22 @@ def format_schedule(schedule: Schedule, *, comms: bool = True, ticks: bool = Tru
         f"update_size={s.update_size} order={s.order} weights={s.weights} "
         f"ticks={0 if s.ticks is None else 1}"
         + (f" virtual={s.virtual_stages}" if s.rank_order is not None else "")
+        + (
+            " placement=" + ",".join("+".join(map(str, r)) for r in s.placement)
+            if s.placement is not None
+            else ""
+        )
     )
     ranks = (
         []
         if s.rank_order is None
         else [f"r{r}: {_format_rank_order(seq)}" for r, seq in enumerate(s.rank_order)]
     )
+    if s.overlaps:
+        ranks.append(
+            "pairs: "
+            + " ".join(f"{sa}:{format_action(a)}/{sb}:{format_action(b)}" for sa, a, sb, b in s.overlaps)
+        )
     if " " in s.name or not s.name:
         raise ValueError(f"schedule name {s.name!r} must be one non-empty word for the text form")
     labels = [f"s{i}:" for i in range(s.stages)]
@@ -209,8 +223,22 @@ def parse(text: str) -> Schedule:
     if virtual is not None and not virtual.isdigit():
         raise ValueError(f"line {no}: virtual must be an integer, got {virtual!r}")
     v = int(virtual) if virtual is not None else 1
+    pair_lines = [(n, ln) for n, ln in lines[1:] if ln.startswith("pairs:")]
+    lines = [(n, ln) for n, ln in lines if not ln.startswith("pairs:")]
     body = [(n, ln) for n, ln in lines[1:] if not ln.startswith("r")]
     rank_lines = [(n, ln) for n, ln in lines[1:] if ln.startswith("r")]
+    overlaps = [p for n, ln in pair_lines for p in _parse_pairs(n, ln.partition(":")[2])]
+    placement = None
+    if "placement" in fields:
+        try:
+            placement = tuple(
+                tuple(int(x) for x in r.split("+")) for r in fields["placement"].split(",")
+            )
+        except ValueError:
+            raise ValueError(
+                f"line {no}: bad placement {fields['placement']!r}; write the stages of each "
+                "rank joined by '+', ranks separated by ',', e.g. placement=0+3,1+2"
+            ) from None
     if virtual is None and rank_lines:
         raise ValueError(f"line {rank_lines[0][0]}: rank-order lines need virtual=v in the header")
     rank_order: list[tuple[int, ...]] = []
@@ -258,4 +286,21 @@ def parse(text: str) -> Schedule:
         ticks=tuple(ticks) if with_ticks else None,
         virtual_stages=v,
         rank_order=tuple(rank_order) if virtual is not None else None,
+        placement=placement,
+        overlaps=tuple(overlaps),
     )
+
+
+def _parse_pairs(no: int, body: str) -> list[tuple[int, Action, int, Action]]:
+    out = []
+    for tok in body.split():
+        try:
+            halves = [h.split(":") for h in tok.split("/")]
+            (sa, a), (sb, b) = halves
+            out.append((int(sa), parse_action(a), int(sb), parse_action(b)))
+        except ValueError:
+            raise ValueError(
+                f"line {no}: bad overlapped pair {tok!r}; write stage:action/stage:action, "
+                "e.g. 0:F3/3:B1"
+            ) from None
+    return out
