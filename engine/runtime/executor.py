@@ -47,7 +47,7 @@ from torch import Tensor
 from engine.runtime import labels
 from engine.runtime.clock import Clock
 from engine.runtime.device_flags import DeviceFlags
-from engine.runtime.failures import FailureHandling
+from engine.runtime.failures import FailureHandling, Outcome
 from engine.runtime.interrupts import Interrupts
 from engine.runtime.program import BB, OP_NAMES, B, F, StepCompiler, StepProgram, U, W
 from engine.runtime.rollback import BufferTracker
@@ -258,12 +258,12 @@ class Executor(SynchronousSteps, FailureHandling):
             self._loop(prog.local, start, base)
         except BaseException as exc:
             pc = self._pc
+            # the tail first: whatever the clean-up below does, the step can go on
+            self.tail = (prog, pc + 1 if self._in_action else pc, base)
             if self._in_action:
                 self._action_failed(prog.local[pc], base, exc)
-                pc += 1
             else:
-                self._note(exc, prog.local[pc] if pc < len(prog.local) else None, base, "paused")
-            self.tail = (prog, pc, base)
+                self._note(exc, prog.local[pc] if pc < len(prog.local) else None, base, Outcome.PAUSED)
             raise
         finally:
             for st in self.stages:
