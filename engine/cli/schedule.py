@@ -15,12 +15,13 @@ from pathlib import Path
 
 from engine.cli import CLIError
 from engine.schedule.catalog import SCHEDULES as NAMES  # the catalog is torch-free
+from engine.schedule.interleaved import NAME as INTERLEAVED  # not a catalog row (see there)
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", help=f"schedule: one of {', '.join(NAMES)} or interleaved")
+    p.add_argument("name", help=f"schedule: one of {', '.join(NAMES)} or {INTERLEAVED}")
     p.add_argument(
         "-S", "--stages", type=int, default=4, help="pipeline stages (ranks for interleaved; 4)"
     )
@@ -52,12 +53,12 @@ def run(args: argparse.Namespace) -> int:
         render_timeline,
     )
 
-    if args.name not in (*NAMES, "interleaved"):
+    if args.name not in (*NAMES, INTERLEAVED):
         raise CLIError(
-            f"unknown schedule {args.name!r}; choose one of {', '.join(NAMES)}, interleaved"
+            f"unknown schedule {args.name!r}; choose one of {', '.join(NAMES)}, {INTERLEAVED}"
         )
-    if args.virtual_stages is not None and args.name != "interleaved":
-        raise CLIError(f"--virtual-stages is only for interleaved, not {args.name!r}")
+    if args.virtual_stages is not None and args.name != INTERLEAVED:
+        raise CLIError(f"--virtual-stages is only for {INTERLEAVED}, not {args.name!r}")
     for flag, v in (("--stages", args.stages), ("--chunks", args.chunks), ("--steps", args.steps)):
         if v < 1:
             raise CLIError(f"{flag} {v} must be >= 1")
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--update-size {args.update_size} must be >= 1")
     order = None if args.order == "dataflow" else args.order
     try:
-        if args.name == "interleaved":
+        if args.name == INTERLEAVED:
             if args.update_size is not None or args.order is not None:
                 raise ValueError("interleaved takes neither --update-size nor --order")
             v = 2 if args.virtual_stages is None else args.virtual_stages
