@@ -46,7 +46,7 @@ from engine.cli.config import TrainConfig
 from engine.cli.loop import TrainResult, train
 from engine.cli.plots import plot_curves, plot_depth, render_timelines
 from engine.cli.train import add_hparam_arguments, add_model_arguments
-from engine.schedule.catalog import family
+from engine.schedule.catalog import SCHEDULES, family
 
 __all__ = ["METHODS", "Method", "add_arguments", "run", "method_config", "summarize"]
 
@@ -110,9 +110,6 @@ METHODS: dict[str, Method] = {
         ),
     )
 }
-
-TIMELINE_SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw", "pb")
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
@@ -460,7 +457,7 @@ def run(args: argparse.Namespace) -> int:
         p = out / "depth.png"
         plot_depth(rows, p, f"{base.data_name}: accuracy and loss vs pipeline depth")
         images.append(p)
-    scheds = [s for s in TIMELINE_SCHEDULES if any(m.schedule == s for m in methods)]
+    scheds = [s for s in SCHEDULES if any(m.schedule == s for m in methods)]  # catalog order
     images += render_timelines(out, depths[-1], args.chunks or depths[-1], scheds)
     wall = time.perf_counter() - t_start
     command = "python -m engine compare " + " ".join(
