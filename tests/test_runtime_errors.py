@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import engine.optim as optim
 from engine import Pipeline
 from engine.errors import NonFiniteLossError, PipelineConfigError, PipelineInputError
 
@@ -116,7 +117,6 @@ def test_invalid_combinations(kwargs: dict, match: str) -> None:
 
 
 def test_prediction_needs_a_predicting_optimizer() -> None:
-    optim = pytest.importorskip("engine.optim")
     with pytest.raises(PipelineConfigError, match="prediction='linear'"):
         Pipeline(
             _stages(),
@@ -141,7 +141,6 @@ def test_spectrain_refuses_the_momentum_prediction_form(variant: str) -> None:
     """SpecTrain's horizon is linear (s * lr * v); an optimizer predicting with the momentum
     sum would silently change the method (ALGORITHMS.md), so the combination is refused
     before any stage is built, and the modules keep their weights."""
-    optim = pytest.importorskip("engine.optim")
     stages = _stages()
     before = [p.detach().clone() for m in stages for p in m.parameters()]
     with pytest.raises(PipelineConfigError, match="SpecTrain's linear extrapolation.*prediction='linear'"):

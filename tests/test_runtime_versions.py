@@ -12,6 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_runtime_support import make_pipe, reads
 
+import engine.optim as optim
+
 SGD = torch.optim.SGD
 GRID = [(S, M) for S in (1, 2, 3, 4, 8) for M in sorted({1, S, 2 * S + 1})]
 
@@ -187,7 +189,6 @@ def test_update_size_k(schedule: str, order: str | None, k: int) -> None:
 
 # ---------------------------------------------------------------------- mitigations
 
-optim = pytest.importorskip("engine.optim")
 MIT_GRID = [(S, M) for S in (1, 2, 3, 4, 8) for M in sorted({1, S})]
 LR = 0.05
 MOM = 0.9
