@@ -190,10 +190,11 @@ def test_every_public_error_is_reachable_from_engine() -> None:
 
 
 def _family_names() -> frozenset[str]:
-    from engine.schedule.catalog import SCHEDULES
+    """Every built-in schedule name: the catalog's rows and the per-rank program builders."""
+    from engine.schedule import catalog
     from engine.schedule.interleaved import NAME
 
-    return frozenset({*SCHEDULES, NAME})
+    return frozenset({*catalog.SCHEDULES, NAME, *getattr(catalog, "PROGRAM_FAMILIES", ())})
 
 
 def _strings(node: ast.AST) -> set[str]:

@@ -70,14 +70,6 @@ def nonfinite_message(which: str, what: str) -> str:
     )
 
 
-def _discard_partial_sums(st: Stage) -> None:
-    """A backward or W failed halfway at ``st``: the gradients it accumulated for the current
-    update cannot be told apart, so they go. Micro-batches whose B ran but whose W has not
-    (a split backward) keep their share of the group: their weight gradients still come."""
-    st.discard_gradients()
-    st.pending_weight = sum(job.entry.scale for job in st._deferred.values())
-
-
 class FailureHandling:
     """Mixin of :class:`~engine.runtime.executor.Executor` (uses its stages and mailboxes)."""
 
@@ -104,10 +96,18 @@ class FailureHandling:
     def _backward_dropped(self, st: Stage, i: int) -> None:
         """Micro-batch i's backward at ``st`` failed: its update group loses the gradients
         accumulated so far, and the stage before sees the micro-batch as dropped."""
-        _discard_partial_sums(st)
+        self._discard(st)
         if st.index > 0:
             self.grads[(st.index - 1, i)] = (DROPPED, None)
         self.dropped += 1
+
+    def _discard(self, st: Stage) -> None:
+        """A backward or W failed halfway at ``st``: the gradients it accumulated for the
+        current update cannot be told apart, so they go. Micro-batches whose B ran but whose W
+        has not (a split backward) keep their share of the group: their weight gradients
+        still come."""
+        st.discard_gradients()
+        st.pending_weight = sum(job.entry.scale for job in st._deferred.values())
 
     # ------------------------------------------------------------------ failures
 
@@ -123,7 +123,7 @@ class FailureHandling:
             return
         i = base + rel
         if op == W:  # B already sent the input gradient: only the weight sums are lost
-            _discard_partial_sums(st)
+            self._discard(st)
             self.dropped += 1
             self._note(exc, action, base, Outcome.WEIGHT_GRADIENT_FAILED)
         elif op == F:

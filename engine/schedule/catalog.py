@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from engine._checks import check_positive_int
 
-__all__ = ["Family", "FAMILIES", "SCHEDULES", "SYNCHRONOUS", "family", "live_async"]
+__all__ = ["Family", "FAMILIES", "SCHEDULES", "SYNCHRONOUS", "family"]
 
 
 @dataclass(frozen=True)
