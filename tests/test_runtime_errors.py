@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from schedules import ASYNC, SYNC
 from torch import nn
 
 import engine.optim as optim
@@ -172,7 +173,7 @@ def _nan_batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-@pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", SYNC)
 def test_nonfinite_raise_rolls_back_sync_step(schedule: str) -> None:
     a = Pipeline(_stages(), schedule=schedule, chunks=4, loss_fn=mse, optimizer=sgd)
     b = Pipeline(_stages(), schedule=schedule, chunks=4, loss_fn=mse, optimizer=sgd)
@@ -209,7 +210,7 @@ def test_nonfinite_skip_sync_leaves_every_stage_consistent() -> None:
 
 
 @pytest.mark.parametrize("mode", ["skip", "raise"])
-@pytest.mark.parametrize("schedule", ["pipedream", "2bw", "pb"])
+@pytest.mark.parametrize("schedule", ASYNC)
 def test_nonfinite_async_drops_microbatch_everywhere(schedule: str, mode: str) -> None:
     """The micro-batch is dropped at every stage (zero gradient, its update group renormalised);
     every stage applies the same number of updates and nothing stays in flight after a flush.

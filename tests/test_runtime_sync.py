@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from schedules import SYNC
 from torch import nn
 
 import engine.optim as optim
@@ -23,7 +24,7 @@ def _model(S: int, d: int = 4, seed: int = 0) -> list[nn.Module]:
     return stages
 
 
-@pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b", "zbh1"])
+@pytest.mark.parametrize("schedule", SYNC)
 @pytest.mark.parametrize("S,M", CASES)
 def test_sync_equals_unpipelined(schedule: str, S: int, M: int) -> None:
     checkpoint = ["never", "except_last", "always"][(S + M) % 3]  # every mode across the grid
