@@ -35,7 +35,6 @@ and further steps work.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -50,6 +49,7 @@ from engine.runtime.device_flags import DeviceFlags
 from engine.runtime.failures import FailureHandling, Outcome
 from engine.runtime.interrupts import Interrupts
 from engine.runtime.program import BB, OP_NAMES, B, F, StepCompiler, StepProgram, U, W
+from engine.runtime.result import StepResult, _Input  # StepResult: re-exported
 from engine.runtime.rollback import BufferTracker
 from engine.runtime.stage import DROPPED, Stage
 from engine.runtime.streams import StageStreams
@@ -61,24 +61,6 @@ __all__ = ["Executor", "StepResult"]
 
 _KINDS = {F: Kind.FORWARD, B: Kind.BACKWARD, W: Kind.WEIGHT}
 _NO_ACTIVE: dict[int, tuple[int, str]] = {}
-
-
-@dataclasses.dataclass
-class _Input:
-    x: Any
-    target: Any
-    samples: int
-    readers: int  # local stages (0 and/or S-1) that still have to read it
-
-
-@dataclasses.dataclass
-class StepResult:
-    """Sample-weighted mean loss of the micro-batches whose forward completed (None if none)
-    and how many of them had a non-finite loss."""
-
-    loss: Tensor | None
-    nonfinite: int = 0
-    bad: list[int] = dataclasses.field(default_factory=list)  # global ids of non-finite ones
 
 
 class Executor(SynchronousSteps, FailureHandling):

@@ -20,7 +20,7 @@ from engine.runtime.program import StepProgram, U
 from engine.runtime.rollback import BufferTracker, RollbackPoint
 
 if TYPE_CHECKING:
-    from engine.runtime.executor import StepResult
+    from engine.runtime.result import StepResult
     from engine.runtime.stage import Stage
     from engine.runtime.streams import StageStreams
 
