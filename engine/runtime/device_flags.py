@@ -26,7 +26,7 @@ docs/ALGORITHMS.md, "Non-finite losses".
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -34,10 +34,18 @@ from torch import Tensor
 from engine.errors import PipelineConfigError
 
 if TYPE_CHECKING:
-    from engine.runtime.stage import Stage
     from engine.schedule.spec import ScheduleSpec
 
 __all__ = ["DeviceFlags", "SkipFlags", "check_skip_update"]
+
+
+class FlaggedStage(Protocol):
+    """What the flags read of a stage: its stash (entries take the flag) and its optimizer
+    bridge (which holds the :class:`SkipFlags`). A Protocol, not ``Stage``: the stage's
+    optimizer bridge imports this module, so naming ``Stage`` here closes an import circle."""
+
+    stash: Any
+    bridge: Any
 
 
 class SkipFlags:
@@ -69,7 +77,7 @@ class DeviceFlags:
     def __init__(self) -> None:
         self.nonfinite: Tensor | None = None  # created on the first loss's device
 
-    def mark(self, stages: list[Stage], i: int, loss: Tensor) -> None:
+    def mark(self, stages: list[FlaggedStage], i: int, loss: Tensor) -> None:
         """Flag micro-batch ``i`` (segment id) at every local stage: no host read."""
         flag = torch.isfinite(loss).all().logical_not().to(torch.float32)
         if self.nonfinite is None:
@@ -80,7 +88,7 @@ class DeviceFlags:
             if e is not None:  # (its backward comes later at every stage)
                 e.flag = flag
 
-    def fold(self, stages: list[Stage]) -> tuple[int, list[int]]:
+    def fold(self, stages: list[FlaggedStage]) -> tuple[int, list[int]]:
         """(non-finite losses, skipped updates per stage) since the last fold, in one host
         read; the device counters restart from zero. Call after the stage streams joined."""
         counters: list[Tensor] = [] if self.nonfinite is None else [self.nonfinite]
@@ -96,7 +104,7 @@ class DeviceFlags:
         return bad, skipped
 
 
-def _flags_of(st: Stage) -> SkipFlags | None:
+def _flags_of(st: FlaggedStage) -> SkipFlags | None:
     return st.bridge.skip if st.bridge is not None else None
 
 

@@ -35,7 +35,6 @@ and further steps work.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -47,9 +46,10 @@ from torch import Tensor
 from engine.runtime import labels
 from engine.runtime.clock import Clock
 from engine.runtime.device_flags import DeviceFlags
-from engine.runtime.failures import FailureHandling
+from engine.runtime.failures import FailureHandling, Outcome
 from engine.runtime.interrupts import Interrupts
 from engine.runtime.program import BB, OP_NAMES, B, F, StepCompiler, StepProgram, U, W
+from engine.runtime.result import StepResult, _Input  # StepResult: re-exported
 from engine.runtime.rollback import BufferTracker
 from engine.runtime.stage import DROPPED, Stage
 from engine.runtime.streams import StageStreams
@@ -61,24 +61,6 @@ __all__ = ["Executor", "StepResult"]
 
 _KINDS = {F: Kind.FORWARD, B: Kind.BACKWARD, W: Kind.WEIGHT}
 _NO_ACTIVE: dict[int, tuple[int, str]] = {}
-
-
-@dataclasses.dataclass
-class _Input:
-    x: Any
-    target: Any
-    samples: int
-    readers: int  # local stages (0 and/or S-1) that still have to read it
-
-
-@dataclasses.dataclass
-class StepResult:
-    """Sample-weighted mean loss of the micro-batches whose forward completed (None if none)
-    and how many of them had a non-finite loss."""
-
-    loss: Tensor | None
-    nonfinite: int = 0
-    bad: list[int] = dataclasses.field(default_factory=list)  # global ids of non-finite ones
 
 
 class Executor(SynchronousSteps, FailureHandling):
@@ -263,12 +245,12 @@ class Executor(SynchronousSteps, FailureHandling):
             self._loop(prog.local, start, base)
         except BaseException as exc:
             pc = self._pc
+            # the tail first: whatever the clean-up below does, the step can go on
+            self.tail = (prog, pc + 1 if self._in_action else pc, base)
             if self._in_action:
                 self._action_failed(prog.local[pc], base, exc)
-                pc += 1
             else:
-                self._note(exc, prog.local[pc] if pc < len(prog.local) else None, base, "paused")
-            self.tail = (prog, pc, base)
+                self._note(exc, prog.local[pc] if pc < len(prog.local) else None, base, Outcome.PAUSED)
             raise
         finally:
             for st in self.stages:
