@@ -42,6 +42,7 @@ from torch.profiler import record_function
 
 from engine.errors import PipelineInputError
 from engine.runtime import labels, trees
+from engine.runtime.fresh_grads import FreshGrads, fresh_grads
 from engine.runtime.optim_bridge import OptimizerBridge
 from engine.runtime.policy import LIVE, PINNED, Transient, WeightPolicy
 from engine.runtime.saved_weights import SavedWeights
@@ -122,6 +123,11 @@ class Stage:
         #: B computes only the input gradient, W(i) the rest (set by the executor); _deferred: Bs awaiting W
         self.split = False
         self._deferred: dict[int, BackwardJob] = {}
+        #: gradients land fresh and are added to the flat buffers by one multi-tensor add
+        #: per backward (engine.runtime.fresh_grads); chain_peers: the stages a chained
+        #: backward of this one runs through (set with ``chain``)
+        self.fresh = FreshGrads(store.params, (p.grad for p in store.params))
+        self.chain_peers: tuple[Stage, ...] = ()
         remap = policy.remaps_saved_weights and not recompute and not self._all_live()
         weight_bytes = sum(f.numel() * f.element_size() for f in store.live_flats())
         #: rebase instead of remapping (see _rebase_transient): small stages whose backward
@@ -262,7 +268,7 @@ class Stage:
         """What the stash keeps of a forward's output for its backward: the scaled loss on
         the last stage; else the output, or of a tree only the leaves that require grad."""
         if self.is_last:
-            return out * scale
+            return out if scale == 1.0 else out * scale  # x * 1.0 == x: save the launch
         return out if isinstance(out, Tensor) else trees.grad_roots(out)
 
     def _recomputable(self) -> Callable[[Any, Any], Tensor]:
@@ -433,7 +439,9 @@ class Stage:
                 roots += r
                 grads += g
             if roots:
-                torch.autograd.backward(roots, grads)
+                groups = [job.stage.fresh for job in jobs] + [st.fresh for st in self.chain_peers]
+                with fresh_grads(groups):
+                    torch.autograd.backward(roots, grads)
 
     def _split_backward(self, job: BackwardJob, part: str) -> None:
         """Half of a backward split into B and W (zero-bubble schedules): "input" accumulates
@@ -446,7 +454,8 @@ class Stage:
         with contextlib.ExitStack() as stack:
             roots, grads = self._enter(job, stack)
             if roots and inputs:
-                torch.autograd.backward(roots, grads, inputs=inputs, retain_graph=part == "input")
+                with fresh_grads([self.fresh] if part == "weight" else []):
+                    torch.autograd.backward(roots, grads, inputs=inputs, retain_graph=part == "input")
 
     def backward_weight(self, i: int, n: int) -> None:
         """W(i): the weight gradient of micro-batch i, whose B(i) computed only the input
