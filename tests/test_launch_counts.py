@@ -6,8 +6,9 @@ stages of 2 layers, one sample per micro-batch, 8 micro-batches per step. Every 
 engine makes beyond the plain loop is listed below by what it is for, so any new launch on
 the hot path fails a test that names it.
 
-Counts of one steady-state step, measured before and after this file's changes (pb: SC+LWP,
-skip_update; the fused optimizer kernel counted once per stage update):
+Counts of one steady-state step of the GPU path (``fresh_grads.ON_CPU``), measured before
+and after this file's changes (pb: SC+LWP, skip_update; the fused optimizer kernel counted
+once per stage update):
 
 ====================  ======  =====  =====================================================
 phase (per step)      before  after  what changed
@@ -33,6 +34,7 @@ from torch import nn
 import engine
 import engine.models
 import engine.optim
+from engine.runtime import fresh_grads
 from engine.testing.launch_count import FUSED, count_calls, count_pipeline_step
 
 S = M = 8
@@ -66,11 +68,15 @@ def engine_counts(schedule: str, mitigations: bool) -> dict[str, Counter[str]]:
     if mitigations:
         opt_kw = {"spike_compensation": True, "prediction": "linear"}
         pipe_kw = {"weight_prediction": "lwp", "on_nonfinite": "skip_update"}
-    pipe = engine.Pipeline(
-        stages_of(model()), schedule=schedule, chunks=M, loss_fn=F.cross_entropy,
-        optimizer=lambda p: engine.optim.SGD(p, lr=1e-3, momentum=0.9, **opt_kw),
-        checkpoint="never", **pipe_kw,
-    )
+    fresh_grads.ON_CPU = True  # count the GPU path (on CPU it keeps AccumulateGrad's adds)
+    try:
+        pipe = engine.Pipeline(
+            stages_of(model()), schedule=schedule, chunks=M, loss_fn=F.cross_entropy,
+            optimizer=lambda p: engine.optim.SGD(p, lr=1e-3, momentum=0.9, **opt_kw),
+            checkpoint="never", **pipe_kw,
+        )
+    finally:
+        fresh_grads.ON_CPU = False
     batches = data()
     for x, y in batches[:2]:
         pipe.step(x, y)
