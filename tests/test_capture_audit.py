@@ -114,6 +114,29 @@ def test_steady_state_window(schedule: str, mitigation: str) -> None:
     assert report.reasons("no_host_sync") == syncs, report.describe()
 
 
+@pytest.mark.parametrize("mitigation", ["plain", "sc", "skip_update"])
+def test_interleaved_window(mitigation: str) -> None:
+    """Interleaved 1F1B (not a catalog row: ``virtual_stages``) is synchronous like its peers."""
+    opt_kw, pipe_kw = MITIGATIONS[mitigation]
+
+    def make() -> engine.Pipeline:
+        torch.manual_seed(0)
+        stages: list[nn.Module] = [nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(3)]
+        return engine.Pipeline(
+            [*stages, nn.Linear(D, 2)], schedule="interleaved", virtual_stages=2, chunks=4,
+            loss_fn=F.mse_loss, checkpoint="never", **pipe_kw,
+            optimizer=lambda p: engine.optim.SGD(p, lr=0.1, momentum=0.9, **opt_kw),
+        )
+
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, D, generator=g), torch.randn(8, 2, generator=g)) for _ in range(4)]
+    report = audit_pipeline(make, data, name=f"interleaved/{mitigation}")
+    report.assert_ok("same_ops", "bitwise_eager")
+    moved, syncs = expected("1f1b", mitigation)
+    assert set(report.reasons("static_addresses")) == moved
+    assert report.reasons("no_host_sync") == syncs
+
+
 # ---------------------------------------------------------------------- broken on purpose
 
 

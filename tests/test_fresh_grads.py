@@ -94,7 +94,7 @@ def _train(schedule: str, on_cpu: bool, **kw):
     pipe = engine.Pipeline(stages, schedule=schedule, chunks=3, loss_fn=F.mse_loss,
                            optimizer=lambda p: engine.optim.SGD(p, lr=0.1, momentum=0.9, **opt_kw),
                            **kw)
-    assert all(st.fresh.enabled == on_cpu for st in pipe.stages)
+    assert all(st.store.fresh.enabled == on_cpu for st in pipe.stages)
     g = torch.Generator().manual_seed(3)
     losses = [pipe.step(torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)) for _ in range(4)]
     pipe.flush()

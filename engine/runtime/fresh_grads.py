@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_BYTES", "ON_CPU", "FreshGrads", "fresh_grads"]
+__all__ = ["MAX_BYTES", "ON_CPU", "FreshGrads", "backward", "fresh_grads"]
 
 #: stages with at most this many gradient bytes accumulate with one multi-tensor add
 MAX_BYTES = 16 << 20
@@ -42,7 +42,7 @@ ON_CPU = False
 class FreshGrads:
     """One stage's parameters that hold gradient views, and whether they take this path."""
 
-    __slots__ = ("params", "views", "enabled")
+    __slots__ = ("params", "views", "enabled", "peers")
 
     def __init__(self, params: Iterable[Any], views: Iterable[Tensor | None]) -> None:
         pairs = [(p, v) for p, v in zip(params, views, strict=True) if v is not None]
@@ -55,6 +55,9 @@ class FreshGrads:
             and (ON_CPU or all(v.device.type != "cpu" for v in self.views))
             and not any(v.is_sparse for v in self.views)
         )
+        #: the other stages' groups a chained backward of this stage runs through
+        #: (a synchronous step in one process; set by the executor)
+        self.peers: tuple[FreshGrads, ...] = ()
 
     def detach(self) -> None:
         for p in self.params:
@@ -89,7 +92,7 @@ def fresh_grads(groups: Iterable[FreshGrads]) -> Iterator[None]:
     """Around one autograd call: the enabled ``groups`` receive fresh gradients, added to
     their views on exit (also when the backward raised: what arrived is accumulated, as
     AccumulateGrad would have, and every ``.grad`` is a view again)."""
-    active = [g for g in groups if g.enabled]
+    active = [g for group in groups for g in (group, *group.peers) if g.enabled]
     for g in active:
         g.detach()
     try:
@@ -98,3 +101,10 @@ def fresh_grads(groups: Iterable[FreshGrads]) -> Iterator[None]:
         got = [g.restore() for g in active]  # every .grad a view again before any add
         for views, grads in got:
             _add(views, grads)
+
+
+def backward(roots: list[Tensor], grads: list[Any], groups: Iterable[FreshGrads], **kwargs: Any) -> None:
+    """``torch.autograd.backward(roots, grads, **kwargs)`` with ``groups`` (and their peers)
+    receiving fresh gradients."""
+    with fresh_grads(groups):
+        torch.autograd.backward(roots, grads, **kwargs)

@@ -41,8 +41,7 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from engine.errors import PipelineInputError
-from engine.runtime import labels, trees
-from engine.runtime.fresh_grads import FreshGrads, fresh_grads
+from engine.runtime import fresh_grads, labels, trees
 from engine.runtime.optim_bridge import OptimizerBridge
 from engine.runtime.policy import LIVE, PINNED, Transient, WeightPolicy
 from engine.runtime.saved_weights import SavedWeights
@@ -51,7 +50,6 @@ from engine.runtime.weight_store import LIVE as LIVE_BUFFER
 from engine.runtime.weight_store import WeightStore
 
 __all__ = ["Stage", "DROPPED", "BackwardJob"]
-
 
 _NULL = contextlib.nullcontext()
 
@@ -123,11 +121,6 @@ class Stage:
         #: B computes only the input gradient, W(i) the rest (set by the executor); _deferred: Bs awaiting W
         self.split = False
         self._deferred: dict[int, BackwardJob] = {}
-        #: gradients land fresh and are added to the flat buffers by one multi-tensor add
-        #: per backward (engine.runtime.fresh_grads); chain_peers: the stages a chained
-        #: backward of this one runs through (set with ``chain``)
-        self.fresh = FreshGrads(store.params, (p.grad for p in store.params))
-        self.chain_peers: tuple[Stage, ...] = ()
         remap = policy.remaps_saved_weights and not recompute and not self._all_live()
         weight_bytes = sum(f.numel() * f.element_size() for f in store.live_flats())
         #: rebase instead of remapping (see _rebase_transient): small stages whose backward
@@ -439,9 +432,7 @@ class Stage:
                 roots += r
                 grads += g
             if roots:
-                groups = [job.stage.fresh for job in jobs] + [st.fresh for st in self.chain_peers]
-                with fresh_grads(groups):
-                    torch.autograd.backward(roots, grads)
+                fresh_grads.backward(roots, grads, [job.stage.store.fresh for job in jobs])
 
     def _split_backward(self, job: BackwardJob, part: str) -> None:
         """Half of a backward split into B and W (zero-bubble schedules): "input" accumulates
@@ -454,8 +445,8 @@ class Stage:
         with contextlib.ExitStack() as stack:
             roots, grads = self._enter(job, stack)
             if roots and inputs:
-                with fresh_grads([self.fresh] if part == "weight" else []):
-                    torch.autograd.backward(roots, grads, inputs=inputs, retain_graph=part == "input")
+                fresh = [self.store.fresh] if part == "weight" else []
+                fresh_grads.backward(roots, grads, fresh, inputs=inputs, retain_graph=part == "input")
 
     def backward_weight(self, i: int, n: int) -> None:
         """W(i): the weight gradient of micro-batch i, whose B(i) computed only the input

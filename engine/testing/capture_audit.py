@@ -148,11 +148,12 @@ def compare_recordings(
 
 
 def _bitwise(a: Tensor, b: Tensor) -> bool:
+    """Equal bit for bit (NaNs compare by their bits too)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.is_floating_point() or a.is_complex():
-        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
-        return bool(same.all()) and bool((torch.signbit(a) == torch.signbit(b)).all()) if not a.is_complex() else bool(same.all())
+        a, b = a.reshape(-1).contiguous(), b.reshape(-1).contiguous()
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     return torch.equal(a, b)
 
 
