@@ -116,3 +116,65 @@ def test_pipelines_train_bit_for_bit_as_before(schedule: str, kw: dict) -> None:
     got = _train(schedule, True, **dict(kw))
     for a, b in zip(ref[0] + ref[1], got[0] + got[1], strict=True):
         assert torch.equal(a, b)
+
+
+def _cuda_pipeline(schedule: str, fresh: bool, **kw):
+    import torch.nn.functional as F
+
+    import engine
+    import engine.models
+    import engine.optim
+
+    old = fg.MAX_BYTES
+    fg.MAX_BYTES = old if fresh else -1
+    try:
+        torch.manual_seed(0)
+        net = engine.models.residual_mlp(64, 10, layers=8, width=64).cuda()
+        layers = list(net.children())
+        stages = [nn.Sequential(*layers[2 * s : 2 * s + 2]) for s in range(4)]
+        opt_kw = kw.pop("opt", {})
+        pipe = engine.Pipeline(stages, schedule=schedule, chunks=4, loss_fn=F.cross_entropy,
+                               optimizer=lambda p: engine.optim.SGD(p, lr=1e-2, momentum=0.9, **opt_kw),
+                               checkpoint="never", **kw)
+    finally:
+        fg.MAX_BYTES = old
+    assert all(st.store.fresh.enabled == fresh for st in pipe.stages)
+    return pipe
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    ("schedule", "kw"),
+    [("1f1b", {}), ("zbh1", {}),
+     ("pb", {"opt": {"spike_compensation": True, "prediction": "linear"},
+             "weight_prediction": "lwp", "on_nonfinite": "skip_update"})],
+    ids=["1f1b", "zbh1", "pb-sc-lwp-skip_update"],
+)
+def test_cuda_fresh_grads_bitwise_and_fewer_launches(schedule: str, kw: dict) -> None:
+    """On a GPU (stage streams on): the same weights bit for bit, and fewer kernel launches
+    per step (one multi-tensor add per backward instead of an add_ per parameter)."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fg.ON_CPU = False  # the autouse fixture's CPU switch plays no part on CUDA
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(4, 64, generator=g).cuda(), torch.randint(0, 10, (4,), generator=g).cuda())
+            for _ in range(4)]
+    launches = {}
+    weights = {}
+    for fresh in (True, False):
+        pipe = _cuda_pipeline(schedule, fresh, **dict(kw))
+        for x, y in data[:3]:
+            pipe.step(x, y)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            pipe.step(*data[3])
+            torch.cuda.synchronize()
+        names = Counter(e.name for e in prof.events())
+        launches[fresh] = sum(n for k, n in names.items() if "LaunchKernel" in k)
+        weights[fresh] = [f.clone() for st in pipe.stages for f in st.store.live_flats()]
+    for a, b in zip(weights[True], weights[False], strict=True):
+        assert torch.equal(a, b)
+    # 4 stages x 4 micro-batches, 2 layers (4-6 parameters) per stage: at least 2 fewer each
+    assert launches[True] <= launches[False] - 2 * 16, launches

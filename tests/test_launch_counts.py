@@ -17,8 +17,8 @@ pb F                  728     680    loss * 1.0 dropped; non-finite flag 2 calls
 pb B                  1912    1264   AccumulateGrad's add_ per parameter (88 per sample)
                                      -> one _foreach_add_ per stage (fresh_grads.py)
 pb U + losses         410     410
-pb total / (S*M)      47.7    36.8   plain per-sample loop: F+B 26.25, U 1.0 (foreach SGD)
-1f1b total / (S*M)    38.4    28.4   plain accumulation loop: 35.7 (its add_ per parameter)
+pb total / (S*M)      47.7    36.8   plain per-sample loop: 26.6 (F+B 26.25, 3 foreach per step)
+1f1b total / (S*M)    38.4    28.4   plain accumulation loop: 36.2 (its add_ per parameter)
 ====================  ======  =====  =====================================================
 """
 

@@ -23,10 +23,11 @@ from engine.testing.stream_recorder import recording_streams
 S, M, D = 4, 4, 5
 
 
-def make(schedule: str, stages: int = S, chunks: int = M, **kw) -> engine.Pipeline:
+def make(schedule: str, stages: int = S, chunks: int = M, device: str = "cpu", **kw) -> engine.Pipeline:
     torch.manual_seed(0)
     mods: list[nn.Module] = [nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(stages - 1)]
     mods.append(nn.Linear(D, 2))
+    mods = [m.to(device) for m in mods]
     return engine.Pipeline(
         mods, schedule=schedule, chunks=chunks, loss_fn=F.mse_loss,
         optimizer=lambda p: engine.optim.SGD(p, lr=0.1, momentum=0.9),
@@ -114,3 +115,38 @@ def test_pb_batch1_counts_per_step() -> None:
     assert dict(backend.counts) == {
         "event_record": 112 + 1 + 8, "event_wait": 112 + 8 + 8, "record_stream": 112 + 16 + 8,
     }
+
+
+def _profiled_cuda_step(pipe: engine.Pipeline, x: torch.Tensor, y: torch.Tensor):
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        pipe.step(x, y)
+        torch.cuda.synchronize()
+    names = Counter(e.name for e in prof.events())
+    records = sum(n for k, n in names.items() if k.startswith("cudaEventRecord"))
+    return records, names["cudaStreamWaitEvent"], names["cudaEventQuery"]
+
+
+@pytest.mark.cuda
+def test_the_recording_backend_counts_what_cuda_does() -> None:
+    """On a GPU: the profiler's CUDA runtime calls of one pb step (S=8, M=8) match the CPU
+    count. Waits exactly; records at least the engine's, plus at most one per tensor handed
+    to the allocator (it records an event when such a tensor is freed)."""
+    cpu = make("pb", stages=8, chunks=8, on_nonfinite="skip_update")
+    backend = recording_streams(cpu)
+    pipe = make("pb", stages=8, chunks=8, device="cuda", on_nonfinite="skip_update", cuda_streams=True)
+    assert pipe._executor.streams.cuda and pipe._executor.streams.separate
+    data = batches(3, chunks=8)
+    for x, y in data[:2]:
+        cpu.step(x, y)
+        pipe.step(x.cuda(), y.cuda())
+    backend.reset()
+    cpu.step(*data[2])
+    records, waits, queries = _profiled_cuda_step(pipe, data[2][0].cuda(), data[2][1].cuda())
+    assert waits == backend.counts["event_wait"], (records, waits, queries)
+    assert backend.counts["event_record"] <= records
+    assert records <= backend.counts["event_record"] + backend.counts["record_stream"]

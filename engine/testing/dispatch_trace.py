@@ -39,7 +39,8 @@ _METADATA = {"sym_size", "sym_numel", "sym_stride", "sym_storage_offset", "dim",
              "numel", "is_same_size", "is_floating_point", "is_complex", "_nnz"}
 #: calls that move no data and launch nothing
 _NO_KERNEL = {"detach", "alias", "lift_fresh", "empty", "empty_strided", "empty_like",
-              "_unsafe_view", "set_", "resize_"}
+              "_unsafe_view", "set_", "resize_",
+              "_record_function_enter_new", "_record_function_exit"}  # profiler labels
 
 
 def host_sync_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> str | None:
