@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 from collections import Counter
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,6 +37,8 @@ import engine.models
 import engine.optim
 from engine.runtime import fresh_grads
 from engine.testing.launch_count import FUSED, count_calls, count_pipeline_step
+
+pytestmark = pytest.mark.slow  # 8-stage pipelines under a dispatch recorder: seconds each
 
 S = M = 8
 LAYERS, FEATURES, CLASSES, WIDTH = 16, 64, 10, 64
