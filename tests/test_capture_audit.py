@@ -137,6 +137,39 @@ def test_interleaved_window(mitigation: str) -> None:
     assert report.reasons("no_host_sync") == syncs
 
 
+def _pb(optimizer, **kw):
+    def make() -> engine.Pipeline:
+        torch.manual_seed(0)
+        stages: list[nn.Module] = [nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(S - 1)]
+        return engine.Pipeline([*stages, nn.Linear(D, 2)], schedule="pb", chunks=M,
+                               loss_fn=F.mse_loss, optimizer=optimizer, checkpoint="never",
+                               on_nonfinite="skip_update", **kw)
+    return make
+
+
+def test_an_lr_schedule_changes_the_calls_constants() -> None:
+    """Today's learning rate is a Python number in the update's calls: a schedule changes a
+    constant every step, so a captured window would replay a stale rate (the design: LR as
+    a device tensor)."""
+    make = _pb(lambda p: engine.optim.SGD(p, lr=0.1, momentum=0.9),
+               lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.9))
+    report = audit_pipeline(make, batches())
+    assert report.reasons("same_ops") == {"constant argument differs": 1}
+    report.assert_ok("bitwise_eager")
+
+
+@pytest.mark.parametrize("opt", ["Adam", "AdamW"])
+def test_adams_reference_path_reads_its_step(opt: str) -> None:
+    """The CPU (reference) Adam reads its step count on the host and passes the bias
+    correction as a number that changes every step; the fused CUDA kernels take the step as
+    a device tensor (what only a GPU run of the capture can confirm)."""
+    make = _pb(lambda p: getattr(engine.optim, opt)(p, lr=0.01))
+    report = audit_pipeline(make, batches())
+    assert report.reasons("same_ops") == {"constant argument differs": 1}
+    assert set(report.reasons("no_host_sync")) == {REFERENCE_SKIP, "engine/optim/functional.py:adam_update"}
+    report.assert_ok("bitwise_eager")
+
+
 # ---------------------------------------------------------------------- broken on purpose
 
 
