@@ -79,7 +79,11 @@ class DeviceFlags:
 
     def mark(self, stages: list[FlaggedStage], i: int, loss: Tensor) -> None:
         """Flag micro-batch ``i`` (segment id) at every local stage: no host read."""
-        flag = torch.isfinite(loss).all().logical_not().to(torch.float32)
+        if loss.dim() == 0 and loss.dtype == torch.float32:
+            # x - x is 0 for every finite x and NaN for inf/NaN: two launches, not eight
+            flag = loss.detach().sub(loss.detach()).ne_(0)
+        else:
+            flag = torch.isfinite(loss).all().logical_not().to(torch.float32)
         if self.nonfinite is None:
             self.nonfinite = torch.zeros((), dtype=torch.float32, device=flag.device)
         self.nonfinite.add_(flag)

@@ -172,7 +172,9 @@ class Executor(SynchronousSteps, FailureHandling):
     def _feed(self, xs: list[Any], targets: list[Any], samples: list[int], base: int) -> None:
         readers = sum(1 for s in (0, self.S - 1) if s in self.by_index) if self.S > 1 else 1
         self.streams.wait_caller()
-        self.streams.from_caller([*xs, *targets], [s for s in (0, self.S - 1) if s in self.by_index])
+        # stage 0 reads the inputs, the last stage the targets (and nobody else either)
+        self.streams.from_caller(xs, [0] if 0 in self.by_index else [])
+        self.streams.from_caller(targets, [self.S - 1] if self.S - 1 in self.by_index else [])
         for i, (x, t, b) in enumerate(zip(xs, targets, samples, strict=True)):
             self.inputs[base + i] = _Input(x, t, b, readers)
 
@@ -259,7 +261,7 @@ class Executor(SynchronousSteps, FailureHandling):
     def _loop(self, ins: tuple[tuple[int, int, Any], ...], start: int, base: int) -> None:
         by_index = self.by_index
         streams = self.streams
-        cuda = streams.cuda
+        cuda = streams.separate  # per-stage streams (CUDA, or a recording fake)
         clock = self.clock
         interrupts = self.interrupts
         hook = self.action_hook
@@ -395,10 +397,10 @@ class Executor(SynchronousSteps, FailureHandling):
     def _backward_batch(self, items: tuple[tuple[int, int], ...], base: int) -> None:
         """Several stages' backwards (different stages, independent) in one autograd call;
         while profiling each runs on its own so every one keeps its profiler label."""
-        if labels.profiling() or self.streams.cuda:
+        if labels.profiling() or self.streams.separate:
             for s, rel in items:
                 st = self.by_index[s]
-                if self.streams.cuda:
+                if self.streams.separate:
                     with self.streams.on(s):
                         self._backward(st, base + rel)
                 else:

@@ -68,6 +68,8 @@ class SynchronousSteps:
         chain = self.chain_sync and not labels.profiling()
         for st in self.stages:
             st.chain = chain
+            # a chained backward runs through every stage: all take fresh gradients
+            st.store.fresh.peers = tuple(x.store.fresh for x in self.stages if x is not st) if chain else ()
         try:
             self._feed(xs, targets, samples, base)
             self._loop(prog.local, 0, base)
