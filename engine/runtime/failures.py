@@ -17,6 +17,7 @@ from engine.runtime.stage import DROPPED
 
 if TYPE_CHECKING:
     from engine.runtime.stage import Stage
+    from engine.runtime.streams import StageStreams
 
 __all__ = ["FailureHandling"]
 
@@ -46,6 +47,7 @@ class FailureHandling:
     dropped: int
     acts: dict[tuple[int, int], tuple[Any, Any]]
     grads: dict[tuple[int, int], tuple[Any, Any]]
+    streams: StageStreams
 
     def _batch_failed(self, items: tuple[tuple[int, int], ...], base: int) -> None:
         """A batched backward raised: every micro-batch in it is dropped at its stage."""
@@ -62,10 +64,17 @@ class FailureHandling:
     def _backward_dropped(self, st: Stage, i: int) -> None:
         """Micro-batch i's backward at ``st`` failed: its update group loses the gradients
         accumulated so far, and the stage before sees the micro-batch as dropped."""
-        st.discard_gradients()
+        self._discard(st)
         if st.index > 0:
             self.grads[(st.index - 1, i)] = (DROPPED, None)
         self.dropped += 1
+
+    def _discard(self, st: Stage) -> None:
+        """Zero ``st``'s pending gradients and skip flags on its own stream: on a GPU they
+        are accumulated there, and a zero enqueued on the caller's stream could run before
+        the adds still queued on the stage's (a stale found_inf skipping a later update)."""
+        with self.streams.on(st.index):
+            st.discard_gradients()
 
     # ------------------------------------------------------------------ failures
 
@@ -81,7 +90,7 @@ class FailureHandling:
             return
         i = base + rel
         if op == W:  # B already sent the input gradient: only the weight sums are lost
-            st.discard_gradients()
+            self._discard(st)
             self.dropped += 1
             self._note(exc, action, base, "weight gradient failed")
         elif op == F:
