@@ -359,6 +359,56 @@ def test_failed_backward_discards_the_flags_with_the_gradients(streams: str, mon
     assert all(not torch.equal(a, b) for a, b in zip(before[:n], after[:n], strict=True))
 
 
+def _fused(family: str):
+    def make(p):
+        if family == "sgd":
+            return engine.optim.SGD(p, lr=0.05, momentum=0.9, fused=True)
+        if family == "nadam":
+            return engine.optim.NAdam(p, lr=0.01, fused=True)
+        cls = engine.optim.AdamW if family == "adamw" else engine.optim.Adam
+        return cls(p, lr=0.01, fused=True)
+    return make
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["sgd", "adam", "adamw", "nadam"])
+def test_captured_skip_update_steps_never_sync_the_host(family: str) -> None:
+    """The step a CUDA graph captures under skip_update (found_inf given) runs no op that
+    waits for the device: tests/capture_twin.py stands in for the capture and refuses host
+    syncs and copies between devices. On the H100, Adam's step count advanced through an
+    .item() of found_inf and the capture broke at capture_end (issue 22). Bitwise the same
+    run without graphs."""
+    from capture_twin import SyncFreeCapture
+
+    from engine.runtime.graphs import StepGraphs
+
+    a = _pipe("pb", "skip_update", _fused(family), S=2)
+    b = _pipe("pb", "skip_update", _fused(family), S=2)
+    twins = []
+    for st in a.stages:
+        twins.append(SyncFreeCapture())
+        st.bridge.graphs = StepGraphs(st.index, st.bridge.opt, twins[-1])
+    _run([a, b], _batches({1: [2]}, n=3))
+    assert all(t.captured for t in twins), "no step was captured"
+    assert _same(_snapshot(a), _snapshot(b))
+    assert _counters(a)[1] == [1, 1]
+
+
+def test_the_capture_twin_refuses_a_host_sync() -> None:
+    """The check can fail: the op Adam's step count used to take, and a bool() of a tensor."""
+    from capture_twin import HostSyncError, NoHostSync
+
+    steps = [torch.zeros(())]
+    flag = torch.zeros(())
+    with pytest.raises(HostSyncError, match="_local_scalar_dense"), NoHostSync():
+        torch._foreach_add_(steps, (flag == 0).to(torch.float32))
+    with pytest.raises(HostSyncError, match="is_nonzero|_local_scalar_dense"), NoHostSync():
+        bool(flag)
+    with NoHostSync() as mode:
+        torch._foreach_add_(steps, [(flag == 0).to(torch.float32)])
+    assert "aten._foreach_add_.List" in mode.ops
+
+
 @needs_kernels
 def test_step_graphs_replay_the_skip() -> None:
     """With the step replayed from a (CUDA) graph, found_inf is a launch argument like any

@@ -241,7 +241,12 @@ def _advance_steps(steps: list[Tensor], found_inf: Tensor | None) -> None:
     if found_inf is None:
         torch._foreach_add_(steps, 1)
     elif found_inf.device == steps[0].device:
-        torch._foreach_add_(steps, (found_inf.reshape(()) == 0).to(steps[0].dtype))
+        # a list of tensors, never one 0-dim tensor: Python's overload resolution turns a lone
+        # 0-dim tensor into a Scalar (an .item(), a host sync that invalidated CUDA graph
+        # captures of skip_update steps on the H100, issue 22); the list overload reads it on
+        # the device
+        inc = (found_inf.reshape(()) == 0).to(steps[0].dtype)
+        torch._foreach_add_(steps, [inc] * len(steps))
     elif found_inf.item() == 0:
         torch._foreach_add_(steps, 1)
 
