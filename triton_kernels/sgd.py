@@ -72,10 +72,15 @@ def sgd_body(
             v = tl.load(buf_ptr + offs, mask=mask)
             v = v * momentum + keep * g
         tl.store(buf_ptr + offs, v, mask=mask)
+        # One explicit fused multiply-add each, not left to the compiler: on a GPU it
+        # contracts a*b + c*d into fma(c, d, a*b) or fma(a, b, c*d) as it likes, and did so
+        # differently for the two lines (SC with delay 1 was 1 ulp off Nesterov on the H100,
+        # issue 22). Written the same way, SC_1 (sc_a = m, sc_b = 1: g * 1 is exact) is
+        # Nesterov bit for bit on every device; the interpreter rounds fma as a*b, then + c.
         if SC:
-            upd = g * sc_b + sc_a * v
+            upd = tl.fma(sc_a, v, g * sc_b)
         elif NESTEROV:
-            upd = g + momentum * v
+            upd = tl.fma(momentum, v, g)
         else:
             upd = v
         direction = v
