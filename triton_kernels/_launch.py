@@ -32,9 +32,14 @@ GPU_WARPS = 4
 INTERPRET_BLOCK = 1 << 16
 
 
+#: read once, at import, as Triton itself decides at import whether ``@triton.jit`` kernels
+#: are interpreted: reading os.environ at each launch was a tenth of a small step's host time
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def interpreting() -> bool:
-    """True when Triton runs kernels through its CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET at import)."""
+    return _INTERPRETING
 
 
 def default_block(*tensors: Tensor | None) -> int:
