@@ -29,6 +29,7 @@ The step counter and AMP (why it is done this way):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -335,6 +336,7 @@ def launch_adam(
         n, *scalars, BLOCK=block, **flags)
 
 
+@functools.lru_cache(maxsize=256)  # a pure function of numbers: steady steps reuse it
 def _adam_args(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                decoupled: bool, amsgrad: bool, maximize: bool, sc_delay: int,
                host: tuple[float, float, float], predict_horizon: float, delta_gamma: float,

@@ -21,6 +21,8 @@ never synchronizes with the host.
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -168,6 +170,7 @@ def sgd_multi_kernel(
              SCALE)
 
 
+@functools.lru_cache(maxsize=256)  # a pure function of numbers: steady steps reuse it
 def _sgd_args(*, lr: float, momentum: float, dampening: float, weight_decay: float,
               nesterov: bool, maximize: bool, init_momentum: bool, sc_delay: int,
               predict: bool, predict_coeff: float, delta: bool, delta_gamma: float,

@@ -127,13 +127,18 @@ class OptionChecks:
         for i, group in enumerate(self.param_groups):
             params = group["params"]
             pkey = (id(params), len(params))
-            okey = _option_key(group)
+            values = tuple(group.values())
             seen = checked.get(i)
-            if seen is None or seen[0] != pkey:
-                self._check_group(group, i)
-            elif seen[1] != okey:
-                self._check_options(group, f"param_groups[{i}]: ")
-            checked[i] = (pkey, okey)
+            if (seen is not None and seen[0] == pkey and len(seen[2]) == len(values)
+                    and all(map(operator.is_, values, seen[2]))):
+                pass  # the same objects as at the last check: nothing to look at (fast path)
+            else:
+                okey = _option_key(group)
+                if seen is None or seen[0] != pkey:
+                    self._check_group(group, i)
+                elif seen[1] != okey:
+                    self._check_options(group, f"param_groups[{i}]: ")
+                checked[i] = (pkey, okey, values)
             bindings = self._group_bindings(i, group)
             for b in bindings:
                 b.steady = False
