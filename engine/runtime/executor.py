@@ -398,13 +398,17 @@ class Executor(SynchronousSteps, FailureHandling):
         """Several stages' backwards (different stages, independent) in one autograd call;
         while profiling each runs on its own so every one keeps its profiler label."""
         if labels.profiling() or self.streams.separate:
-            for s, rel in items:
-                st = self.by_index[s]
-                if self.streams.separate:
-                    with self.streams.on(s):
+            try:
+                for s, rel in items:
+                    st = self.by_index[s]
+                    if self.streams.separate:
+                        with self.streams.on(s):
+                            self._backward(st, base + rel)
+                    else:
                         self._backward(st, base + rel)
-                else:
-                    self._backward(st, base + rel)
+            except BaseException:
+                self._batch_failed(items, base)  # as the one autograd call below would
+                raise
             return
         jobs = []
         upstream: list[tuple[Stage, int, Any]] = []
