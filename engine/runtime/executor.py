@@ -150,6 +150,9 @@ class Executor(SynchronousSteps, FailureHandling):
         #: tied parameters across stages (engine.runtime.ties): their gradients are summed
         #: before a synchronous update phase
         self.ties: Any = None
+        #: gradient clipping (engine.runtime.clipping): the synchronous global norm is taken
+        #: before the update phase; asynchronous stages clip their own groups
+        self.clipper: Any = None
         self._pc = 0
         self._in_action = False
 

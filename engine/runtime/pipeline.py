@@ -32,6 +32,8 @@ from engine.runtime.host_memory import keep_freed_host_memory
 from engine.runtime.l2 import apply_l2
 from engine.runtime.policy import SpecTrain, make_policy
 from engine.runtime.stage import Stage
+from engine.runtime.step_features import StepFeatures, check_step_features
+from engine.runtime.step_features import attach as attach_features
 from engine.runtime.streams import StageStreams
 from engine.runtime.ties import TiedGradients, tie_stages
 from engine.schedule.analysis import analyze, schedule_delays
@@ -128,6 +130,17 @@ class Pipeline:
             options, same buffers), eager otherwise; ``stats()["cuda_graphs"]`` counts both.
             engine.optim SGD/Adam/AdamW/NAdam with the fused kernels, stages on CUDA; refused
             otherwise, before anything is built.
+        clip_grad_norm: clip gradients by their norm (``max_norm`` of
+            ``torch.nn.utils.clip_grad_norm_``; ``clip_norm_type`` its p). Synchronous
+            schedules: the global norm over every stage and replica, so the update equals
+            clip + step on the unpipelined model; asynchronous ones: each stage's own update
+            group (engine/runtime/clipping.py). ``stats()["grad_norm"]``: the last norms.
+        autocast: ``torch.bfloat16`` or ``torch.float16``: every stage's forward (and its
+            recomputation) under ``torch.autocast``; weights stay float32. float16 adds
+            dynamic loss scaling across all stages (``grad_scaler``: GradScaler's keywords;
+            engine/runtime/amp.py).
+        offload_activations: keep saved activations in (pinned, on CUDA) host memory between
+            a micro-batch's forward and backward (engine/runtime/offload.py).
     """
 
     def __init__(
@@ -161,8 +174,17 @@ class Pipeline:
         l2_persistence: bool | float = False,
         virtual_stages: int | None = None,
         cuda_graphs: bool = False,
+        clip_grad_norm: float | None = None,
+        clip_norm_type: float = 2.0,
+        autocast: torch.dtype | None = None,
+        grad_scaler: dict[str, Any] | None = None,
+        offload_activations: bool = False,
     ) -> None:
         fam = FAMILIES.get(schedule) if isinstance(schedule, str) else None
+        self.features: StepFeatures = check_step_features(
+            clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type, autocast=autocast,
+            grad_scaler=grad_scaler, offload_activations=offload_activations,
+        )
         self._virtual_stages = virtual_stages
         self.config: PipelineConfig = check_options(
             transport=transport,
@@ -214,6 +236,7 @@ class Pipeline:
         )
         self.ties = ties
         self._executor.ties = TiedGradients(ties, self.stages) if ties else None
+        attach_features(self)
 
     # ------------------------------------------------------------------ construction
 
@@ -451,55 +474,11 @@ class Pipeline:
     # ------------------------------------------------------------------ facts
 
     def stats(self) -> dict[str, Any]:
-        """Per-stage facts measured by the engine's own clock and counters.
+        """Per-stage facts measured by the engine's own clock and counters; each key is
+        described in :func:`engine.runtime.pipeline_stats.pipeline_stats`."""
+        from engine.runtime.pipeline_stats import pipeline_stats
 
-        ``delays``: D_s set on the optimizers (derived by simulating the schedule);
-        ``measured_delays``: {delay: micro-batches} per stage, counted when their gradient was
-        applied; ``weight_versions``: peak distinct weight versions kept per stage (live
-        included); ``weight_buffers``: peak weight buffers held (live, kept versions, the
-        transient); ``weight_bytes``: bytes of live weights, gradients, slots and the pool;
-        ``activation_peak``: peak micro-batches stashed per stage; ``bubble_fraction``: idle
-        share of stage time with unit costs (F = 1, B = 2); ``bubble_fraction_wall``: the
-        same with measured action times; ``compiled_programs``: step programs compiled so
-        far (it stops growing once the schedule's steps repeat); ``l2_persisting_bytes``:
-        persisting-L2 bytes granted per stage (0 when off or unsupported), and
-        ``l2_persistence``: the ``requested`` fraction, the device's ``set_aside_bytes`` and
-        ``max_persisting_bytes``, and the ``reason`` when a stage got nothing;
-        ``cuda_graphs``: per stage (None when off) optimizer steps ``replays``-ed from a graph,
-        ``captures``, ``eager`` steps and the ``last_eager_reason``.
-        """
-        ex = self._executor
-        ex.fold_flags()  # "skip_update" counts on the device: one host read
-        unit, wall = ex.clock.bubble()
-        return {
-            "schedule": self.spec.name,
-            "stages": self.spec.stages,
-            "chunks": self.spec.chunks,
-            "update_size": self.spec.update_size,
-            "steps": ex.steps,
-            "skipped_steps": ex.skipped_steps,
-            "dropped_microbatches": ex.dropped,
-            "updates": [st.updates for st in self.stages],
-            "skipped_updates": [st.skipped_updates for st in self.stages],
-            "delays": list(self.delays),
-            "measured_delays": [dict(sorted(st.delay_counts.items())) for st in self.stages],
-            "weight_versions": [st.store.peak_versions for st in self.stages],
-            "weight_buffers": [st.store.peak_buffers for st in self.stages],
-            "weight_bytes": [st.store.bytes() for st in self.stages],
-            "activation_peak": [st.stash.peak for st in self.stages],
-            "bubble_fraction": unit,
-            "bubble_fraction_wall": wall,
-            "compiled_programs": ex.compiler.compiled,
-            "transport": self.config.transport,
-            "stage_indices": [st.index for st in self.stages],
-            "l2_persisting_bytes": list(self._l2.granted),
-            "l2_persistence": self._l2.stats(),
-            "cuda_graphs": [
-                st.bridge.graphs.stats()
-                if st.bridge is not None and st.bridge.graphs is not None else None
-                for st in self.stages
-            ],
-        }
+        return pipeline_stats(self)
 
     def reset_stats(self) -> None:
         """Restart the clock and peak counters (e.g. after warm-up)."""

@@ -125,6 +125,7 @@ def build_distributed(
         weight_prediction=weight_prediction,
         discrepancy_correction=discrepancy_correction,
         deferred_batch_norm=deferred_batch_norm,
+        **pipe.features.describe(),
     )
     held = modules[0] if not virtual else nn.ModuleList(modules)
     fp = fingerprint(spec, cfg, options, ties, bridge.opt if bridge is not None else None, held)
@@ -170,6 +171,9 @@ def build_distributed(
 
         pipe._executor.ties = TiedGradients(ties, pipe.stages)
     pipe.replicas = cfg.data_parallel
+    from engine.runtime.step_features import attach
+
+    attach(pipe, layout.pipeline_group)  # clipping, mixed precision, offload
 
 
 def _with_flag(reduce: Callable[[list[Tensor]], None], found_inf: Tensor) -> Callable[[list[Tensor]], None]:
@@ -394,11 +398,10 @@ class RankExecutor(Executor):
                     st.forget_pending()
                 self.skipped_steps += 1
             else:
-                if self.ties is not None:
-                    self.ties.reduce()
-                for _s, _mbs in prog.commit:
-                    if _s in self.by_index:
-                        self.by_index[_s].update()
+                mine = [self.by_index[_s] for _s, _ in prog.commit if _s in self.by_index]
+                self._before_updates(mine)  # tied gradients; clipping's global norm
+                for st in mine:
+                    st.update()
             for st in self.stages:
                 st.reset_in_flight()
         elif nonfinite:

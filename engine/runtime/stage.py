@@ -31,7 +31,6 @@ skips a parameter whose ``.grad`` is None.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +44,7 @@ from engine.runtime import labels, trees
 from engine.runtime.optim_bridge import OptimizerBridge
 from engine.runtime.policy import LIVE, PINNED, Transient, WeightPolicy
 from engine.runtime.saved_weights import SavedWeights
+from engine.runtime.stage_update import StageUpdates
 from engine.runtime.stash import DROPPED, ActivationStash, StashEntry, _Dropped
 from engine.runtime.weight_store import LIVE as LIVE_BUFFER
 from engine.runtime.weight_store import WeightStore
@@ -76,7 +76,7 @@ class BackwardJob:
         self.buf = buf
 
 
-class Stage:
+class Stage(StageUpdates):
     """Stage ``index`` of ``num_stages``: runs F(i), B(i) and U on its module and optimizer."""
 
     def __init__(
@@ -104,6 +104,9 @@ class Stage:
         #: called with the stage's flat gradient buffers before each optimizer step: the
         #: data-parallel all-reduce under gloo/NCCL (None: no replicas)
         self.grad_hook: Callable[[list[Tensor]], None] | None = None
+        #: gradient clipping (engine.runtime.clipping), applied before each optimizer step
+        self.clipper: Any = None
+        self._prepared = False  # prepare_grads ran for the pending update
         self.stash = ActivationStash()
         self.updates = 0  # t: updates applied so far
         self.segment_updates = 0  # t when the current segment started (2BW's origin)
@@ -479,68 +482,6 @@ class Stage:
         if not xin.requires_grad:
             return None
         return xin.grad if xin.grad is not None else torch.zeros_like(xin)
-
-    # ------------------------------------------------------------------ update
-
-    def update(self, expected_weight: float | None = 1.0) -> None:
-        """U: apply the accumulated gradient (mean over the coalesced samples) and advance t.
-
-        Gradients were accumulated with each micro-batch's loss scaled so that a full group
-        sums to the mean loss; a partial group (flush) or one with dropped micro-batches is
-        renormalised by the weight that actually arrived, so no gradient is silently lost or
-        double counted. A group in which nothing arrived applies no step (t still advances:
-        the schedule's version numbering does not depend on what was dropped)."""
-        label = record_function(f"stage{self.index}/U{self.updates}") if labels.profiling() else _NULL
-        with label:
-            store = self.store
-            policy = self.policy
-            store.before_update(policy.keep_live_at_update(self))
-            w = self.pending_weight
-            written = None
-            if w > 0.0 and self.bridge is not None:  # (no bridge: a stage without parameters)
-                if expected_weight is not None and not math.isclose(w, expected_weight, rel_tol=1e-9):
-                    store.scale_grads(expected_weight / w)
-                if self.grad_hook is not None:
-                    self.grad_hook(store.grad_flats())
-                key = policy.prediction_key(self)
-                if key is not None and self._trivial(Transient(*key)):
-                    key = None  # the forward reads the live weights: nothing to predict
-                written = self.bridge.step(store, key)
-                if self.scheduler is not None:
-                    self.scheduler.step()
-            elif w <= 0.0:
-                self.skipped_updates += 1
-            store.finish_update(written)
-            self._account(self.pending_mbs)
-            self.updates += 1
-            self.pending = 0
-            self.pending_weight = 0.0
-            self.pending_mbs = []
-
-    def _account(self, mbs: list[int]) -> None:
-        for n in mbs:
-            d = self.updates - self._t_f.pop(n, self.updates)
-            self.delay_counts[d] = self.delay_counts.get(d, 0) + 1
-            if self.trace:
-                self.records.setdefault(n, {})["update"] = self.updates
-
-    # ------------------------------------------------------------------ recovery
-
-    def discard_gradients(self) -> None:
-        """Forget the accumulated gradients (a rolled-back or skipped synchronous step, or a
-        backward that failed halfway: its partial sums cannot be told apart)."""
-        self.store.zero_grads()
-        self.pending_weight = 0.0
-        if self.bridge is not None and self.bridge.skip is not None:
-            self.bridge.skip.clear()
-
-    def forget_pending(self) -> None:
-        """Forget the pending group entirely (a rolled-back synchronous step)."""
-        self.discard_gradients()
-        for n in self.pending_mbs:
-            self._t_f.pop(n, None)
-        self.pending = 0
-        self.pending_mbs = []
 
     def reset_in_flight(self) -> None:
         """Drop stashed activations and kept weight versions (rollback, end of a segment)."""

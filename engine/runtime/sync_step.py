@@ -42,6 +42,8 @@ class SynchronousSteps:
     on_nonfinite: str
     dropped: int
     skipped_steps: int
+    ties: Any
+    clipper: Any
 
     # ------------------------------------------------------------------ synchronous steps
 
@@ -120,8 +122,7 @@ class SynchronousSteps:
         the first error is raised afterwards (nothing is left half-applied)."""
         first: BaseException | None = None
         base = self.j * self.M
-        if self.ties is not None:
-            self.ties.reduce()
+        self._before_updates([self.by_index[s] for s, _ in prog.commit])
         for s, mbs in prog.commit:
             st = self.by_index[s]
             if self.log is not None:
@@ -140,6 +141,17 @@ class SynchronousSteps:
                         )
         if first is not None:
             raise first
+
+    def _before_updates(self, stages: list[Stage]) -> None:
+        """What a synchronous update phase needs from all its stages before any steps: tied
+        gradients summed; with clipping, every gradient final (renormalised, the
+        data-parallel mean) and the global norm taken (one reduction over the ranks)."""
+        if self.ties is not None:
+            self.ties.reduce()
+        if self.clipper is not None:
+            for st in stages:
+                st.prepare_grads()
+            self.clipper.begin_step(stages)
 
     def _rollback(self, point: RollbackPoint) -> None:
         self.streams.join()

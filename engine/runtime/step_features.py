@@ -1,0 +1,90 @@
+"""The training features layered on a pipeline's step: clipping, mixed precision, offload.
+
+Why a module: ``Pipeline(clip_grad_norm=..., autocast=..., offload_activations=...)`` are
+options of *how a step trains*, independent of the schedule and transport. They are validated
+here, before any weight exists (:func:`check_step_features`), and attached to the built stages
+and executor in one place (:func:`attach`), for the local and the multi-process runtime alike.
+The concepts live in their own modules: :mod:`~engine.runtime.clipping`,
+:mod:`~engine.runtime.amp`, :mod:`~engine.runtime.offload`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.errors import PipelineConfigError
+from engine.runtime.clipping import GradClipper, check_clip_options
+
+if TYPE_CHECKING:
+    from engine.runtime.pipeline import Pipeline
+
+__all__ = ["StepFeatures", "check_step_features", "attach"]
+
+AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """Validated options (see ``Pipeline``)."""
+
+    clip_grad_norm: float | None = None
+    clip_norm_type: float = 2.0
+    autocast: torch.dtype | None = None
+    grad_scaler: dict[str, Any] = field(default_factory=dict)
+    offload_activations: bool = False
+
+    def describe(self) -> dict[str, Any]:
+        """What every rank must agree on (engine.runtime.agreement)."""
+        return {
+            "clip_grad_norm": self.clip_grad_norm,
+            "clip_norm_type": self.clip_norm_type,
+            "autocast": str(self.autocast),
+            "grad_scaler": sorted(self.grad_scaler.items()),
+            "offload_activations": self.offload_activations,
+        }
+
+
+def check_step_features(
+    *,
+    clip_grad_norm: object,
+    clip_norm_type: object,
+    autocast: object,
+    grad_scaler: object,
+    offload_activations: object,
+) -> StepFeatures:
+    max_norm, norm_type = check_clip_options(clip_grad_norm, clip_norm_type)
+    if autocast is not None and autocast not in AUTOCAST_DTYPES:
+        raise PipelineConfigError(
+            f"autocast={autocast!r}: pass torch.bfloat16, torch.float16 or None (weights stay "
+            "float32 in the arena; each stage's forward runs under torch.autocast)"
+        )
+    from engine.runtime.amp import check_grad_scaler
+
+    scaler = check_grad_scaler(grad_scaler, autocast)  # type: ignore[arg-type]
+    if not isinstance(offload_activations, bool):
+        raise PipelineConfigError(
+            f"offload_activations={offload_activations!r} must be True or False"
+        )
+    return StepFeatures(max_norm, norm_type, autocast, scaler, offload_activations)  # type: ignore[arg-type]
+
+
+def attach(pipe: Pipeline, group: Any = None) -> None:
+    """Attach the features to ``pipe``'s stages and executor (at the end of the build; under
+    gloo/NCCL with the pipeline's process ``group``, after the rank executor exists)."""
+    feats: StepFeatures = pipe.features
+    ex = pipe._executor
+    stages = pipe.stages
+    clipper = None
+    if feats.clip_grad_norm is not None:
+        clipper = GradClipper(
+            feats.clip_grad_norm, feats.clip_norm_type, stages, pipe.spec.synchronous,
+            getattr(pipe, "ties", None),
+        )
+        if group is not None:
+            clipper.connect(group, pipe.spec.stages, pipe.device)
+    ex.clipper = clipper
+    for st in stages:
+        st.clipper = clipper
