@@ -1,0 +1,102 @@
+"""Multi-process phases of the step features (clipping, mixed precision, trace) under gloo.
+
+Why a file of its own: distributed_support.py's worker looks phases up in its own module;
+these phases spawn through :func:`spawn` here, reusing its model and data helpers."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from distributed_support import _local, _train, batch, configs, free_port, replica_rows, stage_factories
+from torch import nn
+
+STEPS = 4
+CLIP = 0.02
+
+
+def _clip_configs(S: int) -> dict[str, dict[str, Any]]:
+    base = configs(S)
+    names = ["gpipe", "1f1b-adam", "zbh1", "pb", "pb-lwp", "pipedream", "2bw"]
+    return {n: dict(base[n], clip_grad_norm=CLIP) for n in names}
+
+
+def phase_clip(rank: int, S: int, R: int = 1) -> dict[str, Any]:
+    """Clipping under gloo vs the local run: bit for bit with one replica; with R replicas
+    against one replica with the R-times larger batch (the mean over replicas rounds)."""
+    from engine import Pipeline
+
+    out: dict[str, Any] = {}
+    B = 8
+    for name, kw in _clip_configs(S).items():
+        if R > 1 and name not in ("gpipe", "pipedream"):
+            continue
+        try:
+            pipe = Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo",
+                            data_parallel=R, timeout=30, **kw)
+            shard = replica_rows(pipe.layout.replica, R, B // kw["chunks"]) if R > 1 else None
+            losses = _train(pipe, STEPS, B=R * B, shard=shard)
+            ref, ref_losses = _local(S, kw, STEPS, B=R * B)
+            s = pipe.layout.stage
+            mine = [p.detach() for p in pipe.stages[0].module.parameters()]
+            theirs = [p.detach() for p in ref.stages[s].module.parameters()]
+            norm, ref_norm = pipe.stats()["grad_norm"][0], ref.stats()["grad_norm"][s]
+            out[name] = {
+                "weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
+                "max_diff": max(float((a - b).abs().max()) for a, b in zip(mine, theirs, strict=True)),
+                "losses_equal": all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)),
+                "norm": float(norm),
+                "ref_norm": float(ref_norm),
+            }
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+def _worker(rank: int, world: int, port: int, phases: list[tuple[str, dict[str, Any]]], outdir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    results: dict[str, Any] = {}
+    path = os.path.join(outdir, f"rank{rank}.pt")
+    try:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        for name, kw in phases:
+            results[name] = globals()[f"phase_{name}"](rank, **kw)
+            torch.save(results, path)
+    except Exception:
+        results["fatal"] = traceback.format_exc()
+    torch.save(results, path)
+    os._exit(0)
+
+
+def spawn(world: int, phases: list[tuple[str, dict[str, Any]]], timeout: float = 240.0) -> list[dict[str, Any]]:
+    """Run ``phases`` (functions ``phase_<name>`` of this module) on ``world`` gloo ranks."""
+    outdir = tempfile.mkdtemp(prefix="engine-feat-")
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, phases, outdir)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():  # only our own children, by handle
+            p.kill()
+            p.join(5)
+    out = []
+    for r in range(world):
+        path = os.path.join(outdir, f"rank{r}.pt")
+        out.append(torch.load(path, weights_only=False) if os.path.exists(path) else {})
+    return out
+
+
+__all__ = ["spawn", "batch"]
