@@ -60,6 +60,49 @@ def phase_clip(rank: int, S: int, R: int = 1) -> dict[str, Any]:
     return out
 
 
+def _amp_configs(S: int) -> dict[str, dict[str, Any]]:
+    base = configs(S)
+    fp16 = dict(autocast=torch.float16, grad_scaler=dict(init_scale=2.0**22, growth_interval=2))
+    return {
+        "gpipe-fp16": dict(base["gpipe"], **fp16),
+        "1f1b-adam-fp16-clip": dict(base["1f1b-adam"], clip_grad_norm=CLIP, **fp16),
+        "naive-torch-fp16": dict(base["naive"], **fp16),
+        "1f1b-bf16": dict(base["1f1b-adam"], autocast=torch.bfloat16),
+        "pb-bf16-clip": dict(base["pb"], autocast=torch.bfloat16, clip_grad_norm=CLIP),
+    }
+
+
+def phase_amp(rank: int, S: int) -> dict[str, Any]:
+    """Mixed precision under gloo vs the local run, bit for bit: float16's one found_inf per
+    step spans the ranks (alone, or inside clipping's all-reduce)."""
+    from engine import Pipeline
+
+    out: dict[str, Any] = {}
+    for name, kw in _amp_configs(S).items():
+        try:
+            pipe = Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo",
+                            timeout=30, **kw)
+            losses = _train(pipe, 6)
+            ref, ref_losses = _local(S, kw, 6)
+            s = pipe.layout.stage
+            mine = [p.detach() for p in pipe.stages[0].module.parameters()]
+            theirs = [p.detach() for p in ref.stages[s].module.parameters()]
+            initial = [p.detach() for p in stage_factories(S)[s]().parameters()]
+            st, rst = pipe.stats(), ref.stats()
+            out[name] = {
+                "weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
+                "losses_equal": all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)),
+                "moved": any(not torch.equal(a, b) for a, b in zip(mine, initial, strict=True)),
+                "skipped": st["amp_skipped_steps"],
+                "ref_skipped": rst["amp_skipped_steps"],
+                "scale": None if st["loss_scale"] is None else float(st["loss_scale"]),
+                "ref_scale": None if rst["loss_scale"] is None else float(rst["loss_scale"]),
+            }
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
 def _worker(rank: int, world: int, port: int, phases: list[tuple[str, dict[str, Any]]], outdir: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

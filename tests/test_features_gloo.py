@@ -1,6 +1,7 @@
 """Step features across processes (gloo): clipping's global norm spans every rank's stages
 (bit for bit the local run with one replica; with data-parallel replicas equal to one replica
-with the larger batch up to the rounding of the replica mean)."""
+with the larger batch up to the rounding of the replica mean); float16 loss scaling's one
+found_inf per step spans the ranks (the same steps skipped, the same weights as the local run)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,13 @@ def test_clip_with_data_parallel_replicas() -> None:
             assert r["max_diff"] < 1e-5, (name, r)
             assert abs(r["norm"] - r["ref_norm"]) <= 1e-5 * r["ref_norm"], (name, r)
             assert r["ref_norm"] > 0.02  # the runs clip
+
+
+def test_mixed_precision_under_gloo_equals_the_local_run() -> None:
+    for rank_res in _ok(spawn(2, [("amp", dict(S=2))]), "amp"):
+        assert len(rank_res) == 5
+        for name, r in rank_res.items():
+            assert r["weights_equal"] and r["losses_equal"] and r["moved"], (name, r)
+            assert r["skipped"] == r["ref_skipped"] and r["scale"] == r["ref_scale"], (name, r)
+            if "fp16" in name:
+                assert r["skipped"] > 0, (name, r)  # the float16 runs skip steps

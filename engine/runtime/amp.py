@@ -1,6 +1,26 @@
-"""Mixed precision for a pipeline: autocast per stage and dynamic loss scaling across stages.
+"""Mixed precision for a pipeline: autocast per stage, dynamic loss scaling across stages.
 
-Filled in below; this part validates the options.
+Why a module: ``Pipeline(autocast=torch.bfloat16 | torch.float16)`` must give what torch's own
+recipe gives on the unpipelined model -- ``torch.autocast`` around the forward and the loss,
+and for float16 ``torch.amp.GradScaler`` -- although the model is cut into stages that run at
+different times (and under gloo/NCCL in different processes). docs/ALGORITHMS.md, "Mixed
+precision":
+
+* Autocast: every stage function (the forward, and its recomputation inside the backward,
+  and the loss at the last stage) runs under ``torch.autocast(device, dtype)``: the stage's
+  ``_run`` enters it itself, so a recomputation cannot run under another state. Weights stay
+  float32 in the arena; activations between stages travel in whatever dtype autocast gave.
+* Loss scaling (float16, synchronous schedules): one scale tensor S on the device. The last
+  stage's backward root is ``(loss * 1/M) * S`` (GradScaler's ``scale``). Before the update
+  phase every stage's final gradient is unscaled in place by ``1/S`` (``(S.double()
+  .reciprocal()).float()``, as GradScaler) with torch's fused non-finite check writing one
+  shared ``found_inf``; under gloo/NCCL the found_inf of every rank is summed (in the same
+  all-reduce as clipping's norms, when clipping is on). That single found_inf is *the* skip
+  decision of the step for every stage: engine.optim optimizers take it on the device
+  (GradScaler's ``found_inf`` protocol), torch.optim optimizers are skipped after one host
+  read (as GradScaler does). Then S is updated by ``torch._amp_update_scale_`` with
+  GradScaler's growth/backoff rule -- so a pipelined float16 run skips exactly the steps an
+  unpipelined run with GradScaler skips, and its weights are the same bit for bit on CPU.
 """
 
 from __future__ import annotations
@@ -8,10 +28,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from engine.errors import PipelineConfigError
 
-__all__ = ["check_grad_scaler", "SCALER_DEFAULTS"]
+__all__ = ["check_grad_scaler", "SCALER_DEFAULTS", "LossScaler", "autocast_context"]
 
 #: torch.amp.GradScaler's defaults
 SCALER_DEFAULTS: dict[str, Any] = {
@@ -53,3 +74,65 @@ def check_grad_scaler(options: Any, autocast: torch.dtype | None) -> dict[str, A
     if isinstance(gi, bool) or not isinstance(gi, int) or gi < 1:
         raise PipelineConfigError(f"grad_scaler['growth_interval']={gi!r} must be an int >= 1")
     return merged if autocast is torch.float16 else {}
+
+
+def autocast_context(dtype: torch.dtype, device_type: str) -> Any:
+    """The autocast state every stage function runs under."""
+    return torch.autocast(device_type, dtype=dtype)
+
+
+class LossScaler:
+    """Dynamic loss scaling of a synchronous pipeline (module docstring): the scale, the
+    growth tracker and the step's found_inf, all device tensors; nothing read on the host
+    unless a torch.optim optimizer must be skipped."""
+
+    def __init__(self, options: dict[str, Any], device: torch.device) -> None:
+        self.scale = torch.full((), float(options["init_scale"]), dtype=torch.float32, device=device)
+        self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
+        self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        #: steps skipped because of found_inf (a device counter; stats() reads it)
+        self.skipped = torch.zeros((), dtype=torch.float32, device=device)
+        self.growth_factor = float(options["growth_factor"])
+        self.backoff_factor = float(options["backoff_factor"])
+        self.growth_interval = int(options["growth_interval"])
+        self.group: Any = None  # the pipeline's process group (gloo/NCCL)
+
+    def scaled(self, root: Tensor) -> Tensor:
+        """GradScaler.scale: the backward root times S."""
+        return root * self.scale.to(device=root.device, non_blocking=True)
+
+    def unscale(self, stages: list[Any]) -> None:
+        """Every updating stage's final gradient times 1/S, non-finite values flagged in the
+        shared found_inf (cleared first: one decision per step)."""
+        self.found_inf.zero_()
+        inv = self.scale.double().reciprocal().float()
+        for st in stages:
+            flats = st.store.grad_flats() if st.bridge is not None and st.pending_weight > 0 else []
+            if flats:
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    flats, self.found_inf, inv.to(flats[0].device)
+                )
+
+    def reduce(self) -> None:
+        """Under gloo/NCCL: every rank's found_inf summed (when clipping is off; clipping
+        carries it in its own all-reduce)."""
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(self.found_inf, group=self.group)
+
+    def update(self) -> None:
+        """GradScaler.update: back off after a non-finite step, grow after growth_interval
+        finite ones (on the device)."""
+        self.skipped.add_(self.found_inf.ne(0))
+        torch._amp_update_scale_(
+            self.scale, self.growth_tracker, self.found_inf,
+            self.growth_factor, self.backoff_factor, self.growth_interval,
+        )
+
+    def skip_on_host(self) -> bool:
+        """For a torch.optim optimizer (it takes no found_inf): one host read, as GradScaler."""
+        return bool(self.found_inf.item() != 0)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {"scale": self.scale.clone(), "growth_tracker": self.growth_tracker.clone()}

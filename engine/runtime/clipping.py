@@ -146,9 +146,10 @@ class GradClipper:
         coef = self.max_norm / (total + 1e-6)
         return torch.clamp(coef, max=1.0)
 
-    def begin_step(self, stages: list[Stage]) -> None:
+    def begin_step(self, stages: list[Stage], found_inf: Tensor | None = None) -> None:
         """Synchronous: the global norm over ``stages`` (those that update this step, with
-        their final gradients) and every other rank's; sets the coefficient :meth:`apply` uses."""
+        their final gradients) and every other rank's; sets the coefficient :meth:`apply` uses.
+        ``found_inf`` (float16 loss scaling) rides in the same all-reduce, summed in place."""
         slots: list[Tensor | None] = [None] * self.total_slots
         device = None
         for st in stages:
@@ -170,12 +171,18 @@ class GradClipper:
         if device is None:
             device = next((p.device for st in self.stages for p in st.store.params), torch.device("cpu"))
         zero = torch.zeros((), dtype=torch.float32, device=device)
-        vec = torch.stack([zero if t is None else t.to(device) for t in slots]) if slots else zero.reshape(1)
+        parts = [zero if t is None else t.to(device) for t in slots] or [zero]
+        n = len(parts)
+        if found_inf is not None and self.group is not None:
+            parts.append(found_inf.to(device))
+        vec = torch.stack(parts)
         if self.group is not None:
             import torch.distributed as dist
 
             dist.all_reduce(vec, group=self.group)
-        total = torch.linalg.vector_norm(vec, self.norm_type)
+            if found_inf is not None:
+                found_inf.copy_(vec[n])
+        total = torch.linalg.vector_norm(vec[:n], self.norm_type)
         self._coef = self._coefficient(total)
         for st in self.stages:
             self.last[st.index] = total

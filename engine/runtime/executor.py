@@ -153,6 +153,8 @@ class Executor(SynchronousSteps, FailureHandling):
         #: gradient clipping (engine.runtime.clipping): the synchronous global norm is taken
         #: before the update phase; asynchronous stages clip their own groups
         self.clipper: Any = None
+        #: float16 dynamic loss scaling (engine.runtime.amp), synchronous schedules
+        self.loss_scaler: Any = None
         self._pc = 0
         self._in_action = False
 

@@ -15,6 +15,7 @@ equal the local run's bit for bit on CPU.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from torch import Tensor, nn
 
 from engine.errors import NotFlushedError, PipelineConfigError, ScheduleError
 from engine.runtime import inputs as _inputs
+from engine.runtime.amp import autocast_context
 from engine.runtime.build import build_module, build_store, resolve_stage_specs
 from engine.runtime.config import PipelineConfig, check_options, resolve_mitigations
 from engine.runtime.device_flags import check_skip_update
@@ -32,7 +34,7 @@ from engine.runtime.host_memory import keep_freed_host_memory
 from engine.runtime.l2 import apply_l2
 from engine.runtime.policy import SpecTrain, make_policy
 from engine.runtime.stage import Stage
-from engine.runtime.step_features import StepFeatures, check_step_features
+from engine.runtime.step_features import StepFeatures, check_async_fp16, check_step_features
 from engine.runtime.step_features import attach as attach_features
 from engine.runtime.streams import StageStreams
 from engine.runtime.ties import TiedGradients, tie_stages
@@ -185,6 +187,7 @@ class Pipeline:
             clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type, autocast=autocast,
             grad_scaler=grad_scaler, offload_activations=offload_activations,
         )
+        check_async_fp16(autocast, None if fam is None else fam.synchronous, schedule)
         self._virtual_stages = virtual_stages
         self.config: PipelineConfig = check_options(
             transport=transport,
@@ -428,14 +431,19 @@ class Pipeline:
         xs, ts, sizes = _inputs.split(inputs, targets, self.spec.chunks)
         key = _inputs.input_key(xs[0], ts[0])
         if key not in self._checked:
-            _inputs.dry_run(
-                [st.module for st in self.stages], xs[0], ts[0], self.stages[-1].loss_fn  # type: ignore[arg-type]
-            )
+            with self._autocast():  # the shapes autocast gives
+                _inputs.dry_run(
+                    [st.module for st in self.stages], xs[0], ts[0], self.stages[-1].loss_fn  # type: ignore[arg-type]
+                )
             self._checked.add(key)
         result = self._executor.run_step(xs, ts, sizes)
         if result.loss is None:
             return torch.tensor(float("nan"))
         return result.loss
+
+    def _autocast(self) -> Any:
+        a = self.stages[0].autocast if self.stages else None
+        return autocast_context(*a) if a is not None else contextlib.nullcontext()
 
     def evaluate(self, inputs: Tensor, chunks: int | None = None) -> Tensor:
         """Forward only: the last stage's module outputs for ``inputs`` (before ``loss_fn``),

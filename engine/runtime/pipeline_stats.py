@@ -34,7 +34,9 @@ def pipeline_stats(pipe: Pipeline) -> dict[str, Any]:
     ``captures``, ``eager`` steps and the ``last_eager_reason``; ``grad_norm``: per stage
     the last gradient norm clipping measured (a device tensor, not read here; the global
     norm, the same tensor at every stage, for synchronous schedules; None without
-    ``clip_grad_norm`` or before the first update).
+    ``clip_grad_norm`` or before the first update); ``loss_scale``: the float16 loss
+    scale (a device tensor; None without ``autocast=torch.float16``) and
+    ``amp_skipped_steps``: steps whose update found_inf skipped.
     """
     ex = pipe._executor
     ex.fold_flags()  # "skip_update" counts on the device: one host read
@@ -69,4 +71,13 @@ def pipeline_stats(pipe: Pipeline) -> dict[str, Any]:
             for st in pipe.stages
         ],
         "grad_norm": clipper.stats() if clipper is not None else [None] * len(pipe.stages),
+        **_amp_stats(ex.loss_scaler),
     }
+
+
+def _amp_stats(scaler: Any) -> dict[str, Any]:
+    """float16 loss scaling: the current scale (a device tensor) and the steps found_inf
+    skipped so far (one host read)."""
+    if scaler is None:
+        return {"loss_scale": None, "amp_skipped_steps": 0}
+    return {"loss_scale": scaler.scale, "amp_skipped_steps": int(scaler.skipped.item())}

@@ -496,11 +496,12 @@ def rank_step(pipe: Pipeline, inputs: Any, targets: Any) -> Tensor:
         xs, ts, sizes = [None] * M, [None] * M, [1] * M
     rk = pipe._rank
     try:
-        if not rk.handshaken:
-            st = pipe.stages[0]
-            rk.handshake(st.module, xs[0], ts[0], st.loss_fn)
-        elif first:  # new shapes: a clear error before the step instead of one inside it
-            rk.check_inputs(pipe.stages[0].module, xs, pipe._executor.j * M)
+        with pipe._autocast():  # the dry runs see the dtypes autocast gives
+            if not rk.handshaken:
+                st = pipe.stages[0]
+                rk.handshake(st.module, xs[0], ts[0], st.loss_fn)
+            elif first:  # new shapes: a clear error before the step instead of one inside it
+                rk.check_inputs(pipe.stages[0].module, xs, pipe._executor.j * M)
         result = pipe._executor.run_step(xs, ts, sizes)
     except BaseException as exc:  # the first rank to fail is named in its peers' errors
         report(lay.rank, exc)

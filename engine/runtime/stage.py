@@ -41,6 +41,7 @@ from torch.profiler import record_function
 
 from engine.errors import PipelineInputError
 from engine.runtime import labels, trees
+from engine.runtime.amp import autocast_context
 from engine.runtime.optim_bridge import OptimizerBridge
 from engine.runtime.policy import LIVE, PINNED, Transient, WeightPolicy
 from engine.runtime.saved_weights import SavedWeights
@@ -106,6 +107,10 @@ class Stage(StageUpdates):
         self.grad_hook: Callable[[list[Tensor]], None] | None = None
         #: gradient clipping (engine.runtime.clipping), applied before each optimizer step
         self.clipper: Any = None
+        #: mixed precision (engine.runtime.amp): (dtype, device type) of the stage's autocast,
+        #: and the float16 loss scaler (its scale multiplies the last stage's backward root)
+        self.autocast: tuple[torch.dtype, str] | None = None
+        self.loss_scaler: Any = None
         self._prepared = False  # prepare_grads ran for the pending update
         self.stash = ActivationStash()
         self.updates = 0  # t: updates applied so far
@@ -265,7 +270,8 @@ class Stage(StageUpdates):
         """What the stash keeps of a forward's output for its backward: the scaled loss on
         the last stage; else the output, or of a tree only the leaves that require grad."""
         if self.is_last:
-            return out * scale
+            root = out * scale
+            return root if self.loss_scaler is None else self.loss_scaler.scaled(root)
         return out if isinstance(out, Tensor) else trees.grad_roots(out)
 
     def _recomputable(self) -> Callable[[Any, Any], Tensor]:
@@ -294,6 +300,12 @@ class Stage(StageUpdates):
         return run
 
     def _run(self, x: Any, target: Any) -> Any:
+        if self.autocast is not None:  # the forward and its recomputation alike (amp.py)
+            with autocast_context(*self.autocast):
+                return self._run_plain(x, target)
+        return self._run_plain(x, target)
+
+    def _run_plain(self, x: Any, target: Any) -> Any:
         out = self.module(x) if isinstance(x, Tensor) else trees.call(self.module, x)
         if self.is_last:
             assert self.loss_fn is not None

@@ -40,6 +40,7 @@ class StageUpdates:
     records: dict[int, dict[str, Any]]
     grad_hook: Any
     clipper: Any
+    loss_scaler: Any
     scheduler: Any
     _prepared: bool
     _t_f: dict[int, int]
@@ -68,10 +69,12 @@ class StageUpdates:
                 self._prepared = False
                 if self.clipper is not None:
                     self.clipper.apply(self)
-                key = policy.prediction_key(self)
-                if key is not None and self._trivial(Transient(*key)):
-                    key = None  # the forward reads the live weights: nothing to predict
-                written = self.bridge.step(store, key)
+                scaler = self.loss_scaler  # a torch.optim optimizer skips on the host (amp.py)
+                if scaler is None or self.bridge.is_engine or not scaler.skip_on_host():
+                    key = policy.prediction_key(self)
+                    if key is not None and self._trivial(Transient(*key)):
+                        key = None  # the forward reads the live weights: nothing to predict
+                    written = self.bridge.step(store, key)
                 if self.scheduler is not None:
                     self.scheduler.step()
             elif w <= 0.0:

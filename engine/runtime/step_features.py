@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.errors import PipelineConfigError
+from engine.runtime.amp import LossScaler
 from engine.runtime.clipping import GradClipper, check_clip_options
 
 if TYPE_CHECKING:
     from engine.runtime.pipeline import Pipeline
 
-__all__ = ["StepFeatures", "check_step_features", "attach"]
+__all__ = ["StepFeatures", "check_step_features", "attach", "check_async_fp16"]
 
 AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -88,3 +89,34 @@ def attach(pipe: Pipeline, group: Any = None) -> None:
     ex.clipper = clipper
     for st in stages:
         st.clipper = clipper
+    if feats.autocast is None:
+        return
+    device_type = pipe.device.type
+    for st in stages:
+        st.autocast = (feats.autocast, device_type)
+    if feats.autocast is not torch.float16:
+        return
+    if not pipe.spec.synchronous:
+        raise PipelineConfigError(_FP16_ASYNC.format(pipe.spec.describe()))
+    scaler = LossScaler(feats.grad_scaler, pipe.device)
+    scaler.group = group
+    ex.loss_scaler = scaler
+    for st in stages:
+        st.loss_scaler = scaler
+        if st.bridge is not None and st.bridge.is_engine:
+            # GradScaler's protocol: the optimizer skips its whole update on the device
+            st.bridge.opt.found_inf = scaler.found_inf
+
+
+_FP16_ASYNC = (
+    "autocast=torch.float16 with {}: dynamic loss scaling decides one skip per synchronous "
+    "step; an asynchronous schedule's micro-batches would need the scale their backward ran "
+    "with carried to every stage's update, which the engine does not do yet. Use "
+    "autocast=torch.bfloat16 (no loss scaling needed) or a synchronous schedule."
+)
+
+
+def check_async_fp16(autocast: Any, synchronous_hint: bool | None, schedule: Any) -> None:
+    """Refuse float16 on an asynchronous family before anything is built."""
+    if autocast is torch.float16 and synchronous_hint is False:
+        raise PipelineConfigError(_FP16_ASYNC.format(f"schedule={schedule!r}"))

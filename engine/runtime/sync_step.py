@@ -44,6 +44,7 @@ class SynchronousSteps:
     skipped_steps: int
     ties: Any
     clipper: Any
+    loss_scaler: Any
 
     # ------------------------------------------------------------------ synchronous steps
 
@@ -145,13 +146,23 @@ class SynchronousSteps:
     def _before_updates(self, stages: list[Stage]) -> None:
         """What a synchronous update phase needs from all its stages before any steps: tied
         gradients summed; with clipping, every gradient final (renormalised, the
-        data-parallel mean) and the global norm taken (one reduction over the ranks)."""
+        data-parallel mean) and the global norm taken (one reduction over the ranks); with
+        float16 loss scaling, unscaled and the step's one found_inf decided first."""
         if self.ties is not None:
             self.ties.reduce()
-        if self.clipper is not None:
-            for st in stages:
-                st.prepare_grads()
-            self.clipper.begin_step(stages)
+        scaler = self.loss_scaler
+        if self.clipper is None and scaler is None:
+            return
+        for st in stages:
+            st.prepare_grads()
+        if scaler is not None:  # unscaled first (GradScaler.unscale_), then clipped
+            scaler.unscale(stages)
+        if self.clipper is not None:  # its all-reduce carries found_inf along
+            self.clipper.begin_step(stages, None if scaler is None else scaler.found_inf)
+        elif scaler is not None:
+            scaler.reduce()
+        if scaler is not None:
+            scaler.update()  # the next step's scale; this step's found_inf stays for the updates
 
     def _rollback(self, point: RollbackPoint) -> None:
         self.streams.join()

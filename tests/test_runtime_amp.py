@@ -1,0 +1,161 @@
+"""Mixed precision (engine/runtime/amp.py): ``autocast=torch.bfloat16`` equals torch.autocast on
+the unpipelined model, and ``autocast=torch.float16`` equals torch.autocast with
+torch.amp.GradScaler -- the same steps skipped, the same scale, the same weights bit for bit on
+CPU -- for every recomputation mode, with clipping, torch.optim and engine.optim optimizers."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import engine.optim as eo
+from engine import Pipeline
+from engine.errors import PipelineConfigError
+
+D, M = 8, 4
+
+
+def _stages(S: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    out: list[nn.Module] = [nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(S - 1)]
+    return [*out, nn.Linear(D, 2)]
+
+
+OPTS = {
+    "torch": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "engine": lambda p: eo.SGD(p, lr=0.1, momentum=0.9),
+}
+SCALER = dict(init_scale=2.0**20, growth_interval=2)
+
+
+def _reference(stages: list[nn.Module], dtype: torch.dtype, clip: float | None,
+               batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[nn.Module, list[float]]:
+    """torch's own recipe on the unpipelined model, micro-batch by micro-batch."""
+    ref = nn.Sequential(*copy.deepcopy(stages))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", **SCALER) if dtype is torch.float16 else None
+    scales = []
+    for x, y in batches:
+        opt.zero_grad()
+        for xm, ym in zip(x.chunk(M), y.chunk(M), strict=True):
+            with torch.autocast("cpu", dtype=dtype):
+                loss = nn.functional.mse_loss(ref(xm), ym)
+            root = loss * (1.0 / M)
+            (scaler.scale(root) if scaler is not None else root).backward()
+        if scaler is not None:
+            scaler.unscale_(opt)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        else:
+            opt.step()
+    return ref, scales
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    # large inputs: float16 gradients overflow at the first scales, so steps are skipped
+    return [(torch.randn(2 * M, D, generator=g) * 100, torch.randn(2 * M, 2, generator=g))
+            for _ in range(n)]
+
+
+#: every dtype with every schedule; recomputation modes, clipping and optimizers across them
+CASES = [
+    (dtype, schedule, ["never", "except_last", "always"][(k + d) % 3], [None, 1.0][k % 2],
+     sorted(OPTS)[(k + d) % 2])
+    for d, dtype in enumerate([torch.bfloat16, torch.float16])
+    for k, schedule in enumerate(["gpipe", "1f1b", "zbh1", "1f1b"])
+]
+
+
+@pytest.mark.parametrize("dtype,schedule,checkpoint,clip,opt", CASES)
+def test_autocast_equals_torch_amp_on_the_unpipelined_model(
+    dtype: torch.dtype, schedule: str, checkpoint: str, clip: float | None, opt: str
+) -> None:
+    stages = _stages(3)
+    batches = _batches(6)
+    ref, scales = _reference(stages, dtype, clip, batches)
+    kw: dict[str, Any] = {"grad_scaler": SCALER} if dtype is torch.float16 else {}
+    pipe = Pipeline(stages, schedule=schedule, chunks=M, loss_fn=nn.functional.mse_loss,
+                    optimizer=OPTS[opt], autocast=dtype, checkpoint=checkpoint,
+                    clip_grad_norm=clip, **kw)
+    got = []
+    for x, y in batches:
+        pipe.step(x, y)
+        if dtype is torch.float16:
+            got.append(float(pipe.stats()["loss_scale"]))
+    mine = [p for st in stages for p in st.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(mine, ref.parameters(), strict=True))
+    assert got == scales
+    stats = pipe.stats()
+    if dtype is torch.float16:
+        skipped = sum(1 for a, b in zip([SCALER["init_scale"], *scales], scales) if b < a)
+        assert stats["amp_skipped_steps"] == skipped > 0  # the test skips, as GradScaler did
+    else:
+        assert stats["loss_scale"] is None
+
+
+def test_stage_functions_run_under_autocast() -> None:
+    """Activations between stages are what autocast made (bfloat16 here), also when the
+    forward is recomputed inside the backward."""
+    seen: list[tuple[torch.dtype, bool]] = []
+
+    class Probe(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(D, 2)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            seen.append((h.dtype, torch.is_autocast_enabled("cpu")))
+            return self.lin(h)
+
+    stages = [nn.Sequential(nn.Linear(D, D), nn.Tanh()), Probe()]
+    pipe = Pipeline(stages, schedule="gpipe", chunks=2, loss_fn=nn.functional.mse_loss,
+                    optimizer=OPTS["torch"], autocast=torch.bfloat16, checkpoint="always")
+    pipe.step(torch.randn(4, D), torch.randn(4, 2))
+    assert len(seen) == 5  # the first step's dry run, 2 forwards, 2 recomputations
+    assert all(s == (torch.bfloat16, True) for s in seen)
+    assert all(p.dtype == torch.float32 for st in stages for p in st.parameters())
+
+
+def test_float16_on_an_asynchronous_schedule_is_refused() -> None:
+    with pytest.raises(PipelineConfigError, match="bfloat16"):
+        Pipeline(_stages(2), schedule="pb", chunks=2, loss_fn=nn.functional.mse_loss,
+                 optimizer=OPTS["engine"], autocast=torch.float16)
+
+
+def test_bfloat16_on_an_asynchronous_schedule_runs_under_autocast() -> None:
+    """bfloat16 needs no loss scale: pb trains; its losses equal an fp32 run's up to bf16."""
+    losses = {}
+    for dtype in (None, torch.bfloat16):
+        pipe = Pipeline(_stages(2), schedule="pb", chunks=2, loss_fn=nn.functional.mse_loss,
+                        optimizer=OPTS["engine"], autocast=dtype)
+        x, y = torch.randn(4, D), torch.randn(4, 2)
+        losses[dtype] = pipe.step(x, y)
+    assert not torch.equal(losses[None], losses[torch.bfloat16])
+    torch.testing.assert_close(losses[None], losses[torch.bfloat16], rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize(
+    "kw,word",
+    [
+        ({"autocast": torch.float32}, "autocast"),
+        ({"autocast": "bf16"}, "autocast"),
+        ({"autocast": torch.float16, "grad_scaler": {"init": 1.0}}, "unknown"),
+        ({"autocast": torch.float16, "grad_scaler": {"backoff_factor": 2.0}}, "backoff_factor"),
+        ({"autocast": torch.float16, "grad_scaler": {"growth_interval": 0}}, "growth_interval"),
+        ({"autocast": torch.bfloat16, "grad_scaler": {"init_scale": 8.0}}, "float16"),
+        ({"grad_scaler": [1]}, "grad_scaler"),
+    ],
+)
+def test_bad_precision_options_are_refused(kw: dict[str, Any], word: str) -> None:
+    with pytest.raises(PipelineConfigError, match=word):
+        Pipeline(_stages(2), schedule="gpipe", chunks=2, loss_fn=nn.functional.mse_loss,
+                 optimizer=OPTS["torch"], **kw)
