@@ -103,6 +103,22 @@ def phase_amp(rank: int, S: int) -> dict[str, Any]:
     return out
 
 
+def phase_trace(rank: int, S: int, path: str) -> dict[str, Any]:
+    """Every rank records inside ``pipe.trace(path)``; rank 0 writes the merged file."""
+    from engine import Pipeline
+
+    kw = dict(configs(S)["1f1b-adam"])
+    pipe = Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo",
+                    timeout=30, **kw)
+    ref, _ = _local(S, kw, 3)
+    with pipe.trace(path):
+        _train(pipe, 3)
+    s = pipe.layout.stage
+    mine = [p.detach() for p in pipe.stages[0].module.parameters()]
+    theirs = [p.detach() for p in ref.stages[s].module.parameters()]
+    return {"weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))}
+
+
 def _worker(rank: int, world: int, port: int, phases: list[tuple[str, dict[str, Any]]], outdir: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

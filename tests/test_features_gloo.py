@@ -55,3 +55,29 @@ def test_mixed_precision_under_gloo_equals_the_local_run() -> None:
             assert r["skipped"] == r["ref_skipped"] and r["scale"] == r["ref_scale"], (name, r)
             if "fp16" in name:
                 assert r["skipped"] > 0, (name, r)  # the float16 runs skip steps
+
+
+def test_trace_under_gloo_merges_every_rank(tmp_path: Any) -> None:
+    import json
+
+    from engine.runtime.trace import validate_trace_events
+
+    path = str(tmp_path / "trace.json")
+    res = spawn(2, [("trace", dict(S=2, path=path))])
+    for r in res:
+        assert "fatal" not in r, r.get("fatal")
+        assert r["trace"]["weights_equal"]
+    doc = json.loads(open(path).read())
+    assert validate_trace_events(doc) == []
+    events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in events} == {0, 1}
+    cats = {(e["pid"], e["cat"]) for e in events}
+    assert {(0, "forward"), (0, "backward"), (0, "update"), (1, "forward"), (1, "update")} <= cats
+    sends = [e for e in events if e["name"] == "send"]
+    recvs = [e for e in events if e["name"] == "recv"]
+    assert {e["args"]["channel"] for e in sends} == {"act", "grad"}
+    assert len(sends) == len(recvs) == 2 * 3 * 4  # 3 steps x 4 micro-batches, both ways
+    # one clock: the last stage's first forward starts after stage 0's first forward began
+    first = {pid: min(e["ts"] for e in events if e["pid"] == pid and e["cat"] == "forward")
+             for pid in (0, 1)}
+    assert first[1] > first[0]

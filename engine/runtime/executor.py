@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from engine.runtime import labels
+from engine.runtime import trace as _trace
 from engine.runtime.clock import Clock
 from engine.runtime.device_flags import DeviceFlags
 from engine.runtime.failures import FailureHandling
@@ -413,7 +414,7 @@ class Executor(SynchronousSteps, FailureHandling):
     def _backward_batch(self, items: tuple[tuple[int, int], ...], base: int) -> None:
         """Several stages' backwards (different stages, independent) in one autograd call;
         while profiling each runs on its own so every one keeps its profiler label."""
-        if labels.profiling() or self.streams.cuda:
+        if labels.profiling() or self.streams.cuda or _trace.ACTIVE is not None:
             for s, rel in items:
                 st = self.by_index[s]
                 if self.streams.cuda:

@@ -16,6 +16,7 @@ equal the local run's bit for bit on CPU.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -440,6 +441,14 @@ class Pipeline:
         if result.loss is None:
             return torch.tensor(float("nan"))
         return result.loss
+
+    def trace(self, path: str | os.PathLike[str]) -> contextlib.AbstractContextManager[Any]:
+        """``with pipe.trace("run.json"): ...``: record every action run inside the block and
+        write a Chrome/Perfetto trace-event file at its end (engine/runtime/trace.py). Under
+        gloo/NCCL every rank enters the block; rank 0 writes one file for all ranks."""
+        from engine.runtime.trace import trace
+
+        return trace(self, path)
 
     def _autocast(self) -> Any:
         a = self.stages[0].autocast if self.stages else None

@@ -41,6 +41,7 @@ from torch.profiler import record_function
 
 from engine.errors import PipelineInputError
 from engine.runtime import labels, trees
+from engine.runtime import trace as _trace
 from engine.runtime.amp import autocast_context
 from engine.runtime.optim_bridge import OptimizerBridge
 from engine.runtime.policy import LIVE, PINNED, Transient, WeightPolicy
@@ -193,12 +194,17 @@ class Stage(StageUpdates):
     ) -> tuple[Any, Tensor | None]:
         """F(i): returns (output for the next stage, detached unscaled loss at the last stage)."""
         label = record_function(f"stage{self.index}/F{n}") if labels.profiling() else _NULL
+        tl = _trace.ACTIVE
+        t0 = tl.now() if tl is not None else 0
         with label:
             labels.CURRENT = (self.index, n, "F")
             try:
                 return self._forward(i, n, x, target, scale)
             finally:
                 labels.CURRENT = None
+                if tl is not None:
+                    tl.add(self.index, f"stage{self.index}/F{n}", "forward", t0, {
+                        "micro_batch": n, "version_read": self._t_f.get(n), "live_version": self.updates})
 
     def _forward(
         self, i: int, n: int, x: Any, target: Any, scale: float
@@ -335,12 +341,17 @@ class Stage(StageUpdates):
         """B(i): accumulates weight gradients into the flat buffers; returns the gradient for
         the previous stage (None at stage 0, DROPPED when the micro-batch was dropped)."""
         label = record_function(f"stage{self.index}/B{n}") if labels.profiling() else _NULL
+        tl = _trace.ACTIVE
+        t0 = tl.now() if tl is not None else 0
         with label:
             labels.CURRENT = (self.index, n, "B")
             try:
                 return self._backward(i, n, grad)
             finally:
                 labels.CURRENT = None
+                if tl is not None:
+                    tl.add(self.index, f"stage{self.index}/B{n}", "backward", t0, {
+                        "micro_batch": n, "version_read": self._t_f.get(n), "live_version": self.updates})
 
     def _backward(self, i: int, n: int, grad: Any) -> Any:
         job = self.begin_backward(i, n, grad)
@@ -470,6 +481,8 @@ class Stage(StageUpdates):
         if job is None:
             return
         self.stash.pop(i)
+        tl = _trace.ACTIVE
+        t0 = tl.now() if tl is not None else 0
         with record_function(f"stage{self.index}/W{n}") if labels.profiling() else _NULL:
             labels.CURRENT = (self.index, n, "W")
             try:
@@ -477,6 +490,9 @@ class Stage(StageUpdates):
             finally:
                 labels.CURRENT = None
                 self.end_backward(job)
+                if tl is not None:
+                    tl.add(self.index, f"stage{self.index}/W{n}", "weight", t0,
+                           {"micro_batch": n, "live_version": self.updates})
 
     def end_backward(self, job: BackwardJob) -> None:
         """Release what the job pinned (also when its backward raised)."""

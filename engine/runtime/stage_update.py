@@ -16,6 +16,7 @@ from typing import Any
 from torch.profiler import record_function
 
 from engine.runtime import labels
+from engine.runtime import trace as _trace
 from engine.runtime.policy import Transient
 
 __all__ = ["StageUpdates"]
@@ -57,6 +58,9 @@ class StageUpdates:
         double counted. A group in which nothing arrived applies no step (t still advances:
         the schedule's version numbering does not depend on what was dropped)."""
         label = record_function(f"stage{self.index}/U{self.updates}") if labels.profiling() else _NULL
+        tl = _trace.ACTIVE
+        if tl is not None:
+            t0, mbs, name = tl.now(), list(self.pending_mbs), f"stage{self.index}/U{self.updates}"
         with label:
             store = self.store
             policy = self.policy
@@ -85,6 +89,8 @@ class StageUpdates:
             self.pending = 0
             self.pending_weight = 0.0
             self.pending_mbs = []
+        if tl is not None:
+            tl.add(self.index, name, "update", t0, {"micro_batches": mbs, "version": self.updates})
 
     def prepare_grads(self, expected_weight: float | None = 1.0) -> None:
         """The update's gradient, final before the optimizer (or a global clip) reads it:

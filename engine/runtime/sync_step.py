@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.runtime import labels
+from engine.runtime import trace as _trace
 from engine.runtime.program import StepProgram, U
 from engine.runtime.rollback import BufferTracker, RollbackPoint
 
@@ -66,8 +67,8 @@ class SynchronousSteps:
         point = RollbackPoint(self.tracker, self._cuda_devices())
         # one autograd call per micro-batch through every stage (no update happens inside a
         # synchronous step, so chaining the stages' graphs computes exactly what per-stage
-        # backwards compute); while profiling, per-stage backwards keep their labels
-        chain = self.chain_sync and not labels.profiling()
+        # backwards compute); while profiling or tracing, per-stage backwards keep their labels
+        chain = self.chain_sync and not labels.profiling() and _trace.ACTIVE is None
         for st in self.stages:
             st.chain = chain
         try:
