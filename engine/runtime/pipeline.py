@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ from engine.runtime.stage import Stage
 from engine.runtime.step_features import StepFeatures, check_async_fp16, check_step_features
 from engine.runtime.step_features import attach as attach_features
 from engine.runtime.streams import StageStreams
+from engine.runtime.throughput import StepMeter, batch_size
 from engine.runtime.ties import TiedGradients, tie_stages
 from engine.schedule.analysis import analyze, schedule_delays
 from engine.schedule.catalog import FAMILIES
@@ -184,6 +186,7 @@ class Pipeline:
         offload_activations: bool = False,
     ) -> None:
         fam = FAMILIES.get(schedule) if isinstance(schedule, str) else None
+        self._meter = StepMeter()  # stats()["throughput"]
         self.features: StepFeatures = check_step_features(
             clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type, autocast=autocast,
             grad_scaler=grad_scaler, offload_activations=offload_activations,
@@ -425,6 +428,12 @@ class Pipeline:
         steps roll back; asynchronous ones stop at an action boundary, dropping the micro-batch
         whose forward or backward raised). The exception carries a note saying which.
         """
+        t0 = time.perf_counter()
+        loss = self._step(inputs, targets)
+        self._meter.record(time.perf_counter() - t0, *batch_size(inputs, targets))
+        return loss
+
+    def _step(self, inputs: Any, targets: Any) -> Tensor:
         if self.config.distributed:
             from engine.runtime.rank import rank_step
 
@@ -500,7 +509,9 @@ class Pipeline:
     def reset_stats(self) -> None:
         """Restart the clock and peak counters (e.g. after warm-up)."""
         self._executor.clock.reset()
+        self._meter.reset()
         for st in self.stages:
+            st.busy_ns = 0
             st.delay_counts.clear()
             st.stash.peak = len(st.stash)
             st.store.reset_peaks()

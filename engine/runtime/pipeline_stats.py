@@ -36,7 +36,12 @@ def pipeline_stats(pipe: Pipeline) -> dict[str, Any]:
     norm, the same tensor at every stage, for synchronous schedules; None without
     ``clip_grad_norm`` or before the first update); ``loss_scale``: the float16 loss
     scale (a device tensor; None without ``autocast=torch.float16``) and
-    ``amp_skipped_steps``: steps whose update found_inf skipped.
+    ``amp_skipped_steps``: steps whose update found_inf skipped; ``activation_bytes``:
+    per stage with ``offload_activations`` (else None) the peak (``host_peak``) and current
+    (``host_now``) bytes of saved activations held in host memory: the device bytes offload
+    saves (without it they stay on the device); ``throughput``: ``step_time_s``,
+    ``last_step_time_s``, ``samples_per_s``, ``tokens_per_s``, ``bubble_modelled`` and
+    ``bubble_measured`` (engine/runtime/throughput.py says how each is measured).
     """
     ex = pipe._executor
     ex.fold_flags()  # "skip_update" counts on the device: one host read
@@ -72,6 +77,13 @@ def pipeline_stats(pipe: Pipeline) -> dict[str, Any]:
         ],
         "grad_norm": clipper.stats() if clipper is not None else [None] * len(pipe.stages),
         **_amp_stats(ex.loss_scaler),
+        "throughput": pipe._meter.stats(
+            sum(st.busy_ns for st in pipe.stages) / 1e9, unit, wall, pipe.config.distributed
+        ),
+        "activation_bytes": [
+            st.offload.stats() if st.offload is not None else None
+            for st in pipe.stages
+        ],
     }
 
 

@@ -31,6 +31,7 @@ skips a parameter whose ``.grad`` is None.
 from __future__ import annotations
 
 import contextlib
+from time import perf_counter_ns
 from collections.abc import Callable
 from typing import Any
 
@@ -112,6 +113,10 @@ class Stage(StageUpdates):
         #: and the float16 loss scaler (its scale multiplies the last stage's backward root)
         self.autocast: tuple[torch.dtype, str] | None = None
         self.loss_scaler: Any = None
+        #: activation offload (engine.runtime.offload), None when off
+        self.offload: Any = None
+        #: nanoseconds spent in this stage's forwards, backwards and updates (throughput.py)
+        self.busy_ns = 0
         self._prepared = False  # prepare_grads ran for the pending update
         self.stash = ActivationStash()
         self.updates = 0  # t: updates applied so far
@@ -195,13 +200,14 @@ class Stage(StageUpdates):
         """F(i): returns (output for the next stage, detached unscaled loss at the last stage)."""
         label = record_function(f"stage{self.index}/F{n}") if labels.profiling() else _NULL
         tl = _trace.ACTIVE
-        t0 = tl.now() if tl is not None else 0
+        t0 = perf_counter_ns()
         with label:
             labels.CURRENT = (self.index, n, "F")
             try:
                 return self._forward(i, n, x, target, scale)
             finally:
                 labels.CURRENT = None
+                self.busy_ns += perf_counter_ns() - t0
                 if tl is not None:
                     tl.add(self.index, f"stage{self.index}/F{n}", "forward", t0, {
                         "micro_batch": n, "version_read": self._t_f.get(n), "live_version": self.updates})
@@ -243,6 +249,9 @@ class Stage(StageUpdates):
             with store.use(buf) if buf != store.active else _NULL:
                 if self._saved is not None and not self.recompute:
                     with self._saved.packing(buf):
+                        out = self._run(xin, target)
+                elif self.offload is not None and not self.recompute:
+                    with self.offload.saving():  # saved activations to host memory (offload.py)
                         out = self._run(xin, target)
                 else:
                     out = self._call(xin, target)
@@ -342,13 +351,14 @@ class Stage(StageUpdates):
         the previous stage (None at stage 0, DROPPED when the micro-batch was dropped)."""
         label = record_function(f"stage{self.index}/B{n}") if labels.profiling() else _NULL
         tl = _trace.ACTIVE
-        t0 = tl.now() if tl is not None else 0
+        t0 = perf_counter_ns()
         with label:
             labels.CURRENT = (self.index, n, "B")
             try:
                 return self._backward(i, n, grad)
             finally:
                 labels.CURRENT = None
+                self.busy_ns += perf_counter_ns() - t0
                 if tl is not None:
                     tl.add(self.index, f"stage{self.index}/B{n}", "backward", t0, {
                         "micro_batch": n, "version_read": self._t_f.get(n), "live_version": self.updates})
@@ -482,7 +492,7 @@ class Stage(StageUpdates):
             return
         self.stash.pop(i)
         tl = _trace.ACTIVE
-        t0 = tl.now() if tl is not None else 0
+        t0 = perf_counter_ns()
         with record_function(f"stage{self.index}/W{n}") if labels.profiling() else _NULL:
             labels.CURRENT = (self.index, n, "W")
             try:
@@ -490,6 +500,7 @@ class Stage(StageUpdates):
             finally:
                 labels.CURRENT = None
                 self.end_backward(job)
+                self.busy_ns += perf_counter_ns() - t0
                 if tl is not None:
                     tl.add(self.index, f"stage{self.index}/W{n}", "weight", t0,
                            {"micro_batch": n, "live_version": self.updates})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from time import perf_counter_ns
 from typing import Any
 
 from torch.profiler import record_function
@@ -44,6 +45,7 @@ class StageUpdates:
     loss_scaler: Any
     scheduler: Any
     _prepared: bool
+    busy_ns: int
     _t_f: dict[int, int]
     _trivial: Any  # Stage._trivial
 
@@ -59,8 +61,9 @@ class StageUpdates:
         the schedule's version numbering does not depend on what was dropped)."""
         label = record_function(f"stage{self.index}/U{self.updates}") if labels.profiling() else _NULL
         tl = _trace.ACTIVE
+        t0 = perf_counter_ns()
         if tl is not None:
-            t0, mbs, name = tl.now(), list(self.pending_mbs), f"stage{self.index}/U{self.updates}"
+            mbs, name = list(self.pending_mbs), f"stage{self.index}/U{self.updates}"
         with label:
             store = self.store
             policy = self.policy
@@ -89,6 +92,7 @@ class StageUpdates:
             self.pending = 0
             self.pending_weight = 0.0
             self.pending_mbs = []
+        self.busy_ns += perf_counter_ns() - t0
         if tl is not None:
             tl.add(self.index, name, "update", t0, {"micro_batches": mbs, "version": self.updates})
 

@@ -89,6 +89,8 @@ def attach(pipe: Pipeline, group: Any = None) -> None:
     ex.clipper = clipper
     for st in stages:
         st.clipper = clipper
+    if feats.offload_activations:
+        _attach_offload(pipe)
     if feats.autocast is None:
         return
     device_type = pipe.device.type
@@ -106,6 +108,22 @@ def attach(pipe: Pipeline, group: Any = None) -> None:
         if st.bridge is not None and st.bridge.is_engine:
             # GradScaler's protocol: the optimizer skips its whole update on the device
             st.bridge.opt.found_inf = scaler.found_inf
+
+
+def _attach_offload(pipe: Pipeline) -> None:
+    from engine.runtime.offload import ActivationOffload
+
+    for st in pipe.stages:
+        if st._saved is not None:
+            raise PipelineConfigError(
+                f"offload_activations with {pipe.spec.describe()}: stage {st.index}'s backward "
+                "re-points the weights its forward saved at another buffer (weight prediction "
+                "or PipeMare T2 without recomputation), through saved-tensor hooks that "
+                "offload would replace. Use checkpoint='always' for those stages (nothing to "
+                "offload then) or drop offload_activations."
+            )
+    for st in pipe.stages:
+        st.offload = ActivationOffload(st.module, pin=pipe.device.type == "cuda")
 
 
 _FP16_ASYNC = (
