@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -96,3 +97,19 @@ def test_a_second_trace_in_the_same_process_is_refused(tmp_path: Path) -> None:
             with pipe.trace(tmp_path / "b.json"):
                 pass
     assert (tmp_path / "a.json").exists() and not (tmp_path / "b.json").exists()
+
+
+def test_readme_features_snippet_runs(tmp_path: Path, monkeypatch: Any) -> None:
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    text = readme.read_text()
+    start = text.index("## Clipping, mixed precision, offload, traces")
+    block = text[start:].split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    scope: dict[str, Any] = {}
+    exec(compile(block, "README.md", "exec"), scope)
+    assert torch.isfinite(scope["loss"])
+    doc = json.loads((tmp_path / "pipeline_trace.json").read_text())
+    assert validate_trace_events(doc) == []
+    stats = scope["stats"]
+    assert isinstance(stats["grad_norm"][0], torch.Tensor)
+    assert all(a["host_peak"] > 0 for a in stats["activation_bytes"])
