@@ -159,3 +159,36 @@ def test_bad_precision_options_are_refused(kw: dict[str, Any], word: str) -> Non
     with pytest.raises(PipelineConfigError, match=word):
         Pipeline(_stages(2), schedule="gpipe", chunks=2, loss_fn=nn.functional.mse_loss,
                  optimizer=OPTS["torch"], **kw)
+
+
+def test_float16_resume_keeps_the_loss_scale(tmp_path: Any) -> None:
+    """A float16 run saved and loaded continues as the uninterrupted one: the scale and its
+    growth tracker are part of the checkpoint."""
+    import engine
+
+    batches = _batches(6)
+
+    def make() -> Pipeline:
+        return Pipeline(_stages(3), schedule="1f1b", chunks=M, loss_fn=nn.functional.mse_loss,
+                        optimizer=OPTS["engine"], autocast=torch.float16, grad_scaler=SCALER)
+
+    whole = make()
+    for x, y in batches:
+        whole.step(x, y)
+    first = make()
+    for x, y in batches[:3]:
+        first.step(x, y)
+    engine.save(first, tmp_path / "c.safetensors")
+    resumed = make()
+    engine.load(resumed, tmp_path / "c.safetensors")
+    assert torch.equal(resumed.stats()["loss_scale"], first.stats()["loss_scale"])
+    for x, y in batches[3:]:
+        resumed.step(x, y)
+    assert torch.equal(resumed.stats()["loss_scale"], whole.stats()["loss_scale"])
+    for a, b in zip(resumed.stages, whole.stages, strict=True):
+        assert all(torch.equal(p, q) for p, q in zip(a.module.parameters(), b.module.parameters(),
+                                                     strict=True))
+    bf16 = Pipeline(_stages(3), schedule="1f1b", chunks=M, loss_fn=nn.functional.mse_loss,
+                    optimizer=OPTS["engine"], autocast=torch.bfloat16)
+    with pytest.raises(PipelineConfigError, match="loss scaling"):
+        engine.load(bf16, tmp_path / "c.safetensors")

@@ -136,3 +136,7 @@ class LossScaler:
 
     def state_dict(self) -> dict[str, Tensor]:
         return {"scale": self.scale.clone(), "growth_tracker": self.growth_tracker.clone()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        self.scale.copy_(state["scale"])
+        self.growth_tracker.copy_(state["growth_tracker"])

@@ -523,7 +523,10 @@ class Pipeline:
         rebuilt on load (engine.runtime.inflight says when that is possible)."""
         from engine.runtime.state import pipeline_state_dict
 
-        return pipeline_state_dict(self)
+        state = pipeline_state_dict(self)
+        if self._executor.loss_scaler is not None:  # float16: the scale and its growth tracker
+            state["loss_scaler"] = self._executor.loss_scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any], *, override_hyperparameters: bool = False) -> None:
         """Load ``state_dict()`` output; validated completely before anything changes. The
@@ -531,7 +534,19 @@ class Pipeline:
         ``override_hyperparameters`` (then the checkpoint's values win, as torch's)."""
         from engine.runtime.state import load_pipeline_state_dict
 
-        load_pipeline_state_dict(self, state, override_hyperparameters)
+        scaler = self._executor.loss_scaler
+        amp = state.get("loss_scaler")
+        if (amp is None) != (scaler is None):
+            raise PipelineConfigError(
+                "the checkpoint was saved " + ("with" if amp is not None else "without")
+                + " float16 loss scaling and this pipeline runs "
+                + ("with" if scaler is not None else "without")
+                + " it; build the pipeline with the same autocast option"
+            )
+        load_pipeline_state_dict(self, {k: v for k, v in state.items() if k != "loss_scaler"},
+                                 override_hyperparameters)
+        if scaler is not None:
+            scaler.load_state_dict(amp)
 
     def __repr__(self) -> str:
         return (
