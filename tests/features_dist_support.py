@@ -116,7 +116,8 @@ def phase_trace(rank: int, S: int, path: str) -> dict[str, Any]:
     s = pipe.layout.stage
     mine = [p.detach() for p in pipe.stages[0].module.parameters()]
     theirs = [p.detach() for p in ref.stages[s].module.parameters()]
-    return {"weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))}
+    return {"weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
+            "throughput": pipe.stats()["throughput"]}
 
 
 def _worker(rank: int, world: int, port: int, phases: list[tuple[str, dict[str, Any]]], outdir: str) -> None:

@@ -67,6 +67,9 @@ def test_trace_under_gloo_merges_every_rank(tmp_path: Any) -> None:
     for r in res:
         assert "fatal" not in r, r.get("fatal")
         assert r["trace"]["weights_equal"]
+        tp = r["trace"]["throughput"]  # a rank's measured bubble: its time outside its stage
+        assert tp["steps"] == 3 and tp["samples_per_s"] > 0
+        assert 0.0 < tp["bubble_measured"] < 1.0
     doc = json.loads(open(path).read())
     assert validate_trace_events(doc) == []
     events = [e for e in doc["traceEvents"] if e["ph"] == "X"]

@@ -154,6 +154,9 @@ class SynchronousSteps:
         scaler = self.loss_scaler
         if self.clipper is None and scaler is None:
             return
+        # on the caller's stream, after every stage stream's backwards; the stage streams'
+        # updates start after it (CUDA stage streams; nothing to do on the CPU)
+        self.streams.join()
         for st in stages:
             st.prepare_grads()
         if scaler is not None:  # unscaled first (GradScaler.unscale_), then clipped
@@ -164,6 +167,7 @@ class SynchronousSteps:
             scaler.reduce()
         if scaler is not None:
             scaler.update()  # the next step's scale; this step's found_inf stays for the updates
+        self.streams.wait_caller()
 
     def _rollback(self, point: RollbackPoint) -> None:
         self.streams.join()
