@@ -17,7 +17,10 @@ records every action run inside the block and writes one JSON file in the Trace 
   merged file: timestamps count from the barrier every rank passes when the trace starts, so
   the ranks share one clock (to within the barrier's exit skew).
 
-While recording, every stage's backward runs as its own autograd call (as while a profiler
+Times are the host's: on a GPU an action's span is the time its kernels took to enqueue (a
+stall shows where the host waited); record ``torch.profiler`` alongside for device times --
+its ``stageS/...`` labels are the same names. While recording, every stage's backward runs as
+its own autograd call (as while a profiler
 records), so each has its own event. Disabled, the cost is one module-attribute check per
 action (:data:`ACTIVE` is None).
 """
