@@ -69,6 +69,11 @@ def _amp_configs(S: int) -> dict[str, dict[str, Any]]:
         "naive-torch-fp16": dict(base["naive"], **fp16),
         "1f1b-bf16": dict(base["1f1b-adam"], autocast=torch.bfloat16),
         "pb-bf16-clip": dict(base["pb"], autocast=torch.bfloat16, clip_grad_norm=CLIP),
+        # asynchronous float16: a static scale, each update group skipped on its own
+        "pb-fp16-clip": dict(base["pb"], autocast=torch.float16, clip_grad_norm=CLIP,
+                             grad_scaler=dict(init_scale=2.0**6)),
+        "pipedream-fp16-overflow": dict(base["pipedream"], autocast=torch.float16,
+                                        grad_scaler=dict(init_scale=2.0**40)),
     }
 
 
@@ -95,6 +100,10 @@ def phase_amp(rank: int, S: int) -> dict[str, Any]:
                 "moved": any(not torch.equal(a, b) for a, b in zip(mine, initial, strict=True)),
                 "skipped": st["amp_skipped_steps"],
                 "ref_skipped": rst["amp_skipped_steps"],
+                "group_skips": None if st["amp_skipped_updates"] is None
+                else st["amp_skipped_updates"][0],
+                "ref_group_skips": None if rst["amp_skipped_updates"] is None
+                else rst["amp_skipped_updates"][s],
                 "scale": None if st["loss_scale"] is None else float(st["loss_scale"]),
                 "ref_scale": None if rst["loss_scale"] is None else float(rst["loss_scale"]),
             }

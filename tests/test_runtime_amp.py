@@ -125,10 +125,64 @@ def test_stage_functions_run_under_autocast() -> None:
     assert all(p.dtype == torch.float32 for st in stages for p in st.parameters())
 
 
-def test_float16_on_an_asynchronous_schedule_is_refused() -> None:
-    with pytest.raises(PipelineConfigError, match="bfloat16"):
+@pytest.mark.parametrize(
+    "kw,word",
+    [
+        ({"optimizer": OPTS["torch"]}, "found_inf"),
+        ({"optimizer": OPTS["engine"], "grad_scaler": {"growth_interval": 5}}, "static"),
+    ],
+)
+def test_float16_on_an_asynchronous_schedule_refuses_what_it_cannot_do(
+    kw: dict[str, Any], word: str
+) -> None:
+    with pytest.raises(PipelineConfigError, match=word):
         Pipeline(_stages(2), schedule="pb", chunks=2, loss_fn=nn.functional.mse_loss,
-                 optimizer=OPTS["engine"], autocast=torch.float16)
+                 autocast=torch.float16, **kw)
+
+
+def _async_fp16(schedule: str, scale: float | None, batches: list[Any], **kw: Any) -> Pipeline:
+    extra: dict[str, Any] = {"grad_scaler": {"init_scale": scale}} if scale is not None else {}
+    pipe = Pipeline(_stages(3), schedule=schedule, chunks=M, loss_fn=nn.functional.mse_loss,
+                    optimizer=OPTS["engine"], autocast=torch.float16, **extra, **kw)
+    if scale is None:  # the reference: float16 without loss scaling
+        pipe._executor.loss_scaler = None
+        for st in pipe.stages:
+            st.loss_scaler = None
+    for x, y in batches:
+        pipe.step(x, y)
+    pipe.flush()
+    return pipe
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**6])
+@pytest.mark.parametrize("schedule", ["pb", "pipedream", "2bw"])
+def test_asynchronous_float16_static_scale_without_overflow(schedule: str, scale: float) -> None:
+    """Scaling by a power of two and back changes no value except where a float16 gradient is
+    subnormal (what loss scaling is for): S = 1 equals float16 training without loss scaling
+    bit for bit (the device-flag path changes nothing), S = 64 to float16's rounding."""
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(2 * M, D, generator=g), torch.randn(2 * M, 2, generator=g))
+               for _ in range(4)]
+    scaled = _async_fp16(schedule, scale, batches, clip_grad_norm=0.5)
+    plain = _async_fp16(schedule, None, batches, clip_grad_norm=0.5)
+    assert scaled.stats()["amp_skipped_updates"] == [0, 0, 0]
+    for a, b in zip(scaled.stages, plain.stages, strict=True):
+        for p, q in zip(a.module.parameters(), b.module.parameters(), strict=True):
+            if scale == 1.0:
+                assert torch.equal(p, q)
+            else:
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+def test_asynchronous_float16_skips_each_overflowing_update_group() -> None:
+    """With a scale that overflows float16 every group is skipped whole, on the device: no
+    weight moves, every stage counts its skipped groups, and the steps go on."""
+    stages_before = [p.detach().clone() for st in _stages(3) for p in st.parameters()]
+    pipe = _async_fp16("pb", 2.0**40, _batches(3))
+    after = [p.detach() for st in pipe.stages for p in st.module.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(stages_before, after, strict=True))
+    stats = pipe.stats()
+    assert stats["amp_skipped_updates"] == stats["updates"] and min(stats["updates"]) > 0
 
 
 def test_bfloat16_on_an_asynchronous_schedule_runs_under_autocast() -> None:

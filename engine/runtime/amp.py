@@ -21,6 +21,16 @@ precision":
   read (as GradScaler does). Then S is updated by ``torch._amp_update_scale_`` with
   GradScaler's growth/backoff rule -- so a pipelined float16 run skips exactly the steps an
   unpipelined run with GradScaler skips, and its weights are the same bit for bit on CPU.
+* Loss scaling (float16, asynchronous schedules): a *static* scale S = ``init_scale``. A
+  micro-batch's gradients reach the stages' updates at different times, so a scale that
+  changed in between would unscale them with the wrong value; with S fixed, every stage
+  unscales its own update group by 1/S when it updates, and a non-finite value sets that
+  group's found_inf in the device flags (engine/runtime/device_flags.py: the same
+  accumulator ``on_nonfinite="skip_update"`` uses), so the group is skipped whole on the
+  device -- one skip decision per update group, no host read. engine.optim optimizers only.
+  Multiplying by a power of two and back is exact except where a float16 gradient is
+  subnormal, so without overflow the weights equal those of float16 training with no loss
+  scaling up to that rounding (bit for bit with S = 1).
 """
 
 from __future__ import annotations
@@ -32,7 +42,9 @@ from torch import Tensor
 
 from engine.errors import PipelineConfigError
 
-__all__ = ["check_grad_scaler", "SCALER_DEFAULTS", "LossScaler", "autocast_context"]
+__all__ = [
+    "check_grad_scaler", "SCALER_DEFAULTS", "LossScaler", "autocast_context", "check_scaler_state",
+]
 
 #: torch.amp.GradScaler's defaults
 SCALER_DEFAULTS: dict[str, Any] = {
@@ -86,7 +98,10 @@ class LossScaler:
     growth tracker and the step's found_inf, all device tensors; nothing read on the host
     unless a torch.optim optimizer must be skipped."""
 
-    def __init__(self, options: dict[str, Any], device: torch.device) -> None:
+    def __init__(self, options: dict[str, Any], device: torch.device, synchronous: bool = True) -> None:
+        #: asynchronous schedules: a static scale, each stage's update group unscaled and
+        #: checked on its own, the found_inf going to the device flags (module docstring)
+        self.synchronous = synchronous
         self.scale = torch.full((), float(options["init_scale"]), dtype=torch.float32, device=device)
         self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
         self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
@@ -96,6 +111,8 @@ class LossScaler:
         self.backoff_factor = float(options["backoff_factor"])
         self.growth_interval = int(options["growth_interval"])
         self.group: Any = None  # the pipeline's process group (gloo/NCCL)
+        #: asynchronous: per stage, update groups whose found_inf was set (device counters)
+        self.group_skips: dict[int, Tensor] = {}
 
     def scaled(self, root: Tensor) -> Tensor:
         """GradScaler.scale: the backward root times S."""
@@ -112,6 +129,21 @@ class LossScaler:
                 torch._amp_foreach_non_finite_check_and_unscale_(
                     flats, self.found_inf, inv.to(flats[0].device)
                 )
+
+    def unscale_group(self, st: Any) -> None:
+        """Asynchronous: stage ``st``'s update group times 1/S, a non-finite value flagged in
+        the stage's found_inf accumulator (the device flags), so its optimizer skips the
+        group on the device; counted per stage."""
+        flats = st.store.grad_flats()
+        skip = st.bridge.skip
+        if not flats or skip is None:
+            return
+        inv = self.scale.double().reciprocal().float().to(flats[0].device)
+        torch._amp_foreach_non_finite_check_and_unscale_(flats, skip.found_inf, inv)
+        counter = self.group_skips.get(st.index)
+        if counter is None:
+            counter = self.group_skips[st.index] = torch.zeros_like(skip.found_inf)
+        counter.add_(skip.found_inf.ne(0))
 
     def reduce(self) -> None:
         """Under gloo/NCCL: every rank's found_inf summed (when clipping is off; clipping
@@ -140,3 +172,15 @@ class LossScaler:
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         self.scale.copy_(state["scale"])
         self.growth_tracker.copy_(state["growth_tracker"])
+
+
+def check_scaler_state(scaler: LossScaler | None, state: dict[str, Any]) -> None:
+    """A checkpoint and a pipeline agree on float16 loss scaling (``load_state_dict``)."""
+    saved = state.get("loss_scaler")
+    if (saved is None) != (scaler is None):
+        raise PipelineConfigError(
+            "the checkpoint was saved " + ("with" if saved is not None else "without")
+            + " float16 loss scaling and this pipeline runs "
+            + ("with" if scaler is not None else "without")
+            + " it; build the pipeline with the same autocast option"
+        )

@@ -88,9 +88,9 @@ class GradClipper:
         self.stages = stages
         #: per stage: store indices of its counted parameters, in module order
         self.counted: dict[int, list[int]] = {st.index: self._counted(st, ties or []) for st in stages}
-        #: per stage: first slot of its parameters in the global norm vector
         self.group: Any = None  # process group of the pipeline's ranks (gloo/NCCL)
         self.device: torch.device | None = None
+        #: per stage: first slot of its parameters in the global norm vector
         self.offsets: dict[int, int] = {}
         self.total_slots = 0
         self._place(sorted(self.counted), lambda s: len(self.counted[s]))
@@ -170,11 +170,12 @@ class GradClipper:
         device = self.device or device
         if device is None:
             device = next((p.device for st in self.stages for p in st.store.params), torch.device("cpu"))
-        zero = torch.zeros((), dtype=torch.float32, device=device)
+        dtype = next((t.dtype for t in slots if t is not None), torch.float32)
+        zero = torch.zeros((), dtype=dtype, device=device)
         parts = [zero if t is None else t.to(device) for t in slots] or [zero]
         n = len(parts)
         if found_inf is not None and self.group is not None:
-            parts.append(found_inf.to(device))
+            parts.append(found_inf.to(device, dtype))
         vec = torch.stack(parts)
         if self.group is not None:
             import torch.distributed as dist

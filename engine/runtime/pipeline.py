@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from engine.errors import NotFlushedError, PipelineConfigError, ScheduleError
 from engine.runtime import inputs as _inputs
-from engine.runtime.amp import autocast_context
+from engine.runtime.amp import autocast_context, check_scaler_state
 from engine.runtime.build import build_module, build_store, resolve_stage_specs
 from engine.runtime.config import PipelineConfig, check_options, resolve_mitigations
 from engine.runtime.device_flags import check_skip_update
@@ -135,17 +135,12 @@ class Pipeline:
             options, same buffers), eager otherwise; ``stats()["cuda_graphs"]`` counts both.
             engine.optim SGD/Adam/AdamW/NAdam with the fused kernels, stages on CUDA; refused
             otherwise, before anything is built.
-        clip_grad_norm: clip gradients by their norm (``max_norm`` of
-            ``torch.nn.utils.clip_grad_norm_``; ``clip_norm_type`` its p). Synchronous
-            schedules: the global norm over every stage and replica, so the update equals
-            clip + step on the unpipelined model; asynchronous ones: each stage's own update
-            group (engine/runtime/clipping.py). ``stats()["grad_norm"]``: the last norms.
-        autocast: ``torch.bfloat16`` or ``torch.float16``: every stage's forward (and its
-            recomputation) under ``torch.autocast``; weights stay float32. float16 adds
-            dynamic loss scaling across all stages (``grad_scaler``: GradScaler's keywords;
-            engine/runtime/amp.py).
-        offload_activations: keep saved activations in (pinned, on CUDA) host memory between
-            a micro-batch's forward and backward (engine/runtime/offload.py).
+        clip_grad_norm: ``max_norm`` of ``torch.nn.utils.clip_grad_norm_`` (``clip_norm_type``
+            its p): synchronous schedules clip by the global norm over all stages and replicas,
+            asynchronous ones each stage's update group by its own (runtime/clipping.py).
+        autocast: ``torch.bfloat16``/``float16``: stage functions under ``torch.autocast``,
+            weights float32; float16 adds loss scaling (``grad_scaler``; runtime/amp.py).
+        offload_activations: saved activations wait in host memory (runtime/offload.py).
     """
 
     def __init__(
@@ -191,7 +186,7 @@ class Pipeline:
             clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type, autocast=autocast,
             grad_scaler=grad_scaler, offload_activations=offload_activations,
         )
-        check_async_fp16(autocast, None if fam is None else fam.synchronous, schedule)
+        check_async_fp16(autocast, None if fam is None else fam.synchronous, schedule, grad_scaler)
         self._virtual_stages = virtual_stages
         self.config: PipelineConfig = check_options(
             transport=transport,
@@ -535,18 +530,11 @@ class Pipeline:
         from engine.runtime.state import load_pipeline_state_dict
 
         scaler = self._executor.loss_scaler
-        amp = state.get("loss_scaler")
-        if (amp is None) != (scaler is None):
-            raise PipelineConfigError(
-                "the checkpoint was saved " + ("with" if amp is not None else "without")
-                + " float16 loss scaling and this pipeline runs "
-                + ("with" if scaler is not None else "without")
-                + " it; build the pipeline with the same autocast option"
-            )
+        check_scaler_state(scaler, state)  # (float16's scale: before anything changes)
         load_pipeline_state_dict(self, {k: v for k, v in state.items() if k != "loss_scaler"},
                                  override_hyperparameters)
         if scaler is not None:
-            scaler.load_state_dict(amp)
+            scaler.load_state_dict(state["loss_scaler"])
 
     def __repr__(self) -> str:
         return (

@@ -36,7 +36,8 @@ def pipeline_stats(pipe: Pipeline) -> dict[str, Any]:
     norm, the same tensor at every stage, for synchronous schedules; None without
     ``clip_grad_norm`` or before the first update); ``loss_scale``: the float16 loss
     scale (a device tensor; None without ``autocast=torch.float16``) and
-    ``amp_skipped_steps``: steps whose update found_inf skipped; ``activation_bytes``:
+    ``amp_skipped_steps``: synchronous steps whose update found_inf skipped,
+    ``amp_skipped_updates``: asynchronous, per stage, update groups found_inf skipped; ``activation_bytes``:
     per stage with ``offload_activations`` (else None) the peak (``host_peak``) and current
     (``host_now``) bytes of saved activations held in host memory: the device bytes offload
     saves (without it they stay on the device); ``throughput``: ``step_time_s``,
@@ -76,7 +77,7 @@ def pipeline_stats(pipe: Pipeline) -> dict[str, Any]:
             for st in pipe.stages
         ],
         "grad_norm": clipper.stats() if clipper is not None else [None] * len(pipe.stages),
-        **_amp_stats(ex.loss_scaler),
+        **_amp_stats(pipe, ex.loss_scaler),
         "throughput": pipe._meter.stats(
             sum(st.busy_ns for st in pipe.stages) / 1e9, unit, wall, pipe.config.distributed
         ),
@@ -87,9 +88,14 @@ def pipeline_stats(pipe: Pipeline) -> dict[str, Any]:
     }
 
 
-def _amp_stats(scaler: Any) -> dict[str, Any]:
+def _amp_stats(pipe: Pipeline, scaler: Any) -> dict[str, Any]:
     """float16 loss scaling: the current scale (a device tensor) and the steps found_inf
     skipped so far (one host read)."""
     if scaler is None:
-        return {"loss_scale": None, "amp_skipped_steps": 0}
-    return {"loss_scale": scaler.scale, "amp_skipped_steps": int(scaler.skipped.item())}
+        return {"loss_scale": None, "amp_skipped_steps": 0, "amp_skipped_updates": None}
+    if not scaler.synchronous:  # per stage: update groups whose found_inf was set
+        skips = [scaler.group_skips.get(st.index) for st in pipe.stages]
+        return {"loss_scale": scaler.scale, "amp_skipped_steps": 0,
+                "amp_skipped_updates": [0 if t is None else int(t.item()) for t in skips]}
+    return {"loss_scale": scaler.scale, "amp_skipped_steps": int(scaler.skipped.item()),
+            "amp_skipped_updates": None}

@@ -74,9 +74,12 @@ class StageUpdates:
                 if not self._prepared:
                     self.prepare_grads(expected_weight)
                 self._prepared = False
+                scaler = self.loss_scaler  # float16 (amp.py): a synchronous step unscaled all
+                if scaler is not None and not scaler.synchronous:
+                    scaler.unscale_group(self)
                 if self.clipper is not None:
                     self.clipper.apply(self)
-                scaler = self.loss_scaler  # a torch.optim optimizer skips on the host (amp.py)
+                # a torch.optim optimizer skips on the host (synchronous float16 only)
                 if scaler is None or self.bridge.is_engine or not scaler.skip_on_host():
                     key = policy.prediction_key(self)
                     if key is not None and self._trivial(Transient(*key)):

@@ -98,16 +98,32 @@ def attach(pipe: Pipeline, group: Any = None) -> None:
         st.autocast = (feats.autocast, device_type)
     if feats.autocast is not torch.float16:
         return
-    if not pipe.spec.synchronous:
-        raise PipelineConfigError(_FP16_ASYNC.format(pipe.spec.describe()))
-    scaler = LossScaler(feats.grad_scaler, pipe.device)
+    sync = pipe.spec.synchronous
+    if not sync:
+        _check_async_optimizers(pipe)
+    scaler = LossScaler(feats.grad_scaler, pipe.device, synchronous=sync)
     scaler.group = group
     ex.loss_scaler = scaler
     for st in stages:
         st.loss_scaler = scaler
-        if st.bridge is not None and st.bridge.is_engine:
-            # GradScaler's protocol: the optimizer skips its whole update on the device
+        if st.bridge is None or not st.bridge.is_engine:
+            continue
+        if sync:  # GradScaler's protocol: the optimizer skips its whole update on the device
             st.bridge.opt.found_inf = scaler.found_inf
+        elif st.bridge.skip is None:  # the device flags take each update group's found_inf
+            st.bridge.enable_skip_flags()
+
+
+def _check_async_optimizers(pipe: Pipeline) -> None:
+    for st in pipe.stages:
+        b = st.bridge
+        if b is not None and b.opt is not None and not b.is_engine:
+            raise PipelineConfigError(
+                f"autocast=torch.float16 with {pipe.spec.describe()}: stage {st.index}'s "
+                f"optimizer is a {type(b.opt).__module__}.{type(b.opt).__qualname__}, which takes "
+                "no found_inf to skip an overflowing update group on the device; use an "
+                "engine.optim optimizer, autocast=torch.bfloat16, or a synchronous schedule"
+            )
 
 
 def _attach_offload(pipe: Pipeline) -> None:
@@ -126,15 +142,21 @@ def _attach_offload(pipe: Pipeline) -> None:
         st.offload = ActivationOffload(st.module, pin=pipe.device.type == "cuda")
 
 
-_FP16_ASYNC = (
-    "autocast=torch.float16 with {}: dynamic loss scaling decides one skip per synchronous "
-    "step; an asynchronous schedule's micro-batches would need the scale their backward ran "
-    "with carried to every stage's update, which the engine does not do yet. Use "
-    "autocast=torch.bfloat16 (no loss scaling needed) or a synchronous schedule."
-)
+_STATIC_ONLY = ("growth_factor", "backoff_factor", "growth_interval")
 
 
-def check_async_fp16(autocast: Any, synchronous_hint: bool | None, schedule: Any) -> None:
-    """Refuse float16 on an asynchronous family before anything is built."""
-    if autocast is torch.float16 and synchronous_hint is False:
-        raise PipelineConfigError(_FP16_ASYNC.format(f"schedule={schedule!r}"))
+def check_async_fp16(autocast: Any, synchronous_hint: bool | None, schedule: Any,
+                     grad_scaler: Any) -> None:
+    """Asynchronous schedules scale float16 losses by a static scale (amp.py): refuse the
+    dynamic rule's options before anything is built."""
+    if autocast is not torch.float16 or synchronous_hint is not False:
+        return
+    given = sorted(set(grad_scaler or {}) & set(_STATIC_ONLY))
+    if given:
+        raise PipelineConfigError(
+            f"grad_scaler options {given} with schedule={schedule!r}: asynchronous schedules "
+            "scale float16 losses by a static scale (grad_scaler={'init_scale': S}); each "
+            "micro-batch's gradients reach the stages' updates at different times, so a scale "
+            "that changes would unscale them with the wrong value. Pass only init_scale, or "
+            "use a synchronous schedule for dynamic loss scaling."
+        )
