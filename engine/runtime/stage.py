@@ -31,8 +31,8 @@ skips a parameter whose ``.grad`` is None.
 from __future__ import annotations
 
 import contextlib
-from time import perf_counter_ns
 from collections.abc import Callable
+from time import perf_counter_ns
 from typing import Any
 
 import torch
@@ -361,7 +361,8 @@ class Stage(StageUpdates):
                 self.busy_ns += perf_counter_ns() - t0
                 if tl is not None:
                     tl.add(self.index, f"stage{self.index}/B{n}", "backward", t0, {
-                        "micro_batch": n, "version_read": self._t_f.get(n), "live_version": self.updates})
+                        "micro_batch": n, "forward_version": self._t_f.get(n),
+                        "live_version": self.updates})
 
     def _backward(self, i: int, n: int, grad: Any) -> Any:
         job = self.begin_backward(i, n, grad)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.errors import PipelineConfigError
-from engine.runtime.amp import LossScaler
+from engine.runtime.amp import LossScaler, check_grad_scaler
 from engine.runtime.clipping import GradClipper, check_clip_options
 
 if TYPE_CHECKING:
@@ -62,8 +62,6 @@ def check_step_features(
             f"autocast={autocast!r}: pass torch.bfloat16, torch.float16 or None (weights stay "
             "float32 in the arena; each stage's forward runs under torch.autocast)"
         )
-    from engine.runtime.amp import check_grad_scaler
-
     scaler = check_grad_scaler(grad_scaler, autocast)  # type: ignore[arg-type]
     if not isinstance(offload_activations, bool):
         raise PipelineConfigError(

@@ -9,7 +9,8 @@ records every action run inside the block and writes one JSON file in the Trace 
 * one complete event (``"ph": "X"``) per action, named as the runtime's ``torch.profiler``
   labels (``stage2/F17``, ``stage2/B17``, ``stage2/W17``, ``stage2/U5``), so a profiler trace
   recorded alongside lines up with it; ``args`` carry the micro-batch id, the weight version
-  the forward read and the live version, and for an update the micro-batches it applies;
+  its forward read (``version_read`` at F, ``forward_version`` at B) and the live version,
+  and for an update the micro-batches it applies and the version it makes;
 * under gloo/NCCL also the rank's ``send``/``recv`` (the receive includes its wait),
   ``wait_sends`` and the data-parallel ``allreduce``;
 * ``pid`` is the rank (0 locally), ``tid`` the stage; the process and thread names are
