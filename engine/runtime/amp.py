@@ -111,6 +111,8 @@ class LossScaler:
         self.backoff_factor = float(options["backoff_factor"])
         self.growth_interval = int(options["growth_interval"])
         self.group: Any = None  # the pipeline's process group (gloo/NCCL)
+        self._copies: dict[torch.device, Tensor] = {}  # found_inf on other devices
+        self._host_skip: bool | None = None  # this step's decision, once read on the host
         #: asynchronous: per stage, update groups whose found_inf was set (device counters)
         self.group_skips: dict[int, Tensor] = {}
 
@@ -125,10 +127,15 @@ class LossScaler:
         inv = self.scale.double().reciprocal().float()
         for st in stages:
             flats = st.store.grad_flats() if st.bridge is not None and st.pending_weight > 0 else []
-            if flats:
-                torch._amp_foreach_non_finite_check_and_unscale_(
-                    flats, self.found_inf, inv.to(flats[0].device)
-                )
+            if not flats:
+                continue
+            dev = flats[0].device
+            if dev == self.found_inf.device:
+                torch._amp_foreach_non_finite_check_and_unscale_(flats, self.found_inf, inv.to(dev))
+            else:  # a stage on another device: its own flag, added (GradScaler: per device)
+                flag = torch.zeros_like(self.found_inf, device=dev)
+                torch._amp_foreach_non_finite_check_and_unscale_(flats, flag, inv.to(dev))
+                self.found_inf.add_(flag.to(self.found_inf.device))
 
     def unscale_group(self, st: Any) -> None:
         """Asynchronous: stage ``st``'s update group times 1/S, a non-finite value flagged in
@@ -153,9 +160,19 @@ class LossScaler:
 
             dist.all_reduce(self.found_inf, group=self.group)
 
+    def found_inf_on(self, device: torch.device) -> Tensor:
+        """The step's found_inf as a tensor on ``device`` (an optimizer reads it on its
+        parameters' device): the shared one, or a copy refreshed by :meth:`update`."""
+        if device == self.found_inf.device:
+            return self.found_inf
+        return self._copies.setdefault(device, torch.zeros_like(self.found_inf, device=device))
+
     def update(self) -> None:
         """GradScaler.update: back off after a non-finite step, grow after growth_interval
-        finite ones (on the device)."""
+        finite ones (on the device); the step's decision reaches every device's copy."""
+        self._host_skip = None
+        for copy in self._copies.values():
+            copy.copy_(self.found_inf)
         self.skipped.add_(self.found_inf.ne(0))
         torch._amp_update_scale_(
             self.scale, self.growth_tracker, self.found_inf,
@@ -164,7 +181,9 @@ class LossScaler:
 
     def skip_on_host(self) -> bool:
         """For a torch.optim optimizer (it takes no found_inf): one host read, as GradScaler."""
-        return bool(self.found_inf.item() != 0)
+        if self._host_skip is None:  # once per step, however many stages ask
+            self._host_skip = bool(self.found_inf.item() != 0)
+        return self._host_skip
 
     def state_dict(self) -> dict[str, Tensor]:
         return {"scale": self.scale.clone(), "growth_tracker": self.growth_tracker.clone()}

@@ -91,9 +91,9 @@ def attach(pipe: Pipeline, group: Any = None) -> None:
         _attach_offload(pipe)
     if feats.autocast is None:
         return
-    device_type = pipe.device.type
-    for st in stages:
-        st.autocast = (feats.autocast, device_type)
+    for st in stages:  # each stage's own device (a local pipeline may span devices)
+        dev = st.store.params[0].device if st.store.params else pipe.device
+        st.autocast = (feats.autocast, dev.type)
     if feats.autocast is not torch.float16:
         return
     sync = pipe.spec.synchronous
@@ -107,7 +107,8 @@ def attach(pipe: Pipeline, group: Any = None) -> None:
         if st.bridge is None or not st.bridge.is_engine:
             continue
         if sync:  # GradScaler's protocol: the optimizer skips its whole update on the device
-            st.bridge.opt.found_inf = scaler.found_inf
+            dev = st.store.params[0].device if st.store.params else pipe.device
+            st.bridge.opt.found_inf = scaler.found_inf_on(dev)
         elif st.bridge.skip is None:  # the device flags take each update group's found_inf
             st.bridge.enable_skip_flags()
 
