@@ -328,6 +328,8 @@ def train(
             raise CLIFailure(f"cannot create --out {out}: {exc.strerror or exc}") from None
 
     per_step = cfg.chunks * cfg.batch_size
+    # token ids per sample (the LM's sequence length): the progress line's tokens/s
+    tokens_per_sample = int(data.train_x[0].numel()) if cfg.task == "lm" else None
     evals = min(cfg.evals_per_epoch, steps_per_epoch)
     log_steps = {round((i + 1) * steps_per_epoch / evals) - 1 for i in range(evals)}
     n_train = len(data.train_y)
@@ -413,11 +415,13 @@ def train(
                     }
                     result.rows.append(row)
                     loss_sum, loss_n, seg_samples = 0.0, 0, 0
+                    speed = _speed(st, row["samples_per_s"], tokens_per_sample)
                     bar.set_postfix(
                         loss=f"{row['train_loss']:.3f}",
                         acc=f"{row['train_acc']:.3f}",
                         test=f"{test_acc:.3f}",
                         sps=f"{row['samples_per_s']:.0f}",
+                        **speed,
                     )
                     t0 = time.perf_counter()
                 every = cfg.checkpoint_every
@@ -430,10 +434,13 @@ def train(
                         commit(epoch, step + 1)
             if epoch_lines and result.rows:
                 r = result.rows[-1]
+                speed = _speed(pipe.stats(), r["samples_per_s"], tokens_per_sample)
                 print(
                     f"{desc or cfg.label()}: epoch {epoch + 1}/{cfg.epochs} train loss "
                     f"{r['train_loss']:.4f} acc {r['train_acc']:.4f} test acc {r['test_acc']:.4f} "
-                    f"({r['samples_per_s']:.0f} samples/s)",
+                    f"({r['samples_per_s']:.0f} samples/s"
+                    + (f", {speed['tps']} tokens/s" if "tps" in speed else "")
+                    + f", step {speed['step']}, bubble {speed['bubble']} measured/modelled)",
                     file=sys.stderr, flush=True,
                 )
             if save:
@@ -452,6 +459,20 @@ def train(
     if save and result.rows:
         write_metrics(out / METRICS_FILE, result.rows)
     return result
+
+
+def _speed(stats: dict[str, Any], samples_per_s: float, tokens_per_sample: int | None) -> dict[str, str]:
+    """The progress line's step time, measured/modelled bubble and (LM) tokens/s."""
+    tp = stats.get("throughput") or {}
+    step = tp.get("step_time_s")
+    out = {
+        "step": f"{step * 1e3:.1f}ms" if step is not None else "?",
+        "bubble": f"{tp.get('bubble_measured', float('nan')):.2f}/"
+        f"{tp.get('bubble_modelled', float('nan')):.2f}",
+    }
+    if tokens_per_sample is not None:
+        out["tps"] = f"{samples_per_s * tokens_per_sample:.0f}"
+    return out
 
 
 def _safe_stats(pipe: Any) -> dict[str, Any]:

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from engine.runtime import labels
+from engine.runtime import trace as _trace
 from engine.runtime.clock import Clock
 from engine.runtime.device_flags import DeviceFlags
 from engine.runtime.failures import FailureHandling, Outcome
@@ -137,6 +138,11 @@ class Executor(SynchronousSteps, FailureHandling):
         #: tied parameters across stages (engine.runtime.ties): their gradients are summed
         #: before a synchronous update phase
         self.ties: Any = None
+        #: gradient clipping (engine.runtime.clipping): the synchronous global norm is taken
+        #: before the update phase; asynchronous stages clip their own groups
+        self.clipper: Any = None
+        #: float16 dynamic loss scaling (engine.runtime.amp), synchronous schedules
+        self.loss_scaler: Any = None
         self._pc = 0
         self._in_action = False
 
@@ -397,7 +403,7 @@ class Executor(SynchronousSteps, FailureHandling):
     def _backward_batch(self, items: tuple[tuple[int, int], ...], base: int) -> None:
         """Several stages' backwards (different stages, independent) in one autograd call;
         while profiling each runs on its own so every one keeps its profiler label."""
-        if labels.profiling() or self.streams.separate:
+        if labels.profiling() or self.streams.separate or _trace.ACTIVE is not None:
             try:
                 for s, rel in items:
                     st = self.by_index[s]

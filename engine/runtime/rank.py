@@ -126,6 +126,7 @@ def build_distributed(
         weight_prediction=weight_prediction,
         discrepancy_correction=discrepancy_correction,
         deferred_batch_norm=deferred_batch_norm,
+        **pipe.features.describe(),
     )
     held = modules[0] if not virtual else nn.ModuleList(modules)
     fp = fingerprint(spec, cfg, options, ties, bridge.opt if bridge is not None else None, held)
@@ -171,6 +172,9 @@ def build_distributed(
 
         pipe._executor.ties = TiedGradients(ties, pipe.stages)
     pipe.replicas = cfg.data_parallel
+    from engine.runtime.step_features import attach
+
+    attach(pipe, layout.pipeline_group)  # clipping, mixed precision, offload
 
 
 def _with_flag(reduce: Callable[[list[Tensor]], None], found_inf: Tensor) -> Callable[[list[Tensor]], None]:
@@ -393,11 +397,10 @@ class RankExecutor(Executor):
                     st.forget_pending()
                 self.skipped_steps += 1
             else:
-                if self.ties is not None:
-                    self.ties.reduce()
-                for _s, _mbs in prog.commit:
-                    if _s in self.by_index:
-                        self.by_index[_s].update()
+                mine = [self.by_index[_s] for _s, _ in prog.commit if _s in self.by_index]
+                self._before_updates(mine)  # tied gradients; clipping's global norm
+                for st in mine:
+                    st.update()
             for st in self.stages:
                 st.reset_in_flight()
         elif nonfinite:
@@ -492,11 +495,12 @@ def rank_step(pipe: Pipeline, inputs: Any, targets: Any) -> Tensor:
         xs, ts, sizes = [None] * M, [None] * M, [1] * M
     rk = pipe._rank
     try:
-        if not rk.handshaken:
-            st = pipe.stages[0]
-            rk.handshake(st.module, xs[0], ts[0], st.loss_fn)
-        elif first:  # new shapes: a clear error before the step instead of one inside it
-            rk.check_inputs(pipe.stages[0].module, xs, pipe._executor.j * M)
+        with pipe._autocast():  # the dry runs see the dtypes autocast gives
+            if not rk.handshaken:
+                st = pipe.stages[0]
+                rk.handshake(st.module, xs[0], ts[0], st.loss_fn)
+            elif first:  # new shapes: a clear error before the step instead of one inside it
+                rk.check_inputs(pipe.stages[0].module, xs, pipe._executor.j * M)
         result = pipe._executor.run_step(xs, ts, sizes)
     except BaseException as exc:  # the first rank to fail is named in its peers' errors
         report(lay.rank, exc)
