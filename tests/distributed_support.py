@@ -658,7 +658,7 @@ def phase_disagree(rank: int, S: int, key: str) -> dict[str, Any]:
 BAD_STARTS: dict[str, dict[str, Any]] = {
     "chunks": {"chunks": 2},
     "schedule": {"schedule": "gpipe"},
-    "checkpoint": {"checkpoint": "never"},
+    "checkpoint": {"checkpoint": "except_last"},
     "on_nonfinite": {"on_nonfinite": "skip"},
     "deferred_batch_norm": {"deferred_batch_norm": True},
     "spike_compensation": {"optimizer": _sgd(spike_compensation=True)},

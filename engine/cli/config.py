@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from engine.cli import CLIError
 from engine.schedule.catalog import SCHEDULES as _CATALOG
 from engine.schedule.catalog import SYNCHRONOUS
+from engine.runtime.config import DEFAULT_CHECKPOINT
 
 __all__ = [
     "SCHEDULES",
@@ -88,7 +89,7 @@ class TrainConfig:
     correction_decay: float = 0.1
     stage_beta1: float | None = None
     delay_compensation: float = 0.0
-    checkpoint: str = "never"
+    checkpoint: str = DEFAULT_CHECKPOINT  # activation recomputation (--recompute), the API's default
     epochs: int = 3
     evals_per_epoch: int = 4
     checkpoint_every: int | None = None
