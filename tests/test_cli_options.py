@@ -114,3 +114,47 @@ def test_resumed_row_counts_samples_per_second_over_both_halves(
     assert [float(r["samples_per_s"]) for r in rows] == [8.0] * 4
     assert float(rows[-1]["elapsed_s"]) == 30.0
     capsys.readouterr()
+
+
+def test_compare_over_seeds_draws_the_final_metrics_and_explains_the_report(
+    capsys, tmp_path: Path
+) -> None:
+    code = main(["compare", *TINY[:-4], "--stages", "2", "--epochs", "1", "--methods",
+                 "gpipe,pb", "--seeds", "0,1", "--target", "0.5", "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr().err
+    with open(tmp_path / "summary.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["method"], r["seed"]) for r in rows] == [
+        ("gpipe", "0"), ("gpipe", "1"), ("pb", "0"), ("pb", "1")]
+    assert rows[0]["last_epoch_loss"] != rows[1]["last_epoch_loss"]  # two seeds, two runs
+    for r in rows:
+        assert float(r["final_acc_min"]) <= float(r["final_acc"]) <= float(r["final_acc_max"])
+    report = (tmp_path / "report.md").read_text()
+    assert "| gpipe (seed 1) | 2 |" in report
+    assert "(final_S2.png)" in report and (tmp_path / "final_S2.png").stat().st_size > 1000
+    assert "dots: 2 seeds" in report
+    # every column of the table is explained, the noisy ones say so
+    for column in ("*final acc*", "*train loss*", "*samples/s*", "*weights KiB*", "*act KiB*",
+                   "*delays*", "*bubble*", "*upd→target*", "*last-epoch mean*"):
+        assert column in report, column
+    assert "noise" in report and "never drain" in report
+    assert len(list((tmp_path / "runs").iterdir())) == 4
+
+
+def test_timeline_titles_say_why_an_async_bubble_differs_from_the_table(
+    monkeypatch, tmp_path: Path
+) -> None:
+    import engine.schedule
+    from engine.cli.plots import render_timelines
+
+    titles = {}
+    monkeypatch.setattr(engine.schedule, "render_timeline",
+                        lambda sched, path, title: titles.__setitem__(path.stem, title))
+    render_timelines(tmp_path, 8, 8, ["gpipe", "pb"])
+    assert "drains every mini-batch" in titles["timeline_gpipe"]
+    assert "fill + drain" in titles["timeline_pb"] and "~0 over a run" in titles["timeline_pb"]
+
+
+def test_bad_seeds_are_one_line(capsys) -> None:
+    assert main(["compare", "--seeds", "0,x"]) == 2
+    assert "--seeds '0,x'" in capsys.readouterr().err
