@@ -20,8 +20,11 @@ linear`` gives the literal rule), so every method has the same momentum time con
 same total step per sample. Nothing is tuned per method. The default run takes about four
 minutes on two shared CPU cores.
 
-Outputs in ``--out``: ``summary.csv``, ``report.md``, ``curves_S{S}.png`` (test accuracy and
-training loss per method), ``timeline_{schedule}.png`` (schedule pictures from
+Outputs in ``--out``: ``summary.csv``, ``report.md`` (engine/cli/report.py: the table and what
+every number means), ``final_S{S}.png`` (which method is best: final test accuracy and
+last-epoch training loss per method, with their spread over ``--seeds`` or, for one seed, over
+the last epoch), ``curves_S{S}.png`` (test accuracy and training loss along the run, small
+multiples per method family), ``timeline_{schedule}.png`` (schedule pictures from
 ``engine.schedule.render_timeline``), ``depth.png`` when several depths are given, and one
 ``metrics.csv`` per run under ``runs/``.
 """
