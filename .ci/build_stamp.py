@@ -170,6 +170,9 @@ def main(argv: list[str]) -> int:
         print(f"[install] {'reusing engine._C' if reuse else 'building engine._C'}: {why}")
         return 0 if reuse else 1
     if argv[1:] == ["write"]:
+        if built_module() is None:  # e.g. an install that kept the module elsewhere
+            print("[install] no single engine/_C*.so here to stamp; the next install rebuilds")
+            return 0
         print(f"[install] stamped the build in {write().relative_to(ROOT)}")
         return 0
     print(__doc__, file=sys.stderr)

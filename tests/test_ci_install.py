@@ -107,3 +107,11 @@ def test_install_script_checks_the_stamp_before_building():
         "build_stamp.py write"
     )
     assert subprocess.run(["bash", "-n", str(ROOT / ".ci" / "install")]).returncode == 0
+
+
+def test_write_without_a_built_module_does_not_fail_the_install(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(stamp, "ROOT", tmp_path)
+    monkeypatch.setattr(stamp, "built_module", lambda root=None: None)
+    assert stamp.main(["build_stamp.py", "write"]) == 0
+    assert "the next install rebuilds" in capsys.readouterr().out
+    assert not (tmp_path / stamp.STAMP).exists()
