@@ -84,6 +84,7 @@ def test_split_forward_equals_the_model(make, split) -> None:
     torch.testing.assert_close(stages[-1](**h), ref, rtol=0, atol=0)
 
 
+@pytest.mark.slow  # a few seconds each once transformers is imported
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipelined_gpt2_trains_as_the_unpipelined_model(schedule: str) -> None:
     model = _gpt2()
@@ -115,6 +116,7 @@ def _same_weights(model: nn.Module, ref: nn.Module) -> None:
         torch.testing.assert_close(a, theirs[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # a few seconds each once transformers is imported
 def test_llama_trains_through_the_pipeline_as_unsplit() -> None:
     model = _llama()
     ref = copy.deepcopy(model)
@@ -168,6 +170,7 @@ def test_unsupported_models_and_bad_splits_say_what_is_wrong() -> None:
     assert [len(s.blocks) for s in split_causal_lm(Fake(), balance=[0, 3, 0])] == [0, 3, 0]
 
 
+@pytest.mark.slow  # a few seconds each once transformers is imported
 def test_readme_example_runs_and_tie_weights_reties() -> None:
     _transformers()
     from test_readme import _blocks
