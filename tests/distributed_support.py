@@ -1102,6 +1102,8 @@ def phase_resume_inflight(
     for name in names:
         tree, nan = name.startswith("tree-"), name.startswith("nan-")
         kw = configs(S)[name.removeprefix("tree-").removeprefix("nan-")]
+        if kw.get("schedule") == "pb":  # a pb forward in flight is re-run on load only when
+            kw = {"checkpoint": "except_last", **kw}  # its stage recomputes (not the default)
         data = varlen_batch if tree else nan_batch if nan else batch
         if nan:  # NaN losses in flight at the save: their flags are on the wire and stashed
             kw = dict(kw, on_nonfinite="skip_update")
