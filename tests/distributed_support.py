@@ -658,7 +658,7 @@ def phase_disagree(rank: int, S: int, key: str) -> dict[str, Any]:
 BAD_STARTS: dict[str, dict[str, Any]] = {
     "chunks": {"chunks": 2},
     "schedule": {"schedule": "gpipe"},
-    "checkpoint": {"checkpoint": "never"},
+    "checkpoint": {"checkpoint": "except_last"},
     "on_nonfinite": {"on_nonfinite": "skip"},
     "deferred_batch_norm": {"deferred_batch_norm": True},
     "spike_compensation": {"optimizer": _sgd(spike_compensation=True)},
@@ -1102,6 +1102,8 @@ def phase_resume_inflight(
     for name in names:
         tree, nan = name.startswith("tree-"), name.startswith("nan-")
         kw = configs(S)[name.removeprefix("tree-").removeprefix("nan-")]
+        if kw.get("schedule") == "pb":  # a pb forward in flight is re-run on load only when
+            kw = {"checkpoint": "except_last", **kw}  # its stage recomputes (not the default)
         data = varlen_batch if tree else nan_batch if nan else batch
         if nan:  # NaN losses in flight at the save: their flags are on the wire and stashed
             kw = dict(kw, on_nonfinite="skip_update")
