@@ -1,7 +1,8 @@
 """The engine's own clock: bubble fractions of the actions that actually ran.
 
 Why computed afterwards: ``stats()`` reports the bubble a schedule leaves, once with unit
-costs (F = 1, B = 2, or B = W = 1 for a split backward: the bubble formulas of ALGORITHMS.md
+costs (F = 1, B = 2, or B = W = 1 for a split backward, and B = 2 for the unsplit backwards of a
+schedule that splits only some, as DualPipeV does: the bubble formulas of ALGORITHMS.md
 hold for any fixed ratio) and once with each action's measured wall time. Both are a discrete-event replay of the executed
 actions: an action starts when its stage is free and its producer (the previous stage's
 forward, the next stage's backward) has finished. Doing that replay per action on the hot
@@ -32,8 +33,19 @@ class _Replay:
     """Both replays (unit costs and wall time) in one pass: per action one call, one dict
     lookup, instead of one per cost model (the sync steps' flush replays every step)."""
 
-    def __init__(self, S: int, split: bool = False, ranks: int | tuple[int, ...] | None = None) -> None:
+    def __init__(
+        self,
+        S: int,
+        split: bool = False,
+        ranks: int | tuple[int, ...] | None = None,
+        whole: tuple[frozenset[int], ...] | None = None,
+        chunks: int = 1,
+    ) -> None:
         self.S = S
+        # per stage, micro-batches (index within a step) whose B is a whole backward (cost 2)
+        # in a schedule that splits only some (DualPipeV); None: the split decides for all
+        self.whole = whole
+        self.chunks = chunks
         # lanes: a stage runs on lane s % L, or on rank_of[s] for a placement such as the V
         self.L = S if ranks is None else ranks if isinstance(ranks, int) else max(ranks) + 1
         self.rank_of = [s % self.L for s in range(S)] if not isinstance(ranks, tuple) else list(ranks)
@@ -57,10 +69,13 @@ class _Replay:
         busy_u, busy_w = self.busy_u, self.busy_w
         unit = self.unit
         rank_of = self.rank_of
+        whole, M = self.whole, self.chunks
         for j in range(k):
             s, op, n, sec = log[j]  # type: ignore[misc]
             log[j] = None
             cost = unit[op]
+            if whole is not None and op == _B and n % M in whole[s]:
+                cost = 2.0  # a B with no W of its own: the whole backward
             dep: tuple[float, float] | None = None
             if op == _F:
                 if s > 0:
@@ -108,11 +123,24 @@ class Clock:
     """Unit-cost and wall-time replay of the executed forwards and backwards."""
 
     def __init__(
-        self, num_stages: int, split: bool = False, ranks: int | tuple[int, ...] | None = None
+        self,
+        num_stages: int,
+        split: bool = False,
+        ranks: int | tuple[int, ...] | None = None,
+        split_only: tuple[frozenset[int], ...] | None = None,
+        chunks: int = 1,
     ) -> None:
         self.num_stages = num_stages
         self.split = split  # the schedule splits backwards into B and W (unit costs 1 + 1)
         self.ranks = ranks  # virtual stages: stage s on rank s % ranks (or ranks[s], a placement)
+        # a schedule that splits only some backwards (DualPipeV): per stage the split ones
+        # (index within a step); every other B is a whole backward and costs 2 units, as in
+        # engine.schedule's analysis
+        self.whole = (
+            None if split_only is None
+            else tuple(frozenset(range(chunks)) - mbs for mbs in split_only)
+        )
+        self.chunks = chunks
         self.reset()
 
     def reset(self) -> None:
@@ -120,7 +148,7 @@ class Clock:
         # fault now and then) in steady state
         self._log: list[tuple[int, int, int, float] | None] = [None] * _BATCH
         self._k = 0
-        self._replayed = _Replay(self.num_stages, self.split, self.ranks)
+        self._replayed = _Replay(self.num_stages, self.split, self.ranks, self.whole, self.chunks)
 
     def record(self, stage: int, op: int, n: int, seconds: float) -> None:
         self._log[self._k] = (stage, op, n, seconds)
