@@ -19,6 +19,9 @@ s % ranks to be free, so the bubble is per rank as in the analysis.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 __all__ = ["Clock"]
 
 _F, _B, _W = 0, 1, 8  # the op codes of engine.runtime.program
@@ -27,6 +30,15 @@ _UNIT = {_F: 1.0, _B: 2.0}
 #: as engine.schedule's cost model charges them (the whole backward still costs 2)
 _UNIT_SPLIT = {_F: 1.0, _B: 1.0, _W: 1.0}
 _BATCH = 8192
+
+
+def _dependency(S: int, s: int, op: int, n: int) -> tuple[int, int, int] | None:
+    """The action on another stage that (s, op, n) waits for (as the replay charges it)."""
+    if op == _F and s > 0:
+        return (s - 1, _F, n)
+    if op == _B and s < S - 1:
+        return (s + 1, _B, n)
+    return None
 
 
 class _Replay:
@@ -40,8 +52,16 @@ class _Replay:
         ranks: int | tuple[int, ...] | None = None,
         whole: tuple[frozenset[int], ...] | None = None,
         chunks: int = 1,
+        pairs: dict[tuple[int, int, int], tuple[int, int, int]] | None = None,
+        period: int = 1,
     ) -> None:
         self.S = S
+        # overlapped pairs (DualPipeV's F;B): first half (stage, op, micro-batch % period) ->
+        # its second half. The pair starts when both halves can (engine.schedule.simulate):
+        # a first half is held until its partner arrives in the log, then both replay
+        self.pairs = pairs
+        self.period = period
+        self.held: dict[int, tuple[int, int, int, float]] = {}  # lane -> a held first half
         # per stage, micro-batches (index within a step) whose B is a whole backward (cost 2)
         # in a schedule that splits only some (DualPipeV); None: the split decides for all
         self.whole = whole
@@ -70,9 +90,8 @@ class _Replay:
         unit = self.unit
         rank_of = self.rank_of
         whole, M = self.whole, self.chunks
-        for j in range(k):
-            s, op, n, sec = log[j]  # type: ignore[misc]
-            log[j] = None
+        entries = self._plain(log, k) if self.pairs is None else self._paired(log, k)
+        for s, op, n, sec, lo_u, lo_w in entries:
             cost = unit[op]
             if whole is not None and op == _B and n % M in whole[s]:
                 cost = 2.0  # a B with no W of its own: the whole backward
@@ -88,6 +107,10 @@ class _Replay:
                 a = bu
             if b < bw:
                 b = bw
+            if a < lo_u:  # the first half of a pair waits for its partner's input
+                a = lo_u
+            if b < lo_w:
+                b = lo_w
             if dep is not None:
                 if dep[0] > a:
                     a = dep[0]
@@ -108,6 +131,54 @@ class _Replay:
             if (op == _F and s + 1 < S) or (op == _B and s > 0):
                 done[(s, op, n)] = (a, b)
         self.end_u, self.end_w = end_u, end_w
+
+    @staticmethod
+    def _plain(
+        log: list[tuple[int, int, int, float] | None], k: int
+    ) -> Iterator[tuple[int, int, int, float, float, float]]:
+        for j in range(k):
+            s, op, n, sec = log[j]  # type: ignore[misc]
+            log[j] = None
+            yield s, op, n, sec, 0.0, 0.0
+
+    def _paired(
+        self, log: list[tuple[int, int, int, float] | None], k: int
+    ) -> Iterator[tuple[int, int, int, float, float, float]]:
+        """The log's entries with every overlapped pair's first half moved to just before
+        its second and given a floor: when the second half's input is ready. A first half
+        that another action needs before its partner arrives replays without the floor."""
+        S, pairs, P, held, done = self.S, self.pairs, self.period, self.held, self.done
+        assert pairs is not None
+        seconds = {v: key for key, v in pairs.items()}
+        for j in range(k):
+            s, op, n, sec = log[j]  # type: ignore[misc]
+            log[j] = None
+            key = (s, op, n % P)
+            r = self.rank_of[s]
+            if key in pairs:
+                held[r] = (s, op, n, sec)
+                continue
+            dep = _dependency(S, s, op, n)
+            h = held.get(r)
+            if h is not None and seconds.get(key) == (h[0], h[1], h[2] % P):
+                del held[r]
+                lo = done.get(dep, (0.0, 0.0)) if dep is not None else (0.0, 0.0)
+                yield (*h, *lo)
+            else:
+                for r2, h2 in list(held.items()):  # needed before its partner came
+                    if r2 == r or (dep is not None and dep == h2[:3]):
+                        del held[r2]
+                        yield (*h2, 0.0, 0.0)
+            yield (s, op, n, sec, 0.0, 0.0)
+
+    def flush_held(self) -> None:
+        """Replay first halves still waiting for a partner (at a flush, none should)."""
+        rest = list(self.held.values())
+        self.held.clear()
+        if rest:
+            pairs, self.pairs = self.pairs, None
+            self.run(rest, len(rest))  # type: ignore[arg-type]
+            self.pairs = pairs
 
     def bubbles(self) -> tuple[float, float]:
         if self.start is None:
@@ -141,6 +212,20 @@ class Clock:
             else tuple(frozenset(range(chunks)) - mbs for mbs in split_only)
         )
         self.chunks = chunks
+        self.pairs: dict[tuple[int, int, int], tuple[int, int, int]] | None = None
+        self.period = 1
+        self.reset()
+
+    def overlap(self, overlaps: Any, period: int) -> None:
+        """Replay the program's overlapped pairs (``Schedule.overlaps``: (stage, action,
+        stage, action)) as engine.schedule's simulator does: a pair starts when both halves
+        can. ``period``: the program's micro-batches (its actions repeat after them)."""
+        code = {"FORWARD": _F, "BACKWARD": _B, "WEIGHT": _W}
+        self.pairs = {
+            (sa, code[a.kind.name], a.mb % period): (sb, code[b.kind.name], b.mb % period)
+            for sa, a, sb, b in overlaps
+        } or None
+        self.period = period
         self.reset()
 
     def reset(self) -> None:
@@ -148,7 +233,9 @@ class Clock:
         # fault now and then) in steady state
         self._log: list[tuple[int, int, int, float] | None] = [None] * _BATCH
         self._k = 0
-        self._replayed = _Replay(self.num_stages, self.split, self.ranks, self.whole, self.chunks)
+        self._replayed = _Replay(
+            self.num_stages, self.split, self.ranks, self.whole, self.chunks, self.pairs, self.period
+        )
 
     def record(self, stage: int, op: int, n: int, seconds: float) -> None:
         self._log[self._k] = (stage, op, n, seconds)
@@ -164,6 +251,7 @@ class Clock:
         """A flush: later actions start after everything so far."""
         self._replay()
         r = self._replayed
+        r.flush_held()
         r.barrier_u, r.barrier_w = r.end_u, r.end_w
 
     def bubble(self) -> tuple[float, float]:
