@@ -1391,6 +1391,12 @@ def phase_rank_programs(rank: int, R: int, csvs: dict[str, str]) -> dict[str, An
             if name in ("zbv", "dualpipev", "blocks"):
                 x_eval = batch(99, 2 * M)[0]
                 out[name]["evaluate_equal"] = torch.equal(pipe.evaluate(x_eval), ref.evaluate(x_eval))
+            if name == "dualpipev":  # a checkpoint of the V's stages resumes the run exactly
+                fresh = Pipeline(stage_factories(V), transport="gloo", timeout=30, **kw)
+                fresh.load_state_dict(pipe.state_dict())
+                x, y = batch(2, 2 * M)
+                out[name]["resumed_equal"] = torch.equal(fresh.step(x, y), ref.step(x, y)) and (
+                    _same_weights(fresh, ref))
             if name in ("zbv", "blocks"):  # stage 0 refuses an input: the error goes down the
                 before = [p.detach().clone() for st in pipe.stages for p in st.module.parameters()]
                 try:  # stages (through the same-rank boundaries too) and every rank raises it

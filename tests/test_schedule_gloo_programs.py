@@ -43,6 +43,7 @@ def test_rank_programs_under_gloo(R: int, tmp_path: Path) -> None:
             assert r["updates"] == [2, 2] and r["leftovers"] == 0, (name, r)
         for name in ("zbv", "dualpipev", "blocks"):
             assert got[name]["evaluate_equal"], (name, got[name])
+        assert got["dualpipev"]["resumed_equal"], got["dualpipev"]
         for name in ("zbv", "blocks"):  # an input stage 0 refuses stops every rank, then runs on
             r = got[name]
             assert r["reject"].startswith("PipelineInputError") and "stage 0" in r["reject"], r
