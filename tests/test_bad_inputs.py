@@ -417,7 +417,7 @@ CLI: list[tuple[str, list[str], Callable[[Path], None] | None, int, tuple[str, .
     ("dataset", ["train", "--dataset", "mnist"], None, 2, ("unknown dataset 'mnist'",)),
     ("batch-too-big", ["train", "--batch-size", "100"], None, 2, ("--chunks x --batch-size = 200",)),
     ("update-size-sync", ["train", "--schedule", "gpipe", "--update-size", "3"], None, 2,
-     ("--update-size applies to --schedule pb and pipedream only",)),
+     ("--update-size applies to --schedule pipedream and pb only",)),
     ("prediction-sync", ["train", "--schedule", "gpipe", "--prediction", "lwp"], None, 2, ("--schedule pb only",)),
     ("checkpoint-every", ["train", "--checkpoint-every", "0"], None, 2, ("--checkpoint-every must be >= 1",)),
     ("resume-other-options", ["train", "--lr", "0.5", "--resume", "--epochs", "3"], None, 2,

@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import nn
 
+import engine.optim as optim
 from engine import Pipeline
 from engine.errors import CheckpointError, NotFlushedError
 from engine.serialization import load, save
 
-optim = pytest.importorskip("engine.optim")
 
 CONFIGS = {
     "naive": dict(schedule="naive"),

@@ -14,6 +14,7 @@ from engine.__main__ import main
 from engine.corpus import ALPHABET, CORPUS_BYTES, corpus_sha256, encode, generate_corpus
 from engine.data import LM_CONTEXT, load_lm_dataset
 from engine.models import ModelError, gpt, split_layers
+from engine.schedule.catalog import SCHEDULES, SYNCHRONOUS
 
 VOCAB, T, M = len(ALPHABET), 16, 2
 
@@ -144,3 +145,29 @@ def test_task_defaults_leave_the_digits_job_unchanged() -> None:
     assert config_from_args(p.parse_args([])).stages == 8
     assert config_from_args(p.parse_args(["--task", "lm"])).stages == 4
     assert config_from_args(p.parse_args(["--no-scaling"])).ref_batch is None
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_train_ties_the_gpt_head_exactly_for_synchronous_schedules(schedule: str) -> None:
+    """``train --task lm`` ties the head to the embedding where the pipeline can keep the
+    copies equal (synchronous families, zbh1 included: it once built an untied head from a
+    hand-written list), and gives asynchronous ones their own head."""
+    import argparse
+
+    from engine.cli import train
+    from engine.cli.config import config_from_args
+    from engine.cli.loop import build_pipeline
+
+    p = argparse.ArgumentParser()
+    train.add_arguments(p)
+    chunks = "2" if schedule != "2bw" else "4"
+    cfg = config_from_args(p.parse_args([
+        "--task", "lm", "--schedule", schedule, "--stages", "2", "--layers", "2",
+        "--width", "16", "--chunks", chunks,
+    ]))
+    pipe, modules, _ = build_pipeline(cfg, T, VOCAB, updates_per_epoch=1)
+    if schedule in SYNCHRONOUS:
+        assert pipe.ties and pipe.ties[0].stages == [0, 1]
+    else:
+        assert not pipe.ties
+        assert modules[-1][-1].weight is not modules[0][0].tok.weight

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from schedules import STASHED
 from test_runtime_support import make_pipe
 from test_runtime_versions import check_versions, run
 from torch import nn
@@ -208,7 +209,7 @@ def test_pb_with_t2_reads_t2_weights_and_compensates() -> None:
     assert not all(last)  # (its gradients come from compensated upstream weights)
 
 
-@pytest.mark.parametrize("schedule", ["pipedream", "2bw"])
+@pytest.mark.parametrize("schedule", STASHED)
 def test_stashing_schedules_keep_their_own_delta(schedule: str) -> None:
     S, M = 3, 3
     pipe, got, hist, N = run(S, M, schedule, _sgd(delay_compensation=LAM))

@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from schedules import ASYNC
 from torch import nn
 from torch.func import functional_call
 
@@ -102,7 +103,7 @@ def test_pipedream_equals_direct_stashing(S: int, M: int, checkpoint: str) -> No
             torch.testing.assert_close(p.detach(), hist[s][n][k], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("schedule", ["pipedream", "2bw", "pb"])
+@pytest.mark.parametrize("schedule", ASYNC)
 def test_async_keeps_pipeline_full_across_steps(schedule: str) -> None:
     """Pausing between step() calls changes nothing: 4 steps of M equal 1 step of 4M micro-
     batches fed at once (same per-stage order), and the returned losses are each mini-batch's."""

@@ -6,8 +6,10 @@ import copy
 
 import pytest
 import torch
+from schedules import ASYNC, SYNC
 from torch import nn
 
+import engine.optim as optim
 from engine import Pipeline
 from engine.errors import NonFiniteLossError, PipelineConfigError, PipelineInputError
 
@@ -116,7 +118,6 @@ def test_invalid_combinations(kwargs: dict, match: str) -> None:
 
 
 def test_prediction_needs_a_predicting_optimizer() -> None:
-    optim = pytest.importorskip("engine.optim")
     with pytest.raises(PipelineConfigError, match="prediction='linear'"):
         Pipeline(
             _stages(),
@@ -141,7 +142,6 @@ def test_spectrain_refuses_the_momentum_prediction_form(variant: str) -> None:
     """SpecTrain's horizon is linear (s * lr * v); an optimizer predicting with the momentum
     sum would silently change the method (ALGORITHMS.md), so the combination is refused
     before any stage is built, and the modules keep their weights."""
-    optim = pytest.importorskip("engine.optim")
     stages = _stages()
     before = [p.detach().clone() for m in stages for p in m.parameters()]
     with pytest.raises(PipelineConfigError, match="SpecTrain's linear extrapolation.*prediction='linear'"):
@@ -173,7 +173,7 @@ def _nan_batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-@pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", SYNC)
 def test_nonfinite_raise_rolls_back_sync_step(schedule: str) -> None:
     a = Pipeline(_stages(), schedule=schedule, chunks=4, loss_fn=mse, optimizer=sgd)
     b = Pipeline(_stages(), schedule=schedule, chunks=4, loss_fn=mse, optimizer=sgd)
@@ -210,7 +210,7 @@ def test_nonfinite_skip_sync_leaves_every_stage_consistent() -> None:
 
 
 @pytest.mark.parametrize("mode", ["skip", "raise"])
-@pytest.mark.parametrize("schedule", ["pipedream", "2bw", "pb"])
+@pytest.mark.parametrize("schedule", ASYNC)
 def test_nonfinite_async_drops_microbatch_everywhere(schedule: str, mode: str) -> None:
     """The micro-batch is dropped at every stage (zero gradient, its update group renormalised);
     every stage applies the same number of updates and nothing stays in flight after a flush.

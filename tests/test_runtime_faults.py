@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from schedules import ASYNC, SYNC
 from torch import nn
 
 import engine.optim as eo
@@ -31,6 +32,7 @@ SCHEDULES = {
     "naive": {},
     "gpipe": {},
     "1f1b": {},
+    "zbh1": {},
     "pipedream": {},
     "2bw": {},
     "pb": {},
@@ -38,7 +40,6 @@ SCHEDULES = {
     "pb-lwp": {"opt": {"prediction": "linear"}, "checkpoint": "never"},
     "pb-t2": {"opt": {"discrepancy_correction": True}, "checkpoint": "always"},
 }
-SYNC = {"naive", "gpipe", "1f1b"}
 
 
 def _stages(dropout: bool = False) -> list[nn.Module]:
@@ -243,7 +244,7 @@ def test_exception_inside_an_asynchronous_forward_drops_that_microbatch(schedule
     assert _same(_state(pipe), _state(ref))
 
 
-@pytest.mark.parametrize("schedule", ["pipedream", "2bw", "pb"])
+@pytest.mark.parametrize("schedule", ASYNC)
 def test_exception_inside_an_asynchronous_backward_keeps_the_pipeline_usable(
     schedule: str,
 ) -> None:

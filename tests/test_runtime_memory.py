@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from schedules import STASHED
 from torch import nn
 
 import engine.optim as eo
@@ -80,7 +81,7 @@ def test_weight_versions_and_buffers_per_stage(name: str, checkpoint: str) -> No
         assert b["slots"] + b["pooled"] <= (buffers(s) - 1) * b["live"]
 
 
-@pytest.mark.parametrize("name", ["pipedream", "2bw"])
+@pytest.mark.parametrize("name", STASHED)
 def test_a_kept_version_costs_one_copy_per_update_not_per_microbatch(name: str) -> None:
     pipe = _run(name, "never", steps=8)
     for stage in pipe.stages:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from schedules import STASHED
 from test_runtime_versions import check_step_prediction_or_t2, check_versions, run
 
 from engine import optim
@@ -25,7 +26,7 @@ def _muon(calls: list | None = None):
     return make
 
 
-@pytest.mark.parametrize("schedule", ["2bw", "pipedream"])
+@pytest.mark.parametrize("schedule", STASHED)
 def test_muon_reads_the_scheduled_versions_and_trains(schedule):
     S = M = 3
     calls: list[int] = []

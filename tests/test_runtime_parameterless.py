@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from schedules import ALL, SYNC
 from torch import nn
 
 import engine
 from engine import Pipeline
 
-SCHEDULES = ["naive", "gpipe", "1f1b", "zbh1", "pipedream", "2bw", "pb"]
+SCHEDULES = list(ALL)
 
 
 def _model(split_relu: bool) -> list[nn.Module]:
@@ -34,7 +35,7 @@ def _data(steps: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(6, 4, generator=g), torch.randn(6, 1, generator=g)) for _ in range(steps)]
 
 
-@pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", SYNC)
 def test_a_parameterless_stage_changes_nothing_synchronously(schedule: str) -> None:
     """Synchronous schedules: the ReLU as its own stage trains exactly as the ReLU inside the
     first stage."""

@@ -8,8 +8,10 @@ import copy
 
 import pytest
 import torch
+from schedules import SYNC
 from torch import nn
 
+import engine.optim as optim
 from engine import Pipeline
 
 CASES = [(S, M) for S in (1, 2, 3, 4) for M in sorted({1, S, 2 * S + 1})]
@@ -22,7 +24,7 @@ def _model(S: int, d: int = 4, seed: int = 0) -> list[nn.Module]:
     return stages
 
 
-@pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b", "zbh1"])
+@pytest.mark.parametrize("schedule", SYNC)
 @pytest.mark.parametrize("S,M", CASES)
 def test_sync_equals_unpipelined(schedule: str, S: int, M: int) -> None:
     checkpoint = ["never", "except_last", "always"][(S + M) % 3]  # every mode across the grid
@@ -114,7 +116,6 @@ def test_sync_bubble_and_activation_peak(schedule: str, S: int, M: int, expected
 
 def test_sequential_balance_and_engine_optim() -> None:
     """nn.Sequential + balance, with engine.optim.Adam (bit-equal to torch.optim.Adam on CPU)."""
-    optim = pytest.importorskip("engine.optim")
     torch.manual_seed(0)
     seq = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
     ref = copy.deepcopy(seq)
@@ -155,7 +156,6 @@ def test_record_function_labels() -> None:
 
 
 def test_automatic_balance() -> None:
-    pytest.importorskip("engine.partition")
     torch.manual_seed(0)
     seq = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     pipe = Pipeline(

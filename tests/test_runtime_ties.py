@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed_support import spawn, tied_stages, token_batch
+from schedules import ASYNC, SYNC
 from torch import nn
 
 import engine
@@ -31,7 +32,7 @@ def _tied_copies(pipe: Pipeline) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("checkpoint", ["never", "except_last"])
-@pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", SYNC)
 def test_tied_weights_equal_the_unpipelined_tied_model(schedule: str, checkpoint: str) -> None:
     pipe = _pipe(schedule, checkpoint=checkpoint)
     ref = nn.Sequential(*tied_stages(3))
@@ -55,7 +56,7 @@ def test_tied_weights_equal_the_unpipelined_tied_model(schedule: str, checkpoint
     assert pipe.ties and pipe.ties[0].stages == [0, 2]
 
 
-@pytest.mark.parametrize("schedule", ["pipedream", "2bw", "pb"])
+@pytest.mark.parametrize("schedule", ASYNC)
 def test_asynchronous_schedules_refuse_ties_and_change_nothing(schedule: str) -> None:
     stages = tied_stages(3)
     before = [p.detach().clone() for m in stages for p in m.parameters()]

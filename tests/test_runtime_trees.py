@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_support import spawn
+from schedules import ALL, VARIANTS
 from test_runtime_support import History, reads
 from test_runtime_versions import check_versions
 from torch import nn
@@ -24,7 +25,7 @@ from engine.runtime import trees
 from engine.testing import Probe
 
 D, T, VOCAB = 6, 5, 13
-SCHEDULES = ["naive", "gpipe", "1f1b", "zbh1", "pipedream", "2bw", "pb"]
+SCHEDULES = list(ALL)
 
 
 class Embed(nn.Module):
@@ -220,9 +221,7 @@ class ProbeStage(nn.Module):
         return y if self.last else (torch.tanh(y), mask)
 
 
-@pytest.mark.parametrize(
-    "schedule", ["naive", "gpipe", "1f1b", "zbh1", "pipedream", "2bw", "pb", "pb-1f1b"]
-)
+@pytest.mark.parametrize("schedule", VARIANTS)
 def test_versions_with_tree_stages(schedule: str) -> None:
     order = None
     if schedule == "pb-1f1b":

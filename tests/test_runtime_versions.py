@@ -10,14 +10,17 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from schedules import STASHED, SYNC, VARIANTS
 from test_runtime_support import make_pipe, reads
+
+import engine.optim as optim
 
 SGD = torch.optim.SGD
 GRID = [(S, M) for S in (1, 2, 3, 4, 8) for M in sorted({1, S, 2 * S + 1})]
 
 
 def formula_delay(schedule: str, order: str | None, S: int, s: int) -> int:
-    if schedule in ("naive", "gpipe", "1f1b", "zbh1"):
+    if schedule in SYNC:
         return 0
     if schedule == "2bw":
         return 1
@@ -31,7 +34,7 @@ def expected(
 ) -> tuple[int, int, int]:
     """(t_F, version B reads, update consuming n) from ALGORITHMS.md (n counted from 0)."""
     w = S - 1 - s
-    if schedule in ("naive", "gpipe", "1f1b", "zbh1"):
+    if schedule in SYNC:
         j = n // M
         return j, j, j
     if schedule == "2bw":
@@ -126,9 +129,7 @@ def check_step_prediction_or_t2(make, mitigation: str) -> None:
         check_versions(pipe, got, hist, N, "pb", b_value=b_value)
 
 
-@pytest.mark.parametrize(
-    "schedule", ["naive", "gpipe", "1f1b", "zbh1", "pipedream", "2bw", "pb", "pb-1f1b"]
-)
+@pytest.mark.parametrize("schedule", VARIANTS)
 @pytest.mark.parametrize("S,M", GRID)
 def test_versions_per_schedule(schedule: str, S: int, M: int) -> None:
     order = None
@@ -150,9 +151,9 @@ def test_versions_per_schedule(schedule: str, S: int, M: int) -> None:
         assert max(st["weight_versions"]) <= 2
     if schedule in ("pb",) and order is None and checkpoint == "never":
         assert st["activation_peak"] == [min(2 * (S - 1 - s) + 1, N) for s in range(S)]
-    if schedule in ("pipedream", "2bw") or order == "1f1b":
+    if schedule in STASHED or order == "1f1b":
         assert all(a <= S - s for s, a in enumerate(st["activation_peak"]))
-    if schedule in ("pb",) or schedule in ("pipedream", "2bw"):
+    if schedule in ("pb",) or schedule in STASHED:
         assert st["weight_versions"][-1] == 1 or schedule != "pb"
 
 
@@ -187,7 +188,6 @@ def test_update_size_k(schedule: str, order: str | None, k: int) -> None:
 
 # ---------------------------------------------------------------------- mitigations
 
-optim = pytest.importorskip("engine.optim")
 MIT_GRID = [(S, M) for S in (1, 2, 3, 4, 8) for M in sorted({1, S})]
 LR = 0.05
 MOM = 0.9
@@ -380,6 +380,6 @@ def test_versions_with_flushes_anywhere(schedule, S, M, k, plan, checkpoint) -> 
                 (wf,) = got[(s, n, "F")]
                 (wb,) = got[(s, n, "B")]
                 assert torch.equal(wf, hist.w[s][base + tF])
-                want_b = hist.w[s][base + (tF if schedule in ("pipedream", "2bw") else tB)]
+                want_b = hist.w[s][base + (tF if schedule in STASHED else tB)]
                 torch.testing.assert_close(wb, want_b, rtol=0, atol=0)
         assert all(len(stage.stash) == 0 and stage.store.versions_held == 1 for stage in pipe.stages)

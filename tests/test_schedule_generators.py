@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from schedules import SYNC
 
 from engine.schedule import SCHEDULES, Action, Kind, generate, validate
 
@@ -64,7 +65,7 @@ def test_pb_dataflow_within_tick_order() -> None:
 
 
 def test_sync_schedules_flush_every_mini_batch() -> None:
-    for name in ("naive", "gpipe", "1f1b", "zbh1"):
+    for name in SYNC:
         sched = generate(name, stages=3, chunks=4, steps=3)
         for acts in sched.actions:
             # nothing of mini-batch j+1 runs before mini-batch j's update

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import replace
 
 import pytest
@@ -181,23 +182,16 @@ def test_ticks_checked() -> None:
         validate(replace(good, ticks=tuple(map(tuple, ticks))))
 
 
-@settings(max_examples=150, deadline=None)
-@given(
-    name=st.sampled_from(["gpipe", "1f1b", "pipedream", "2bw", "pb"]),
-    S=st.integers(1, 4),
-    M=st.integers(1, 5),
-    data=st.data(),
-)
-def test_mutated_schedules_fail_only_with_schedule_errors(
-    name: str, S: int, M: int, data: st.DataObject
-) -> None:
-    """Swapping or dropping actions never crashes the validator: it passes or explains."""
+MUTATED = ["gpipe", "1f1b", "pipedream", "2bw", "pb"]
+
+
+def _check_mutation(name: str, S: int, M: int, s: int, i: int, j: int | None) -> None:
+    """Swap actions i and j of stage s (j None: drop action i) and validate: a drop must be
+    refused (every action of these families is needed), a swap passes or is explained; the
+    validator never crashes."""
     sched = generate(name, stages=S, chunks=max(M, S) if name == "2bw" else M, steps=2)
-    s = data.draw(st.integers(0, S - 1))
     acts = list(sched.actions[s])
-    i = data.draw(st.integers(0, len(acts) - 1))
-    if data.draw(st.booleans()):
-        j = data.draw(st.integers(0, len(acts) - 1))
+    if j is not None:
         acts[i], acts[j] = acts[j], acts[i]
         ticks = sched.ticks
     else:
@@ -208,3 +202,34 @@ def test_mutated_schedules_fail_only_with_schedule_errors(
         validate(replace(sched, actions=actions, ticks=ticks))
     except ScheduleError as e:
         assert e.stage is not None and str(e).startswith(f"stage {e.stage}")
+        return
+    assert j is not None, f"{name} S={S} M={M}: dropping stage {s}'s action {i} was accepted"
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    name=st.sampled_from(MUTATED),
+    S=st.integers(1, 4),
+    M=st.integers(1, 5),
+    data=st.data(),
+)
+def test_mutated_schedules_fail_only_with_schedule_errors(
+    name: str, S: int, M: int, data: st.DataObject
+) -> None:
+    """Swapping or dropping actions never crashes the validator: it passes or explains, and
+    a dropped action is always refused."""
+    sched = generate(name, stages=S, chunks=max(M, S) if name == "2bw" else M, steps=2)
+    s = data.draw(st.integers(0, S - 1))
+    n = len(sched.actions[s])
+    i = data.draw(st.integers(0, n - 1))
+    j = data.draw(st.integers(0, n - 1)) if data.draw(st.booleans()) else None
+    _check_mutation(name, S, M, s, i, j)
+
+
+def test_mutation_check_fails_for_a_validator_that_accepts_everything(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "validate", lambda *a, **k: None)
+    with pytest.raises(AssertionError, match="was accepted"):
+        _check_mutation("1f1b", 2, 2, 0, 0, None)
+    _check_mutation("1f1b", 2, 2, 0, 0, 1)  # a swap may pass

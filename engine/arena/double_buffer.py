@@ -10,14 +10,28 @@ becomes the back slot without a byte moving, and the parameters point at the oth
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 
 from engine.arena.core import SlotError
 
-if TYPE_CHECKING:
-    from engine.arena.weight_arena import WeightArena
+
+class SwappableArena(Protocol):
+    """What a double buffer uses of its :class:`~engine.arena.weight_arena.WeightArena`
+    (a Protocol: weight_arena imports this module, so naming the class closes a circle)."""
+
+    name: str
+    device: Any
+    _core: Any
+
+    def swap_live(self, slot: int, *, stream: Any = None) -> None: ...
+    def pins(self, slot: int) -> dict[int, int]: ...
+    def live_views(self) -> list[torch.Tensor]: ...
+    def slot_views(self, slot: int) -> list[torch.Tensor]: ...
+    def _on_stream(self, stream: Any) -> AbstractContextManager[int]: ...
+    def _stream(self, stream: Any) -> int: ...
 
 
 class DoubleBuffer:
@@ -45,7 +59,7 @@ class DoubleBuffer:
     it; :meth:`close` gives it up.
     """
 
-    def __init__(self, arena: WeightArena, back: int) -> None:
+    def __init__(self, arena: SwappableArena, back: int) -> None:
         self._arena = arena
         self._back = back
         self._closed = False

@@ -14,17 +14,27 @@ each request would overwrite the others' set-aside: engine/runtime/l2.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from engine.arena.core import ArenaError, _core_module
 from engine.arena.views import L2Persistence
 
-if TYPE_CHECKING:
-    from engine.arena.weight_arena import WeightArena
+
+class ArenaBuckets(Protocol):
+    """What these helpers use of a :class:`~engine.arena.weight_arena.WeightArena`: its core
+    handle and bucket table (a Protocol: weight_arena imports this module, so naming the
+    class closes a circle)."""
+
+    name: str
+    device: Any
+    _core: Any
+    _buckets: Any
+
+    def _check_bucket(self, bucket: int) -> int: ...
 
 
 def request(
-    arena: WeightArena, bucket: int | None, hit_ratio: float, max_bytes: int | None, stream: int
+    arena: ArenaBuckets, bucket: int | None, hit_ratio: float, max_bytes: int | None, stream: int
 ) -> L2Persistence:
     """``WeightArena.set_l2_persistence`` with the stream already resolved to a handle."""
     if not 0.0 <= float(hit_ratio) <= 1.0:
@@ -38,14 +48,14 @@ def request(
     return _result(r)
 
 
-def window_bucket(arena: WeightArena) -> int:
+def window_bucket(arena: ArenaBuckets) -> int:
     """The bucket a window covers by default: the largest (a stream has one window)."""
     core = arena._core
     return max(arena._buckets, key=lambda b: int(core.bucket_nbytes(b.index))).index
 
 
 def window(
-    arena: WeightArena, bucket: int | None, hit_ratio: float, share_bytes: int, stream: int
+    arena: ArenaBuckets, bucket: int | None, hit_ratio: float, share_bytes: int, stream: int
 ) -> L2Persistence:
     """``WeightArena.set_l2_window`` with the stream already resolved to a handle."""
     if not 0.0 <= float(hit_ratio) <= 1.0:
@@ -72,7 +82,7 @@ def _result(r: Any) -> L2Persistence:
     )
 
 
-def clear(arena: WeightArena, bucket: int, stream: int, *, set_aside_too: bool = True) -> None:
+def clear(arena: ArenaBuckets, bucket: int, stream: int, *, set_aside_too: bool = True) -> None:
     """``WeightArena.clear_l2_persistence`` (``set_aside_too=False``: ``clear_l2_window``)
     with the stream already resolved to a handle."""
     if arena.device.type != "cuda":

@@ -46,6 +46,7 @@ from engine.cli.config import TrainConfig
 from engine.cli.loop import TrainResult, train
 from engine.cli.plots import plot_curves, plot_depth, render_timelines
 from engine.cli.train import add_hparam_arguments, add_model_arguments
+from engine.schedule.catalog import SCHEDULES, family
 
 __all__ = ["METHODS", "Method", "add_arguments", "run", "method_config", "summarize"]
 
@@ -109,9 +110,6 @@ METHODS: dict[str, Method] = {
         ),
     )
 }
-
-TIMELINE_SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw", "pb")
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
@@ -199,7 +197,7 @@ def method_config(
         schedule=method.schedule,
         stages=stages,
         chunks=M,
-        update_size=update_size if method.schedule in ("pb", "pipedream") else None,
+        update_size=None if family(method.schedule).per_minibatch else update_size,
         resume=False,
     )
     # --delay-compensation is the lambda of the methods with DC, the others run without it
@@ -419,9 +417,10 @@ def run(args: argparse.Namespace) -> int:
             check_config(cfg)
         except CLIError as exc:
             raise CLIError(f"method {m.name} at S={S}: {exc}") from None
-        if cfg.schedule == "2bw" and cfg.chunks < S:
+        if family(cfg.schedule).needs_chunks_ge_stages and cfg.chunks < S:
             raise CLIError(
-                f"method 2bw needs --chunks >= stages (M >= S); got --chunks {cfg.chunks} with S={S}"
+                f"method {m.name} needs --chunks >= stages (M >= S); got --chunks {cfg.chunks} "
+                f"with S={S}"
             )
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
@@ -458,7 +457,7 @@ def run(args: argparse.Namespace) -> int:
         p = out / "depth.png"
         plot_depth(rows, p, f"{base.data_name}: accuracy and loss vs pipeline depth")
         images.append(p)
-    scheds = [s for s in TIMELINE_SCHEDULES if any(m.schedule == s for m in methods)]
+    scheds = [s for s in SCHEDULES if any(m.schedule == s for m in methods)]  # catalog order
     images += render_timelines(out, depths[-1], args.chunks or depths[-1], scheds)
     wall = time.perf_counter() - t_start
     command = "python -m engine compare " + " ".join(

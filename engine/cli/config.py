@@ -32,8 +32,9 @@ import math
 from dataclasses import dataclass
 
 from engine.cli import CLIError
+from engine.mitigations import WEIGHT_PREDICTIONS
+from engine.schedule.catalog import FAMILIES, SYNCHRONOUS, Family, family
 from engine.schedule.catalog import SCHEDULES as _CATALOG
-from engine.schedule.catalog import SYNCHRONOUS
 
 __all__ = [
     "SCHEDULES",
@@ -47,10 +48,10 @@ __all__ = [
 
 #: every schedule family of the catalog (a new family is trainable from the command line)
 SCHEDULES: tuple[str, ...] = _CATALOG
-PREDICTIONS = ("lwp", "spectrain", "spectrain_reuse")
+#: --prediction's choices: the pipeline's weight predictions (engine.mitigations)
+PREDICTIONS: tuple[str, ...] = WEIGHT_PREDICTIONS
 OPTIMIZERS = ("sgd", "adam", "adamw", "nadam", "muon", "basis-rotation")
 TASKS = ("classify", "lm")
-SYNC_SCHEDULES = ("naive", "gpipe", "1f1b")
 
 #: per-task defaults of the options whose parser default is None (the command line wins)
 TASK_DEFAULTS: dict[str, dict[str, int | float]] = {
@@ -103,7 +104,7 @@ class TrainConfig:
 
     def samples_per_update(self) -> int:
         """B: samples whose gradients one optimizer step applies."""
-        if self.schedule in SYNCHRONOUS or self.schedule == "2bw":
+        if family(self.schedule).per_minibatch:
             k = self.chunks
         else:
             k = self.update_size or 1
@@ -192,21 +193,22 @@ def check_config(cfg: TrainConfig) -> None:
         raise CLIError(f"--lr {cfg.lr} must be a positive number")
     if not 0 <= cfg.momentum < 1:
         raise CLIError(f"--momentum {cfg.momentum} must lie in [0, 1)")
-    if cfg.schedule != "pb":
-        for flag, on in (
-            ("--prediction", cfg.prediction is not None),
-            ("--discrepancy-correction", cfg.discrepancy_correction),
-            ("--order", cfg.order is not None),
-        ):
-            if on:
-                raise CLIError(
-                    f"{flag} applies to --schedule pb only (got --schedule {cfg.schedule})"
-                )
-    if cfg.update_size is not None and cfg.schedule not in ("pb", "pipedream"):
-        raise CLIError(
-            f"--update-size applies to --schedule pb and pipedream only (got --schedule "
-            f"{cfg.schedule}, which updates once per {cfg.chunks} --chunks micro-batches)"
-        )
+    for flag, on, applies in (
+        ("--prediction", cfg.prediction is not None, _live_async),
+        ("--discrepancy-correction", cfg.discrepancy_correction, _live_async),
+        ("--order", cfg.order is not None, _chooses_order),
+        ("--update-size", cfg.update_size is not None, _free_update_size),
+    ):
+        if on and not applies(family(cfg.schedule)):
+            names = " and ".join(n for n, f in FAMILIES.items() if applies(f))
+            why = (
+                f", which updates once per {cfg.chunks} --chunks micro-batches"
+                if applies is _free_update_size
+                else ""
+            )
+            raise CLIError(
+                f"{flag} applies to --schedule {names} only (got --schedule {cfg.schedule}{why})"
+            )
     if cfg.checkpoint_every is not None and cfg.checkpoint_every < 1:
         raise CLIError(f"--checkpoint-every {cfg.checkpoint_every} must be >= 1 (steps)")
     if cfg.pipemare_warmup is not None and cfg.pipemare_warmup < 0:
@@ -216,6 +218,18 @@ def check_config(cfg: TrainConfig) -> None:
     _check_delay_compensation(cfg)
     if cfg.prediction is not None and cfg.momentum == 0 and cfg.optimizer == "sgd":
         raise CLIError("--prediction extrapolates the momentum buffer; it needs --momentum > 0")
+
+
+def _live_async(fam: Family) -> bool:
+    return fam.live_async  # the weight mitigations apply
+
+
+def _chooses_order(fam: Family) -> bool:
+    return len(fam.orders) > 1
+
+
+def _free_update_size(fam: Family) -> bool:
+    return not fam.per_minibatch  # any k >= 1, not k = M
 
 
 def _check_delay_compensation(cfg: TrainConfig) -> None:
@@ -228,12 +242,12 @@ def _check_delay_compensation(cfg: TrainConfig) -> None:
         return
     if cfg.schedule in SYNCHRONOUS:
         raise CLIError(f"--delay-compensation compensates delayed gradients; --schedule "
-                       f"{cfg.schedule} has no delay (use pipedream, 2bw or pb)")
+                       f"{cfg.schedule} has no delay (use {', '.join(n for n in _CATALOG if n not in SYNCHRONOUS)})")
     if cfg.optimizer == "muon":
         raise CLIError("--delay-compensation applies to --optimizer sgd, adam, adamw and nadam; "
                        "engine.optim.Muon has no delay compensation (its gradient is "
                        "orthogonalised after momentum, which the correction's derivation does not cover)")
-    if cfg.schedule == "pb" and not cfg.discrepancy_correction:
+    if family(cfg.schedule).live_async and not cfg.discrepancy_correction:
         raise CLIError("--delay-compensation with --schedule pb needs --discrepancy-correction "
                        "(PipeMare T2's backward weights give the gradient the lag it removes)")
 

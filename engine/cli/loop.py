@@ -134,12 +134,12 @@ def build_pipeline(
     import torch
 
     import engine
-    from engine.cli.config import SYNC_SCHEDULES
     from engine.models import even_balance, gpt, residual_mlp, split_layers
+    from engine.schedule.catalog import family
 
     torch.manual_seed(cfg.seed)
     if cfg.task == "lm":  # asynchronous schedules refuse ties: their head gets its own copy
-        tie = cfg.schedule in SYNC_SCHEDULES
+        tie = family(cfg.schedule).synchronous
         seq = gpt(num_classes, num_features, cfg.layers, cfg.width, tie=tie).to(cfg.device)
     else:
         seq = residual_mlp(num_features, num_classes, cfg.layers, cfg.width).to(cfg.device)
@@ -186,7 +186,7 @@ def build_pipeline(
         loss_fn=loss,
         optimizer=make_optimizer,
         checkpoint=cfg.checkpoint,
-        update_size=cfg.update_size if cfg.schedule in ("pb", "pipedream") else None,
+        update_size=None if family(cfg.schedule).per_minibatch else cfg.update_size,
         order=cfg.order,
         weight_prediction=cfg.prediction,
         discrepancy_correction=cfg.discrepancy_correction or None,

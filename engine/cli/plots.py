@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.cli.loop import TrainResult
+from engine.schedule.catalog import family
 
 __all__ = ["plot_curves", "plot_depth", "render_timelines"]
 
@@ -28,19 +29,19 @@ def _plt() -> Any:
 
 #: panels of the curves figure: methods grouped by how their forwards read weights
 _PANELS = (
-    ("synchronous (no staleness)", ("gpipe", "1f1b", "naive")),
-    ("weight stashing", ("pipedream", "2bw")),
-    ("live weights, pipelined backpropagation", ("pb",)),
+    "synchronous (no staleness)",
+    "weight stashing",
+    "live weights, pipelined backpropagation",
 )
 _STYLES = ("-", "--", "-.", ":")
 _MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*")
 
 
 def _panel_of(res: TrainResult) -> int:
-    for k, (_, schedules) in enumerate(_PANELS):
-        if res.config.schedule in schedules:
-            return k
-    return len(_PANELS) - 1
+    fam = family(res.config.schedule)  # the catalog says how a family reads weights
+    if fam.synchronous:
+        return 0
+    return 2 if fam.live_async else 1
 
 
 def plot_curves(results: list[tuple[str, TrainResult]], path: Path, title: str) -> None:
@@ -71,7 +72,7 @@ def plot_curves(results: list[tuple[str, TrainResult]], path: Path, title: str) 
                          markevery=max(1, len(xs) // 6), ms=4, lw=1.5, label=name)
             top.plot(xs, [r["test_acc"] for r in res.rows], **style)
             bottom.plot(xs, [r["train_loss"] for r in res.rows], **style)
-        top.set_title(_PANELS[k][0], fontsize=10)
+        top.set_title(_PANELS[k], fontsize=10)
         top.set_ylabel("test accuracy")
         bottom.set_ylabel("training loss (mean since previous point)")
         bottom.set_yscale("log")
@@ -124,7 +125,7 @@ def render_timelines(out: Path, stages: int, chunks: int, schedules: list[str]) 
     for name in schedules:
         S = min(stages, 8)
         M = min(chunks, 8)
-        if name == "2bw":
+        if family(name).needs_chunks_ge_stages:
             M = max(M, S)
         sched = generate(name, S, M, 2, None, None)
         bubble = analyze(sched).bubble_fraction

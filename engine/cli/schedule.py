@@ -23,11 +23,11 @@ from pathlib import Path
 from engine.cli import CLIError
 from engine.schedule.catalog import PROGRAM_FAMILIES
 from engine.schedule.catalog import SCHEDULES as NAMES  # the catalog is torch-free
+from engine.schedule.vshape import TAKES_VIRTUAL_STAGES
 
 __all__ = ["add_arguments", "run", "wrap_schedule_text"]
 
 PROGRAMS = tuple(PROGRAM_FAMILIES)
-_PER_RANK = ("interleaved", "looped_bfs")  # v stages per rank, -v sets v
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):  # noqa: ANN202
-    from engine.schedule import dualpipev, from_csv, generate, interleaved, looped_bfs, parse, zbv
+    from engine.schedule import from_csv, generate, parse
+    from engine.schedule.vshape import rank_program
 
     name = args.name
     path = Path(name)
@@ -86,17 +87,14 @@ def _load(args: argparse.Namespace):  # noqa: ANN202
             f"unknown schedule {name!r}; choose one of {', '.join(NAMES + PROGRAMS)} or give a "
             ".csv or text-form file"
         )
-    if args.virtual_stages is not None and name not in _PER_RANK:
-        raise CLIError(f"--virtual-stages is only for interleaved and looped_bfs, not {name!r}")
+    if args.virtual_stages is not None and name not in TAKES_VIRTUAL_STAGES:
+        raise CLIError(
+            f"--virtual-stages is only for {' and '.join(TAKES_VIRTUAL_STAGES)}, not {name!r}"
+        )
     if name in PROGRAMS:
         if args.update_size is not None or args.order is not None:
             raise ValueError(f"{name} takes neither --update-size nor --order")
-        v = 2 if args.virtual_stages is None else args.virtual_stages
-        if name == "interleaved":
-            return interleaved(args.stages, v, args.chunks, args.steps)
-        if name == "looped_bfs":
-            return looped_bfs(args.stages, v, args.chunks, args.steps)
-        return (zbv if name == "zbv" else dualpipev)(args.stages, args.chunks, args.steps)
+        return rank_program(name, args.stages, args.chunks, args.steps, args.virtual_stages)
     order = None if args.order == "dataflow" else args.order
     return generate(name, args.stages, args.chunks, args.steps, args.update_size, order)
 

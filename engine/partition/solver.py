@@ -33,6 +33,7 @@ from engine.partition.costs import (
     _optimizer_factor,
 )
 from engine.partition.footprint import stage_footprint
+from engine.schedule.catalog import family
 
 __all__ = ["OBJECTIVES", "partition"]
 
@@ -226,9 +227,11 @@ def _infeasible_message(
         fixes.append("use more stages")
     if len(worst.layers) == 1:
         fixes.append(f"split layer {worst.layers[0]} (it is alone on stage {worst.stage})")
-    if schedule in ("pipedream", "gpipe") or (schedule == "pb" and order != "1f1b"):
+    fam, lean = family(schedule), family("1f1b")  # 1f1b: one live version, S - s activations
+    held = fam.activation_bound(S, worst.stage, chunks, order)
+    if fam.weights == "stash" or held > lean.activation_bound(S, worst.stage, chunks, None):
         fixes.append("use a schedule that holds fewer versions or activations (e.g. '1f1b')")
-    elif schedule in ("1f1b", "2bw") and chunks > 1 and worst.activation_bytes:
+    elif held > 1 and worst.activation_bytes:
         fixes.append("use activation checkpointing or smaller micro-batches")
     lines.append("Fix: " + "; or ".join(fixes) + ".")
     return " ".join(lines)

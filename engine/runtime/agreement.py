@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.errors import PipelineConfigError
+from engine.mitigations import MITIGATION_OPTIONS
 
 __all__ = ["fingerprint", "agree"]
 
@@ -48,7 +49,7 @@ def fingerprint(
     if opt is not None:
         pipe_settings["optimizer mitigations"] = {
             k: opt.defaults[k]
-            for k in ("spike_compensation", "prediction", "discrepancy_correction", "delay_compensation")
+            for k in MITIGATION_OPTIONS
             if opt.defaults.get(k) is not None
         }
     settings = [[k, v] for k, v in pipe_settings.items()] + [["engine version", engine.__version__]]

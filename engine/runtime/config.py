@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import PipelineConfigError
+from engine.mitigations import WEIGHT_PREDICTIONS
 from engine.runtime.l2 import check_l2_option
+from engine.schedule.catalog import live_async
 from engine.schedule.spec import ScheduleSpec
 
 __all__ = [
@@ -27,7 +29,6 @@ __all__ = [
 ]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
-WEIGHT_PREDICTIONS = ("lwp", "spectrain", "spectrain_reuse")
 TRANSPORTS = ("local", "gloo", "nccl")
 NONFINITE = ("raise", "skip", "skip_update")
 
@@ -201,10 +202,10 @@ def resolve_mitigations(
             raise PipelineConfigError(f"stage {s}: {exc}") from None
         opt_prediction = opt_prediction or pmode
         opt_correction = opt_correction or bool(corr)
-    live_async = spec.weights == "live" and not spec.synchronous
-    if weight_prediction is None and opt_prediction is not None and live_async:
+    mitigable = live_async(spec.weights, spec.synchronous)
+    if weight_prediction is None and opt_prediction is not None and mitigable:
         weight_prediction = "lwp"
-    if (weight_prediction is not None or opt_prediction is not None) and not live_async:
+    if (weight_prediction is not None or opt_prediction is not None) and not mitigable:
         why = "has no delay" if spec.synchronous else "already uses stashed weights"
         raise PipelineConfigError(
             "weight prediction (LWP/SpecTrain) mitigates the live-weight staleness of "
@@ -225,7 +226,7 @@ def resolve_mitigations(
             "prediction='linear', or use weight_prediction='lwp' to keep the momentum form."
         )
     correction = opt_correction if discrepancy_correction is None else bool(discrepancy_correction)
-    if correction and not live_async:
+    if correction and not mitigable:
         raise PipelineConfigError(
             "discrepancy_correction (PipeMare T2) corrects the live weights of asynchronous "
             f"schedules such as 'pb'; it is invalid with {spec.describe()}"

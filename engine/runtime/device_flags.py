@@ -26,7 +26,7 @@ docs/ALGORITHMS.md, "Non-finite losses".
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -34,10 +34,18 @@ from torch import Tensor
 from engine.errors import PipelineConfigError
 
 if TYPE_CHECKING:
-    from engine.runtime.stage import Stage
     from engine.schedule.spec import ScheduleSpec
 
 __all__ = ["DeviceFlags", "SkipFlags", "check_skip_update"]
+
+
+class FlaggedStage(Protocol):
+    """What the flags read of a stage: its stash (entries take the flag) and its optimizer
+    bridge (which holds the :class:`SkipFlags`). A Protocol, not ``Stage``: the stage's
+    optimizer bridge imports this module, so naming ``Stage`` here closes an import circle."""
+
+    stash: Any
+    bridge: Any
 
 
 class SkipFlags:
@@ -50,6 +58,10 @@ class SkipFlags:
 
     def add(self, flag: Tensor) -> None:
         """A backward of a flagged (or clean: 0.0) micro-batch joined the pending group."""
+        if flag.is_cuda:
+            # made on the last stage's stream, read here on this stage's: without this its
+            # memory could be handed out again there before this add has run
+            flag.record_stream(torch.cuda.current_stream(flag.device))
         self.found_inf.add_(flag.to(self.found_inf.device, non_blocking=True))
 
     def after_step(self) -> None:
@@ -69,9 +81,13 @@ class DeviceFlags:
     def __init__(self) -> None:
         self.nonfinite: Tensor | None = None  # created on the first loss's device
 
-    def mark(self, stages: list[Stage], i: int, loss: Tensor) -> None:
+    def mark(self, stages: list[FlaggedStage], i: int, loss: Tensor) -> None:
         """Flag micro-batch ``i`` (segment id) at every local stage: no host read."""
-        flag = torch.isfinite(loss).all().logical_not().to(torch.float32)
+        if loss.dim() == 0 and loss.dtype == torch.float32:
+            # x - x is 0 for every finite x and NaN for inf/NaN: two launches, not eight
+            flag = loss.detach().sub(loss.detach()).ne_(0)
+        else:
+            flag = torch.isfinite(loss).all().logical_not().to(torch.float32)
         if self.nonfinite is None:
             self.nonfinite = torch.zeros((), dtype=torch.float32, device=flag.device)
         self.nonfinite.add_(flag)
@@ -80,7 +96,7 @@ class DeviceFlags:
             if e is not None:  # (its backward comes later at every stage)
                 e.flag = flag
 
-    def fold(self, stages: list[Stage]) -> tuple[int, list[int]]:
+    def fold(self, stages: list[FlaggedStage]) -> tuple[int, list[int]]:
         """(non-finite losses, skipped updates per stage) since the last fold, in one host
         read; the device counters restart from zero. Call after the stage streams joined."""
         counters: list[Tensor] = [] if self.nonfinite is None else [self.nonfinite]
@@ -96,7 +112,7 @@ class DeviceFlags:
         return bad, skipped
 
 
-def _flags_of(st: Stage) -> SkipFlags | None:
+def _flags_of(st: FlaggedStage) -> SkipFlags | None:
     return st.bridge.skip if st.bridge is not None else None
 
 

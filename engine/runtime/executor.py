@@ -35,7 +35,6 @@ and further steps work.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -47,9 +46,10 @@ from torch import Tensor
 from engine.runtime import labels
 from engine.runtime.clock import Clock
 from engine.runtime.device_flags import DeviceFlags
-from engine.runtime.failures import FailureHandling
+from engine.runtime.failures import FailureHandling, Outcome
 from engine.runtime.interrupts import Interrupts
 from engine.runtime.program import BB, OP_NAMES, B, F, StepCompiler, StepProgram, U, W
+from engine.runtime.result import StepResult, _Input  # StepResult: re-exported
 from engine.runtime.rollback import BufferTracker
 from engine.runtime.stage import DROPPED, Stage
 from engine.runtime.streams import StageStreams
@@ -61,24 +61,6 @@ __all__ = ["Executor", "StepResult"]
 
 _KINDS = {F: Kind.FORWARD, B: Kind.BACKWARD, W: Kind.WEIGHT}
 _NO_ACTIVE: dict[int, tuple[int, str]] = {}
-
-
-@dataclasses.dataclass
-class _Input:
-    x: Any
-    target: Any
-    samples: int
-    readers: int  # local stages (0 and/or S-1) that still have to read it
-
-
-@dataclasses.dataclass
-class StepResult:
-    """Sample-weighted mean loss of the micro-batches whose forward completed (None if none)
-    and how many of them had a non-finite loss."""
-
-    loss: Tensor | None
-    nonfinite: int = 0
-    bad: list[int] = dataclasses.field(default_factory=list)  # global ids of non-finite ones
 
 
 class Executor(SynchronousSteps, FailureHandling):
@@ -192,7 +174,9 @@ class Executor(SynchronousSteps, FailureHandling):
     def _feed(self, xs: list[Any], targets: list[Any], samples: list[int], base: int) -> None:
         readers = sum(1 for s in (0, self.S - 1) if s in self.by_index) if self.S > 1 else 1
         self.streams.wait_caller()
-        self.streams.from_caller([*xs, *targets], [s for s in (0, self.S - 1) if s in self.by_index])
+        # stage 0 reads the inputs, the last stage the targets (and nobody else either)
+        self.streams.from_caller(xs, [0] if 0 in self.by_index else [])
+        self.streams.from_caller(targets, [self.S - 1] if self.S - 1 in self.by_index else [])
         for i, (x, t, b) in enumerate(zip(xs, targets, samples, strict=True)):
             self.inputs[base + i] = _Input(x, t, b, readers)
 
@@ -265,12 +249,12 @@ class Executor(SynchronousSteps, FailureHandling):
             self._loop(prog.local, start, base)
         except BaseException as exc:
             pc = self._pc
+            # the tail first: whatever the clean-up below does, the step can go on
+            self.tail = (prog, pc + 1 if self._in_action else pc, base)
             if self._in_action:
                 self._action_failed(prog.local[pc], base, exc)
-                pc += 1
             else:
-                self._note(exc, prog.local[pc] if pc < len(prog.local) else None, base, "paused")
-            self.tail = (prog, pc, base)
+                self._note(exc, prog.local[pc] if pc < len(prog.local) else None, base, Outcome.PAUSED)
             raise
         finally:
             for st in self.stages:
@@ -279,7 +263,7 @@ class Executor(SynchronousSteps, FailureHandling):
     def _loop(self, ins: tuple[tuple[int, int, Any], ...], start: int, base: int) -> None:
         by_index = self.by_index
         streams = self.streams
-        cuda = streams.cuda
+        cuda = streams.separate  # per-stage streams (CUDA, or a recording fake)
         clock = self.clock
         interrupts = self.interrupts
         hook = self.action_hook
@@ -415,14 +399,18 @@ class Executor(SynchronousSteps, FailureHandling):
     def _backward_batch(self, items: tuple[tuple[int, int], ...], base: int) -> None:
         """Several stages' backwards (different stages, independent) in one autograd call;
         while profiling each runs on its own so every one keeps its profiler label."""
-        if labels.profiling() or self.streams.cuda:
-            for s, rel in items:
-                st = self.by_index[s]
-                if self.streams.cuda:
-                    with self.streams.on(s):
+        if labels.profiling() or self.streams.separate:
+            try:
+                for s, rel in items:
+                    st = self.by_index[s]
+                    if self.streams.separate:
+                        with self.streams.on(s):
+                            self._backward(st, base + rel)
+                    else:
                         self._backward(st, base + rel)
-                else:
-                    self._backward(st, base + rel)
+            except BaseException:
+                self._batch_failed(items, base)  # as the one autograd call below would
+                raise
             return
         jobs = []
         upstream: list[tuple[Stage, int, Any]] = []

@@ -29,6 +29,7 @@ from engine.runtime import inputs as _inputs
 from engine.runtime import trees
 from engine.runtime.build import build_module, build_store, resolve_stage_specs
 from engine.runtime.executor import Executor, StepResult
+from engine.runtime.failures import nonfinite_message
 from engine.runtime.first_failure import begin, report
 from engine.runtime.placement import RankPlacement
 from engine.runtime.program import OP_NAMES, RB, RF, SB, SF, F, StepProgram, U, W
@@ -386,12 +387,10 @@ class RankExecutor(Executor):
             if nonfinite and self.on_nonfinite == "raise":
                 self.dropped += nonfinite
                 self._undo_step(base)
-                raise NonFiniteLossError(
-                    f"{nonfinite} micro-batch(es) of this step gave a non-finite loss (seen by "
-                    "the last stage); the step was rolled back on every rank: no weight or "
-                    "optimizer state changed. Lower the learning rate, check the inputs, or "
-                    "pass on_nonfinite='skip'."
-                )
+                raise NonFiniteLossError(nonfinite_message(
+                    f"{nonfinite} micro-batch(es) of this step (seen by the last stage)",
+                    "the step was rolled back on every rank: no weight or optimizer state changed.",
+                ))
             if nonfinite:
                 self.dropped += nonfinite
                 for st in self.stages:

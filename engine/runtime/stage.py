@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from engine.errors import PipelineInputError
-from engine.runtime import labels, trees
+from engine.runtime import fresh_grads, labels, trees
 from engine.runtime.optim_bridge import OptimizerBridge
 from engine.runtime.policy import LIVE, PINNED, Transient, WeightPolicy
 from engine.runtime.saved_weights import SavedWeights
@@ -50,7 +50,6 @@ from engine.runtime.weight_store import LIVE as LIVE_BUFFER
 from engine.runtime.weight_store import WeightStore
 
 __all__ = ["Stage", "DROPPED", "BackwardJob"]
-
 
 _NULL = contextlib.nullcontext()
 
@@ -262,7 +261,7 @@ class Stage:
         """What the stash keeps of a forward's output for its backward: the scaled loss on
         the last stage; else the output, or of a tree only the leaves that require grad."""
         if self.is_last:
-            return out * scale
+            return out if scale == 1.0 else out * scale  # x * 1.0 == x: save the launch
         return out if isinstance(out, Tensor) else trees.grad_roots(out)
 
     def _recomputable(self) -> Callable[[Any, Any], Tensor]:
@@ -433,7 +432,7 @@ class Stage:
                 roots += r
                 grads += g
             if roots:
-                torch.autograd.backward(roots, grads)
+                fresh_grads.backward(roots, grads, [job.stage.store.fresh for job in jobs])
 
     def _split_backward(self, job: BackwardJob, part: str) -> None:
         """Half of a backward split into B and W (zero-bubble schedules): "input" accumulates
@@ -446,7 +445,8 @@ class Stage:
         with contextlib.ExitStack() as stack:
             roots, grads = self._enter(job, stack)
             if roots and inputs:
-                torch.autograd.backward(roots, grads, inputs=inputs, retain_graph=part == "input")
+                fresh = [self.store.fresh] if part == "weight" else []
+                fresh_grads.backward(roots, grads, fresh, inputs=inputs, retain_graph=part == "input")
 
     def backward_weight(self, i: int, n: int) -> None:
         """W(i): the weight gradient of micro-batch i, whose B(i) computed only the input

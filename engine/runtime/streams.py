@@ -23,7 +23,7 @@ from torch import Tensor
 
 from engine.runtime import trees
 
-__all__ = ["CPUStream", "CPU_STREAM", "StageStreams"]
+__all__ = ["CPUStream", "CPU_STREAM", "CUDABackend", "StageStreams"]
 
 
 class CPUStream:
@@ -37,73 +37,108 @@ CPU_STREAM = CPUStream()
 _NULL = contextlib.nullcontext()
 
 
-class StageStreams:
-    """One stream per stage index; ``cuda`` selects real CUDA streams (all on ``device``)."""
+class CUDABackend:
+    """The CUDA calls :class:`StageStreams` makes, in one place: a recording fake with the same
+    methods (engine.testing.stream_recorder) runs the very same stream logic on a CPU and
+    counts every event record, wait and allocator hand-over per step."""
 
-    def __init__(self, stages: Iterable[int], device: torch.device | None = None) -> None:
+    def stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device=device)
+
+    def current(self, device: torch.device | None) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def event(self) -> Any:
+        return torch.cuda.Event()
+
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def record_stream(self, tensor: Tensor, stream: Any) -> None:
+        """Tell the caching allocator ``tensor`` is used on ``stream`` (on free it records an
+        event there and polls it before reusing the block)."""
+        if tensor.is_cuda:
+            tensor.record_stream(stream)
+
+
+class StageStreams:
+    """One stream per stage index; ``cuda`` selects real CUDA streams (all on ``device``).
+
+    ``backend``: where streams and events come from (default: CUDA when ``device`` is a CUDA
+    device, else none: the CPU stand-in, every method a no-op). ``separate`` is True when
+    stages have streams of their own, so each action runs on its stage's stream and every
+    hand-off between stages carries an event."""
+
+    def __init__(
+        self, stages: Iterable[int], device: torch.device | None = None, backend: Any = None
+    ) -> None:
         self.cuda = device is not None and device.type == "cuda"
         self.device = device
-        if self.cuda:
-            self.streams: dict[int, Any] = {s: torch.cuda.Stream(device=device) for s in stages}
+        if backend is None and self.cuda:
+            backend = CUDABackend()
+        self.backend = backend
+        self.separate = backend is not None
+        if backend is not None:
+            self.streams: dict[int, Any] = {s: backend.stream(device) for s in stages}
         else:
             self.streams = dict.fromkeys(stages, CPU_STREAM)
 
     def on(self, stage: int) -> contextlib.AbstractContextManager[Any]:
         """Enqueue the block's work on ``stage``'s stream."""
-        if not self.cuda:
+        if not self.separate:
             return _NULL
-        return torch.cuda.stream(self.streams[stage])
+        return self.backend.use(self.streams[stage])
 
     def record(self, stage: int) -> Any:
         """An event marking the work enqueued so far on ``stage``'s stream (None on CPU)."""
-        if not self.cuda:
+        if not self.separate:
             return None
-        ev = torch.cuda.Event()
+        ev = self.backend.event()
         ev.record(self.streams[stage])
         return ev
 
     def wait(self, stage: int, event: Any, tensor: Any = None) -> None:
         """Make ``stage``'s stream wait for ``event`` before using ``tensor`` (produced on
         another stream); the caching allocator is told the tensor is used here."""
-        if not self.cuda or event is None:
+        if not self.separate or event is None:
             return
         stream = self.streams[stage]
         stream.wait_event(event)
         for t in _tensors(tensor):
-            if t.is_cuda:
-                t.record_stream(stream)
+            self.backend.record_stream(t, stream)
 
     def wait_caller(self) -> None:
         """Every stage stream starts after the work the caller's stream enqueued so far
-        (inputs, weights the caller wrote, e.g. load_state_dict)."""
-        if not self.cuda:
+        (inputs, weights the caller wrote, e.g. load_state_dict): one event on the caller's
+        stream, waited for by each stage (``wait_stream`` would record one per stage)."""
+        if not self.separate:
             return
-        caller = torch.cuda.current_stream(self.device)
+        ev = self.backend.event()
+        ev.record(self.backend.current(self.device))
         for stream in self.streams.values():
-            stream.wait_stream(caller)
+            stream.wait_event(ev)
 
     def join(self) -> None:
         """The caller's stream waits for every stage stream (before it reads results)."""
-        if not self.cuda:
+        if not self.separate:
             return
-        caller = torch.cuda.current_stream(self.device)
+        caller = self.backend.current(self.device)
         for stream in self.streams.values():
             caller.wait_stream(stream)
 
     def to_caller(self, tensor: Any) -> None:
         """``tensor`` (allocated on a stage stream) is read on the caller's stream."""
-        if self.cuda and isinstance(tensor, Tensor) and tensor.is_cuda:
-            tensor.record_stream(torch.cuda.current_stream(self.device))
+        if self.separate and isinstance(tensor, Tensor):
+            self.backend.record_stream(tensor, self.backend.current(self.device))
 
     def from_caller(self, tensors: Iterable[Any], stages: Iterable[int]) -> None:
         """Inputs made on the caller's stream are read on ``stages``' streams."""
-        if not self.cuda:
+        if not self.separate:
             return
         flat = [t for x in tensors for t in _tensors(x)]
         for s in stages:
             for t in flat:
-                if t.is_cuda:
-                    t.record_stream(self.streams[s])
+                self.backend.record_stream(t, self.streams[s])
 
 
 def _tensors(x: Any) -> list[Tensor]:

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.runtime import labels
+from engine.runtime.failures import Outcome
 from engine.runtime.program import StepProgram, U
 from engine.runtime.rollback import BufferTracker, RollbackPoint
 
 if TYPE_CHECKING:
-    from engine.runtime.executor import StepResult
+    from engine.runtime.result import StepResult
     from engine.runtime.stage import Stage
     from engine.runtime.streams import StageStreams
 
@@ -67,6 +68,8 @@ class SynchronousSteps:
         chain = self.chain_sync and not labels.profiling()
         for st in self.stages:
             st.chain = chain
+            # a chained backward runs through every stage: all take fresh gradients
+            st.store.fresh.peers = tuple(x.store.fresh for x in self.stages if x is not st) if chain else ()
         try:
             self._feed(xs, targets, samples, base)
             self._loop(prog.local, 0, base)
@@ -77,7 +80,7 @@ class SynchronousSteps:
         except BaseException as exc:
             at = prog.local[self._pc] if self._pc < len(prog.local) else None
             self._rollback(point)
-            self._note(exc, at, base, "rolled back")
+            self._note(exc, at, base, Outcome.ROLLED_BACK)
             raise
         if skip:
             for st in self.stages:
@@ -132,12 +135,7 @@ class SynchronousSteps:
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the other stages
                 if first is None:
                     first = exc
-                    if hasattr(exc, "add_note"):
-                        exc.add_note(
-                            f"engine.Pipeline: stage {s}'s optimizer raised during the update "
-                            "phase: that stage's update was skipped (its gradients discarded), "
-                            "every other stage updated. The pipeline is consistent."
-                        )
+                    self._note(exc, (U, s, mbs), base, Outcome.UPDATE_PHASE_FAILED)
         if first is not None:
             raise first
 

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from engine.runtime.fresh_grads import FreshGrads
+
 __all__ = ["LIVE", "WeightStore"]
 
 LIVE = -1
@@ -109,6 +111,8 @@ class WeightStore:
             g = arena.flat_grad(b)
             if g is not None:
                 self._grad_flats.append(g)
+        #: one multi-tensor add per backward instead of one add_ per parameter (GPU)
+        self.fresh = FreshGrads(params, self._grad_views)
         self._views: dict[int, list[Tensor]] = {LIVE: [p.data for p in params]}
         self._flats: dict[int, list[Tensor]] = {}
         self._active = LIVE

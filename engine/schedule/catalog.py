@@ -21,6 +21,15 @@ What a row holds (ALGORITHMS.md, "Schedules" and "Weight versions"):
 * :meth:`Family.activation_bound` and :meth:`Family.weight_versions`: the per-stage memory
   footprint the validator, the partitioner and the runtime's memory tests rely on.
 
+* :attr:`Family.live_async`: asynchronous with live weights (pb), the families the weight
+  mitigations (prediction, discrepancy correction) apply to.
+
+Not a row: ``interleaved`` (interleaved 1F1B, :mod:`engine.schedule.interleaved`). It is a
+builder of one-mini-batch *programs* with v virtual stages per rank and a per-rank order, not
+a family of open-ended per-stage streams: it has no ``generate``/stream form, no fixed order
+or stage count for the rows' methods to answer for, and it needs ``virtual_stages``. Its name
+lives in ``interleaved.NAME``; code outside ``schedule/`` compares with that constant.
+
 Importing this module does not import torch.
 """
 
@@ -46,6 +55,11 @@ class Family:
     summary: str
     #: the backward is split into B (input gradient) and W (weight gradient, run later)
     split_backward: bool = False
+
+    @property
+    def live_async(self) -> bool:
+        """Asynchronous with live weights: the weight mitigations apply (module docstring)."""
+        return live_async(self.weights, self.synchronous)
 
     @property
     def default_order(self) -> str:
@@ -153,6 +167,13 @@ FAMILIES: dict[str, Family] = {
 SCHEDULES: tuple[str, ...] = tuple(FAMILIES)
 #: the families that flush every mini-batch
 SYNCHRONOUS: frozenset[str] = frozenset(n for n, f in FAMILIES.items() if f.synchronous)
+
+
+def live_async(weights: str, synchronous: bool) -> bool:
+    """Whether a schedule (a family or a hand-written program) reads live weights
+    asynchronously: the staleness the weight mitigations (prediction, PipeMare's
+    discrepancy correction) address."""
+    return weights == "live" and not synchronous
 
 
 def family(name: object) -> Family:

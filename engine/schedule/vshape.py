@@ -28,11 +28,13 @@ each stage applies its M gradients once, at the end of the mini-batch.
 from __future__ import annotations
 
 from engine._checks import check_positive_int
+from engine.schedule.interleaved import interleaved
 from engine.schedule.ir import Action, Kind, Schedule
 from engine.schedule.ranked import Unit, build, loop_placement, v_placement
 
 __all__ = ["zbv", "dualpipev", "looped_bfs", "zbv_rank_order", "dualpipev_rank_order",
-           "looped_bfs_rank_order", "RANK_PROGRAMS", "activation_bound"]
+           "looped_bfs_rank_order", "RANK_PROGRAMS", "TAKES_VIRTUAL_STAGES", "activation_bound",
+           "rank_program"]
 
 
 def _one(stage: int, kind: Kind, mb: int) -> Unit:
@@ -187,6 +189,26 @@ def looped_bfs(ranks: int, virtual_stages: int, chunks: int, steps: int = 1) -> 
 
 #: the families this module generates (their catalog rows: catalog.PROGRAM_FAMILIES)
 RANK_PROGRAMS = ("zbv", "dualpipev", "looped_bfs")
+#: the rank-program families whose stages per rank (v) the caller chooses; the V ones hold 2
+TAKES_VIRTUAL_STAGES = ("interleaved", "looped_bfs")
+
+
+def rank_program(
+    name: str, ranks: int, chunks: int, steps: int = 1, virtual_stages: int | None = None
+) -> Schedule:
+    """The rank-program family ``name`` (a key of catalog.PROGRAM_FAMILIES) on ``ranks``
+    ranks; ``virtual_stages`` (default 2) only for :data:`TAKES_VIRTUAL_STAGES`."""
+    if name in TAKES_VIRTUAL_STAGES:
+        v = 2 if virtual_stages is None else virtual_stages
+        build_ = interleaved if name == "interleaved" else looped_bfs
+        return build_(ranks, v, chunks, steps)
+    if virtual_stages is not None:
+        raise ValueError(f"{name!r} places exactly 2 stages per rank; drop virtual_stages")
+    if name == "zbv":
+        return zbv(ranks, chunks, steps)
+    if name == "dualpipev":
+        return dualpipev(ranks, chunks, steps)
+    raise ValueError(f"unknown rank-program family {name!r}")
 
 
 def activation_bound(name: str, stages: int, stage: int, chunks: int) -> int | None:

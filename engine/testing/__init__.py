@@ -1,5 +1,10 @@
 """Test instrumentation that ships with the library: layers that record which weights each
-forward and backward of a pipeline read, and a fault injector for exception-safety tests."""
+forward and backward of a pipeline read, and a fault injector for exception-safety tests.
+
+Imported by name (not re-exported here, so ``import engine.testing`` stays light):
+``engine.testing.capture_audit`` (CUDA-graph capture preconditions of a step, on CPU),
+``engine.testing.launch_count`` (aten calls per action), ``engine.testing.stream_recorder``
+(stream events per step, on CPU) and ``engine.testing.dispatch_trace`` (their recorder)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,110 @@
+"""Weight gradients accumulated into the flat buffers with one multi-tensor add per backward.
+
+Why: a stage's parameters keep their ``.grad`` as views of the arena's flat gradient buffers
+for the stage's whole life, so autograd's AccumulateGrad adds every new gradient in place:
+one ``add_`` launch per parameter and micro-batch (issue 23: 12 of the ~47 aten calls per
+stage and micro-batch of pb batch-1 on a 16-layer residual MLP, where a plain loop with
+``zero_grad(set_to_none=True)`` launches none). Here, around a backward, the parameters'
+``.grad`` are set to None, so AccumulateGrad hands each new gradient over without a launch
+(post-accumulate hooks still fire), and afterwards every ``.grad`` points at its view again
+and the new gradients are added with one ``torch._foreach_add_``: the same elementwise
+``view + grad`` in the same order as AccumulateGrad's ``+=``, so the sums are bit for bit
+what they were.
+
+The price is memory: a stage's fresh gradients are alive together until the add (before,
+each was freed after its own add). So only stages with at most :data:`MAX_BYTES` of
+gradients take this path -- the small, launch-bound stages it is for; big stages are
+compute-bound and keep AccumulateGrad's in-place adds.
+
+Only on a GPU, where each ``add_`` is a kernel launch: on a CPU nothing is launched, and
+there this path measured ~12% slower per pb batch-1 step (S=8, width 64, 2-core CPU, paired
+rounds; the fresh allocations cost more than the adds they save). :data:`ON_CPU` turns it on
+for CPU stages too, so CPU tests run (and count the calls of) the GPU path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["MAX_BYTES", "ON_CPU", "FreshGrads", "backward", "fresh_grads"]
+
+#: stages with at most this many gradient bytes accumulate with one multi-tensor add
+MAX_BYTES = 16 << 20
+#: take this path for CPU stages too (tests: the GPU path's calls and results, on a CPU)
+ON_CPU = False
+
+
+class FreshGrads:
+    """One stage's parameters that hold gradient views, and whether they take this path."""
+
+    __slots__ = ("params", "views", "enabled", "peers")
+
+    def __init__(self, params: Iterable[Any], views: Iterable[Tensor | None]) -> None:
+        pairs = [(p, v) for p, v in zip(params, views, strict=True) if v is not None]
+        self.params = [p for p, _ in pairs]
+        self.views = [v for _, v in pairs]
+        nbytes = sum(v.numel() * v.element_size() for v in self.views)
+        self.enabled = (
+            bool(pairs)
+            and nbytes <= MAX_BYTES
+            and (ON_CPU or all(v.device.type != "cpu" for v in self.views))
+            and not any(v.is_sparse for v in self.views)
+        )
+        #: the other stages' groups a chained backward of this stage runs through
+        #: (a synchronous step in one process; set by the executor)
+        self.peers: tuple[FreshGrads, ...] = ()
+
+    def detach(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def restore(self) -> tuple[list[Tensor], list[Tensor]]:
+        """Point every ``.grad`` back at its view; returns (views, the new gradients)."""
+        views: list[Tensor] = []
+        grads: list[Tensor] = []
+        for p, v in zip(self.params, self.views):  # noqa: B905 - same length
+            g = p.grad
+            p.grad = v
+            if g is not None and g is not v:
+                views.append(v)
+                grads.append(g)
+        return views, grads
+
+
+def _add(views: list[Tensor], grads: list[Tensor]) -> None:
+    if not grads:
+        return
+    with torch.no_grad():
+        if any(g.is_sparse or g.dtype != v.dtype for g, v in zip(grads, views)):  # noqa: B905
+            for v, g in zip(views, grads):  # noqa: B905 - rare: what AccumulateGrad would do
+                v.add_(g)
+        else:
+            torch._foreach_add_(views, grads)
+
+
+@contextlib.contextmanager
+def fresh_grads(groups: Iterable[FreshGrads]) -> Iterator[None]:
+    """Around one autograd call: the enabled ``groups`` receive fresh gradients, added to
+    their views on exit (also when the backward raised: what arrived is accumulated, as
+    AccumulateGrad would have, and every ``.grad`` is a view again)."""
+    active = [g for group in groups for g in (group, *group.peers) if g.enabled]
+    for g in active:
+        g.detach()
+    try:
+        yield
+    finally:
+        got = [g.restore() for g in active]  # every .grad a view again before any add
+        for views, grads in got:
+            _add(views, grads)
+
+
+def backward(roots: list[Tensor], grads: list[Any], groups: Iterable[FreshGrads], **kwargs: Any) -> None:
+    """``torch.autograd.backward(roots, grads, **kwargs)`` with ``groups`` (and their peers)
+    receiving fresh gradients."""
+    with fresh_grads(groups):
+        torch.autograd.backward(roots, grads, **kwargs)

@@ -1,0 +1,152 @@
+"""Events per step with per-stage streams, counted on CPU (issue 23, item 3).
+
+The executor's CUDA-streams path runs on a recording backend (engine.testing.stream_recorder)
+that counts what CUDA would do. Each step must make exactly the schedule's cross-stream
+dependencies: one event per hand-off between stages (an activation to the next stage, a
+gradient to the previous one), one event on the caller's stream that every stage waits for
+(inputs, weights the caller wrote), and one wait per stage for the caller before it reads
+the losses; no polling. What a tensor handed across streams costs the caching allocator
+(``record_stream``) is counted too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import engine
+import engine.optim
+from engine.testing.stream_recorder import recording_streams
+
+S, M, D = 4, 4, 5
+
+
+def make(schedule: str, stages: int = S, chunks: int = M, device: str = "cpu", **kw) -> engine.Pipeline:
+    torch.manual_seed(0)
+    mods: list[nn.Module] = [nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(stages - 1)]
+    mods.append(nn.Linear(D, 2))
+    mods = [m.to(device) for m in mods]
+    return engine.Pipeline(
+        mods, schedule=schedule, chunks=chunks, loss_fn=F.mse_loss,
+        optimizer=lambda p: engine.optim.SGD(p, lr=0.1, momentum=0.9),
+        checkpoint="never", **kw,
+    )
+
+
+def batches(n: int, chunks: int = M) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(chunks, D, generator=g), torch.randn(chunks, 2, generator=g)) for _ in range(n)]
+
+
+def expected(log: list, chained: bool) -> dict[str, int]:
+    """What one step must cost, from the actions it ran (``executor.log``)."""
+    kinds = [(s, a.kind.name) for s, a in log]
+    forwards = [s for s, k in kinds if k == "FORWARD"]
+    backwards = [s for s, k in kinds if k == "BACKWARD"]
+    # an activation leaves every forward but the last stage's and enters every forward but
+    # stage 0's; a gradient leaves every backward but stage 0's and enters all but the
+    # last's -- unless a synchronous step chains its backwards in one autograd call
+    sent = sum(s < S - 1 for s in forwards) + (0 if chained else sum(s > 0 for s in backwards))
+    received = sum(s > 0 for s in forwards) + (0 if chained else sum(s < S - 1 for s in backwards))
+    losses = sum(s == S - 1 for s in forwards)
+    return {
+        "event_record": sent + 1 + S,  # hand-offs, the caller's event, one per stage joined
+        "event_wait": received + S + S,  # hand-offs, every stage waits for the caller, and the caller for every stage
+        # each received tensor, the inputs at stage 0 and the targets at the last stage, and
+        # each loss read on the caller's stream
+        "record_stream": received + M + M + losses,
+    }
+
+
+@pytest.mark.parametrize(
+    ("schedule", "kw"),
+    [("pb", {}), ("pb", {"order": "1f1b"}), ("1f1b", {}), ("gpipe", {}), ("pipedream", {}),
+     ("zbh1", {}), ("pb", {"on_nonfinite": "skip_update"})],
+    ids=["pb", "pb-1f1b-order", "1f1b", "gpipe", "pipedream", "zbh1", "pb-skip_update"],
+)
+def test_one_event_per_cross_stream_dependency(schedule: str, kw: dict) -> None:
+    pipe = make(schedule, **kw)
+    plain = make(schedule, **kw)  # the CPU stand-in: no streams at all
+    backend = recording_streams(pipe)
+    data = batches(4)
+    for x, y in data[:3]:
+        assert torch.equal(pipe.step(x, y), plain.step(x, y))
+    backend.reset()
+    pipe._executor.log = []
+    loss = pipe.step(*data[3])
+    chained = pipe.is_sync and pipe._executor.chain_sync
+    assert dict(backend.counts) == expected(pipe._executor.log, chained)
+    assert backend.counts["event_query"] == 0 and backend.counts["synchronize"] == 0
+    assert torch.equal(loss, plain.step(*data[3]))
+    for a, b in zip(pipe.stages, plain.stages, strict=True):
+        for fa, fb in zip(a.store.live_flats(), b.store.live_flats(), strict=True):
+            assert torch.equal(fa, fb)
+
+
+def test_waits_follow_the_pipeline() -> None:
+    """Every hand-off wait connects neighbouring stages; the caller only meets all stages."""
+    pipe = make("pb")
+    backend = recording_streams(pipe)
+    for x, y in batches(3):
+        pipe.step(x, y)
+    names = {st.index: backend_stream.name for st, backend_stream in
+             ((st, pipe._executor.streams.streams[st.index]) for st in pipe.stages)}
+    index = {v: k for k, v in names.items()}
+    for waiter, producer in backend.waits:
+        if "caller" in (waiter, producer):
+            continue
+        assert abs(index[waiter] - index[producer]) == 1, (waiter, producer)
+
+
+def test_pb_batch1_counts_per_step() -> None:
+    """The issue's configuration (S=8, M=8): 112 hand-offs, then 1 + 8 records and 8 + 8
+    waits between the caller and the stages. Before this test: a wait_stream per stage (8
+    records where 1 does) and every input and target handed to both stage 0 and the last
+    stage (16 more record_stream)."""
+    pipe = make("pb", stages=8, chunks=8, on_nonfinite="skip_update")
+    backend = recording_streams(pipe)
+    data = batches(3, chunks=8)
+    for x, y in data[:2]:
+        pipe.step(x, y)
+    backend.reset()
+    pipe.step(*data[2])
+    assert dict(backend.counts) == {
+        "event_record": 112 + 1 + 8, "event_wait": 112 + 8 + 8, "record_stream": 112 + 16 + 8,
+    }
+
+
+def _profiled_cuda_step(pipe: engine.Pipeline, x: torch.Tensor, y: torch.Tensor):
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        pipe.step(x, y)
+        torch.cuda.synchronize()
+    names = Counter(e.name for e in prof.events())
+    records = sum(n for k, n in names.items() if k.startswith("cudaEventRecord"))
+    return records, names["cudaStreamWaitEvent"], names["cudaEventQuery"]
+
+
+@pytest.mark.cuda
+def test_the_recording_backend_counts_what_cuda_does() -> None:
+    """On a GPU: the profiler's CUDA runtime calls of one pb step (S=8, M=8) match the CPU
+    count. Waits exactly; records at least the engine's, plus at most one per tensor handed
+    to the allocator (it records an event when such a tensor is freed)."""
+    cpu = make("pb", stages=8, chunks=8, on_nonfinite="skip_update")
+    backend = recording_streams(cpu)
+    pipe = make("pb", stages=8, chunks=8, device="cuda", on_nonfinite="skip_update", cuda_streams=True)
+    assert pipe._executor.streams.cuda and pipe._executor.streams.separate
+    data = batches(3, chunks=8)
+    for x, y in data[:2]:
+        cpu.step(x, y)
+        pipe.step(x.cuda(), y.cuda())
+    backend.reset()
+    cpu.step(*data[2])
+    records, waits, queries = _profiled_cuda_step(pipe, data[2][0].cuda(), data[2][1].cuda())
+    assert waits == backend.counts["event_wait"], (records, waits, queries)
+    assert backend.counts["event_record"] <= records
+    assert records <= backend.counts["event_record"] + backend.counts["record_stream"]
