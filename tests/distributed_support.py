@@ -1330,14 +1330,17 @@ def phase_interleaved(rank: int, R: int, v: int = 2, steps: int = 2) -> dict[str
     return out
 
 
-def _blocks(R: int, M: int) -> Any:
-    """Contiguous blocks (rank r holds stages 2r and 2r+1): neither round-robin nor the V,
-    every rank's two stages joined by a same-rank boundary; forwards of both stages, then
-    the backwards in reverse (looped BFS's order on these blocks)."""
+def _blocks(R: int, M: int, reverse: bool = False) -> Any:
+    """Contiguous blocks (rank r holds stages 2r and 2r+1; ``reverse``: rank R-1-r does, so
+    the inputs enter on the last rank and the loss is computed on rank 0): neither
+    round-robin nor the V, every rank's two stages joined by a same-rank boundary; forwards of
+    both stages, then the backwards in reverse (looped BFS's order on these blocks)."""
     from engine.schedule import Action, Kind
     from engine.schedule.ranked import build
 
     place = tuple((2 * r, 2 * r + 1) for r in range(R))
+    if reverse:
+        place = place[::-1]
     units = [
         [((s, Action.forward(m)),) for s in held for m in range(M)]
         + [((s, Action(Kind.BACKWARD, (m,))),) for s in reversed(held) for m in range(M)]
@@ -1357,7 +1360,7 @@ def _same_weights(pipe: Any, ref: Any) -> bool:
 def phase_rank_programs(rank: int, R: int, csvs: dict[str, str]) -> dict[str, Any]:
     """Programs of several stages per rank under gloo vs the local run, bit for bit: looped
     BFS by name, zbv and dualpipev (the V placement: rank r holds r and 2R-1-r), contiguous
-    blocks (an arbitrary map), and the CSVs torch's schedule classes dumped (``csvs``: name ->
+    blocks (an arbitrary map; reversed: stage 0 on the last rank), and the CSVs torch's schedule classes dumped (``csvs``: name ->
     CSV text; the ZBV and DualPipeV ones carry the V); M = 2R micro-batches (DualPipeV's
     minimum). Then, on zbv and dualpipev: the variable-length model with trees, a mask and a
     weight tied between stages 0 and 2R-1 (both on rank 0), and evaluate()."""
@@ -1366,7 +1369,8 @@ def phase_rank_programs(rank: int, R: int, csvs: dict[str, str]) -> dict[str, An
 
     V, M = 2 * R, 2 * R
     programs: dict[str, Any] = {"looped_bfs": "looped_bfs", "zbv": zbv(R, M),
-                                "dualpipev": dualpipev(R, M), "blocks": _blocks(R, M)}
+                                "dualpipev": dualpipev(R, M), "blocks": _blocks(R, M),
+                                "blocks-reversed": _blocks(R, M, reverse=True)}
     programs.update({k: from_csv(text, name=k, drop_fsdp=True) for k, text in csvs.items()})
     out: dict[str, Any] = {}
     for name, program in programs.items():
@@ -1388,7 +1392,7 @@ def phase_rank_programs(rank: int, R: int, csvs: dict[str, str]) -> dict[str, An
                 "leftovers": len(pipe._executor.inputs)
                 + sum(tp.held() for tp in pipe._executor.transports.values()),
             }
-            if name in ("zbv", "dualpipev", "blocks"):
+            if name in ("zbv", "dualpipev", "blocks", "blocks-reversed"):
                 x_eval = batch(99, 2 * M)[0]
                 out[name]["evaluate_equal"] = torch.equal(pipe.evaluate(x_eval), ref.evaluate(x_eval))
             if name == "dualpipev":  # a checkpoint of the V's stages resumes the run exactly

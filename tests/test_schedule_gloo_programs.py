@@ -1,7 +1,8 @@
 """Rank programs under gloo (2 and 4 processes) train bit for bit like the local run (which
 equals the unpipelined model, test_schedule_vshape_runtime): looped BFS, the V placement of zbv
 and dualpipev (rank r holds stages r and 2R-1-r: the first and the last stage on rank 0, stages
-R-1 and R handed over within rank R-1), contiguous blocks (any placement map), and the CSVs that
+R-1 and R handed over within rank R-1), contiguous blocks (any placement map; also reversed, so
+the inputs enter on the last rank and the loss comes from rank 0), and the CSVs that
 torch 2.13's ScheduleZBVZeroBubble, ScheduleDualPipeV, ScheduleInterleaved1F1B,
 ScheduleInterleavedZeroBubble and ScheduleLoopedBFS dump; with trees, masks and a tied weight;
 with data-parallel replicas."""
@@ -33,15 +34,16 @@ def test_rank_programs_under_gloo(R: int, tmp_path: Path) -> None:
         assert "fatal" not in res, res.get("fatal")
         got = res["rank_programs"]
         expected = {"looped_bfs": [rank, rank + R], "zbv": _v(rank, R), "dualpipev": _v(rank, R),
-                    "blocks": [2 * rank, 2 * rank + 1], "torch_zbv": _v(rank, R),
+                    "blocks": [2 * rank, 2 * rank + 1],
+                    "blocks-reversed": [2 * (R - 1 - rank), 2 * (R - 1 - rank) + 1], "torch_zbv": _v(rank, R),
                     "torch_dualpipev": _v(rank, R)}
-        for name in ("looped_bfs", "zbv", "dualpipev", "blocks", *csvs):
+        for name in ("looped_bfs", "zbv", "dualpipev", "blocks", "blocks-reversed", *csvs):
             r = got[name]
             assert "error" not in r, f"rank {rank} ({name}): {r.get('error')}"
             assert r["stages"] == expected.get(name, [rank, rank + R]), (name, r)
             assert r["losses_equal"] and r["weights_equal"], (name, r)
             assert r["updates"] == [2, 2] and r["leftovers"] == 0, (name, r)
-        for name in ("zbv", "dualpipev", "blocks"):
+        for name in ("zbv", "dualpipev", "blocks", "blocks-reversed"):
             assert got[name]["evaluate_equal"], (name, got[name])
         assert got["dualpipev"]["resumed_equal"], got["dualpipev"]
         for name in ("zbv", "blocks"):  # an input stage 0 refuses stops every rank, then runs on
