@@ -107,7 +107,9 @@ class Executor(SynchronousSteps, FailureHandling):
             if program is not None and program.rank_order is not None
             else None
         )
-        self.clock = Clock(self.S, spec.split_backward, ranks)
+        self.clock = Clock(self.S, spec.split_backward, ranks, spec.split_only, self.M)
+        if program is not None and program.overlaps:  # DualPipeV's F;B pairs
+            self.clock.overlap(program.overlaps, program.num_micro_batches)
         #: synchronous steps chain the stages' graphs (one process holds every stage), unless
         #: the schedule splits backwards into B and W: those run per stage, as scheduled
         self.chain_sync = len(stages) == spec.stages and not spec.split_backward

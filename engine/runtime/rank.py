@@ -17,6 +17,7 @@ merged in the schedule's rank order (:mod:`engine.runtime.virtual`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ from engine.runtime.build import build_module, build_store, resolve_stage_specs
 from engine.runtime.executor import Executor, StepResult
 from engine.runtime.failures import nonfinite_message
 from engine.runtime.first_failure import begin, report
+from engine.runtime.placement import RankPlacement
 from engine.runtime.program import OP_NAMES, RB, RF, SB, SF, F, StepProgram, U, W
 from engine.runtime.stage import DROPPED
 from engine.runtime.streams import StageStreams
@@ -93,7 +95,9 @@ def build_distributed(
     except ValueError as exc:
         per = f" (interleaved: the {spec.stages} virtual stages run on {ranks} ranks)" if virtual else ""
         raise PipelineConfigError(f"{exc}{per}") from None
-    mine = list(range(layout.stage, spec.stages, ranks))  # virtual stage s runs on rank s % R
+    place = RankPlacement.of(spec)  # round-robin, the V, or any map (engine/runtime/placement.py)
+    layout = dataclasses.replace(layout, last_index=place.last)
+    mine = place.held(layout.stage)
     modules = [build_module(specs[s], s) for s in mine]
     if deferred_batch_norm:
         from engine.runtime.batch_norm import convert_deferred_batch_norm
@@ -114,7 +118,7 @@ def build_distributed(
         from engine.runtime.ties import connect_ties, tie_stages
 
         ties = tie_stages(list(specs), spec, stages=mine)
-        connect_ties(ties, ranks, cfg.data_parallel, layout.stage, layout.replica)
+        connect_ties(ties, ranks, cfg.data_parallel, layout.stage, layout.replica, place.rank_of)
     built = [
         build_store(m, s, optimizer, pipe.config.cuda_graphs)
         for s, m in zip(mine, modules, strict=True)
@@ -136,7 +140,7 @@ def build_distributed(
     if virtual:
         from engine.runtime.virtual import VirtualRankRuntime, virtual_transports
 
-        tps = virtual_transports(cfg.transport, layout, spec.stages, device, cfg.timeout)
+        tps = virtual_transports(cfg.transport, layout, spec.stages, device, cfg.timeout, place)
         pipe._rank = VirtualRankRuntime(layout, tps, cfg.timeout)
     else:
         tp = P2PTransport(
@@ -466,8 +470,9 @@ def rank_step(pipe: Pipeline, inputs: Any, targets: Any) -> Tensor:
     """``Pipeline.step`` on one rank: split what this rank reads, handshake once, run."""
     begin()  # first thing: every rank counts every step call, even one that fails early
     lay = pipe.layout
-    s, S, M = lay.stage, lay.stages, pipe.spec.chunks
-    first, last = s == 0, s == S - 1
+    M = pipe.spec.chunks
+    held = pipe._executor.by_index  # (under a V placement one rank holds the first and the last)
+    first, last = 0 in held, pipe.spec.stages - 1 in held
     if pipe.device.type == "cuda":  # NCCL: the data a rank reads goes to its GPU
         inputs = trees.map_tensors(lambda t: t.to(pipe.device, non_blocking=True), inputs)
         targets = trees.map_tensors(lambda t: t.to(pipe.device, non_blocking=True), targets)
