@@ -335,7 +335,9 @@ class RankExecutor(Executor):
                         self._early[(channel, mb)] = value
         tp.wait_sends()
         mail = [("received", self._early), ("outbox", self._outbox)]
-        out: dict[str, Any] = {}
+        # the shapes the gradients of activations in flight travel with (a resumed rank has
+        # not seen those activations travel)
+        out: dict[str, Any] = {"shapes": tp.wire_shapes()}
         for key, box in mail:
             out[key] = []
             for (c, mb), v in sorted(box.items()):
@@ -346,8 +348,10 @@ class RankExecutor(Executor):
         return out
 
     def load_wire_state(self, state: dict[str, Any]) -> None:
-        """Undo :meth:`wire_state` in a fresh rank: early receives and the outbox."""
+        """Undo :meth:`wire_state` in a fresh rank: early receives, the outbox, and the shapes
+        of the activations in flight (older states have none: the agreed shapes then)."""
         self._out_flags.clear()
+        self.transport.restore_wire_shapes(state.get("shapes", {}))
         for key, box in (("received", self._early), ("outbox", self._outbox)):
             box.clear()
             for d in state[key]:

@@ -151,6 +151,7 @@ class P2PTransport(Handshake, Transport):
         # its gradient travelled back with the same shapes
         self._sent_sigs: dict[int, Signature] = {}
         self._recv_sigs: dict[int, Signature] = {}
+        self._pending_shapes: dict[str, dict[int, list[list[int]]]] = {}
         # activation headers posted ahead (gloo): micro-batch -> (work, header)
         self._heads: dict[int, tuple[Any, Tensor]] = {}
         #: called as accept(old, new, mb) when an activation arrives with new shapes: why this
@@ -418,7 +419,9 @@ class P2PTransport(Handshake, Transport):
                 if ahead.head is None and mb + 1 not in self._heads:
                     self._heads[mb + 1] = self._post_head(src)
             for later in range(mb + 1, min(certain, mb + 1 + self.prepost)) if channel == "grad" else ():
-                if later in self._sent_sigs and (channel, later) not in self._posted:
+                if later not in self._sent_sigs:  # posting order is matching order: no gaps
+                    break
+                if (channel, later) not in self._posted:
                     self._posted[(channel, later)] = self._post(channel, later, self._sent_sigs[later], src)
         what = (
             f"receiving the {'activation' if channel == 'act' else 'gradient'} of micro-batch {mb}"
@@ -499,4 +502,5 @@ class P2PTransport(Handshake, Transport):
         self._heads.clear()
         self._sent_sigs.clear()
         self._recv_sigs.clear()
+        self._pending_shapes.clear()
         self.arrived_flags.clear()
