@@ -73,7 +73,8 @@ def _anyone(flag: bool) -> bool:
 
 
 def resume_points(
-    rank: int, S: int, names: list[str], points: list[int], steps: int, R: int = 1
+    rank: int, S: int, names: list[str], points: list[int], steps: int, R: int = 1,
+    chunks: int | None = None,
 ) -> dict[str, Any]:
     """Per configuration: one run never interrupted, one that saves its unflushed state
     (pipe.state_dict()) after each step in ``points`` and goes on, and per point a fresh
@@ -88,6 +89,8 @@ def resume_points(
         kw = dict(configs(S)[name.removeprefix("nan-")])
         if nan:
             kw["on_nonfinite"] = "skip_update"
+        if chunks is not None:
+            kw["chunks"] = chunks
         res: dict[str, Any] = {}
         try:
             ref = _make(S, kw, R)

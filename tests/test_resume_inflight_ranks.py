@@ -104,4 +104,4 @@ def test_resume_data_parallel(S: int, R: int) -> None:
 @pytest.mark.slow
 def test_resume_eight_ranks() -> None:
     names = ["pipedream", "2bw", "pb", "pb-k2"]
-    _check(spawn(8, [(PHASE, dict(S=8, names=names, points=[3, 5], steps=STEPS))], timeout=400), names, [3, 5])
+    _check(spawn(8, [(PHASE, dict(S=8, names=names, points=[3, 5], steps=STEPS, chunks=8))], timeout=400), names, [3, 5])

@@ -33,7 +33,7 @@ from engine.runtime.l2 import apply_l2
 from engine.runtime.policy import SpecTrain, make_policy
 from engine.runtime.stage import Stage
 from engine.runtime.streams import StageStreams
-from engine.runtime.ties import TiedGradients, tie_stages
+from engine.runtime.ties import TiedGradients, tie_stages, with_declared
 from engine.schedule.analysis import analyze, schedule_delays
 from engine.schedule.catalog import FAMILIES
 from engine.schedule.spec import ScheduleSpec, resolve_schedule
@@ -128,6 +128,11 @@ class Pipeline:
             options, same buffers), eager otherwise; ``stats()["cuda_graphs"]`` counts both.
             engine.optim SGD/Adam/AdamW/NAdam with the fused kernels, stages on CUDA; refused
             otherwise, before anything is built.
+        ties: ties between stages built by factories, which cannot share a parameter
+            object: e.g. ``[["0:tok.weight", "3:head.weight"]]`` (stage:parameter name in
+            that stage's module). Checked at build (the parameter exists, one shape and dtype
+            on every rank; synchronous schedules only); every holder starts from the first
+            holder's values and the holders' gradients are summed as for an object tie.
     """
 
     def __init__(
@@ -161,6 +166,7 @@ class Pipeline:
         l2_persistence: bool | float = False,
         virtual_stages: int | None = None,
         cuda_graphs: bool = False,
+        ties: Sequence[Sequence[Any]] | None = None,
     ) -> None:
         fam = FAMILIES.get(schedule) if isinstance(schedule, str) else None
         self._virtual_stages = virtual_stages
@@ -188,7 +194,7 @@ class Pipeline:
                 self, stages, schedule, chunks, loss_fn, optimizer, update_size, order,
                 balance, weight_prediction, discrepancy_correction, lr_scheduler,
                 num_stages, sample, memory_cap_bytes, deferred_batch_norm=deferred_batch_norm,
-                balance_repeats=balance_repeats, balance_profile=balance_profile,
+                balance_repeats=balance_repeats, balance_profile=balance_profile, tied=ties,
             )
             return
         if isinstance(balance, str):
@@ -206,7 +212,8 @@ class Pipeline:
             from engine.runtime.batch_norm import convert_deferred_batch_norm
 
             modules = [convert_deferred_batch_norm(m, spec.chunks) for m in modules]
-        ties = tie_stages(modules, spec)
+        found = tie_stages(modules, spec)
+        ties = with_declared(found, ties, spec, dict(enumerate(modules)))[0]
         built = [build_store(m, s, optimizer, self.config.cuda_graphs) for s, m in enumerate(modules)]
         self._finish(
             spec, modules, built, list(range(spec.stages)), loss_fn, weight_prediction,

@@ -58,8 +58,9 @@ def build_distributed(
     deferred_batch_norm: bool = False,
     balance_repeats: int = 3,
     balance_profile: Any = None,
+    tied: Any = None,
 ) -> None:
-    """The distributed half of ``Pipeline.__init__``."""
+    """The distributed half of ``Pipeline.__init__`` (``tied``: its ``ties`` argument)."""
     from engine.runtime.distributed import RankRuntime, broadcast_balance
     from engine.runtime.transport.layout import init_distributed, make_layout
     from engine.runtime.transport.p2p import P2PTransport
@@ -108,12 +109,14 @@ def build_distributed(
                 f"stage {s} has CUDA parameters but transport='gloo' carries CPU tensors; "
                 "use transport='nccl' (one GPU per rank) or keep the model on CPU"
             )
-    ties: list[Any] = []
-    if all(isinstance(m, nn.Module) for m in specs):  # factories cannot share a parameter
-        from engine.runtime.ties import connect_ties, tie_stages
+    from engine.runtime.ties import broadcast_owner, connect_ties, tie_stages, with_declared
 
+    ties: list[Any] = []
+    if all(isinstance(m, nn.Module) for m in specs):  # factories: only declared ties
         ties = tie_stages(list(specs), spec, stages=mine)
-        connect_ties(ties, ranks, cfg.data_parallel, layout.stage, layout.replica)
+    here = dict(zip(mine, modules, strict=True))
+    ties, declared, tie_shapes = with_declared(ties, tied, spec, here)
+    connect_ties(ties, ranks, cfg.data_parallel, layout.stage, layout.replica)
     built = [
         build_store(m, s, optimizer, pipe.config.cuda_graphs)
         for s, m in zip(mine, modules, strict=True)
@@ -125,10 +128,12 @@ def build_distributed(
         weight_prediction=weight_prediction,
         discrepancy_correction=discrepancy_correction,
         deferred_batch_norm=deferred_batch_norm,
+        **tie_shapes,  # compared among the ranks holding each declared tie
     )
     held = modules[0] if not virtual else nn.ModuleList(modules)
     fp = fingerprint(spec, cfg, options, ties, bridge.opt if bridge is not None else None, held)
     agree(fp, layout.rank, ranks, device)
+    broadcast_owner(declared, here, lambda s: layout.replica * ranks + s % ranks)
     pipe.device = device
     pipe.layout = layout
     if virtual:
