@@ -28,7 +28,7 @@ from engine.runtime import inputs as _inputs
 from engine.runtime import trees
 from engine.runtime.build import build_module, build_store, resolve_stage_specs
 from engine.runtime.executor import Executor, StepResult
-from engine.runtime.first_failure import begin, report
+from engine.runtime.first_failure import as_peer_error, begin, report
 from engine.runtime.program import OP_NAMES, RB, RF, SB, SF, F, StepProgram, U, W
 from engine.runtime.stage import DROPPED
 from engine.runtime.streams import StageStreams
@@ -148,6 +148,9 @@ def build_distributed(
         )
         pipe._rank = RankRuntime(layout, tp, cfg.timeout)
         tps = {mine[0]: tp}
+    from engine.runtime.transport.teardown import track
+
+    track(pipe._rank)  # its pending communication is settled at exit, before finalization
     streams = StageStreams(mine, None)
     pipe._finish(
         spec, modules, built, mine, loss_fn, weight_prediction, discrepancy_correction,
@@ -457,8 +460,12 @@ class RankExecutor(Executor):
         try:
             return self._rank_drain()
         except BaseException as exc:
-            report(self.rank.layout.rank, exc)
-            raise
+            lay = self.rank.layout
+            report(lay.rank, exc)
+            peer = as_peer_error(exc, lay.rank, f"stage {self.s} (rank {lay.rank})")
+            if peer is exc:
+                raise
+            raise peer from exc
 
     def _rank_drain(self) -> Tensor | None:
         first = len(self.losses)
@@ -510,5 +517,8 @@ def rank_step(pipe: Pipeline, inputs: Any, targets: Any) -> Tensor:
         result = pipe._executor.run_step(xs, ts, sizes)
     except BaseException as exc:  # the first rank to fail is named in its peers' errors
         report(lay.rank, exc)
-        raise
+        peer = as_peer_error(exc, lay.rank, f"stage {s} (rank {lay.rank})")
+        if peer is exc:
+            raise
+        raise peer from exc
     return result.loss if result.loss is not None else torch.tensor(float("nan"))

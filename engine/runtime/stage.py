@@ -42,6 +42,7 @@ from torch.profiler import record_function
 
 from engine.errors import PipelineInputError
 from engine.runtime import labels, trees
+from engine.runtime.inputs import checked_loss
 from engine.runtime.optim_bridge import OptimizerBridge
 from engine.runtime.policy import LIVE, PINNED, Transient, WeightPolicy
 from engine.runtime.saved_weights import SavedWeights
@@ -293,8 +294,7 @@ class Stage:
     def _run(self, x: Any, target: Any) -> Any:
         out = self.module(x) if isinstance(x, Tensor) else trees.call(self.module, x)
         if self.is_last:
-            assert self.loss_fn is not None
-            return self.loss_fn(out, target)
+            return checked_loss(self.index, self.loss_fn, out, target)  # names the micro-batch
         if not isinstance(out, Tensor):
             problem = trees.check_output(out, f"stage {self.index}")
             if problem:
