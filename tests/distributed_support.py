@@ -803,7 +803,7 @@ def phase_checkpoint(rank: int, S: int, root: str, names: list[str]) -> dict[str
     edit(lambda: os.remove(victim_file))
     refusals["missing rank file"] = _refused(pipe, path)
     edit(lambda: open(victim_file, "wb").write(data))
-    bigger = {**man, "layout": {**man["layout"], "world": 4, "stages": 4}}
+    bigger = {**man, "layout": {**man["layout"], "world": 2 * S, "stages": 2 * S}}
     bigger.pop("sha256")
     bigger["sha256"] = cd._body_sha256(bigger)
     other = os.path.join(root, "other-layout")
@@ -1051,6 +1051,12 @@ def _worker(
     except Exception:
         results["fatal"] = traceback.format_exc()
     torch.save(results, path)
+    try:  # what a normal exit runs: rank 0, the store's host, waits for the others to leave
+        from engine.runtime.transport.teardown import teardown
+
+        teardown()
+    except Exception:
+        pass
     os._exit(0)  # skip destroy_process_group: peers may be gone on purpose
 
 

@@ -93,7 +93,8 @@ def first(rank: int) -> str:
                 return ""
             return (
                 " The first rank to fail in this job was rank 0: lost (the job's store, which "
-                "lives in rank 0's process without torchrun's agent, is unreachable)"
+                "lives in rank 0's process without torchrun's agent, is unreachable: rank 0 "
+                "died, or left more than 10 s before this rank failed)"
             )
     if not line or line.startswith(f"rank {rank}:"):
         return ""
