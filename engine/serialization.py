@@ -121,7 +121,12 @@ def write_state(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     # created here first so a missing folder or a read-only one is an OSError naming the path
     # (errno intact, as a caller that handles a full disk expects), not safetensors' own error
-    open(tmp, "wb").close()
+    try:
+        open(tmp, "wb").close()
+    except OSError as exc:
+        folder = os.path.dirname(os.path.abspath(path))
+        where = f"the folder {folder!r} does not exist" if not os.path.isdir(folder) else exc.strerror
+        raise OSError(exc.errno, f"cannot write checkpoint {path!r}: {where}", path) from None
     try:
         try:
             save_file(tensors, tmp, metadata={_META_KEY: json.dumps(meta)})
@@ -170,11 +175,17 @@ def read_state(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(
             f"{bad} (or not an engine checkpoint): unreadable metadata ({exc})"
         ) from exc
-    if meta.get("format") not in _READABLE:
+    fmt = meta.get("format") if isinstance(meta, dict) else None
+    if fmt not in _READABLE:
+        found = re.fullmatch(r"engine\.pipeline/(\d+)", fmt) if isinstance(fmt, str) else None
+        newer = found is not None and int(found.group(1)) > int(FORMAT.rsplit("/", 1)[1])
+        why = (
+            " (a newer engine wrote it? load it there, or re-save it with a matching version)"
+            if newer else f": {bad} (or not an engine checkpoint)"
+        )
         raise CheckpointError(
-            f"{path!r} has format {meta.get('format')!r}; this engine reads "
-            + " and ".join(repr(f) for f in _READABLE)
-            + " (a newer engine wrote it? load it there, or re-save it with a matching version)"
+            f"{path!r} has format {fmt!r}; this engine reads "
+            + " and ".join(repr(f) for f in _READABLE) + why
         )
     try:
         tensors = st_load(data)

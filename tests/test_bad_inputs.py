@@ -468,10 +468,10 @@ def test_command_line(capsys: pytest.CaptureFixture[str], run_dir: Path, tmp_pat
 
 @pytest.mark.distributed
 def test_multi_process_starts_that_disagree() -> None:
-    from distributed_support import BAD_STARTS, spawn
+    from distributed_support import BAD_STARTS, RANKS, spawn
 
     names = list(BAD_STARTS)
-    results = spawn(2, [("bad_starts", dict(S=2, names=names))], timeout=120)
+    results = spawn(RANKS, [("bad_starts", dict(S=RANKS, names=names))], timeout=180)
     named = {
         "chunks": "chunks: rank 0 has 4, rank 1 has 2",
         "schedule": "schedule: rank 0 has '1f1b', rank 1 has 'gpipe'",

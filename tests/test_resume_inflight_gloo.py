@@ -1,5 +1,6 @@
 """Resume without a flush under gloo: each rank saves and loads its own stage's in-flight
-state (including the messages on the wire between ranks); S=2, a few representative cases,
+state (including the messages on the wire between ranks); S = RANKS (4 by default, see
+distributed_support), a few representative cases,
 some through engine.save/engine.load's checkpoint directory, two with tree-valued stages
 (a dict with a mask and a constant between stages) and random sequence lengths, two with
 on_nonfinite="skip_update" and NaN losses in flight (flags stashed and on the wire)."""
@@ -9,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from distributed_support import spawn
+from distributed_support import RANKS, spawn
 
 NAMES = [
     "pipedream", "2bw", "pb-k2", "pb-spectrain-reuse", "tree-pipedream", "tree-pb-k2", "nan-pb",
@@ -21,8 +22,8 @@ THROUGH_DIRECTORY = ("2bw", "pb-k2", "tree-pb-k2", "nan-2bw")
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     root = str(tmp_path_factory.mktemp("inflight"))
-    kw = dict(S=2, names=NAMES, k=3, steps=6, root=root, dir_names=THROUGH_DIRECTORY)
-    return spawn(2, [("resume_inflight", kw)])
+    kw = dict(S=RANKS, names=NAMES, k=3, steps=6, root=root, dir_names=THROUGH_DIRECTORY)
+    return spawn(RANKS, [("resume_inflight", kw)])
 
 
 @pytest.mark.slow

@@ -59,6 +59,8 @@ OPTS = {
 @pytest.mark.parametrize("opt", sorted(OPTS))
 @pytest.mark.parametrize("schedule", ["gpipe", "pipedream", "2bw", "pb"])
 def test_one_call_per_bucket_and_bitwise_equal(schedule: str, opt: str) -> None:
+    if opt == "sgd_sc" and schedule == "gpipe":
+        pytest.skip("spike compensation is refused on synchronous schedules (no delay)")
     pipe, calls, flat = _run(schedule, OPTS[opt])
     _, calls_t, per_tensor = _run(schedule, OPTS[opt], flat=False)
     updates = [st.updates for st in pipe.stages]

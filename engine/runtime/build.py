@@ -65,7 +65,18 @@ def build_module(spec: StageSpec, s: int) -> nn.Module:
     """The module of stage ``s``: the module itself, or what its factory returns."""
     m = spec
     if not isinstance(spec, nn.Module):
-        m = spec()
+        try:
+            m = spec()
+        except TypeError as exc:
+            if exc.__traceback__ is not None and exc.__traceback__.tb_next is None:
+                # raised by the call itself (arguments), not inside a factory's body
+                name = getattr(spec, "__name__", None) or type(spec).__name__
+                raise PipelineConfigError(
+                    f"stage {s} is not a module or a factory: {name} cannot be called with no "
+                    f"arguments ({exc}); pass an nn.Module, or a factory () -> nn.Module (to "
+                    "use a function as a layer, wrap it in a module)"
+                ) from None
+            raise
         if not isinstance(m, nn.Module):
             raise PipelineConfigError(
                 f"the factory of stage {s} returned {type(m).__name__}; it must return an nn.Module"

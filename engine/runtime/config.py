@@ -258,6 +258,12 @@ def _check_delay_compensation(spec: ScheduleSpec, bridges: list[Any], correction
     for s, bridge in enumerate(bridges):
         if bridge is None or bridge.opt is None or not bridge.is_engine:
             continue
+        if spec.synchronous and any(g.get("spike_compensation") for g in bridge.opt.param_groups):
+            raise PipelineConfigError(
+                f"stage {s}: spike_compensation=True compensates the delay of an asynchronous "
+                f"schedule, but {spec.describe()} has no delay (it would do nothing); use an "
+                "asynchronous schedule or set it to False"
+            )
         # groups may differ (e.g. no DC for embeddings): any group with it needs a lag
         lam = next((g["delay_compensation"] for g in bridge.opt.param_groups
                     if g.get("delay_compensation")), 0.0)

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from engine.errors import PipelineInputError
 from engine.runtime import trees
-from engine.runtime.inputs import describe, first_layer_expectation
+from engine.runtime.inputs import describe, first_layer_expectation, one_dim_hint
 from engine.runtime.transport.layout import Layout
 from engine.runtime.transport.p2p import P2PTransport
 
@@ -200,6 +200,7 @@ class RankRuntime:
                         return None, (
                             f"{tp.who(0)} ({describe(module)}) cannot run on an input micro-batch "
                             f"of shape {trees.describe(inp)}{first_layer_expectation(module)}: {exc}"
+                            f"{one_dim_hint(inp)}"
                         )
                     return None, (
                         f"{tp.who(s - 1)} outputs shape {trees.describe(inp)} but {tp.who(s)} "
@@ -229,6 +230,18 @@ class RankRuntime:
             for m, mode in zip(module.modules(), modes, strict=False):
                 m.training = mode
             torch.set_rng_state(rng)
+
+    def settle_for_exit(self) -> None:
+        """At interpreter exit (transport/teardown.py): the last step's loss messages and
+        receive, then every transport of this rank."""
+        from engine.runtime.transport.teardown import settle
+
+        settle([work for work, _out in self._loss_sends])
+        self._loss_sends = []
+        self._loss_work = None  # (a receive: ends with the group)
+        for tp in {id(t): t for t in getattr(self, "transports", {0: self.transport}).values()}.values():
+            for side in getattr(tp, "sides", [tp]):
+                side.settle_for_exit()
 
     # ------------------------------------------------------------------ loss
 

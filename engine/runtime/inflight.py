@@ -203,6 +203,8 @@ def check(pipe: Pipeline, state: Any) -> None:
         raise _fail("not an in-flight state dict")
     if (state.get("wire") is not None) != pipe.config.distributed:
         raise _fail("saved by a pipeline of another transport (messages between ranks)")
+    if state.get("wire") is not None and not _shapes_ok(state["wire"].get("shapes", {})):
+        raise _fail("the shapes of the activations in flight are malformed")
     stages = state["stages"]
     if [sd.get("index") for sd in stages] != [st.index for st in pipe.stages]:
         raise _fail(
@@ -231,6 +233,21 @@ def check(pipe: Pipeline, state: Any) -> None:
         for d in state.get(box, []):
             if d.get("kind") == "value" and (why := trees.grad_flags_mismatch(d.get("value"), d.get("grad"))):
                 raise _fail(f"the {box[:-1]} for stage {d.get('s')} of micro-batch {d.get('i')} has {why}")
+
+
+def _shapes_ok(shapes: Any) -> bool:
+    """{"send"|"recv": [[micro-batch, [leaf shape, ...]], ...]} with ints >= 0 (wire_shapes)."""
+    def dims(shape: Any) -> bool:
+        return isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+
+    return isinstance(shapes, dict) and all(
+        isinstance(rows, list) and all(
+            isinstance(r, list) and len(r) == 2 and isinstance(r[0], int)
+            and isinstance(r[1], list) and all(dims(s) for s in r[1])
+            for r in rows
+        )
+        for rows in shapes.values()
+    )
 
 
 def _restore_store(st: Stage, sd: dict[str, Any]) -> dict[int, int]:

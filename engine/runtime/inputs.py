@@ -129,10 +129,11 @@ def _check_batch(B: int, chunks: int) -> None:
         raise PipelineInputError("the batch is empty (0 samples); pass at least chunks samples")
     if B % chunks != 0:
         divisors = [d for d in range(1, B + 1) if B % d == 0]
+        sizes = sorted({max(chunks, B - B % chunks), B + chunks - B % chunks})
         raise PipelineInputError(
             f"a batch of {B} samples cannot be split into chunks={chunks} equal micro-batches; use "
-            f"a batch size divisible by {chunks} (e.g. {max(chunks, B - B % chunks)} or "
-            f"{B + chunks - B % chunks}), or chunks in {divisors}"
+            f"a batch size divisible by {chunks} (e.g. {' or '.join(map(str, sizes))}), or "
+            f"chunks in {divisors}"
         )
 
 
@@ -147,6 +148,36 @@ def input_key(x: Any, target: Any) -> tuple[Any, Any]:
     return (_key_of(x), _key_of(target))
 
 
+def checked_loss(stage: int, loss_fn: Any, out: Any, target: Any) -> Tensor:
+    """``loss_fn(out, target)``; an IndexError (torch's cross_entropy: "Target 11 is out of
+    bounds.", a class label >= C or < 0) becomes a PipelineInputError naming the stage and
+    the micro-batch (labels.CURRENT) instead of torch's bare message."""
+    try:
+        return loss_fn(out, target)  # type: ignore[no-any-return]
+    except IndexError as exc:
+        from engine.runtime import labels
+
+        where = labels.CURRENT
+        mb = f"micro-batch {where[1]}" if where is not None else "a micro-batch"
+        classes = f" of the {out.shape[-1]} classes of its output" if isinstance(out, Tensor) and out.dim() else ""
+        raise PipelineInputError(
+            f"stage {stage}'s loss_fn failed on {mb}: IndexError: {exc}. A target (class "
+            f"label) is outside the range{classes} (labels must be in [0, C)); check the "
+            "targets or the last stage's output size"
+        ) from exc
+
+
+def one_dim_hint(h: Any) -> str:
+    """Why a 1-D micro-batch may be a mistake: the batch is dim 0, so a 1-D input of N values
+    is N samples of no features (one sample needs a batch dimension)."""
+    if isinstance(h, Tensor) and h.dim() == 1:
+        return (
+            ". The inputs are 1-D: dim 0 is the batch, so each value was read as one sample; "
+            "for a single sample of features add a batch dimension (x.unsqueeze(0))"
+        )
+    return ""
+
+
 def stage_input_error(s: int, mod: nn.Module, h: Any, exc: Exception) -> PipelineInputError:
     """The error for stage ``s`` failing on its input ``h``: names the stage, the shape, what
     its first layer expects and, past stage 0, the stage whose output it was."""
@@ -154,7 +185,7 @@ def stage_input_error(s: int, mod: nn.Module, h: Any, exc: Exception) -> Pipelin
     if s == 0:
         return PipelineInputError(
             f"stage 0 ({describe(mod)}) cannot run on an input micro-batch of "
-            f"shape {shape}{first_layer_expectation(mod)}: {exc}"
+            f"shape {shape}{first_layer_expectation(mod)}: {exc}{one_dim_hint(h)}"
         )
     return PipelineInputError(
         f"stage {s - 1} outputs shape {shape} but stage {s} ({describe(mod)}) "

@@ -41,7 +41,7 @@ from engine.runtime.step_features import StepFeatures, check_async_fp16, check_s
 from engine.runtime.step_features import attach as attach_features
 from engine.runtime.streams import StageStreams
 from engine.runtime.throughput import StepMeter, batch_size
-from engine.runtime.ties import TiedGradients, tie_stages
+from engine.runtime.ties import TiedGradients, tie_stages, with_declared
 from engine.schedule.analysis import analyze, schedule_delays
 from engine.schedule.catalog import FAMILIES
 from engine.schedule.spec import ScheduleSpec, resolve_schedule
@@ -144,6 +144,9 @@ class Pipeline:
         autocast: ``torch.bfloat16``/``float16``: stage functions under ``torch.autocast``,
             weights float32; float16 adds loss scaling (``grad_scaler``; runtime/amp.py).
         offload_activations: saved activations wait in host memory (runtime/offload.py).
+        ties: ties between factory-built stages (which cannot share a parameter object), e.g.
+            ``[["0:tok.weight", "3:head.weight"]]``: checked at build, trained as an object tie
+            (synchronous schedules; runtime/ties.py).
     """
 
     def __init__(
@@ -182,6 +185,7 @@ class Pipeline:
         autocast: torch.dtype | None = None,
         grad_scaler: dict[str, Any] | None = None,
         offload_activations: bool = False,
+        ties: Sequence[Sequence[Any]] | None = None,
     ) -> None:
         fam = FAMILIES.get(schedule) if isinstance(schedule, str) else None
         self._meter = StepMeter()  # stats()["throughput"]
@@ -192,21 +196,13 @@ class Pipeline:
         check_async_fp16(autocast, None if fam is None else fam.synchronous, schedule, grad_scaler)
         self._virtual_stages = virtual_stages
         self.config: PipelineConfig = check_options(
-            transport=transport,
-            checkpoint=checkpoint,
-            on_nonfinite=on_nonfinite,
-            data_parallel=data_parallel,
-            timeout=timeout,
-            cuda_streams=cuda_streams,
-            trace=trace,
-            correction_decay=correction_decay,
-            loss_fn=loss_fn,
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
+            transport=transport, checkpoint=checkpoint, on_nonfinite=on_nonfinite,
+            data_parallel=data_parallel, timeout=timeout, cuda_streams=cuda_streams,
+            trace=trace, correction_decay=correction_decay, loss_fn=loss_fn,
+            optimizer=optimizer, lr_scheduler=lr_scheduler,
             synchronous_hint=None if fam is None else fam.synchronous,
             schedule_name=schedule if isinstance(schedule, str) else "",
-            l2_persistence=l2_persistence,
-            cuda_graphs=cuda_graphs,
+            l2_persistence=l2_persistence, cuda_graphs=cuda_graphs,
         )
         if self.config.distributed:
             from engine.runtime.rank import build_distributed
@@ -215,7 +211,7 @@ class Pipeline:
                 self, stages, schedule, chunks, loss_fn, optimizer, update_size, order,
                 balance, weight_prediction, discrepancy_correction, lr_scheduler,
                 num_stages, sample, memory_cap_bytes, deferred_batch_norm=deferred_batch_norm,
-                balance_repeats=balance_repeats, balance_profile=balance_profile,
+                balance_repeats=balance_repeats, balance_profile=balance_profile, tied=ties,
             )
             return
         if isinstance(balance, str):
@@ -233,7 +229,8 @@ class Pipeline:
             from engine.runtime.batch_norm import convert_deferred_batch_norm
 
             modules = [convert_deferred_batch_norm(m, spec.chunks) for m in modules]
-        ties = tie_stages(modules, spec)
+        found = tie_stages(modules, spec)
+        ties = with_declared(found, ties, spec, dict(enumerate(modules)))[0]
         built = [build_store(m, s, optimizer, self.config.cuda_graphs) for s, m in enumerate(modules)]
         self._finish(
             spec, modules, built, list(range(spec.stages)), loss_fn, weight_prediction,

@@ -30,7 +30,7 @@ from engine.runtime import trees
 from engine.runtime.build import build_module, build_store, resolve_stage_specs
 from engine.runtime.executor import Executor, StepResult
 from engine.runtime.failures import nonfinite_message
-from engine.runtime.first_failure import begin, report
+from engine.runtime.first_failure import as_peer_error, begin, report
 from engine.runtime.placement import RankPlacement
 from engine.runtime.program import OP_NAMES, RB, RF, SB, SF, F, StepProgram, U, W
 from engine.runtime.stage import DROPPED
@@ -61,8 +61,9 @@ def build_distributed(
     deferred_batch_norm: bool = False,
     balance_repeats: int = 3,
     balance_profile: Any = None,
+    tied: Any = None,
 ) -> None:
-    """The distributed half of ``Pipeline.__init__``."""
+    """The distributed half of ``Pipeline.__init__`` (``tied``: its ``ties`` argument)."""
     from engine.runtime.distributed import RankRuntime, broadcast_balance
     from engine.runtime.transport.layout import init_distributed, make_layout
     from engine.runtime.transport.p2p import P2PTransport
@@ -113,12 +114,14 @@ def build_distributed(
                 f"stage {s} has CUDA parameters but transport='gloo' carries CPU tensors; "
                 "use transport='nccl' (one GPU per rank) or keep the model on CPU"
             )
-    ties: list[Any] = []
-    if all(isinstance(m, nn.Module) for m in specs):  # factories cannot share a parameter
-        from engine.runtime.ties import connect_ties, tie_stages
+    from engine.runtime.ties import broadcast_owner, connect_ties, tie_stages, with_declared
 
+    ties: list[Any] = []
+    if all(isinstance(m, nn.Module) for m in specs):  # factories: only declared ties
         ties = tie_stages(list(specs), spec, stages=mine)
-        connect_ties(ties, ranks, cfg.data_parallel, layout.stage, layout.replica, place.rank_of)
+    here = dict(zip(mine, modules, strict=True))
+    ties, declared, tie_shapes = with_declared(ties, tied, spec, here)
+    connect_ties(ties, ranks, cfg.data_parallel, layout.stage, layout.replica, place.rank_of)
     built = [
         build_store(m, s, optimizer, pipe.config.cuda_graphs)
         for s, m in zip(mine, modules, strict=True)
@@ -131,10 +134,12 @@ def build_distributed(
         discrepancy_correction=discrepancy_correction,
         deferred_batch_norm=deferred_batch_norm,
         **pipe.features.describe(),
+        **tie_shapes,  # compared among the ranks holding each declared tie
     )
     held = modules[0] if not virtual else nn.ModuleList(modules)
     fp = fingerprint(spec, cfg, options, ties, bridge.opt if bridge is not None else None, held)
     agree(fp, layout.rank, ranks, device)
+    broadcast_owner(declared, here, lambda s: layout.replica * ranks + place.rank_of(s))
     pipe.device = device
     pipe.layout = layout
     if virtual:
@@ -149,6 +154,9 @@ def build_distributed(
         )
         pipe._rank = RankRuntime(layout, tp, cfg.timeout)
         tps = {mine[0]: tp}
+    from engine.runtime.transport.teardown import track
+
+    track(pipe._rank)  # its pending communication is settled at exit, before finalization
     streams = StageStreams(mine, None)
     pipe._finish(
         spec, modules, built, mine, loss_fn, weight_prediction, discrepancy_correction,
@@ -344,7 +352,9 @@ class RankExecutor(Executor):
                         self._early[(channel, mb)] = value
         tp.wait_sends()
         mail = [("received", self._early), ("outbox", self._outbox)]
-        out: dict[str, Any] = {}
+        # the shapes the gradients of activations in flight travel with (a resumed rank has
+        # not seen those activations travel)
+        out: dict[str, Any] = {"shapes": tp.wire_shapes()}
         for key, box in mail:
             out[key] = []
             for (c, mb), v in sorted(box.items()):
@@ -355,8 +365,10 @@ class RankExecutor(Executor):
         return out
 
     def load_wire_state(self, state: dict[str, Any]) -> None:
-        """Undo :meth:`wire_state` in a fresh rank: early receives and the outbox."""
+        """Undo :meth:`wire_state` in a fresh rank: early receives, the outbox, and the shapes
+        of the activations in flight (older states have none: the agreed shapes then)."""
         self._out_flags.clear()
+        self.transport.restore_wire_shapes(state.get("shapes", {}))
         for key, box in (("received", self._early), ("outbox", self._outbox)):
             box.clear()
             for d in state[key]:
@@ -454,8 +466,12 @@ class RankExecutor(Executor):
         try:
             return self._rank_drain()
         except BaseException as exc:
-            report(self.rank.layout.rank, exc)
-            raise
+            lay = self.rank.layout
+            report(lay.rank, exc)
+            peer = as_peer_error(exc, lay.rank, f"stage {self.s} (rank {lay.rank})")
+            if peer is exc:
+                raise
+            raise peer from exc
 
     def _rank_drain(self) -> Tensor | None:
         first = len(self.losses)
@@ -509,5 +525,10 @@ def rank_step(pipe: Pipeline, inputs: Any, targets: Any) -> Tensor:
         result = pipe._executor.run_step(xs, ts, sizes)
     except BaseException as exc:  # the first rank to fail is named in its peers' errors
         report(lay.rank, exc)
-        raise
+        mine = sorted(held)
+        where = f"stage{'s' if len(mine) > 1 else ''} {', '.join(map(str, mine))}"
+        peer = as_peer_error(exc, lay.rank, f"{where} (rank {lay.rank})")
+        if peer is exc:
+            raise
+        raise peer from exc
     return result.loss if result.loss is not None else torch.tensor(float("nan"))

@@ -44,6 +44,7 @@ from engine.errors import PipelineInputError
 from engine.runtime import fresh_grads, labels, trees
 from engine.runtime import trace as _trace
 from engine.runtime.amp import autocast_context
+from engine.runtime.inputs import checked_loss
 from engine.runtime.optim_bridge import OptimizerBridge
 from engine.runtime.policy import LIVE, PINNED, Transient, WeightPolicy
 from engine.runtime.saved_weights import SavedWeights
@@ -322,8 +323,7 @@ class Stage(StageUpdates):
     def _run_plain(self, x: Any, target: Any) -> Any:
         out = self.module(x) if isinstance(x, Tensor) else trees.call(self.module, x)
         if self.is_last:
-            assert self.loss_fn is not None
-            return self.loss_fn(out, target)
+            return checked_loss(self.index, self.loss_fn, out, target)  # names the micro-batch
         if not isinstance(out, Tensor):
             problem = trees.check_output(out, f"stage {self.index}")
             if problem:

@@ -11,6 +11,14 @@ optimizer applies that sum -- exactly the gradient autograd accumulates into the
 parameter of the unpipelined model. Each holder's optimizer must therefore treat the tied
 parameter alike (the same factory does).
 
+Stage factories (the way to build only a rank's own stage) cannot share an ``nn.Parameter``:
+each builds its own. A tie between factory-built stages is declared instead,
+``Pipeline(..., ties=[["0:tok.weight", "3:head.weight"]])`` (stage:parameter name in that
+stage's module; :func:`declared_ties`): every holder must have that parameter, with the same
+shape and dtype on every rank (checked at build time, on every rank), and every holder starts
+from the owner's (the first holder's) values, so the pipeline trains the tied model. An
+undeclared tie cannot be seen across factories; the README says to declare it.
+
 Asynchronous schedules are refused with ties: their holders update at different times (and
 under stashing read different versions), so "one parameter" has no single meaning there
 without a policy of its own (docs/ALGORITHMS.md, "Tied parameters").
@@ -27,7 +35,10 @@ from torch import Tensor, nn
 
 from engine.errors import PipelineConfigError
 
-__all__ = ["TieGroup", "find_ties", "untie", "tie_stages", "connect_ties", "TiedGradients"]
+__all__ = [
+    "TieGroup", "find_ties", "untie", "tie_stages", "connect_ties", "TiedGradients",
+    "declared_ties", "start_tied", "with_declared", "broadcast_owner",
+]
 
 
 @dataclass
@@ -108,18 +119,135 @@ def untie(modules: list[nn.Module], groups: list[TieGroup], stages: list[int] | 
                         sub._parameters[key] = copy
 
 
-def tie_stages(modules: list[nn.Module], spec: Any, stages: list[int] | None = None) -> list[TieGroup]:
-    """Find parameters shared across stages and give every holder but the first its own copy
-    (only in ``stages`` when given); asynchronous schedules refuse them (module docstring)."""
-    groups = find_ties(modules)
+def declared_ties(ties: Any, S: int) -> list[TieGroup]:
+    """Parse ``Pipeline(ties=...)``: a list of groups, each a list of ``"stage:name"`` (or
+    ``(stage, name)``) holders of one parameter on at least two stages; the lowest stage owns it."""
+    if ties is None:
+        return []
+    if isinstance(ties, (str, bytes)) or not hasattr(ties, "__iter__"):
+        raise PipelineConfigError(
+            f"ties={ties!r}: give a list of groups, each a list of 'stage:parameter' names, "
+            "e.g. ties=[['0:tok.weight', '3:head.weight']]"
+        )
+    groups = []
+    for g in ties:
+        holders: list[tuple[int, str]] = []
+        items = [g] if isinstance(g, str) else list(g) if hasattr(g, "__iter__") else [g]
+        for h in items:
+            if isinstance(h, str) and ":" in h and h.split(":", 1)[0].strip().isdigit():
+                stage, name = int(h.split(":", 1)[0]), h.split(":", 1)[1].strip()
+            elif isinstance(h, (tuple, list)) and len(h) == 2 and isinstance(h[0], int) and isinstance(h[1], str):
+                stage, name = h[0], h[1]
+            else:
+                raise PipelineConfigError(
+                    f"ties: holder {h!r} of group {g!r} is not 'stage:parameter' (e.g. "
+                    "'3:head.weight') or (stage, 'parameter')"
+                )
+            if not 0 <= stage < S or not name:
+                raise PipelineConfigError(
+                    f"ties: holder {h!r} names stage {stage}, but the pipeline has stages 0..{S - 1}"
+                )
+            if (stage, name) in holders:
+                raise PipelineConfigError(f"ties: group {g!r} names {h!r} twice")
+            holders.append((stage, name))
+        if len({s for s, _ in holders}) < 2:
+            raise PipelineConfigError(
+                f"ties: group {g!r} must name a parameter on at least two different stages"
+            )
+        groups.append(TieGroup(sorted(holders)))
+    seen: dict[tuple[int, str], int] = {}
+    for k, grp in enumerate(groups):
+        for h in grp.holders:
+            if h in seen:
+                raise PipelineConfigError(f"ties: stage {h[0]} {h[1]!r} is in groups {seen[h]} and {k}")
+            seen[h] = k
+    return groups
+
+
+def _holder(modules: dict[int, nn.Module], s: int, name: str) -> nn.Parameter:
+    params = dict(modules[s].named_parameters())
+    if name not in params:
+        near = [n for n in params if n.split(".")[-1] == name.split(".")[-1]][:5]
+        hint = f" (parameters with that last name: {near})" if near else f" (it has {sorted(params)[:8]})"
+        raise PipelineConfigError(f"ties: stage {s} has no parameter {name!r}{hint}")
+    return params[name]
+
+
+def start_tied(
+    groups: list[TieGroup], modules: dict[int, nn.Module], spec: Any
+) -> dict[int, tuple[list[int], str]]:
+    """Check declared ties against the stages built here (stage -> module): every holder has
+    the parameter with one shape and dtype, asynchronous schedules refuse ties (module
+    docstring), and holders here start from the owner's values when the owner is here too.
+    Returns, per group index, the (shape, dtype) of its holders here: under gloo/NCCL every
+    rank compares it with the other holders' ranks (agreement.py), then the owner's values
+    are broadcast to them (:func:`broadcast_owner`)."""
+    _refuse_async(groups, spec)
+    shapes: dict[int, tuple[list[int], str]] = {}
+    for k, g in enumerate(groups):
+        names = dict(g.holders)
+        here = [(s, _holder(modules, s, n)) for s, n in g.holders if s in modules]
+        for (s, p), (s0, p0) in zip(here[1:], here[:-1], strict=True):
+            if p.shape != p0.shape or p.dtype != p0.dtype:
+                raise PipelineConfigError(
+                    f"ties: stage {s0} {names[s0]!r} is {tuple(p0.shape)} {p0.dtype}, stage {s} "
+                    f"{names[s]!r} is {tuple(p.shape)} {p.dtype}: tied parameters must have "
+                    "the same shape and dtype"
+                )
+        if here:
+            shapes[k] = (list(here[0][1].shape), str(here[0][1].dtype))
+            if here[0][0] == g.holders[0][0]:  # the owner is here: the others start from it
+                with torch.no_grad():
+                    for _, p in here[1:]:
+                        p.copy_(here[0][1])
+    return shapes
+
+
+def with_declared(
+    found: list[TieGroup], ties: Any, spec: Any, modules: dict[int, nn.Module]
+) -> tuple[list[TieGroup], list[TieGroup], dict[str, Any]]:
+    """The pipeline's tie groups: those ``found`` by identity plus the declared ones
+    (``Pipeline(ties=...)``) not found already. Returns (all groups, the declared ones added,
+    the settings every holder's rank must agree on: each added group's shape and dtype)."""
+    known = [set(g.holders) for g in found]
+    added = [g for g in declared_ties(ties, spec.stages) if set(g.holders) not in known]
+    shapes = start_tied(added, modules, spec)
+    agree = {f"the shape and dtype of tied {added[k].describe()}": v for k, v in shapes.items()}
+    return found + added, added, agree
+
+
+def broadcast_owner(groups: list[TieGroup], modules: dict[int, nn.Module], owner_rank: Any) -> None:
+    """Under gloo/NCCL: the declared holders on other ranks take the owner's values (one
+    broadcast per group over the holders' process group); ``owner_rank(stage)`` is the
+    global rank of this replica's ``stage``."""
+    for g in groups:
+        here = [_holder(modules, s, n) for s, n in g.holders if s in modules]
+        if g.process_group is None or not here:
+            continue
+        buf = here[0].detach().clone()
+        torch.distributed.broadcast(buf, owner_rank(g.holders[0][0]), group=g.process_group)
+        with torch.no_grad():
+            for p in here:
+                p.copy_(buf)
+
+
+def _refuse_async(groups: list[TieGroup], spec: Any) -> None:
     if groups and not spec.synchronous:
         raise PipelineConfigError(
             f"tied parameters across stages ({groups[0].describe()}) are supported on the "
-            f"synchronous schedules (gpipe, 1f1b, naive), not on {spec.describe()}: its stages "
+            "synchronous schedules (naive, gpipe, 1f1b, zbh1, interleaved 1F1B), not on "
+            f"{spec.describe()}: its stages "
             "update at different times, so the copies would drift apart (docs/ALGORITHMS.md, "
             "'Tied parameters'). Untie them (give each stage its own parameter) or use a "
             "synchronous schedule"
         )
+
+
+def tie_stages(modules: list[nn.Module], spec: Any, stages: list[int] | None = None) -> list[TieGroup]:
+    """Find parameters shared across stages and give every holder but the first its own copy
+    (only in ``stages`` when given); asynchronous schedules refuse them (module docstring)."""
+    groups = find_ties(modules)
+    _refuse_async(groups, spec)
     untie(modules, groups, stages)
     return groups
 

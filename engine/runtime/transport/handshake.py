@@ -8,6 +8,12 @@ its neighbour receives it (:meth:`Handshake.recv_meta`); both record it as the a
 of the channel, and of the opposite channel's gradients (the leaves that require grad).
 A header of -1 instead of a length says "my dry run failed": the receiver must not wait for
 data.
+
+Also here: the shapes of the micro-batches in flight across a save (:meth:`Handshake.wire_shapes`).
+A gradient travels with the shapes its activation had, which both ends remember per
+micro-batch; a rank resumed from an unflushed save has not seen those activations travel, so
+the save keeps their leaf shapes (JSON, no pickle in a checkpoint) and the resumed rank turns
+them back into Signatures once its own handshake has agreed the structure.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from engine.runtime.transport.base import DTYPES
-from engine.runtime.trees import Signature
+from engine.runtime.trees import LeafMeta, Signature, unflatten
 
 __all__ = ["Handshake"]
 
@@ -40,6 +46,11 @@ class Handshake:
     who: Any
     wait: Any
     peer_stage: Any
+    _sent_sigs: dict[int, Signature]
+    _recv_sigs: dict[int, Signature]
+    #: restored by :meth:`restore_wire_shapes`, until the handshake agrees the structure:
+    #: direction ("send"|"recv") -> {micro-batch: leaf shapes}
+    _pending_shapes: dict[str, dict[int, list[list[int]]]]
 
     def unsupported(self, tree: Any) -> str:
         """Why the tensors of ``tree`` cannot travel on this transport ("" when they can)."""
@@ -90,6 +101,38 @@ class Handshake:
         # the gradients of an activation go the other way: its leaves that require grad
         other = "grad" if channel == "act" else "act"
         self.meta[(other, "recv" if direction == "send" else "send")] = sig
+        if channel == "act" and self._pending_shapes.get(direction):
+            table = self._sent_sigs if direction == "send" else self._recv_sigs
+            for mb, shapes in self._pending_shapes.pop(direction).items():
+                table.setdefault(mb, _with_shapes(sig, shapes))
+
+    def wire_shapes(self) -> dict[str, list[Any]]:
+        """The leaf shapes of every activation this rank sent ("send") or received ("recv")
+        whose gradient has not travelled back yet: JSON-able, for the in-flight state."""
+        out: dict[str, list[Any]] = {}
+        for direction, table in (("send", self._sent_sigs), ("recv", self._recv_sigs)):
+            out[direction] = [
+                [mb, [list(m.shape) for _, m in sig.metas(False)]] for mb, sig in sorted(table.items())
+            ]
+        return out
+
+    def restore_wire_shapes(self, shapes: dict[str, list[Any]]) -> None:
+        """Undo :meth:`wire_shapes` in a fresh transport (before its handshake)."""
+        self._pending_shapes = {
+            d: {int(mb): [list(s) for s in leaf] for mb, leaf in shapes.get(d, [])}
+            for d in ("send", "recv")
+        }
 
     def _meta_device(self) -> torch.device:
         return self.device if self.backend == "nccl" else torch.device("cpu")
+
+
+def _with_shapes(sig: Signature, shapes: list[list[int]]) -> Signature:
+    """``sig`` with its tensor leaves' shapes replaced by ``shapes`` (in leaf order)."""
+    leaves = list(sig.leaves)
+    if len(shapes) != len(sig.tensor_at):
+        raise ValueError(f"{len(shapes)} saved leaf shapes for {len(sig.tensor_at)} tensor leaves")
+    for i, shape in zip(sig.tensor_at, shapes, strict=True):
+        m = leaves[i]
+        leaves[i] = LeafMeta(tuple(int(d) for d in shape), m.dtype, m.requires_grad)
+    return Signature(unflatten(leaves, sig.spec))

@@ -93,8 +93,11 @@ def init_distributed(backend: str, timeout: float) -> None:
         )
         store = dist.PrefixStore(f"engine/attempt_{attempt}/", base)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td)
-        return
-    dist.init_process_group(backend, timeout=td)
+    else:
+        dist.init_process_group(backend, timeout=td)
+    from engine.runtime.transport.teardown import created_default_group
+
+    created_default_group()  # destroyed at exit, before the interpreter's finalization
 
 
 def make_layout(stages: int, replicas: int) -> Layout:

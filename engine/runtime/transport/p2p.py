@@ -151,6 +151,7 @@ class P2PTransport(Handshake, Transport):
         # its gradient travelled back with the same shapes
         self._sent_sigs: dict[int, Signature] = {}
         self._recv_sigs: dict[int, Signature] = {}
+        self._pending_shapes: dict[str, dict[int, list[list[int]]]] = {}
         # activation headers posted ahead (gloo): micro-batch -> (work, header)
         self._heads: dict[int, tuple[Any, Tensor]] = {}
         #: called as accept(old, new, mb) when an activation arrives with new shapes: why this
@@ -191,20 +192,26 @@ class P2PTransport(Handshake, Transport):
             else:
                 work.wait()
         except Exception as exc:  # gloo raises RuntimeError on reset/timeout; name the peer
-            peer_txt = f" with {self.who(peer)}" if peer is not None else ""
-            text = str(exc).strip()
-            why = (
-                f"no answer within timeout={self.timeout:g}s"
-                if "timed out" in text.lower() or "timeout" in text.lower()
-                else "the connection broke"
-            )
-            raise PeerError(
-                f"{self.who(self.stage)}: {what}{peer_txt} failed: {why} "
-                f"({type(exc).__name__}: {text[:300]}). The peer rank most likely died or is "
-                "stuck: check its log for the first error. This rank stops instead of hanging "
-                "(raise Pipeline(timeout=...) if a stage is legitimately slower)."
-                + first(self.ranks[self.stage])
-            ) from exc
+            raise self.peer_error(exc, what, peer) from exc
+
+    def peer_error(self, exc: BaseException, what: str, peer: int | None) -> PeerError:
+        """``exc`` from torch.distributed (posting or waiting) as a PeerError naming the peer
+        stage and rank, and the first rank to fail in the job (first_failure.py). A broken
+        connection blames the peer (``broken``, ``peer_rank``: the note report() writes)."""
+        peer_txt = f" with {self.who(peer)}" if peer is not None else ""
+        text = str(exc).strip()
+        timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+        why = f"no answer within timeout={self.timeout:g}s" if timed_out else "the connection broke"
+        err = PeerError(
+            f"{self.who(self.stage)}: {what}{peer_txt} failed: {why} "
+            f"({type(exc).__name__}: {text[:300]}). The peer rank most likely died or is "
+            "stuck: check its log for the first error. This rank stops instead of hanging "
+            "(raise Pipeline(timeout=...) if a stage is legitimately slower)."
+            + first(self.ranks[self.stage])
+        )
+        err.broken = not timed_out  # type: ignore[attr-defined]
+        err.peer_rank = self.ranks[peer] if peer is not None else None  # type: ignore[attr-defined]
+        return err
 
     # ------------------------------------------------------------------ data
 
@@ -300,6 +307,14 @@ class P2PTransport(Handshake, Transport):
         return t.to(self._meta_device())
 
     def _isend(self, ts: list[Tensor], tags: list[int], peer: int) -> list[Any]:
+        try:  # posting fails at once when the peer's connection is already gone
+            return self._isend_raw(ts, tags, peer)
+        except PeerError:
+            raise
+        except RuntimeError as exc:
+            raise self.peer_error(exc, "sending", self.ranks.index(peer)) from exc
+
+    def _isend_raw(self, ts: list[Tensor], tags: list[int], peer: int) -> list[Any]:
         if self.backend == "gloo":
             return [dist.isend(t, peer, group=self.group, tag=g) for t, g in zip(ts, tags, strict=True)]
         ready = torch.cuda.Event()
@@ -312,7 +327,10 @@ class P2PTransport(Handshake, Transport):
 
     def _irecv(self, buf: Tensor, src: int, tag: int) -> Any:
         if self.backend == "gloo":
-            return dist.irecv(buf, self.ranks[src], group=self.group, tag=tag)
+            try:
+                return dist.irecv(buf, self.ranks[src], group=self.group, tag=tag)
+            except RuntimeError as exc:
+                raise self.peer_error(exc, "receiving", src) from exc
         with torch.cuda.stream(self.comm_stream):
             (work,) = dist.batch_isend_irecv(
                 [dist.P2POp(dist.irecv, buf, self.ranks[src], self.group, tag)]
@@ -418,7 +436,9 @@ class P2PTransport(Handshake, Transport):
                 if ahead.head is None and mb + 1 not in self._heads:
                     self._heads[mb + 1] = self._post_head(src)
             for later in range(mb + 1, min(certain, mb + 1 + self.prepost)) if channel == "grad" else ():
-                if later in self._sent_sigs and (channel, later) not in self._posted:
+                if later not in self._sent_sigs:  # posting order is matching order: no gaps
+                    break
+                if (channel, later) not in self._posted:
                     self._posted[(channel, later)] = self._post(channel, later, self._sent_sigs[later], src)
         what = (
             f"receiving the {'activation' if channel == 'act' else 'gradient'} of micro-batch {mb}"
@@ -467,7 +487,11 @@ class P2PTransport(Handshake, Transport):
         if channel == "act" and inline_header(self.backend, agreed):
             msgs[0], head, bufs[0] = framed_buffer(metas[0][1], self.device)
         if self.backend == "gloo":
-            return Posted([dist.irecv(b, self.ranks[src], group=self.group) for b in msgs], bufs, agreed, head)
+            try:
+                works = [dist.irecv(b, self.ranks[src], group=self.group) for b in msgs]
+            except RuntimeError as exc:
+                raise self.peer_error(exc, f"receiving the {channel} of micro-batch {mb}", src) from exc
+            return Posted(works, bufs, agreed, head)
         with torch.cuda.stream(self.comm_stream):
             works = dist.batch_isend_irecv(
                 [dist.P2POp(dist.irecv, b, self.ranks[src], self.group) for b in msgs]
@@ -493,10 +517,20 @@ class P2PTransport(Handshake, Transport):
         else:
             self._reap()
 
+    def settle_for_exit(self) -> None:
+        """At interpreter exit (transport/teardown.py): sends waited for briefly, then the
+        transport forgets everything (receives posted ahead end with the group)."""
+        from engine.runtime.transport.teardown import settle
+
+        for works, _t, _what in self._sends.values():
+            settle(works)
+        self.close()
+
     def close(self) -> None:
         self._sends.clear()
         self._posted.clear()
         self._heads.clear()
         self._sent_sigs.clear()
         self._recv_sigs.clear()
+        self._pending_shapes.clear()
         self.arrived_flags.clear()

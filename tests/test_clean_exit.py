@@ -1,0 +1,116 @@
+"""Exit after an unflushed save (issue 21, item 3): processes that build a gloo
+pipeline through the engine (which then owns the default process group), save an
+asynchronous pipeline without a flush and simply return, should exit with code 0. At exit the
+engine settles what is still in flight (the last step's loss messages) and destroys the
+group before the interpreter's finalization (engine/runtime/transport/teardown.py); a check
+registered before the pipeline runs after that teardown and sees the group gone.
+
+Launched without torchrun's agent (plain subprocesses with RANK/WORLD_SIZE/MASTER_*), as
+the abort was seen both ways. The abort was intermittent (about 1 run in 12 before the teardown),
+so the default test shows the teardown ran; the ``slow`` one repeats and checks the exit
+code, and is marked xfail: the abort still occurs now and then (root cause open).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
+]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = textwrap.dedent(
+    """
+    import atexit, os, sys
+    import torch, torch.distributed as dist
+    from torch import nn
+    import engine, engine.optim as eo
+    from engine import Pipeline
+
+    torch.set_num_threads(1)
+    # registered first, so it runs last: after the engine's teardown
+    atexit.register(lambda: print("group alive at exit:", dist.is_initialized(), flush=True))
+    S, schedule, path = int(os.environ["WORLD_SIZE"]), sys.argv[1], sys.argv[2]
+
+    def make(s):
+        def build():
+            torch.manual_seed(s)
+            return nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        return build
+
+    pipe = Pipeline([make(s) for s in range(S)], schedule=schedule, chunks=4,
+                    loss_fn=nn.functional.mse_loss, transport="gloo", timeout=30,
+                    optimizer=lambda p: eo.SGD(p, lr=0.1, momentum=0.9),
+                    checkpoint="except_last")  # live weights save unflushed only when recomputed
+    g = torch.Generator().manual_seed(0)
+    for t in range(4):
+        pipe.step(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g))
+    engine.save(pipe, path)  # no flush
+    print("flushed after save:", pipe.flushed, flush=True)
+    """
+)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(tmp: Any, schedule: str, world: int = 4) -> list[tuple[int, str, str]]:
+    script = os.path.join(tmp, "save_and_exit.py")
+    with open(script, "w") as f:
+        f.write(SCRIPT)
+    port, out = _port(), []
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    procs = [
+        subprocess.Popen([sys.executable, script, schedule, os.path.join(tmp, f"ck-{schedule}")],
+                         env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        out.append((p.returncode, stdout, stderr))
+    return out
+
+
+def _check(results: list[tuple[int, str, str]], exit_code: bool = True) -> None:
+    for rank, (rc, stdout, stderr) in enumerate(results):
+        assert "group alive at exit: False" in stdout, (rank, stdout, stderr[-2000:])
+        if exit_code:
+            assert rc == 0, f"rank {rank} exited with {rc}: {stderr[-2000:]}"
+            assert "terminate called" not in stderr, stderr[-2000:]
+    assert any("flushed after save: False" in r[1] for r in results)  # something was in flight
+
+
+def test_exit_after_unflushed_save_tears_down(tmp_path: Any) -> None:
+    """The teardown runs at a normal exit (deterministic); the exit code is the slow test's
+    (the abort is intermittent and not yet fixed: it would make this test flaky)."""
+    _check(_run(str(tmp_path), "pb"), exit_code=False)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    reason="issue 21 item 3 is open: the abort still happened once in 8 four-rank pb runs with "
+    "the teardown in place (about 1 in 12 without it); its root cause is not found",
+    strict=False,
+)
+@pytest.mark.parametrize("schedule", ["pb", "pipedream", "2bw"])
+def test_exit_after_unflushed_save_is_clean_repeatedly(tmp_path: Any, schedule: str) -> None:
+    for k in range(8):
+        sub = tmp_path / str(k)
+        sub.mkdir()
+        _check(_run(str(sub), schedule))

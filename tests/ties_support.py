@@ -1,0 +1,84 @@
+"""Declared ties between factory-built stages (``Pipeline(ties=...)``): the factories and
+what each rank runs (tests/test_runtime_ties_declared.py; spawned as ``ties_support.<name>``).
+
+Why factories built the GPT-2 way: each factory builds the whole tied model and returns its
+stage, so the last stage's head holds a parameter *object* of its own (another process's, or
+another call's) whose values equal the embedding's; the tie exists only by declaration.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from distributed_support import tied_stages, token_batch
+from torch import nn
+
+
+def tied_factories(S: int, head_seed: int | None = None) -> list[Callable[[], nn.Module]]:
+    """Stage s of :func:`tied_stages` per factory; ``head_seed``: the last stage's head weight
+    drawn otherwise (the declared tie must start it from the owner's values)."""
+
+    def make(s: int) -> Callable[[], nn.Module]:
+        def build() -> nn.Module:
+            m = tied_stages(S)[s]
+            if s == S - 1 and head_seed is not None:
+                g = torch.Generator().manual_seed(head_seed)
+                m.weight = nn.Parameter(torch.randn(m.weight.shape, generator=g))
+            return m
+
+        return build
+
+    return [make(s) for s in range(S)]
+
+
+def declaration(S: int) -> list[list[str]]:
+    return [["0:embed.weight", f"{S - 1}:weight"]]
+
+
+def _kw(schedule: str) -> dict[str, Any]:
+    return dict(schedule=schedule, chunks=4, loss_fn=nn.functional.cross_entropy,
+                optimizer=lambda p: torch.optim.SGD(p, lr=0.2, momentum=0.9))
+
+
+def declared(rank: int, S: int, steps: int = 4) -> dict[str, Any]:
+    """Declared ties under gloo vs the local object-tied model (bitwise), a shape that
+    differs between the holders' ranks, and an asynchronous schedule (both refused)."""
+    from engine import Pipeline
+
+    out: dict[str, Any] = {}
+    for schedule in ("gpipe", "1f1b"):
+        try:
+            pipe = Pipeline(tied_factories(S, head_seed=5), transport="gloo", timeout=30,
+                            ties=declaration(S), **_kw(schedule))
+            ref = Pipeline(tied_stages(S), **_kw(schedule))
+            for t in range(steps):
+                loss, ref_loss = pipe.step(*token_batch(t)), ref.step(*token_batch(t))
+            s = pipe.layout.stage
+            mine = [p.detach().clone() for p in pipe.stages[0].module.parameters()]
+            theirs = [p.detach().clone() for p in ref.stages[s].module.parameters()]
+            out[schedule] = {
+                "weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
+                "losses_equal": bool(torch.equal(loss, ref_loss)),
+                "ties": [g.holders for g in pipe.ties],
+            }
+        except Exception:
+            out[schedule] = {"error": traceback.format_exc()}
+    for case in ("shape", "async"):
+        try:
+            factories = tied_factories(S)
+            if case == "shape" and rank == S - 1:  # this rank's head is (VOCAB, DIM + 1)
+                def wider() -> nn.Module:
+                    m = tied_stages(S)[S - 1]
+                    m.weight = nn.Parameter(torch.zeros(m.weight.shape[0], m.weight.shape[1] + 1))
+                    return m
+
+                factories[S - 1] = wider
+            Pipeline(factories, transport="gloo", timeout=30, ties=declaration(S),
+                     **_kw("gpipe" if case == "shape" else "pipedream"))
+            out[case] = {"error": "not refused"}
+        except Exception as exc:
+            out[case] = {"type": type(exc).__name__, "message": str(exc)}
+    return out
