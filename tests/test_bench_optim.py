@@ -34,7 +34,8 @@ def test_optim_benchmark_quick_run_writes_csv_and_plot(tmp_path: Path, capsys) -
     for dtype in ("fp32", "bf16"):
         assert ("copy", "torch", dtype) in seen
         for kernel in bench.KERNELS:
-            assert (kernel, "engine", dtype) in seen
+            # the state_dtype="param" cases run for bf16 weights only
+            assert ((kernel, "engine", dtype) in seen) == bench.runs_for(kernel, bench.DTYPES[dtype])
         assert ("sgd", "torch_foreach", dtype) in seen
         assert ("adamw", "torch_fused", dtype) in seen
     assert all(float(r["median_ms"]) > 0 and float(r["gbps"]) > 0 for r in rows)
@@ -52,10 +53,11 @@ def test_optim_benchmark_quick_run_writes_csv_and_plot(tmp_path: Path, capsys) -
                          ("adamw", ("torch_fused", "torch_foreach")),
                          ("adamw_sc_pred", ("torch_fused_adamw+pred",)))
         for peer in peers
-    }
+    } | {(k + "_bf16st", peer, "bf16") for k in ("sgd", "adam", "adamw")
+         for peer in ("torch_fused", "torch_foreach")}
     excluded = {(k, p, d) for k, p, d in expected if f"EXCLUDED {k} {d} {p}:" in out}
     # torch 2.12/2.13's CPU fused SGD skips the vectorised part of bf16 updates (#191763)
-    assert excluded <= {("sgd", "torch_fused", "bf16")}, excluded
+    assert excluded <= {("sgd", "torch_fused", "bf16"), ("sgd_bf16st", "torch_fused", "bf16")}, excluded
     assert got == expected - excluded
     assert "cupy_elementwise: CuPy runs on CUDA only" in out
     for r in ratios:
@@ -73,6 +75,7 @@ def test_traffic_model_counts_each_stream_once() -> None:
     assert bench.traffic_bytes("adam", n, 4, 4) == n * (3 * 4 + 4 * 4)
     assert bench.traffic_bytes("adamw", n, 4, 4) == n * (3 * 4 + 4 * 4)
     assert bench.traffic_bytes("adamw_sc_pred", n, 4, 4) == n * (4 * 4 + 4 * 4)
+    assert bench.traffic_bytes("adam_bf16st", n, 2, 2) == n * (3 * 2 + 4 * 2)  # 14 B/param
     with pytest.raises(ValueError, match="unknown kernel"):
         bench.traffic_bytes("lamb", n, 4, 4)
 
@@ -90,6 +93,10 @@ def test_bytes_per_param_of_every_side() -> None:
         ("adam", torch.float32): {"engine": 28, "torch_fused": 28, "torch_foreach": 72},
         ("adamw", torch.float32): {"engine": 28, "torch_fused": 28, "torch_foreach": 80},
         ("adamw", torch.bfloat16): {"engine": 22, "torch_fused": 14, "torch_foreach": 40},
+        # state_dtype="param": torch fused's bytes (issue 22)
+        ("sgd_bf16st", torch.bfloat16): {"engine": 10, "torch_fused": 10},
+        ("adam_bf16st", torch.bfloat16): {"engine": 14, "torch_fused": 14},
+        ("adamw_bf16st", torch.bfloat16): {"engine": 14, "torch_fused": 14},
         ("adamw_sc_pred", torch.float32): {"torch_fused_adamw+pred": 48},
     }
     for (kernel, dtype), sides in want.items():
@@ -184,7 +191,8 @@ def test_every_side_passes_the_check_before_timing(dtype: torch.dtype) -> None:
         passed, failed = bench.check_kernel(kernel, CPU, dtype, log=lambda _m: None)
         assert "engine" in passed
         # only torch's own CPU fused SGD on bf16 may fail (pytorch/pytorch#191763)
-        assert set(failed) <= ({"torch_fused"} if (kernel, dtype) == ("sgd", torch.bfloat16) else set())
+        sgd_bf16 = bench.base_kernel(kernel) == "sgd" and dtype == torch.bfloat16
+        assert set(failed) <= ({"torch_fused"} if sgd_bf16 else set())
     passed, _ = bench.check_kernel("adamw_sc_pred", CPU, dtype, log=lambda _m: None)
     assert passed["torch_fused_adamw+pred"].startswith("no SC")  # different math, said so
 

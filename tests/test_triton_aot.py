@@ -18,8 +18,8 @@ multiple of 16) every block access is vectorized to the expected width (fp32: 12
 bf16/fp16: 128 bits where all swept tensors are 16-bit, 64 bits beside fp32 tensors, see
 triton_kernels/_launch.py); and no variant the launchers pick goes through shared memory.
 
-The default set (138 cases; NAdam's 24 of them: every dtype pair off and on, the host path,
-odd and unaligned sizes; ~25 CPU-s: ~15-40 s on 2 cores) covers every dtype pair, each flag
+The default set (152 cases; NAdam's 24 of them: every dtype pair off and on, the host path,
+odd and unaligned sizes; 14 with the moments in the 16-bit param dtype, state_dtype="param"; ~25 CPU-s: ~15-40 s on 2 cores) covers every dtype pair, each flag
 alone (delay compensation ``dc`` with the delta it reads), everything on, and the unhinted,
 i64 and n == 1 specializations, and five multi-tensor launches (triton_kernels/multi.py: each
 kernel with everything on, aligned, and one unaligned); the ``slow`` sweep (2,130 cases, ~5 CPU-min; only with
@@ -69,18 +69,20 @@ ADAM_ARITH = [dict(wd=w, decoupled=d, maximize=m, sc=s, lerp_small=ls)
               for m in (False, True) for s in (False, True) for ls in (True, False)]
 
 
-def _case(family, dtype, grad=None, n=N_ARENA, odd=(), block=None, multi=False, **opts):
+def _case(family, dtype, grad=None, n=N_ARENA, odd=(), block=None, multi=False,
+          low_state=False, **opts):
+    """``low_state``: the moments in the param dtype (the optimizers' state_dtype="param")."""
     base = {"sgd": SGD_OFF, "adam": ADAM_OFF, "nadam": NADAM_OFF}[family]
     assert set(opts) <= set(base), opts
     return dict(family=family, dtype=dtype, grad=grad or dtype, n=n, odd=list(odd),
-                block=block, multi=multi, opts=dict(base, **opts))
+                block=block, multi=multi, low_state=low_state, opts=dict(base, **opts))
 
 
-def _multi(family, dtype, grad=None, n=N_ARENA, odd=(), **opts):
+def _multi(family, dtype, grad=None, n=N_ARENA, odd=(), low_state=False, **opts):
     """A multi-tensor launch (two segments; the kernel derives the step on the device)."""
     if family != "sgd":
         opts["device_step"] = True
-    return _case(family, dtype, grad, n=n, odd=odd, multi=True, **opts)
+    return _case(family, dtype, grad, n=n, odd=odd, multi=True, low_state=low_state, **opts)
 
 
 def multi_default_cases() -> dict[str, dict]:
@@ -93,6 +95,9 @@ def multi_default_cases() -> dict[str, dict]:
         "multi_nadam_float32_on": _multi("nadam", "float32", **NADAM_ON),
         "multi_adam_float32_on_unaligned": _multi("adam", "float32", n=N_ODD, odd=["all"],
                                                   **ADAM_ON),
+        # state_dtype="param": bf16 moments beside bf16 weights (issue 22)
+        "multi_sgd_bfloat16_lowstate_on": _multi("sgd", "bfloat16", low_state=True, **SGD_ON),
+        "multi_adam_bfloat16_lowstate_off": _multi("adam", "bfloat16", low_state=True),
     }
 
 
@@ -154,6 +159,14 @@ def default_cases() -> dict[str, dict]:
     for name in ("device_step", "inf", "last", "lerp_small"):  # the host path, alone
         cases[f"nadam_float32_host_{name}"] = _case("nadam", "float32",
                                                     **{**NADAM_ON, name: False})
+    # state_dtype="param" (issue 22): moments in the 16-bit param dtype, rounded on store;
+    # all-16-bit sweeps (128-bit accesses) and beside fp32 delta / last_update
+    for dtype in ("bfloat16", "float16"):
+        for family, on, alone in (("sgd", SGD_ON, dict(momentum=True)),
+                                  ("adam", ADAM_ON, dict(amsgrad=True))):
+            cases[f"{family}_{dtype}_lowstate_off"] = _case(family, dtype, low_state=True)
+            cases[f"{family}_{dtype}_lowstate_alone"] = _case(family, dtype, low_state=True, **alone)
+            cases[f"{family}_{dtype}_lowstate_on"] = _case(family, dtype, low_state=True, **on)
     cases["nadam_float32_on_n_odd"] = _case("nadam", "float32", n=N_ODD, **NADAM_ON)
     cases["nadam_bfloat16_on_unaligned"] = _case("nadam", "bfloat16", n=N_ODD, odd=["all"],
                                                  **NADAM_ON)
@@ -245,6 +258,7 @@ def launch_multi(case):
     # is unaligned; sizes n and n + 1024 keep n's divisibility
     o, n, odd = case["opts"], case["n"], case["odd"]
     p, st = DT[case["dtype"]], torch.float32
+    ms = p if case.get("low_state") else st  # the moments' dtype
     sizes = (n, n + 1024)
     t = lambda role, dtype, on=True: [tensor(role, dtype, k, odd) for k in sizes] if on else None
     one = lambda on: torch.ones(1, device="meta") if on else None
@@ -254,7 +268,7 @@ def launch_multi(case):
     common = dict(predicted=rows["pred"], delta=rows["delta"], dc_coeff=0.5 if o["dc"] else 0.0,
                   grad_scale=one(o["scale"]), found_inf=one(o["inf"]), validate=False)
     if case["family"] == "sgd":
-        rows["buf"] = t("buf", st, o["momentum"])
+        rows["buf"] = t("buf", ms, o["momentum"])
         table = SegmentTable(sgd_mod.SGD_ROLES, rows)
         sgd_mod.fused_sgd_multi(
             table, lr=0.1, momentum=0.9 if o["momentum"] else 0.0, dampening=0.0,
@@ -262,7 +276,7 @@ def launch_multi(case):
             maximize=o["maximize"], init_momentum=o["init"], sc_delay=2 if o["sc"] else 0,
             predict_coeff=0.2, delta_gamma=0.5, **common)
         return
-    rows.update(m=t("m", st), v=t("v", st), last=t("last", st, o["last"]), step=scalars(1.0))
+    rows.update(m=t("m", ms), v=t("v", ms), last=t("last", st, o["last"]), step=scalars(1.0))
     kw = dict(lr=1e-3, beta1=0.9 if o["lerp_small"] else 0.3, beta2=0.999, eps=1e-8,
               weight_decay=0.01 if o["wd"] else 0.0, decoupled=o["decoupled"],
               maximize=o["maximize"], last_update=rows["last"], predict_horizon=2.0,
@@ -272,7 +286,7 @@ def launch_multi(case):
         table = SegmentTable(nadam_mod.NADAM_ROLES, rows, scalar_roles=("step", "prod"))
         nadam_mod.fused_nadam_multi(table, momentum_decay=4e-3, **kw)
     else:
-        rows["vmax"] = t("vmax", st, o["amsgrad"])
+        rows["vmax"] = t("vmax", ms, o["amsgrad"])
         table = SegmentTable(adam_mod.ADAM_ROLES, rows, scalar_roles=("step",))
         adam_mod.fused_adam_multi(table, amsgrad=o["amsgrad"], sc_delay=2 if o["sc"] else 0,
                                   **kw)
@@ -283,13 +297,14 @@ def launch(case):
         return launch_multi(case)
     o, n, odd = case["opts"], case["n"], case["odd"]
     p, st = DT[case["dtype"]], torch.float32
+    ms = p if case.get("low_state") else st  # the moments' dtype
     t = lambda role, dtype, on=True: tensor(role, dtype, n, odd) if on else None
     one = lambda on: torch.ones(1, device="meta") if on else None
     common = dict(predicted=t("pred", p, o["predict"]), delta=t("delta", st, o["delta"]),
                   dc_coeff=0.5 if o["dc"] else 0.0, grad_scale=one(o["scale"]), found_inf=one(o["inf"]), block=case["block"])
     if case["family"] == "sgd":
         sgd_mod.launch_sgd(
-            t("param", p), t("grad", DT[case["grad"]]), t("buf", st, o["momentum"]),
+            t("param", p), t("grad", DT[case["grad"]]), t("buf", ms, o["momentum"]),
             lr=0.1, momentum=0.9 if o["momentum"] else 0.0, dampening=0.0,
             weight_decay=0.01 if o["wd"] else 0.0, nesterov=o["nesterov"],
             maximize=o["maximize"], init_momentum=o["init"], sc_delay=2 if o["sc"] else 0,
@@ -311,8 +326,8 @@ def launch(case):
         # step beside the params: the kernel derives the bias corrections; on the CPU: the host
         step = torch.ones(1, device="meta" if o["device_step"] else "cpu")
         adam_mod.launch_adam(
-            t("param", p), t("grad", DT[case["grad"]]), t("m", st), t("v", st),
-            t("vmax", st, o["amsgrad"]), step=step, lr=1e-3,
+            t("param", p), t("grad", DT[case["grad"]]), t("m", ms), t("v", ms),
+            t("vmax", ms, o["amsgrad"]), step=step, lr=1e-3,
             beta1=0.9 if o["lerp_small"] else 0.3, beta2=0.999, eps=1e-8,
             weight_decay=0.01 if o["wd"] else 0.0, decoupled=o["decoupled"],
             amsgrad=o["amsgrad"], maximize=o["maximize"], sc_delay=2 if o["sc"] else 0,
@@ -495,7 +510,8 @@ def test_specialized_as_a_gpu_launch(compiled):
             opt_ptrs |= {"vmax_ptr": o["amsgrad"], "last_ptr": o["last"],
                          "step_ptr": o["device_step"]}
         for ptr, on in opt_ptrs.items():
-            want = p if not on or ptr == "pred_ptr" else "*fp32"
+            moment = ptr in ("buf_ptr", "vmax_ptr") and spec.get("low_state")
+            want = p if not on or ptr == "pred_ptr" or moment else "*fp32"
             assert sig[ptr] == want, (name, ptr, sig[ptr], want)
         ptrs = {a for a in sig if a.endswith("_ptr")}
         if spec["n"] == 1:
@@ -542,7 +558,9 @@ def _expected_accesses(spec) -> tuple[Counter, Counter]:
     loads += ["delta"] * o["delta"]
     stores += ["delta"] * o["delta"]
 
-    def dtype(role):  # the state is fp32
+    def dtype(role):  # the state is fp32; the moments the param's under low_state
+        if spec.get("low_state") and role in ("buf", "m", "v", "vmax"):
+            return spec["dtype"]
         return {"param": spec["dtype"], "pred": spec["dtype"], "grad": spec["grad"]}.get(
             role, "float32")
 

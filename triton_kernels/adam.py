@@ -96,9 +96,9 @@ def adam_body(
 
     m, v = adam_moments(m_ptr, v_ptr, offs, mask, g, w1, beta2, keep2, LERP_SMALL)
     if AMSGRAD:
-        vmax = tl.load(vmax_ptr + offs, mask=mask)
+        vmax = tl.load(vmax_ptr + offs, mask=mask).to(tl.float32)
         vmax = tl.maximum(vmax, v, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(vmax_ptr + offs, vmax, mask=mask)
+        tl.store(vmax_ptr + offs, cast_rne(vmax, vmax_ptr.dtype.element_ty), mask=mask)
         v = vmax
 
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
@@ -195,16 +195,17 @@ def adam_multi_kernel(
 def adam_moments(m_ptr, v_ptr, offs, mask, g, w1, beta2, keep2, LERP_SMALL: tl.constexpr):
     """Adam's moments updated and stored (shared with NAdam's kernel): torch's lerp for the
     first, ``v * b2 + (1 - b2) * g * g`` for the second; returns the new (m, v)."""
-    m = tl.load(m_ptr + offs, mask=mask)
+    # fp32 math also for bf16/fp16 moments (state_dtype): loaded up, rounded once on store
+    m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
     # torch's lerp: self + wt * (end - self) for |wt| < 0.5, else end - (end - self) * (1 - wt)
     if LERP_SMALL:
         m = m + w1 * (g - m)
     else:
         m = g - (g - m) * (1.0 - w1)
-    v = tl.load(v_ptr + offs, mask=mask)
+    v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
     v = v * beta2 + (keep2 * g) * g
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
+    tl.store(m_ptr + offs, cast_rne(m, m_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_ptr + offs, cast_rne(v, v_ptr.dtype.element_ty), mask=mask)
     return m, v
 
 
@@ -326,7 +327,9 @@ def launch_adam(
         predict_horizon=predict_horizon, delta_gamma=delta_gamma, dc_coeff=dc_coeff,
         last=last_update is not None, predict=predicted is not None, delta=delta is not None,
         scale=grad_scale is not None, check_inf=found_inf is not None, device_step=device_step)
-    block = block or default_block(param, grad, exp_avg)  # the other state is exp_avg's dtype
+    # the moments share exp_avg's dtype; last_update and delta stay fp32 under a bf16
+    # state_dtype (engine.optim.functional.moment_dtypes)
+    block = block or default_block(param, grad, exp_avg, last_update, delta)
     adam_kernel[grid_for(n, block)](
         param, grad, exp_avg, exp_avg_sq,
         placeholder(max_exp_avg_sq if amsgrad else None, param),

@@ -71,9 +71,11 @@ def sgd_body(
         if INIT:
             v = g
         else:
-            v = tl.load(buf_ptr + offs, mask=mask)
+            # fp32 math also for a bf16/fp16 buffer (state_dtype): loaded up, rounded once
+            v = tl.load(buf_ptr + offs, mask=mask).to(tl.float32)
             v = v * momentum + keep * g
-        tl.store(buf_ptr + offs, v, mask=mask)
+        v_st = cast_rne(v, buf_ptr.dtype.element_ty)
+        tl.store(buf_ptr + offs, v_st, mask=mask)
         # One explicit fused multiply-add each, not left to the compiler: on a GPU it
         # contracts a*b + c*d into fma(c, d, a*b) or fma(a, b, c*d) as it likes, and did so
         # differently for the two lines (SC with delay 1 was 1 ulp off Nesterov on the H100,
@@ -85,7 +87,10 @@ def sgd_body(
             upd = tl.fma(momentum, v, g)
         else:
             upd = v
-        direction = v
+        # the update uses v unrounded (as torch's fused kernels); the prediction the buffer
+        # as stored, so an on-demand prediction from the state reproduces it (an fp32
+        # buffer: the same value)
+        direction = v_st.to(tl.float32)
     else:
         upd = g
         direction = g

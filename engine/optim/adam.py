@@ -54,6 +54,7 @@ class _AdamBase(DelayOptimizer):
         discrepancy_correction: bool,
         correction_decay: float,
         delay_compensation: float = 0.0,
+        state_dtype: torch.dtype | str | None = None,
     ) -> None:
         if isinstance(betas, list):
             betas = tuple(betas)
@@ -78,6 +79,8 @@ class _AdamBase(DelayOptimizer):
             "delay_compensation": delay_compensation,
             "fused": fused,
         }
+        if self._family == "adam":  # NAdam keeps fp32 moments (no state_dtype option)
+            defaults["state_dtype"] = state_dtype
         super().__init__(params, defaults)
 
     def _check_options(self, group: dict[str, Any], where: str) -> None:
@@ -145,7 +148,7 @@ class _AdamBase(DelayOptimizer):
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         for key in self._state_keys(group):
             if key not in state:
-                state[key] = self._new_state_tensor(p)
+                state[key] = self._new_state_tensor(p, group, key)
         return fresh
 
     def _call_update(
@@ -227,7 +230,10 @@ class Adam(_AdamBase):
     and ``engine.optim.SGD`` for the shared delay keywords. torch's keywords keep torch's
     meaning: ``capturable=True`` computes the bias corrections from the step tensor without a
     host read (also on CPU, where torch refuses it), ``differentiable=True`` lets autograd go
-    through ``step()``, ``foreach`` never changes a result.
+    through ``step()``, ``foreach`` never changes a result. ``state_dtype`` (``None``,
+    ``torch.float32``, ``torch.bfloat16``, ``torch.float16`` or ``"param"``, as for
+    ``engine.optim.SGD``) keeps exp_avg / exp_avg_sq (/ max_exp_avg_sq) of bf16/fp16 params in
+    their own dtype, torch fused's layout (14 B/param per bf16 step instead of 22).
     """
 
     def __init__(
@@ -252,6 +258,7 @@ class Adam(_AdamBase):
         discrepancy_correction: bool = False,
         correction_decay: float = 0.1,
         delay_compensation: float = 0.0,
+        state_dtype: torch.dtype | str | None = None,
     ) -> None:
         super().__init__(
             params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
@@ -260,6 +267,7 @@ class Adam(_AdamBase):
             spike_compensation=spike_compensation, prediction=prediction,
             prediction_horizon=prediction_horizon, discrepancy_correction=discrepancy_correction,
             correction_decay=correction_decay, delay_compensation=delay_compensation,
+            state_dtype=state_dtype,
         )
 
 
@@ -291,6 +299,7 @@ class AdamW(_AdamBase):
         discrepancy_correction: bool = False,
         correction_decay: float = 0.1,
         delay_compensation: float = 0.0,
+        state_dtype: torch.dtype | str | None = None,
     ) -> None:
         super().__init__(
             params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
@@ -299,6 +308,7 @@ class AdamW(_AdamBase):
             spike_compensation=spike_compensation, prediction=prediction,
             prediction_horizon=prediction_horizon, discrepancy_correction=discrepancy_correction,
             correction_decay=correction_decay, delay_compensation=delay_compensation,
+            state_dtype=state_dtype,
         )
 
     def __setstate__(self, state: dict[str, Any]) -> None:

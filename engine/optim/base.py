@@ -46,7 +46,10 @@ from engine.optim.options import (
 from engine.optim.state_io import StateDictIO
 from engine.optim.validation import PARAM_DTYPES, OptionChecks
 
-__all__ = ["DelayOptimizer", "PREDICTION_MODES", "DELAY_DEFAULTS"]
+__all__ = ["DelayOptimizer", "PREDICTION_MODES", "DELAY_DEFAULTS", "MOMENT_KEYS"]
+
+#: torch's own state, which the ``state_dtype`` option may keep in bf16/fp16
+MOMENT_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 # kept for the subclasses' imports
 _is_real_number = is_real_number
@@ -376,13 +379,51 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorStep
         """One update with a sparse gradient (SGD only; refused before the step otherwise)."""
         raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
 
-    def _new_state_tensor(self, p: Tensor) -> Tensor:
+    def _new_state_tensor(self, p: Tensor, group: dict[str, Any] | None = None,
+                          key: str = "") -> Tensor:
         """Zero state shaped like ``p``: fp32 for fp32/bf16/fp16 params (bf16 moments would
         lose the small increments they accumulate), fp64 for fp64, and complex state for
-        complex params (torch's layout; the update reads it as a real view)."""
+        complex params (torch's layout; the update reads it as a real view); a moment of a
+        group with ``state_dtype`` set: :meth:`_state_dtype_of`."""
         if torch.is_complex(p):
             return torch.zeros_like(p, memory_format=torch.preserve_format)
-        return torch.zeros_like(p, dtype=functional.state_dtype(p.dtype), memory_format=torch.preserve_format)
+        dtype = self._state_dtype_of(group, p.dtype, key) if group is not None else \
+            functional.state_dtype(p.dtype)
+        return torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+
+    @staticmethod
+    def _state_dtype_of(group: dict[str, Any], dtype: torch.dtype, key: str) -> torch.dtype:
+        """The dtype of state ``key`` of a ``dtype`` param in ``group``. The group's
+        ``state_dtype`` ("param", or bf16/fp16 for params of that dtype) applies to torch's
+        state, the moments (MOMENT_KEYS); everything else (and every other param dtype) keeps
+        functional.state_dtype: delta and last_update carry exact contracts in fp32."""
+        choice = group.get("state_dtype")
+        if (choice is None or key not in MOMENT_KEYS
+                or dtype not in functional.LOW_PRECISION or choice is torch.float32):
+            return functional.state_dtype(dtype)
+        if choice == "param" or choice is dtype:
+            return dtype
+        return functional.state_dtype(dtype)
+
+    def _convert_state_dtypes(self, group: dict[str, Any]) -> None:
+        """Bring the group's existing state to its ``state_dtype`` (after the option changed,
+        or a state_dict was loaded): each moment converted (rounded to nearest even when
+        narrowed), flat state re-created from the converted values at the next step."""
+        changed = False
+        for p in group["params"]:
+            entry = self.state.get(p)
+            if not entry or torch.is_complex(p):
+                continue
+            for key in MOMENT_KEYS:
+                t = entry.get(key)
+                if isinstance(t, Tensor) and not t.is_sparse:
+                    dtype = self._state_dtype_of(group, p.dtype, key)
+                    if t.dtype != dtype:
+                        entry[key] = t.detach().to(dtype).clone()
+                        changed = True
+        if changed:
+            self._forget_flat_state()
+            self._bump_state_version()
 
     def _ensure_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> bool:
         """Create the missing state tensors of ``p``; returns True on the param's first step
@@ -465,7 +506,7 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorStep
         for key in self._state_keys(group):
             if key in flat:
                 continue
-            buf, views = b.view.make_state(dtype=functional.state_dtype(b.view.param.dtype))
+            buf, views = b.view.make_state(dtype=self._state_dtype_of(group, b.view.param.dtype, key))
             for p, view in zip(b.params, views, strict=True):
                 old = self.state[p].get(key)
                 if old is not None:

@@ -12,7 +12,9 @@ The mitigations (spike compensation, weight prediction, PipeMare's discrepancy b
 the "Update rules" of docs/ALGORITHMS.md. Conventions this module fixes:
 
 * Optimizer state (momentum buffer, moments, ``delta``, ``last_update``) is fp32 for fp32,
-  bf16 and fp16 parameters and fp64 for fp64 ones (:func:`state_dtype`). Low-precision
+  bf16 and fp16 parameters and fp64 for fp64 ones (:func:`state_dtype`); the moments of
+  bf16/fp16 params may be kept in their dtype (:func:`moment_dtypes`, the optimizers'
+  ``state_dtype``): loaded up to fp32 for the same math, rounded once when stored. Low-precision
   (bf16/fp16) parameters and gradients are upcast to fp32, all math runs in fp32 and the new
   weights are rounded once (round to nearest even) when stored. For fp32 and fp64
   parameters the update runs in place on the parameter with torch's ops. Complex parameters
@@ -46,19 +48,19 @@ __all__ = [
     "predict_into",
     "validate_sgd_args",
     "validate_adam_args",
+    "state_dtype",
+    "moment_dtypes",
 ]
 
-_PARAM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16,
-                 torch.complex64, torch.complex128)
-#: dtypes the math runs in as they are (everything else is upcast to fp32)
-_NATIVE = (torch.float32, torch.float64, torch.complex64, torch.complex128)
-
-
-def state_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the optimizer state (and of the update math) for params of ``dtype``:
-    fp32, fp64 and complex stay as they are, bf16/fp16 compute in fp32 (bf16 moments would
-    lose the small increments they accumulate)."""
-    return dtype if dtype in _NATIVE else torch.float32
+from engine.optim.functional_sparse import sgd_sparse_update  # noqa: F401 (re-exported)
+from engine.optim.state_dtypes import (  # noqa: F401 (re-exported: the math's dtypes)
+    _NATIVE,
+    _PARAM_DTYPES,
+    LOW_PRECISION,
+    _as_f32,
+    moment_dtypes,
+    state_dtype,
+)
 
 
 # --------------------------------------------------------------------------- coefficients
@@ -113,7 +115,8 @@ def prediction_coeff(mode: str, lr: float, momentum: float, horizon: float) -> f
 # --------------------------------------------------------------------------- validation
 
 
-def _check_like(name: str, t: Tensor | None, param: Tensor, dtype: torch.dtype | None) -> None:
+def _check_like(name: str, t: Tensor | None, param: Tensor,
+                dtype: torch.dtype | tuple[torch.dtype, ...] | None) -> None:
     if t is None:
         return
     if not isinstance(t, Tensor):
@@ -122,7 +125,10 @@ def _check_like(name: str, t: Tensor | None, param: Tensor, dtype: torch.dtype |
         raise ValueError(f"{name} has shape {tuple(t.shape)}, param has {tuple(param.shape)}")
     if t.device != param.device:
         raise ValueError(f"{name} is on {t.device}, param is on {param.device}")
-    if dtype is not None and t.dtype != dtype:
+    if isinstance(dtype, tuple):
+        if t.dtype not in dtype:
+            raise TypeError(f"{name} must be {' or '.join(map(str, dtype))}, got {t.dtype}")
+    elif dtype is not None and t.dtype != dtype:
         raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
 
 
@@ -160,7 +166,7 @@ def validate_sgd_args(param, grad, momentum_buffer, *, momentum, dampening, sc_d
     if momentum != 0:
         if momentum_buffer is None:
             raise ValueError("momentum_buffer is required when momentum != 0")
-        _check_like("momentum_buffer", momentum_buffer, param, state_dtype(param.dtype))
+        _check_like("momentum_buffer", momentum_buffer, param, moment_dtypes(param.dtype))
     if sc_delay:
         spike_coeffs(momentum, sc_delay)  # validates delay and momentum range
 
@@ -170,14 +176,15 @@ def validate_adam_args(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, *
     """Raise a clear error (naming the tensor) before anything is written."""
     _check_common(param, grad, predicted, delta, grad_scale, found_inf)
     sd = state_dtype(param.dtype)
-    _check_like("exp_avg", exp_avg, param, sd)
-    _check_like("exp_avg_sq", exp_avg_sq, param, sd)
+    md = moment_dtypes(param.dtype)
+    _check_like("exp_avg", exp_avg, param, md)
+    _check_like("exp_avg_sq", exp_avg_sq, param, md)
     if exp_avg is None or exp_avg_sq is None:
         raise ValueError("exp_avg and exp_avg_sq are required")
     if amsgrad:
         if max_exp_avg_sq is None:
             raise ValueError("max_exp_avg_sq is required when amsgrad=True")
-        _check_like("max_exp_avg_sq", max_exp_avg_sq, param, sd)
+        _check_like("max_exp_avg_sq", max_exp_avg_sq, param, md)
     _check_like("last_update", last_update, param, sd)
     if not isinstance(step, Tensor) or step.numel() != 1 or step.dtype != torch.float32:
         raise TypeError(f"step must be a one-element float32 tensor, got {step!r}")
@@ -207,11 +214,6 @@ def _workspace(like: Tensor) -> Tensor:
         buf = torch.empty(n, dtype=like.dtype, device=like.device)
         _WORKSPACE[key] = buf
     return buf[:n].view(like.shape)
-
-
-def _as_f32(t: Tensor) -> Tensor:
-    """The tensor in its compute dtype: fp32, fp64 and complex as they are, bf16/fp16 upcast."""
-    return t if t.dtype in _NATIVE else t.float()
 
 
 # --------------------------------------------------------------------------- prediction
@@ -294,6 +296,10 @@ def sgd_update(
     if weight_decay != 0:
         g = _decay_grad(g, w, weight_decay)
 
+    stored_buf = None
+    if momentum != 0 and momentum_buffer.dtype != w.dtype:
+        # a bf16/fp16 buffer (state_dtype): fp32 math on a copy, rounded once when stored
+        stored_buf, momentum_buffer = momentum_buffer, momentum_buffer.float()
     if momentum != 0:
         buf = momentum_buffer
         if init_momentum:
@@ -327,41 +333,14 @@ def sgd_update(
     if w is not param:
         param.copy_(w)
         w = _as_f32(param)  # derived buffers use the stored (rounded) weights
+    if stored_buf is not None:
+        stored_buf.copy_(buf)
+        direction = stored_buf  # the prediction reads the buffer as stored, as predict() would
 
     if predicted is not None:
         predict_into(predicted, param, direction, predict_coeff)
     if delta is not None:
         delta.mul_(delta_gamma).add_(w.sub(w_old), alpha=1 - delta_gamma)
-
-
-def sgd_sparse_update(
-    param: Tensor,
-    grad: Tensor,
-    state: dict[str, Any],
-    *,
-    lr: float,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    maximize: bool,
-) -> None:
-    """SGD with a sparse gradient (``nn.Embedding(sparse=True)``), torch.optim.SGD's
-    single-tensor path op for op: the momentum buffer is the first gradient's clone (sparse
-    too), so the state stays in torch's form. No mitigations, no AMP arguments: the
-    optimizers refuse those combinations before calling this."""
-    g = grad if not maximize else -grad
-    if weight_decay != 0:
-        g = g.add(param, alpha=weight_decay)
-    if momentum != 0:
-        buf = state.get("momentum_buffer")
-        if buf is None:
-            buf = g.detach().clone()
-            state["momentum_buffer"] = buf
-        else:
-            buf.mul_(momentum).add_(g, alpha=1 - dampening)
-        g = g.add(buf, alpha=momentum) if nesterov else buf
-    param.add_(g, alpha=-lr)
 
 
 # --------------------------------------------------------------------------- Adam
@@ -456,6 +435,15 @@ def adam_update(
             for t in (max_exp_avg_sq, last_update, predicted, delta, w_old)
         )
 
+    # bf16/fp16 moments (state_dtype): fp32 math on copies, each rounded once when stored
+    stored = [(t, t.float()) for t in (exp_avg, exp_avg_sq, max_exp_avg_sq)
+              if t is not None and t.dtype != w.dtype]
+    if stored:
+        work = {id(t): c for t, c in stored}
+        exp_avg, exp_avg_sq = work.get(id(exp_avg), exp_avg), work.get(id(exp_avg_sq), exp_avg_sq)
+        if max_exp_avg_sq is not None:
+            max_exp_avg_sq = work.get(id(max_exp_avg_sq), max_exp_avg_sq)
+
     # torch casts a Tensor beta1 to the param's dtype for lerp_
     b1 = beta1.to(device=w.device, dtype=w.dtype) if isinstance(beta1, Tensor) else beta1
     exp_avg.lerp_(g, 1 - b1)
@@ -489,6 +477,8 @@ def adam_update(
         else:
             w.addcdiv_(exp_avg, denom, value=-step_size)
 
+    for target, value in stored:
+        target.copy_(value)
     store_and_derive(param, w, w_old, last_update, predicted, predict_horizon, delta, delta_gamma)
 
 

@@ -14,6 +14,7 @@ import math
 import numbers
 from typing import Any
 
+import torch
 from torch import Tensor
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "PREDICTION_MODES",
     "check_delay_compensation",
     "check_delay_options",
+    "check_state_dtype",
     "check_torch_flags",
     "is_real_number",
     "scalar",
@@ -123,6 +125,7 @@ def check_delay_options(group: dict[str, Any], where: str) -> None:
             "(gamma = D_decay ** (1 / delay))"
         )
     check_delay_compensation(group, where)
+    check_state_dtype(group, where)
     check_torch_flags(group, where)
     for name in ("maximize", "spike_compensation", "discrepancy_correction"):
         if not isinstance(group[name], bool):
@@ -137,4 +140,30 @@ def check_delay_compensation(group: dict[str, Any], where: str) -> None:
         raise ValueError(
             f"{where}delay_compensation={lam!r} is invalid: it is DC-ASGD's lambda in "
             "g + lambda * g * g * (w_t - w_(t-tau)), a finite number >= 0 (0 turns it off)"
+        )
+
+
+#: values of the ``state_dtype`` option (SGD, Adam, AdamW): None and torch.float32 are the
+#: default (fp32 moments for bf16/fp16 params), "param" / a low-precision dtype keep the
+#: moments of params of that dtype in it (torch fused's layout)
+STATE_DTYPES: tuple[Any, ...] = (None, torch.float32, torch.bfloat16, torch.float16, "param")
+
+
+def check_state_dtype(group: dict[str, Any], where: str) -> None:
+    """``state_dtype`` (absent: None, the default). Refused with autograd through the step:
+    a differentiable step keeps the reference's exact op order, which holds fp32 moments."""
+    choice = group.get("state_dtype")
+    if choice is None:
+        return
+    if not any(choice is v or (isinstance(choice, str) and choice == v) for v in STATE_DTYPES):
+        raise ValueError(
+            f"{where}state_dtype={choice!r} is invalid: use None or torch.float32 (fp32 "
+            "moments, the default), torch.bfloat16 or torch.float16 (the moments of params of "
+            "that dtype kept in it) or 'param' (every param's moments in its own dtype)"
+        )
+    if choice is not torch.float32 and group.get("differentiable"):
+        raise ValueError(
+            f"{where}state_dtype={choice!r} cannot be combined with differentiable=True: "
+            "autograd through step() runs the reference op for op on fp32 moments; use "
+            "state_dtype=None there"
         )

@@ -71,7 +71,10 @@ class StateDictIO:
                         self.state[p][key] = step.detach().to(device=p.device, dtype=torch.float32).clone()
                     elif (isinstance(value, Tensor) and value.is_floating_point()
                           and not value.is_sparse and not torch.is_complex(p)):
-                        dtype = functional.state_dtype(p.dtype)
+                        # the group's state_dtype (as loaded) decides the moments' dtype:
+                        # a checkpoint saved with another state_dtype, or torch's, converts
+                        of = getattr(self, "_state_dtype_of", None)  # (BasisRotation: none)
+                        dtype = of(group, p.dtype, key) if of else functional.state_dtype(p.dtype)
                         self.state[p][key] = value.detach().to(device=p.device, dtype=dtype).clone()
 
     def __setstate__(self, state: dict[str, Any]) -> None:

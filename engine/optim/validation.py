@@ -52,6 +52,12 @@ class OptionChecks:
         """Raise a ValueError naming the option, its value and ``where`` (the group) if any
         option of ``group`` is out of range. Subclasses extend it with their own options."""
         check_delay_options(group, where)
+        if group.get("state_dtype") is not None and self._family not in ("sgd", "adam"):
+            raise ValueError(
+                f"{where}state_dtype={group['state_dtype']!r} is not an option of "
+                f"{type(self).__name__}: only SGD, Adam and AdamW keep their moments in a "
+                "chosen dtype (their kernels round the stored moments; the others' state is fp32)"
+            )
 
     def _check_group(self, group: dict[str, Any], index: int, stepping: bool = True) -> None:
         """Options plus the checks that need the group's tensors. ``stepping=False`` (a group
@@ -138,7 +144,9 @@ class OptionChecks:
                     self._check_group(group, i)
                 elif seen[1] != okey:
                     self._check_options(group, f"param_groups[{i}]: ")
-                checked[i] = (pkey, okey, values)
+                if seen is None or group.get("state_dtype") is not seen[3]:
+                    self._convert_state_dtypes(group)  # first check, or the option was edited
+                checked[i] = (pkey, okey, values, group.get("state_dtype"))
             bindings = self._group_bindings(i, group)
             for b in bindings:
                 b.steady = False
