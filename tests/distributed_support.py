@@ -1025,6 +1025,16 @@ def phase_reject_later(rank: int, S: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------- spawning
 
 
+def _phase(name: str) -> Callable[..., dict[str, Any]]:
+    """``phase_<name>`` of this module, or of module m for ``"m:<name>"`` (a tests/ file)."""
+    module, _, short = name.rpartition(":")
+    if not module:
+        return globals()[f"phase_{name}"]
+    import importlib
+
+    return getattr(importlib.import_module(module), f"phase_{short}")
+
+
 def _worker(
     rank: int, world: int, port: int, phases: list[tuple[str, dict[str, Any]]], outdir: str
 ) -> None:
@@ -1041,7 +1051,7 @@ def _worker(
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
         for name, kw in phases:
             t0 = time.perf_counter()
-            results[name] = globals()[f"phase_{name}"](rank, **kw)
+            results[name] = _phase(name)(rank, **kw)
             results[name + ".seconds"] = time.perf_counter() - t0
             torch.save(results, path)  # keep what we have if a later phase kills us
     except Exception:
