@@ -79,15 +79,20 @@ def _check_recover(results: list[dict[str, Any]], S: int) -> None:
 
 
 def _check_stage_error(results: list[dict[str, Any]], victim: int, where: str) -> None:
+    quoted = 0
     for rank, res in enumerate(results):
         assert "fatal" not in res, res.get("fatal")
         got = res["failure_dist_support:stage_error"]
         if rank == victim:
             assert got["type"] == "ValueError" and f"user's {where}" in got["message"], got
             assert "this rank stopped in the middle of the step" in got["notes"], got
+            assert "consistent" not in got["notes"], got  # it is not: no such promise
         else:
-            assert got["type"] == "PeerError", (rank, got)
-            assert f"rank {victim}: ValueError" in got["message"], (rank, got)
+            assert got["type"] == "PeerError" and "(rank " in got["message"], (rank, got)
+            quoted += f"first rank to fail in this job was rank {victim}: ValueError" in got["message"]
+    # a rank whose wait timed out before the victim's note reached the store names only the
+    # neighbour it waited for (first_failure.py is best effort); most quote the victim
+    assert quoted >= 1, results
 
 
 def test_recovery_two_ranks(two: list[dict[str, Any]]) -> None:
