@@ -219,11 +219,7 @@ class RankExecutor(Executor):
         try:
             self._rank_ops(prog, start, base, skip_updates)
         except BaseException as exc:
-            lane = prog.lanes[self.lane]
-            if self._pc < len(lane) and not isinstance(exc, PipelineInputError):
-                s, pc = lane[self._pc]
-                op, rel = prog.stages[s][pc]
-                note_stopped(self, exc, (op, s, rel), base)
+            note_stopped(self, exc, prog, base)  # (the user's forward/backward: rank_guard.py)
             raise
         finally:
             for st in self.stages:
@@ -399,15 +395,15 @@ class RankExecutor(Executor):
             self._wait_sends()
         result = self._take_losses(first, base, base + self.M)
         loss, nonfinite = self.rank.share_loss(result.loss, result.nonfinite)
+        self.steps += not (self.sync and nonfinite and self.on_nonfinite == "raise")  # as locally
         if self.sync:
             if nonfinite and self.on_nonfinite == "raise":
                 self.dropped += nonfinite
-                self._undo_step(base, point)  # not counted in pipe.steps, as locally
+                self._undo_step(base, point)
                 raise NonFiniteLossError(nonfinite_message(
                     f"{nonfinite} micro-batch(es) of this step (seen by the last stage)",
                     "the step was rolled back on every rank: no weight or optimizer state changed.",
                 ))
-            self.steps += 1
             point.commit()  # type: ignore[union-attr]
             if nonfinite:
                 self.dropped += nonfinite
@@ -423,7 +419,6 @@ class RankExecutor(Executor):
             for st in self.stages:
                 st.reset_in_flight()
         elif nonfinite:
-            self.steps += 1
             raise NonFiniteLossError(
                 f"{nonfinite} micro-batch(es) gave a non-finite loss at the last stage of an "
                 f"asynchronous {self.spec.describe()} pipeline under a multi-process transport; "
@@ -431,8 +426,6 @@ class RankExecutor(Executor):
                 "already entered updates. Reload the last checkpoint and lower the learning rate; "
                 "on_nonfinite='skip_update' (engine.optim optimizers) skips such updates instead."
             )
-        else:
-            self.steps += 1
         if prog.ends_segment:
             self._close_segment()
         return StepResult(loss)

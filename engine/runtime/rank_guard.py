@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from engine.errors import PipelineInputError
 from engine.runtime.failures import Outcome
 from engine.runtime.program import B, F, W
 from engine.runtime.rollback import RollbackPoint
@@ -64,8 +65,13 @@ def restore(point: RollbackPoint | None) -> None:
         )
 
 
-def note_stopped(executor: Any, exc: BaseException, action: tuple[int, int, Any] | None, base: int) -> None:
-    """An exception inside this rank's forward, backward or weight gradient (the user's code):
-    say where, and that the rank stopped mid-step."""
-    if action is not None and action[0] in (F, B, W):
-        executor._note(exc, action, base, Outcome.RANK_STOPPED)
+def note_stopped(executor: Any, exc: BaseException, prog: Any, base: int) -> None:
+    """An exception inside this rank's forward, backward or weight gradient (the user's code;
+    not an input every rank refused together): say where, and that the rank stopped mid-step."""
+    lane = prog.lanes[executor.lane]
+    if executor._pc >= len(lane) or isinstance(exc, PipelineInputError):
+        return
+    s, pc = lane[executor._pc]
+    op, rel = prog.stages[s][pc]
+    if op in (F, B, W):
+        executor._note(exc, (op, s, rel), base, Outcome.RANK_STOPPED)
