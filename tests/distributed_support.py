@@ -1029,6 +1029,16 @@ def phase_reject_later(rank: int, S: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------- spawning
 
 
+def _phase(name: str) -> Callable[..., dict[str, Any]]:
+    """``phase_<name>`` of this module, or of module m for ``"m:<name>"`` (a tests/ file)."""
+    module, _, short = name.rpartition(":")
+    if not module:
+        return globals()[f"phase_{name}"]
+    import importlib
+
+    return getattr(importlib.import_module(module), f"phase_{short}")
+
+
 def _worker(
     rank: int, world: int, port: int, phases: list[tuple[str, dict[str, Any]]], outdir: str
 ) -> None:

@@ -184,6 +184,11 @@ def test_an_optimizer_failing_in_the_synchronous_update_phase_is_noted() -> None
     assert "at stage 1, update 0" in note and Outcome.UPDATE_PHASE_FAILED.value in note
     after = [p.detach() for m in stages for p in m.parameters()]
     assert not torch.equal(before[0], after[0]) and torch.equal(before[2], after[2])
+    # the step happened (stage 0 updated): counted, its segment closed, the next step runs
+    assert pipe.steps == 1 and pipe.flushed
+    with pytest.raises(RuntimeError, match="optimizer failure"):
+        pipe.step(*_data(1)[0])
+    assert pipe.steps == 2
 
 
 def _nonfinite_rank(rank: int, port: int, queue: Any) -> None:
@@ -241,6 +246,4 @@ def test_a_rank_words_the_nonfinite_error_as_the_local_executor() -> None:
         assert msg.startswith("1 micro-batch(es) of this step (seen by the last stage) gave a "
                               "non-finite loss; the step was rolled back on every rank"), (rank, msg)
         assert msg.endswith("or pass on_nonfinite='skip'.")
-        # steps is not asserted: a rank counts its rolled-back step (2 here, 1 locally), a
-        # drift between the two step protocols that issue 28's one protocol removes
-        assert steps >= 1
+        assert steps == 1, (rank, steps)  # the rolled-back step is not counted, as locally

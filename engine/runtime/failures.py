@@ -60,6 +60,17 @@ class Outcome(enum.Enum):
         "this stage's update was skipped (its gradients discarded); the rest of the step runs "
         "at the next step() or flush()."
     )
+    # multi-process steps (engine/runtime/rank_guard.py)
+    COMPLETED_THEN_INTERRUPTED = (
+        "under a multi-process transport a Ctrl-C is deferred to the end of the step (a rank "
+        "that stopped mid-step would leave its peers waiting): the step completed on this rank "
+        "and is counted in pipe.steps; do not repeat it, the next step() takes the next batch."
+    )
+    RANK_STOPPED = (
+        "under a multi-process transport this rank stopped in the middle of the step; its peers "
+        "raise PeerError naming this rank once their timeout passes. The step cannot be undone "
+        "across ranks: restart every rank from the last checkpoint (engine.load)."
+    )
 
 
 def nonfinite_message(which: str, what: str) -> str:
@@ -156,11 +167,11 @@ class FailureHandling:
                 if op == U
                 else f"at stage {s}, {OP_NAMES[op]} of micro-batch {n}"
             )
-        consistent = (
-            "The pipeline is consistent: flush(), save (after the flush), load and further "
+        consistent = "" if what is Outcome.RANK_STOPPED else (
+            " The pipeline is consistent: flush(), save (after the flush), load and further "
             "step() calls work."
         )
-        exc.add_note(f"engine.Pipeline: {type(exc).__name__} {where}: {what.value} {consistent}")
+        exc.add_note(f"engine.Pipeline: {type(exc).__name__} {where}: {what.value}{consistent}")
 
     def _nonfinite_error(self, bad: list[int]) -> NonFiniteLossError:
         if self.sync:

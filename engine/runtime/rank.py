@@ -32,6 +32,7 @@ from engine.runtime.executor import Executor, StepResult
 from engine.runtime.failures import nonfinite_message
 from engine.runtime.first_failure import as_peer_error, begin, report
 from engine.runtime.placement import RankPlacement
+from engine.runtime.rank_guard import interrupt_at_step_end, note_stopped, restore, rollback_point
 from engine.runtime.program import OP_NAMES, RB, RF, SB, SF, F, StepProgram, U, W
 from engine.runtime.stage import DROPPED
 from engine.runtime.streams import StageStreams
@@ -225,6 +226,9 @@ class RankExecutor(Executor):
     def _ops(self, prog: StepProgram, start: int, base: int, skip_updates: bool) -> None:
         try:
             self._rank_ops(prog, start, base, skip_updates)
+        except BaseException as exc:
+            note_stopped(self, exc, prog, base)  # (the user's forward/backward: rank_guard.py)
+            raise
         finally:
             for st in self.stages:
                 st.settle()
@@ -379,12 +383,17 @@ class RankExecutor(Executor):
     # ------------------------------------------------------------------ the step protocol
 
     def run_step(self, xs: list[Any], targets: list[Any], samples: list[int]) -> StepResult:
+        with interrupt_at_step_end(self):  # Ctrl-C: raised after the step (rank_guard.py)
+            return self._rank_step(xs, targets, samples)
+
+    def _rank_step(self, xs: list[Any], targets: list[Any], samples: list[int]) -> StepResult:
         if not self.active:
             self._open_segment()
         j = self.j
         prog = self.compiler.step(j)
         base = j * self.M
         first = len(self.losses)
+        point = rollback_point(self)  # (synchronous steps: RNG states and buffers)
         self._feed_rank(xs, targets, samples, base)
         self.rank.expect_loss()
         self.j += 1
@@ -392,31 +401,33 @@ class RankExecutor(Executor):
             self._ops(prog, 0, base, skip_updates=self.sync)
         except PipelineInputError:
             if self.sync:  # a shape a stage cannot take: no update ran, the next step repeats it
-                self._undo_step(base)
+                self._undo_step(base, point)
             raise
         if self.sync:  # an asynchronous step's last sends are received in the next step
             self._wait_sends()
         result = self._take_losses(first, base, base + self.M)
         loss, nonfinite = self.rank.share_loss(result.loss, result.nonfinite)
-        self.steps += 1
+        self.steps += not (self.sync and nonfinite and self.on_nonfinite == "raise")  # as locally
         if self.sync:
             if nonfinite and self.on_nonfinite == "raise":
                 self.dropped += nonfinite
-                self._undo_step(base)
+                self._undo_step(base, point)
                 raise NonFiniteLossError(nonfinite_message(
                     f"{nonfinite} micro-batch(es) of this step (seen by the last stage)",
                     "the step was rolled back on every rank: no weight or optimizer state changed.",
                 ))
+            point.commit()  # type: ignore[union-attr]
             if nonfinite:
                 self.dropped += nonfinite
                 for st in self.stages:
                     st.forget_pending()
                 self.skipped_steps += 1
-            else:
-                mine = [self.by_index[_s] for _s, _ in prog.commit if _s in self.by_index]
-                self._before_updates(mine)  # tied gradients; clipping's global norm
-                for st in mine:
-                    st.update()
+            else:  # per-stage optimizer failures as locally: the others update, then it raises
+                try:
+                    self._commit(prog, base)  # tied gradients and clipping first (sync_step.py)
+                except BaseException:
+                    self._end_step(prog)
+                    raise
             for st in self.stages:
                 st.reset_in_flight()
         elif nonfinite:
@@ -431,9 +442,18 @@ class RankExecutor(Executor):
             self._close_segment()
         return StepResult(loss)
 
-    def _undo_step(self, base: int) -> None:
+    def _end_step(self, prog: StepProgram) -> None:
+        """A synchronous step whose update phase raised ends like any other (the stages that
+        could update did; the failing one skipped its update)."""
+        for st in self.stages:
+            st.reset_in_flight()
+        if prog.ends_segment:
+            self._close_segment()
+
+    def _undo_step(self, base: int, point: Any = None) -> None:
         """Roll a synchronous step back on this rank (before its update phase): gradients and
-        stashed activations dropped, the step's inputs forgotten, the step to be run again."""
+        stashed activations dropped, the step's inputs forgotten, the step to be run again,
+        the RNG states and buffers restored (``point``)."""
         for st in self.stages:
             st.forget_pending()
             st.reset_in_flight()
@@ -444,6 +464,7 @@ class RankExecutor(Executor):
         self.acts.clear()
         self.grads.clear()
         self.j -= 1
+        restore(point)
 
     def _wait_sends(self) -> None:
         for tp in self.transports.values():
@@ -464,7 +485,8 @@ class RankExecutor(Executor):
             return None
         begin()
         try:
-            return self._rank_drain()
+            with interrupt_at_step_end(self):
+                return self._rank_drain()
         except BaseException as exc:
             lay = self.rank.layout
             report(lay.rank, exc)

@@ -44,6 +44,7 @@ class SynchronousSteps:
     on_nonfinite: str
     dropped: int
     skipped_steps: int
+    steps: int
     ties: Any
     clipper: Any
     loss_scaler: Any
@@ -86,12 +87,16 @@ class SynchronousSteps:
             self._rollback(point)
             self._note(exc, at, base, Outcome.ROLLED_BACK)
             raise
+        failed: BaseException | None = None
         if skip:
             for st in self.stages:
                 st.forget_pending()
             self.skipped_steps += 1
         else:
-            self._commit(prog)
+            try:
+                self._commit(prog)
+            except BaseException as exc:  # (noted) every other stage updated: the step happened
+                failed = exc
         point.commit()
         self.j += 1
         if prog.ends_segment:
@@ -100,6 +105,9 @@ class SynchronousSteps:
             for st in self.stages:
                 st.reset_in_flight()
         self.clock.barrier()
+        if failed is not None:
+            self.steps += 1  # counted, as under gloo/NCCL (run_step counts the others)
+            raise failed
         return result
 
     def _check_losses(self, result: StepResult) -> bool:
@@ -121,14 +129,16 @@ class SynchronousSteps:
             self._pc = len(prog.local)
             hook(s, "U", self.n_base + base + mbs[-1])
 
-    def _commit(self, prog: StepProgram) -> None:
-        """The update phase of a synchronous step: every stage, Ctrl-C deferred till the end.
-        An optimizer that raises skips its own stage's update; the others still update, and
-        the first error is raised afterwards (nothing is left half-applied)."""
+    def _commit(self, prog: StepProgram, base: int | None = None) -> None:
+        """The update phase of a synchronous step: every stage held here (under gloo/NCCL a
+        rank's own), Ctrl-C deferred till the end. An optimizer that raises skips its own
+        stage's update; the others still update, and the first error is raised afterwards
+        (nothing is left half-applied). ``base``: the step's first micro-batch (default: step j's)."""
         first: BaseException | None = None
-        base = self.j * self.M
-        self._before_updates([self.by_index[s] for s, _ in prog.commit])
-        for s, mbs in prog.commit:
+        base = self.j * self.M if base is None else base
+        commit = [(s, mbs) for s, mbs in prog.commit if s in self.by_index]
+        self._before_updates([self.by_index[s] for s, _ in commit])
+        for s, mbs in commit:
             st = self.by_index[s]
             if self.log is not None:
                 self.log.append((s, self._action(U, mbs, base)))
@@ -136,6 +146,8 @@ class SynchronousSteps:
                 with self.streams.on(s):
                     st.update()
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the other stages
+                with self.streams.on(s):
+                    st.forget_pending()  # its gradients are discarded, as the note says
                 if first is None:
                     first = exc
                     self._note(exc, (U, s, mbs), base, Outcome.UPDATE_PHASE_FAILED)

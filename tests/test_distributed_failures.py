@@ -1,0 +1,111 @@
+"""The step protocol's exception guarantees under gloo (2 and 4 ranks; synchronous gpipe and
+1F1B, asynchronous pb and PipeDream), each against the local run doing the same recovery:
+
+* a Ctrl-C on every rank, or on one, during a step: deferred to the end of the step on that
+  rank, which raises KeyboardInterrupt after it; every rank stays in step, engine.save works,
+  and the run continues to the local run's weights bit for bit;
+* a non-finite loss with on_nonfinite="raise" (synchronous): every rank rolls the step back,
+  pipe.steps as locally;
+* an optimizer that raises on one rank in the update phase: that stage skips its update, the
+  others update, as locally;
+* an exception inside a user stage's forward or backward mid-step: the failing rank raises the
+  user's error with a note, every other rank a PeerError naming it (terminal: the step cannot
+  be undone across ranks, the run restarts from a checkpoint).
+
+Cost: two spawns (2 and 4 processes), ~30-60 s on 2 busy cores.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from distributed_support import spawn
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.slow,
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
+]
+
+NAMES = ["gpipe", "1f1b-adam", "pb", "pipedream"]
+SYNC = {"gpipe", "1f1b-adam"}
+
+
+@pytest.fixture(scope="module")
+def two() -> list[dict[str, Any]]:
+    return spawn(2, [
+        ("failure_dist_support:recover", dict(S=2, names=NAMES)),
+        ("failure_dist_support:stage_error", dict(S=2, victim=0, where="forward", name="1f1b-adam")),
+    ])
+
+
+@pytest.fixture(scope="module")
+def four() -> list[dict[str, Any]]:
+    return spawn(4, [
+        ("failure_dist_support:recover", dict(S=4, names=["1f1b-adam", "pb"])),
+        ("failure_dist_support:stage_error", dict(S=4, victim=2, where="backward", name="pb")),
+    ])
+
+
+def _check_recover(results: list[dict[str, Any]], S: int) -> None:
+    for rank, res in enumerate(results):
+        assert "fatal" not in res, res.get("fatal")
+        for key, got in res["failure_dist_support:recover"].items():
+            assert "error" not in got, (rank, key, got["error"])
+            name, case = key.split("/")
+            where = (rank, key, got)
+            assert got["weights_equal"], where
+            if name in SYNC:  # (an asynchronous local step paused by a Ctrl-C is not counted)
+                assert got["steps"] == got["ref_steps"], where
+            else:
+                assert got["steps"] == 5, where  # every step() call fed its batch
+            victim = S - 1 if case == "sigint-one" else 1
+            raises = case in ("sigint-all", "nonfinite") or rank == victim
+            if not raises:
+                assert got["raised"] is None, where
+                continue
+            assert got["raised"] is not None and got["raised"][0] == 2, where
+            _, kind, _, notes = got["raised"]
+            if case.startswith("sigint"):
+                assert kind == "KeyboardInterrupt" and "the step completed" in notes, where
+                assert got["steps_after"] == 3, where  # the step ran to its end
+            elif case == "nonfinite":
+                assert kind == "NonFiniteLossError", where
+                assert got["steps_after"] == 2, where  # rolled back: not counted, as locally
+            else:
+                assert kind == "RuntimeError" and "update was skipped" in notes, where
+
+
+def _check_stage_error(results: list[dict[str, Any]], victim: int, where: str) -> None:
+    quoted = 0
+    for rank, res in enumerate(results):
+        assert "fatal" not in res, res.get("fatal")
+        got = res["failure_dist_support:stage_error"]
+        if rank == victim:
+            assert got["type"] == "ValueError" and f"user's {where}" in got["message"], got
+            assert "this rank stopped in the middle of the step" in got["notes"], got
+            assert "consistent" not in got["notes"], got  # it is not: no such promise
+        else:
+            assert got["type"] == "PeerError" and "(rank " in got["message"], (rank, got)
+            quoted += f"first rank to fail in this job was rank {victim}: ValueError" in got["message"]
+    # a rank whose wait timed out before the victim's note reached the store names only the
+    # neighbour it waited for (first_failure.py is best effort); most quote the victim
+    assert quoted >= 1, results
+
+
+def test_recovery_two_ranks(two: list[dict[str, Any]]) -> None:
+    _check_recover(two, 2)
+
+
+def test_recovery_four_ranks(four: list[dict[str, Any]]) -> None:
+    _check_recover(four, 4)
+
+
+def test_stage_error_forward_two_ranks(two: list[dict[str, Any]]) -> None:
+    _check_stage_error(two, 0, "forward")
+
+
+def test_stage_error_backward_four_ranks(four: list[dict[str, Any]]) -> None:
+    _check_stage_error(four, 2, "backward")
