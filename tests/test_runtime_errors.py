@@ -287,3 +287,32 @@ def test_optimizer_must_be_a_factory() -> None:
             loss_fn=mse,
             optimizer=torch.optim.SGD(copy.deepcopy(model[0]).parameters(), lr=0.1),
         )
+
+
+class _CountingStage(nn.Module):
+    """Counts its forwards in a buffer, in place, once ``counting`` is on: a step that first
+    changes the buffer and then rolls back has no copy of it to restore (the steps before
+    taught the rollback point that this buffer never changes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.register_buffer("seen", torch.zeros(()))
+        self.counting = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.counting:
+            self.seen.add_(1)
+        return self.lin(x)
+
+
+def test_rollback_warns_about_a_buffer_it_cannot_restore() -> None:
+    counter = _CountingStage()
+    stages = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()), counter]
+    pipe = Pipeline(stages, schedule="1f1b", chunks=4, loss_fn=mse, optimizer=sgd)
+    pipe.step(torch.randn(8, 4), torch.randn(8, 1))
+    counter.counting = True
+    with pytest.warns(RuntimeWarning, match=r"could not restore buffers \['seen'\]"):
+        with pytest.raises(NonFiniteLossError, match="rolled back"):
+            pipe.step(*_nan_batch())
+    assert pipe.steps == 1 and pipe.stages[1].module.seen.item() > 0  # kept, as warned

@@ -19,7 +19,6 @@ written once. What differs under gloo/NCCL is only what a *single* rank can deci
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -55,14 +54,7 @@ def restore(point: RollbackPoint | None) -> None:
     """Every rank rolled the step back: the RNG states and buffers go back too."""
     if point is None:
         return
-    lost = point.restore()
-    if lost:
-        warnings.warn(
-            f"rolling back a failed step could not restore buffers {lost}: they were "
-            "modified in place for the first time; they keep the failed step's values",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+    point.restore(stacklevel=4)
 
 
 def note_stopped(executor: Any, exc: BaseException, prog: Any, base: int) -> None:

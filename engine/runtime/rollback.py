@@ -15,6 +15,7 @@ copied; a buffer first modified by a failing step is restored from that copy.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -95,8 +96,18 @@ class RollbackPoint:
         """The step succeeded: learn which buffers it changed."""
         self.tracker.learn(self.buffers)
 
-    def restore(self) -> list[str]:
+    def restore(self, stacklevel: int = 4) -> list[str]:
+        """Put the RNG states and buffers back; warn about (and return) the buffers that
+        could not be restored. ``stacklevel`` points the warning at the user's step() call."""
         torch.set_rng_state(self.cpu_rng)
         for d, state in self.cuda_rng:
             torch.cuda.set_rng_state(state, d)
-        return self.tracker.restore(self.buffers)
+        lost = self.tracker.restore(self.buffers)
+        if lost:
+            warnings.warn(
+                f"rolling back a failed step could not restore buffers {lost}: they were "
+                "modified in place for the first time; they keep the failed step's values",
+                RuntimeWarning,
+                stacklevel=stacklevel + 1,
+            )
+        return lost

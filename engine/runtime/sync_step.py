@@ -188,13 +188,4 @@ class SynchronousSteps:
         self.acts.clear()
         self.grads.clear()
         self.losses = []
-        lost = point.restore()
-        if lost:
-            import warnings
-
-            warnings.warn(
-                f"rolling back a failed step could not restore buffers {lost}: they were "
-                "modified in place for the first time; they keep the failed step's values",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+        point.restore(stacklevel=4)
