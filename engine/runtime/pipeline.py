@@ -123,11 +123,15 @@ class Pipeline:
             the stage modules are the ranks*v virtual stages, rank r running r, r+ranks, ...
             in Megatron's order. Under gloo/NCCL one process per rank (R = stages / v
             processes per replica) holds its v stages (engine/runtime/virtual.py).
-        cuda_graphs: replay each stage's optimizer step from a CUDA graph
-            (engine/runtime/graphs.py): recorded once a step's launch arguments repeat (same
-            options, same buffers), eager otherwise; ``stats()["cuda_graphs"]`` counts both.
-            engine.optim SGD/Adam/AdamW/NAdam with the fused kernels, stages on CUDA; refused
-            otherwise, before anything is built.
+        cuda_graphs: False (off); ``"optimizer"`` (``True`` means the same): replay each
+            stage's optimizer step from a CUDA graph (engine/runtime/graphs.py), recorded once
+            a step's launch arguments repeat (same options, same buffers), eager otherwise;
+            ``stats()["cuda_graphs"]`` counts both. ``"program"``: capture whole synchronous
+            steps -- forwards, backwards, updates -- into one graph per batch shape and
+            replay it (engine/runtime/capture.py; local synchronous schedules, stage streams
+            off); ``stats()["capture"]`` says what ran eagerly and why. Both need
+            engine.optim SGD/Adam/AdamW/NAdam with the fused kernels and stages on CUDA;
+            refused otherwise, before anything is built.
     """
 
     def __init__(
@@ -160,7 +164,7 @@ class Pipeline:
         deferred_batch_norm: bool = False,
         l2_persistence: bool | float = False,
         virtual_stages: int | None = None,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | str = False,
     ) -> None:
         fam = FAMILIES.get(schedule) if isinstance(schedule, str) else None
         self._virtual_stages = virtual_stages
@@ -201,6 +205,12 @@ class Pipeline:
         specs = resolve_stage_specs(stages, balance)
         self.balance = list(balance) if balance is not None else None
         spec = self._resolve(schedule, len(specs), chunks, update_size, order)
+        if self.config.cuda_graphs == "program":
+            from engine.runtime.capture import program_refusal
+
+            why = program_refusal(spec, self.config)
+            if why is not None:
+                raise PipelineConfigError(why)
         modules = [build_module(m, s) for s, m in enumerate(specs)]
         if deferred_batch_norm:
             from engine.runtime.batch_norm import convert_deferred_batch_norm
@@ -288,15 +298,22 @@ class Pipeline:
         if any(d.type == "cpu" for d in devices) or not devices:
             keep_freed_host_memory()
         if streams is None:
-            streams = self._make_streams(stages, cfg.cuda_streams, l2=bool(cfg.l2_persistence))
+            # a captured step runs on one stream (concurrent branches: issue 23, item 2)
+            want = False if cfg.cuda_graphs == "program" else cfg.cuda_streams
+            streams = self._make_streams(stages, want, l2=bool(cfg.l2_persistence))
         self._streams = streams
-        if cfg.cuda_graphs:
+        if cfg.cuda_graphs == "optimizer":
             attach_step_graphs(stages)
         self._l2 = apply_l2(stages, streams, cfg.l2_persistence, owner=self)
         self._executor = Executor(
             spec, stages, on_nonfinite=cfg.on_nonfinite, streams=streams, device_flags=device_flags
         )
         self._checked: set[Any] = set()
+        self._capture: Any = None
+        if cfg.cuda_graphs == "program":
+            from engine.runtime.capture import ProgramCapture
+
+            self._capture = ProgramCapture(self._executor)
 
     @staticmethod
     def _make_streams(stages: list[Stage], want: bool | None, l2: bool = False) -> StageStreams:
@@ -409,7 +426,10 @@ class Pipeline:
                 [st.module for st in self.stages], xs[0], ts[0], self.stages[-1].loss_fn  # type: ignore[arg-type]
             )
             self._checked.add(key)
-        result = self._executor.run_step(xs, ts, sizes)
+        if self._capture is not None:
+            result = self._capture.step(xs, ts, sizes)
+        else:
+            result = self._executor.run_step(xs, ts, sizes)
         if result.loss is None:
             return torch.tensor(float("nan"))
         return result.loss
@@ -466,10 +486,15 @@ class Pipeline:
         ``l2_persistence``: the ``requested`` fraction, the device's ``set_aside_bytes`` and
         ``max_persisting_bytes``, and the ``reason`` when a stage got nothing;
         ``cuda_graphs``: per stage (None when off) optimizer steps ``replays``-ed from a graph,
-        ``captures``, ``eager`` steps and the ``last_eager_reason``.
+        ``captures``, ``eager`` steps and the ``last_eager_reason``; ``capture``: the
+        ``mode`` (``"off"``, ``"optimizer"``, ``"program"``) and, for ``"program"``, the
+        ``window``, steps ``captures``-d, ``replays``, ``eager`` steps, ``evictions``,
+        ``graphs`` kept and the ``last_eager_reason``.
         """
         ex = self._executor
         ex.fold_flags()  # "skip_update" counts on the device: one host read
+        if self._capture is not None:
+            self._capture.fold()
         unit, wall = ex.clock.bubble()
         return {
             "schedule": self.spec.name,
@@ -494,6 +519,8 @@ class Pipeline:
             "stage_indices": [st.index for st in self.stages],
             "l2_persisting_bytes": list(self._l2.granted),
             "l2_persistence": self._l2.stats(),
+            "capture": (self._capture.stats() if self._capture is not None
+                        else {"mode": self.config.cuda_graphs or "off"}),
             "cuda_graphs": [
                 st.bridge.graphs.stats()
                 if st.bridge is not None and st.bridge.graphs is not None else None
