@@ -127,9 +127,10 @@ def check_options(
         raise PipelineConfigError(f"trace={trace!r} must be True or False")
     if cuda_graphs is True:
         cuda_graphs = "optimizer"
-    if cuda_graphs not in (False, "optimizer", "program"):
+    if cuda_graphs is not False and not (isinstance(cuda_graphs, str)
+                                         and cuda_graphs in ("optimizer", "program")):
         raise PipelineConfigError(
-            f"cuda_graphs={cuda_graphs!r}: choose False (off), 'optimizer' (each stage's "
+            f"cuda_graphs={cuda_graphs!r} must be False (off), 'optimizer' (each stage's "
             "optimizer step; True means this) or 'program' (whole synchronous steps)"
         )
     if cuda_graphs == "program" and distributed:
