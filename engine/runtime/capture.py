@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from engine.errors import PipelineConfigError
 from engine.runtime import labels
 from engine.runtime.graphs import CudaGraphBackend, GraphBackend, graph_refusal, launch_key
 from engine.runtime.result import StepResult
@@ -58,7 +59,8 @@ if TYPE_CHECKING:
     from engine.runtime.executor import Executor
     from engine.runtime.stage import Stage
 
-__all__ = ["ASYNC_REASON", "ProgramCapture", "optimizer_refusal", "program_refusal", "use_backend"]
+__all__ = ["ASYNC_REASON", "ProgramCapture", "optimizer_refusal", "program_refusal", "refuse_program",
+           "use_backend"]
 
 ASYNC_REASON = "asynchronous windows not captured yet"
 #: the host read of engine.optim's CPU reference path (``found_inf.item()``); the fused CUDA
@@ -97,6 +99,13 @@ def program_refusal(spec: Any, config: Any) -> str | None:
         return ("cuda_graphs='program' with trace=True: the trace records on the host at every "
                 "action, which a replay would not do")
     return None
+
+
+def refuse_program(spec: Any, config: Any) -> None:
+    """Raise PipelineConfigError with :func:`program_refusal`'s reason, if any."""
+    why = program_refusal(spec, config)
+    if why is not None:
+        raise PipelineConfigError(why)
 
 
 def optimizer_refusal(stage: int, opt: Any, device: torch.device, mode: Any) -> str | None:
@@ -239,7 +248,8 @@ class ProgramCapture:
             return "the executor is logging actions or timing events (host work at every action)"
         return None
 
-    def step(self, xs: list[Any], targets: list[Any], sizes: list[int]) -> StepResult:
+    def run_step(self, xs: list[Any], targets: list[Any], sizes: list[int]) -> StepResult:
+        """One synchronous step: eager, captured or replayed (module docstring)."""
         ex = self.ex
         before = _Host(ex)
         point = self._point()

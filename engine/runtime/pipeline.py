@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from engine.errors import NotFlushedError, PipelineConfigError, ScheduleError
 from engine.runtime import inputs as _inputs
 from engine.runtime.build import build_module, build_store, resolve_stage_specs
+from engine.runtime.capture import ProgramCapture, refuse_program
 from engine.runtime.config import PipelineConfig, check_options, resolve_mitigations
 from engine.runtime.device_flags import check_skip_update
 from engine.runtime.executor import Executor
@@ -126,10 +127,9 @@ class Pipeline:
         cuda_graphs: False (off); ``"optimizer"`` (``True`` means the same): replay each
             stage's optimizer step from a CUDA graph (engine/runtime/graphs.py), recorded once
             a step's launch arguments repeat (same options, same buffers), eager otherwise;
-            ``stats()["cuda_graphs"]`` counts both. ``"program"``: capture whole synchronous
-            steps -- forwards, backwards, updates -- into one graph per batch shape and
-            replay it (engine/runtime/capture.py; local synchronous schedules, stage streams
-            off); ``stats()["capture"]`` says what ran eagerly and why. Both need
+            ``stats()["cuda_graphs"]`` counts both. ``"program"``: whole synchronous steps
+            captured per batch shape and replayed (engine/runtime/capture.py; local, stage
+            streams off); ``stats()["capture"]`` says what ran eagerly and why. Both need
             engine.optim SGD/Adam/AdamW/NAdam with the fused kernels and stages on CUDA;
             refused otherwise, before anything is built.
     """
@@ -206,11 +206,7 @@ class Pipeline:
         self.balance = list(balance) if balance is not None else None
         spec = self._resolve(schedule, len(specs), chunks, update_size, order)
         if self.config.cuda_graphs == "program":
-            from engine.runtime.capture import program_refusal
-
-            why = program_refusal(spec, self.config)
-            if why is not None:
-                raise PipelineConfigError(why)
+            refuse_program(spec, self.config)
         modules = [build_module(m, s) for s, m in enumerate(specs)]
         if deferred_batch_norm:
             from engine.runtime.batch_norm import convert_deferred_batch_norm
@@ -298,8 +294,7 @@ class Pipeline:
         if any(d.type == "cpu" for d in devices) or not devices:
             keep_freed_host_memory()
         if streams is None:
-            # a captured step runs on one stream (concurrent branches: issue 23, item 2)
-            want = False if cfg.cuda_graphs == "program" else cfg.cuda_streams
+            want = False if cfg.cuda_graphs == "program" else cfg.cuda_streams  # one stream
             streams = self._make_streams(stages, want, l2=bool(cfg.l2_persistence))
         self._streams = streams
         if cfg.cuda_graphs == "optimizer":
@@ -309,11 +304,7 @@ class Pipeline:
             spec, stages, on_nonfinite=cfg.on_nonfinite, streams=streams, device_flags=device_flags
         )
         self._checked: set[Any] = set()
-        self._capture: Any = None
-        if cfg.cuda_graphs == "program":
-            from engine.runtime.capture import ProgramCapture
-
-            self._capture = ProgramCapture(self._executor)
+        self._capture = ProgramCapture(self._executor) if cfg.cuda_graphs == "program" else None
 
     @staticmethod
     def _make_streams(stages: list[Stage], want: bool | None, l2: bool = False) -> StageStreams:
@@ -426,10 +417,7 @@ class Pipeline:
                 [st.module for st in self.stages], xs[0], ts[0], self.stages[-1].loss_fn  # type: ignore[arg-type]
             )
             self._checked.add(key)
-        if self._capture is not None:
-            result = self._capture.step(xs, ts, sizes)
-        else:
-            result = self._executor.run_step(xs, ts, sizes)
+        result = (self._capture or self._executor).run_step(xs, ts, sizes)
         if result.loss is None:
             return torch.tensor(float("nan"))
         return result.loss
