@@ -11,6 +11,9 @@ bit. The CUDA-marked tests at the end prove on a GPU what the twin cannot.
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -225,6 +228,38 @@ def test_the_twin_catches_the_cpu_reference_path_branching_on_found_inf() -> Non
         a.step(*batches[4])
 
 
+def ctrl_c_during_a_replay(a, b, batches) -> None:
+    """A SIGINT arrives while a's step replays: the step completes (a graph cannot stop
+    halfway), then KeyboardInterrupt is raised; a then equals b, which ran the step
+    uninterrupted, and the two go on equal."""
+    for x, y in batches[:4]:
+        a.step(x, y)
+        b.step(x, y)
+    (graph,) = a._capture._graphs.values()
+    inner = graph.replay
+
+    def replay() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        inner()
+
+    graph.replay = replay
+    with pytest.raises(KeyboardInterrupt):
+        a.step(*batches[4])
+    graph.replay = inner
+    b.step(*batches[4])
+    assert same_state(a, b)
+    for x, y in batches[5:]:
+        assert torch.equal(a.step(x, y), b.step(x, y))
+    assert {k: a.stats()[k] for k in COUNTERS} == {k: b.stats()[k] for k in COUNTERS}
+    assert a.stats()["capture"]["replays"] == len(batches) - 3
+
+
+def test_ctrl_c_during_a_replay_finishes_the_step_then_raises() -> None:
+    a, b = make("gpipe"), make("gpipe", False)
+    ctrl_c_during_a_replay(a, b, data(7))
+    assert same_state(a, b)
+
+
 class ReadsBack(nn.Module):
     """Breaks "no host sync": a Python branch on a tensor's value."""
 
@@ -384,20 +419,8 @@ def test_cuda_a_nan_in_a_replay_skips_as_eager(policy: str) -> None:
 
 @pytest.mark.cuda
 @cuda
-def test_cuda_ctrl_c_between_steps_leaves_the_pipeline_consistent() -> None:
-    """A KeyboardInterrupt raised right after a replayed step (the deferred Ctrl-C) leaves
-    the pipeline where eager's is: the next steps equal eager's."""
-    import engine.testing.faults as faults  # noqa: F401  (the project's fault tools)
-
+def test_cuda_ctrl_c_during_a_replay_finishes_the_step_then_raises() -> None:
     a, b = _gpu("gpipe", "program"), _gpu("gpipe", False)
-    batches = _gpu_data(8, 16)
-    for x, y in batches[:4]:
-        a.step(x, y)
-        b.step(x, y)
-    a._executor.interrupts.pending = True  # as a SIGINT during the replay would set it
-    with pytest.raises(KeyboardInterrupt):
-        a.step(*batches[4])
-    b.step(*batches[4])
-    for x, y in batches[5:]:
-        assert torch.equal(a.step(x, y), b.step(x, y))
+    ctrl_c_during_a_replay(a, b, _gpu_data(8, 16))
+    torch.cuda.synchronize()
     assert same_state(a, b)

@@ -125,6 +125,10 @@ def optimizer_refusal(stage: int, opt: Any, device: torch.device, mode: Any) -> 
         "cuda_graphs captures", "cuda_graphs='program' captures")
 
 
+def _no_check() -> None:
+    """Interrupts.check inside a window: Ctrl-C waits for the step's end."""
+
+
 class _Host:
     """The host bookkeeping of a step: what a replay (which runs no Python) must add."""
 
@@ -249,7 +253,25 @@ class ProgramCapture:
         return None
 
     def run_step(self, xs: list[Any], targets: list[Any], sizes: list[int]) -> StepResult:
-        """One synchronous step: eager, captured or replayed (module docstring)."""
+        """One synchronous step: eager, captured or replayed (module docstring). A Ctrl-C
+        during it is raised when the step is complete (a replay cannot stop halfway, so
+        neither does an eager step of this mode: the pipeline is consistent either way)."""
+        ex = self.ex
+        with ex.interrupts.deferred():
+            result = self._step(xs, targets, sizes)
+        ex.interrupts.check()
+        return result
+
+    def _run(self, xs: list[Any], targets: list[Any], sizes: list[int]) -> StepResult:
+        """The executor's step with its interrupt checks off (they come after the window)."""
+        ints = self.ex.interrupts
+        ints.check = _no_check  # type: ignore[method-assign]
+        try:
+            return self.ex.run_step(xs, targets, sizes)
+        finally:
+            del ints.check
+
+    def _step(self, xs: list[Any], targets: list[Any], sizes: list[int]) -> StepResult:
         ex = self.ex
         before = _Host(ex)
         point = self._point()
@@ -290,22 +312,19 @@ class ProgramCapture:
         if graph is None:
             return self._finish(self._warm_up(key, sx, sy, sizes), self._out, before, point)
         self._graphs.move_to_end(key)
-        with ex.interrupts.deferred():  # the host bookkeeping goes with the replay
-            graph.replay()
-            if self.reruns_host:
-                before.restore(ex)  # the twin re-ran the Python: keep only its device work
-            graph.delta.apply(ex)
-            self.counts["replays"] += 1
-            loss = graph.out.get("loss")
-            result = self._finish(StepResult(None if loss is None else loss.clone()), graph.out,
-                                  before, point)
-        ex.interrupts.check()
-        return result
+        graph.replay()
+        if self.reruns_host:
+            before.restore(ex)  # the twin re-ran the Python: keep only its device work
+        graph.delta.apply(ex)
+        self.counts["replays"] += 1
+        loss = graph.out.get("loss")
+        return self._finish(StepResult(None if loss is None else loss.clone()), graph.out,
+                            before, point)
 
     def _eager(self, xs: list[Any], targets: list[Any], sizes: list[int], reason: str) -> StepResult:
         self.counts["eager"] += 1
         self.reason = reason
-        return self.ex.run_step(xs, targets, sizes)
+        return self._run(xs, targets, sizes)
 
     def _warm_up(self, key: Hashable, xs: list[Any], targets: list[Any], sizes: list[int]) -> StepResult:
         """A key first seen: one eager step, watched for host reads (a window that reads
@@ -314,7 +333,7 @@ class ProgramCapture:
 
         rec = Recorder()
         with rec:
-            result = self.ex.run_step(xs, targets, sizes)
+            result = self._run(xs, targets, sizes)
         syncs = [op for op in rec.ops if op.sync is not None
                  and not (self.cpu and op.where == REFERENCE_SKIP)]
         self.counts["eager"] += 1
@@ -340,7 +359,7 @@ class ProgramCapture:
         box: dict[str, StepResult] = {}
 
         def window() -> None:
-            box["result"] = ex.run_step(xs, targets, sizes)
+            box["result"] = self._run(xs, targets, sizes)
 
         try:
             replay = self.backend.capture(window)
