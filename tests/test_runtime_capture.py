@@ -148,6 +148,27 @@ def test_staging_buffers_are_static_and_copied_once_per_leaf() -> None:
     assert a.stats()["capture"]["replays"] == 2  # first step, warm-up, capture, 2 replays
 
 
+def test_the_twin_checks_the_host_bookkeeping_of_a_replay(monkeypatch) -> None:
+    """A replay runs no Python: every host field a step changes must come from the captured
+    difference. Dropping one (the executor's step count) is caught by the twin."""
+    from engine.runtime import capture
+    from engine.testing.graph_twin import ReplayDivergence
+
+    real = capture._Delta.apply
+
+    def forgets_steps(self, ex):
+        real(self, ex)
+        ex.steps -= self.ex[0]
+
+    monkeypatch.setattr(capture._Delta, "apply", forgets_steps)
+    a = make("gpipe")
+    batches = data(4)
+    for x, y in batches[:3]:
+        a.step(x, y)
+    with pytest.raises(ReplayDivergence, match="executor.steps"):
+        a.step(*batches[3])
+
+
 def test_a_new_shape_recaptures_once_then_replays() -> None:
     twin = RecordingTwin()
     a, b = make("1f1b", twin=twin), make("1f1b", False)

@@ -129,6 +129,36 @@ def _no_check() -> None:
     """Interrupts.check inside a window: Ctrl-C waits for the step's end."""
 
 
+def _scalars(ex: Executor) -> dict[str, Any]:
+    """Every number, bool and string the host keeps of a step: executor, stages, weight
+    stores, optimizer bridges and param groups (what a twin replay checks)."""
+    out: dict[str, Any] = {}
+    plain = (int, float, bool, str, type(None))
+    objs: list[tuple[str, Any]] = [("executor", ex)]
+    for st in ex.stages:
+        objs += [(f"stage{st.index}", st), (f"stage{st.index}.store", st.store)]
+        if st.bridge is not None:
+            objs.append((f"stage{st.index}.bridge", st.bridge))
+            for g, group in enumerate(st.bridge.opt.param_groups):
+                out.update({f"stage{st.index}.group{g}.{k}": v for k, v in group.items()
+                            if isinstance(v, plain)})
+    for name, obj in objs:
+        out.update({f"{name}.{k}": v for k, v in vars(obj).items() if isinstance(v, plain)})
+    return out
+
+
+def _check_host(eager: dict[str, Any], replayed: dict[str, Any]) -> None:
+    """After a twin replay: the host must hold what the eager step left (``eager``) in every
+    field the step changed; a field the replay's bookkeeping missed is a CUDA-replay bug."""
+    wrong = sorted(k for k in eager.keys() | replayed.keys() if eager.get(k) != replayed.get(k))
+    if wrong:
+        from engine.testing.graph_twin import ReplayDivergence
+
+        raise ReplayDivergence(
+            "host state after the replay differs from the eager step's: "
+            + ", ".join(f"{k} = {replayed.get(k)!r}, eager {eager[k]!r}" for k in wrong[:5]))
+
+
 class _Host:
     """The host bookkeeping of a step: what a replay (which runs no Python) must add."""
 
@@ -157,33 +187,47 @@ class _Host:
 
 
 class _Delta:
-    """What one step changed on the host (after - before), applied after each replay."""
+    """What one step changed on the host, applied after each replay: counters as
+    differences; the segment position by the rule the executor follows (the step's program
+    is part of the capture key, so whether it ends the segment is too)."""
 
-    def __init__(self, before: _Host, after: _Host) -> None:
-        self.ex = tuple(a - b for a, b in zip(after.ex, before.ex, strict=True))
-        self.flags = after.flags
+    def __init__(self, before: _Host, after: _Host, M: int) -> None:
+        self.M = M
+        self.ex = tuple(a - b for a, b in zip(after.ex[:3], before.ex[:3], strict=True))
+        self.closes = not after.flags[1]
+        opened = not before.flags[1]
         self.stages = []
         for b, a in zip(before.stages, after.stages, strict=True):
             counts = {d: a[5].get(d, 0) - b[5].get(d, 0) for d in a[5]}
-            self.stages.append((tuple(x - y for x, y in zip(a[:5], b[:5], strict=True)), counts))
+            forwards = a[2] - (0 if opened else b[2])
+            self.stages.append((a[0] - b[0], a[1] - b[1], forwards, a[4] - b[4], counts))
         self.scheduled = [s is not None for s in after.schedulers]
 
     def apply(self, ex: Executor) -> None:
         ex.steps += self.ex[0]
         ex.skipped_steps += self.ex[1]
         ex.dropped += self.ex[2]
-        ex.n_base += self.ex[3]
-        ex.j, ex.active = self.flags
-        for st, (d, counts), sched in zip(ex.stages, self.stages, self.scheduled, strict=True):
-            st.updates += d[0]
-            st.skipped_updates += d[1]
-            st.forwards += d[2]
-            st.segment_updates += d[3]
-            st.store.version += d[4]
+        opened = not ex.active
+        for st in ex.stages:
+            if opened:  # Executor._open_segment
+                st.segment_updates = st.updates
+                st.forwards = 0
+        j = (ex.j if ex.active else 0) + 1
+        if self.closes:  # Executor._close_segment
+            ex.n_base += j * self.M
+            ex.j, ex.active = 0, False
+        else:
+            ex.j, ex.active = j, True
+        for st, (du, dsk, fw, dv, counts), sched in zip(ex.stages, self.stages, self.scheduled,
+                                                       strict=True):
+            st.updates += du
+            st.skipped_updates += dsk
+            st.forwards += fw
+            st.store.version += dv
             for k, n in counts.items():
                 if n:
                     st.delay_counts[k] = st.delay_counts.get(k, 0) + n
-            if sched and d[0]:
+            if sched and du:
                 st.scheduler.step()
 
 
@@ -216,6 +260,10 @@ class ProgramCapture:
         self._bad: Tensor | None = None
         self._skipped: Tensor | None = None
         self.cpu = all(p.device.type == "cpu" for st in ex.stages for p in st.store.params)
+        if ex.on_nonfinite == "skip_update":  # made here: never inside a capture
+            dev = next((p.device for st in ex.stages for p in st.store.params), torch.device("cpu"))
+            self._bad = torch.zeros((), dtype=torch.float32, device=dev)
+            self._skipped = torch.zeros((), dtype=torch.float32, device=dev)
         for st in ex.stages:
             if st.bridge is not None and st.bridge.skip is None:
                 st.bridge.enable_skip_flags()  # found_inf: the device-side skip decision
@@ -234,11 +282,8 @@ class ProgramCapture:
             if st.bridge is not None:
                 st.bridge.skip.add(count)
         self._out = {"flags": flags, "count": count}
-        if self.ex.on_nonfinite == "skip_update":
-            if self._bad is None:
-                self._bad = torch.zeros((), dtype=torch.float32, device=count.device)
-                self._skipped = torch.zeros((), dtype=torch.float32, device=count.device)
-            self._bad.add_(count)
+        if self._bad is not None and self._skipped is not None:  # "skip_update"
+            self._bad.add_(count.to(self._bad.device))
             self._skipped.add_(count.ne(0))  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ one step
@@ -299,24 +344,33 @@ class ProgramCapture:
                     why = f"stage {st.index}: {k}"
                     break
                 opts.append(k)
-            key = (skey, tuple(sizes), tuple(opts))
+            # the step's compiled program (a schedule program's steps differ; catalog ones repeat)
+            prog = ex.compiler.step(ex.j if ex.active else 0)
+            key = (skey, tuple(sizes), tuple(opts), id(prog))
             why = why or self._refused.get(key)
         if why is not None:
             return self._finish(self._eager(sx, sy, sizes, why), self._out, before, point)
         graph = self._graphs.get(key)
+        fresh = False  # a graph just captured: its first replay is the capture's step
         if graph is None and key in self._seen:
             del self._seen[key]
             graph, result = self._capture(key, sx, sy, sizes, before, staging)
             if result is not None:  # the test twin ran the window while recording it
                 return self._finish(result, graph.out, before, point)
+            fresh = True
         if graph is None:
             return self._finish(self._warm_up(key, sx, sy, sizes), self._out, before, point)
         self._graphs.move_to_end(key)
-        graph.replay()
         if self.reruns_host:
+            graph.replay()
+            post = _scalars(ex)  # what the eager step left on the host
             before.restore(ex)  # the twin re-ran the Python: keep only its device work
-        graph.delta.apply(ex)
-        self.counts["replays"] += 1
+            graph.delta.apply(ex)
+            _check_host(post, _scalars(ex))
+        else:
+            graph.replay()
+            graph.delta.apply(ex)
+        self.counts["replays"] += 0 if fresh else 1
         loss = graph.out.get("loss")
         return self._finish(StepResult(None if loss is None else loss.clone()), graph.out,
                             before, point)
@@ -369,7 +423,7 @@ class ProgramCapture:
         out = dict(self._out)
         out["loss"] = box["result"].loss
         out["staging"] = staging  # the buffers the graph reads live as long as the graph
-        graph = _Graph(replay, _Delta(before, _Host(ex)), out)
+        graph = _Graph(replay, _Delta(before, _Host(ex), ex.M), out)
         self._graphs[key] = graph
         self.counts["captures"] += 1
         while len(self._graphs) > self.cache:
