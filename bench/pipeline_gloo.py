@@ -15,8 +15,10 @@ stages), the same micro-batches and the same optimizer (SGD with momentum):
   ``engine`` ``interleaved`` with ``--virtual`` v stages per rank (S*v stage modules) vs torch's
   ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` on the same S*v modules;
   ``looped-bfs``: ``engine`` ``looped_bfs`` vs torch's ``ScheduleLoopedBFS`` (same S*v modules).
-  No activation recomputation on either side. (ZB-V and DualPipeV place stages as a V, which
-  the engine runs only in one process so far: no gloo case for them yet.)
+  ``zbv`` / ``dualpipev``: ``engine`` ``zbv`` / ``dualpipev`` programs (2S stage modules placed
+  as a V: rank r holds stages r and 2S-1-r) vs torch's ``ScheduleZBVZeroBubble`` /
+  ``ScheduleDualPipeV`` on the same modules and placement (not in the default list; DualPipeV
+  needs M >= 2S). No activation recomputation on either side.
 * ``async_vs_gpipe``: ``engine`` ``pipedream`` / ``2bw`` / ``pb`` vs ``engine`` ``gpipe``, next
   to the theoretical time ratio M/(M+S-1) (``extra.theory_ratio``): GPipe's bubble per
   mini-batch when every stage takes the same time and communication is free. Async schedules
@@ -80,13 +82,16 @@ class EngineRunner:
     ) -> None:
         import engine.optim
         from engine import Pipeline
+        from engine import schedule as es
 
-        s = dist.get_rank()
         opt = torch.optim.SGD if on_nonfinite is None else engine.optim.SGD
+        program: object = schedule
+        if schedule in ("zbv", "dualpipev"):  # a program: 2 stages per rank, placed as a V
+            program, virtual = getattr(es, schedule)(S, M), 2
         self.pipe = Pipeline(
             [lambda i=i: stage_module(i, width, layers) for i in range(S * virtual)],
-            schedule=schedule,
-            virtual_stages=virtual if virtual > 1 else None,
+            schedule=program,
+            virtual_stages=virtual if virtual > 1 and isinstance(program, str) else None,
             chunks=M,
             loss_fn=nn.functional.mse_loss,
             optimizer=lambda p: opt(p, lr=1e-4, momentum=0.9),
@@ -95,7 +100,8 @@ class EngineRunner:
             on_nonfinite=on_nonfinite or "raise",
             timeout=timeout,
         )
-        self.first, self.last = s == 0, s == S - 1
+        held = {st.index for st in self.pipe.stages}  # (the V puts both ends on rank 0)
+        self.first, self.last = 0 in held, S * virtual - 1 in held
 
     def run(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for x, y in batches:
@@ -109,12 +115,13 @@ class TorchRunner:
     r holds stages r, r+S, ..., as the engine's interleaved schedule)."""
 
     def __init__(
-        self, schedule: str, S: int, M: int, width: int, layers: int, virtual: int = 1
+        self, schedule: str, S: int, M: int, width: int, layers: int, virtual: int = 1,
+        v_shape: bool = False,
     ) -> None:
         from torch.distributed import pipelining as tp
 
         s = dist.get_rank()
-        held = range(s, S * virtual, S)
+        held = [s, 2 * S - 1 - s] if v_shape else range(s, S * virtual, S)
         self.module = nn.ModuleList([stage_module(i, width, layers) for i in held])
         stages = [
             tp.PipelineStage(
@@ -127,12 +134,14 @@ class TorchRunner:
         arg = stages if issubclass(cls, tp.schedules.PipelineScheduleMulti) else stages[0]
         self.schedule = cls(arg, n_microbatches=M, loss_fn=nn.functional.mse_loss)
         self.opt = torch.optim.SGD(self.module.parameters(), lr=1e-4, momentum=0.9)
-        self.first, self.last = s == 0, s == S - 1
+        self.first, self.last = 0 in held, S * virtual - 1 in held
 
     def run(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for x, y in batches:
             self.opt.zero_grad(set_to_none=True)
-            if self.first:
+            if self.first and self.last:  # the V: stage 0 and the last stage on rank 0
+                self.schedule.step(x, target=y, losses=[])
+            elif self.first:
                 self.schedule.step(x)
             elif self.last:
                 self.schedule.step(target=y, losses=[])
@@ -202,7 +211,7 @@ def main() -> None:
     )
     ap.add_argument("--cases", nargs="*", default=None,
                     help="only these cases (gpipe 1f1b zbh1 interleaved interleaved-zb looped-bfs "
-                    "pipedream 2bw pb); default all but looped-bfs")
+                    "zbv dualpipev pipedream 2bw pb); default all but looped-bfs, zbv, dualpipev")
     ap.add_argument("--virtual", type=int, default=2,
                     help="v, stages per rank of the interleaved cases (S*v stage modules)")
     args = ap.parse_args()
@@ -221,8 +230,8 @@ def main() -> None:
     def ours(schedule: str, virtual: int = 1) -> EngineRunner:
         return EngineRunner(schedule, S, M, args.width, args.layers, args.timeout, virtual)
 
-    def theirs(schedule: str, virtual: int = 1) -> TorchRunner:
-        return TorchRunner(schedule, S, M, args.width, args.layers, virtual)
+    def theirs(schedule: str, virtual: int = 1, v_shape: bool = False) -> TorchRunner:
+        return TorchRunner(schedule, S, M, args.width, args.layers, virtual, v_shape)
 
     v = args.virtual
     wanted = args.cases or ["gpipe", "1f1b", "zbh1", "interleaved", "interleaved-zb",
@@ -249,6 +258,11 @@ def main() -> None:
         "looped-bfs": lambda: ("vs_torch", "looped-bfs", f"engine looped_bfs v={v}",
                                ours("looped_bfs", v), f"torch ScheduleLoopedBFS v={v}",
                                theirs("ScheduleLoopedBFS", v)),
+        # 2S stage modules placed as a V on both sides
+        "zbv": lambda: ("vs_torch", "zbv", "engine zbv", ours("zbv"),
+                        "torch ScheduleZBVZeroBubble", theirs("ScheduleZBVZeroBubble", 2, True)),
+        "dualpipev": lambda: ("vs_torch", "dualpipev", "engine dualpipev", ours("dualpipev"),
+                              "torch ScheduleDualPipeV", theirs("ScheduleDualPipeV", 2, True)),
     }
     gpipe_peer: list[EngineRunner] = []
 
@@ -284,7 +298,8 @@ def main() -> None:
         theory = M / (M + S - 1) if bench == "async_vs_gpipe" else 1.0
         row = res.row(bench, case, cand_label, peer_label, label=args.label, note=note,
                       extra={"theory_ratio": theory, "stages": S, "chunks": M,
-                             "virtual": v if case.startswith(("interleaved", "looped")) else 1,
+                             "virtual": v if case.startswith(("interleaved", "looped"))
+                             else 2 if case in ("zbv", "dualpipev") else 1,
                              "micro_batch": b, "width": args.width, "steps": args.steps})
         rows.append(row)
         if rank == 0:

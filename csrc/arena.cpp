@@ -36,8 +36,8 @@ namespace {
 
 at::Tensor aligned_alloc(int64_t numel, at::ScalarType dtype, at::Device device,
                          int64_t alignment, bool zero) {
-  TORCH_CHECK(is_power_of_two(alignment), "alignment must be a power of two, got ", alignment);
-  TORCH_CHECK(numel >= 0, "numel must be >= 0, got ", numel);
+  PE_CHECK(is_power_of_two(alignment), "alignment must be a power of two, got ", alignment);
+  PE_CHECK(numel >= 0, "numel must be >= 0, got ", numel);
   const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t slack = std::max<int64_t>(0, alignment / item - 1);
   auto opts = at::TensorOptions().dtype(dtype).device(device);
@@ -47,7 +47,7 @@ at::Tensor aligned_alloc(int64_t numel, at::ScalarType dtype, at::Device device,
   const auto misalign = static_cast<int64_t>(addr % static_cast<uintptr_t>(alignment));
   int64_t shift = 0;
   if (misalign != 0) {
-    TORCH_CHECK((alignment - misalign) % item == 0, "allocator returned an address (", addr,
+    PE_CHECK((alignment - misalign) % item == 0, "allocator returned an address (", addr,
                 ") that is not a multiple of the element size ", item);
     shift = (alignment - misalign) / item;
   }
@@ -67,7 +67,7 @@ at::Tensor aligned_empty(int64_t numel, at::ScalarType dtype, at::Device device,
 }
 
 Arena::Arena(int64_t alignment) : alignment_(alignment) {
-  TORCH_CHECK(is_power_of_two(alignment),
+  PE_CHECK(is_power_of_two(alignment),
               "alignment must be a power of two (e.g. 256), got ", alignment);
 }
 
@@ -97,7 +97,7 @@ Arena::~Arena() {
 
 void* Arena::side_stream(int device) {
 #ifdef PE_WITH_CUDA
-  TORCH_CHECK(device >= 0, "negative CUDA device index ", device);
+  PE_CHECK(device >= 0, "negative CUDA device index ", device);
   if (static_cast<size_t>(device) >= side_streams_.size()) {
     side_streams_.resize(static_cast<size_t>(device) + 1, nullptr);
   }
@@ -116,25 +116,25 @@ int64_t Arena::snapshot_stream(int64_t device) const {
 
 int64_t Arena::add_bucket(const std::vector<at::Tensor>& tensors, int64_t group,
                           bool requires_grad) {
-  TORCH_CHECK(!tensors.empty(), "a bucket needs at least one tensor");
+  PE_CHECK(!tensors.empty(), "a bucket needs at least one tensor");
   // Existing slots cover only the buckets they were taken with; a bucket added later
   // would leave them incomplete, so all buckets come before the first snapshot.
-  TORCH_CHECK(slots_.empty() && pool_.empty(), "buckets must be added before the first snapshot");
+  PE_CHECK(slots_.empty() && pool_.empty(), "buckets must be added before the first snapshot");
   Bucket bk;
   bk.device = tensors[0].device();
   bk.dtype = tensors[0].scalar_type();
   bk.group = group;
   bk.requires_grad = requires_grad;
-  TORCH_CHECK(at::isFloatingType(bk.dtype),
+  PE_CHECK(at::isFloatingType(bk.dtype),
               "the arena holds floating-point weights only, got ", bk.dtype);
   const int64_t unit = align_elems(alignment_, bk.dtype);
   int64_t cursor = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
-    TORCH_CHECK(t.device() == bk.device && t.scalar_type() == bk.dtype,
+    PE_CHECK(t.device() == bk.device && t.scalar_type() == bk.dtype,
                 "tensor ", i, " of a bucket is ", t.scalar_type(), " on ", t.device(),
                 " but the bucket is ", bk.dtype, " on ", bk.device);
-    TORCH_CHECK(t.layout() == at::kStrided, "tensor ", i, " is not a dense (strided) tensor");
+    PE_CHECK(t.layout() == at::kStrided, "tensor ", i, " is not a dense (strided) tensor");
     cursor = round_up(cursor, unit);
     bk.offsets.push_back(cursor);
     bk.numels.push_back(t.numel());
@@ -162,7 +162,7 @@ int64_t Arena::add_bucket(const std::vector<at::Tensor>& tensors, int64_t group,
 }
 
 const Bucket& Arena::bucket(int64_t b) const {
-  TORCH_CHECK(b >= 0 && b < num_buckets(), "bucket index ", b, " out of range (",
+  PE_CHECK(b >= 0 && b < num_buckets(), "bucket index ", b, " out of range (",
               num_buckets(), " buckets)");
   return buckets_[static_cast<size_t>(b)];
 }
@@ -183,7 +183,7 @@ std::vector<at::Tensor> Arena::param_views(int64_t b) const {
 
 std::vector<at::Tensor> Arena::grad_views(int64_t b) const {
   const auto& bk = bucket(b);
-  TORCH_CHECK(bk.requires_grad, "bucket ", b, " holds requires_grad=False tensors: no gradients");
+  PE_CHECK(bk.requires_grad, "bucket ", b, " holds requires_grad=False tensors: no gradients");
   return views_of(bk.grad, bk);
 }
 
@@ -192,14 +192,14 @@ std::vector<at::Tensor> Arena::grad_views(int64_t b) const {
 
 Slot& Arena::slot_ref(int64_t slot) {
   auto it = slots_.find(slot);
-  TORCH_CHECK(it != slots_.end(), "weight slot ", slot,
+  PE_CHECK(it != slots_.end(), "weight slot ", slot,
               was_freed(slot) ? " was already freed" : " does not exist");
   return it->second;
 }
 
 const Slot& Arena::slot_ref(int64_t slot) const {
   auto it = slots_.find(slot);
-  TORCH_CHECK(it != slots_.end(), "weight slot ", slot,
+  PE_CHECK(it != slots_.end(), "weight slot ", slot,
               was_freed(slot) ? " was already freed" : " does not exist");
   return it->second;
 }
@@ -455,7 +455,7 @@ void Arena::pin(int64_t slot, int64_t microbatch) {
 bool Arena::release(int64_t slot, int64_t microbatch, int64_t stream) {
   auto& s = slot_ref(slot);
   auto it = s.pins.find(microbatch);
-  TORCH_CHECK(it != s.pins.end(), "weight slot ", slot, " is not pinned to micro-batch ",
+  PE_CHECK(it != s.pins.end(), "weight slot ", slot, " is not pinned to micro-batch ",
               microbatch);
   if (--it->second == 0) s.pins.erase(it);
   if (s.pins.empty() && s.holders == 0) {
@@ -467,9 +467,9 @@ bool Arena::release(int64_t slot, int64_t microbatch, int64_t stream) {
 
 void Arena::free_slot(int64_t slot, int64_t stream) {
   auto& s = slot_ref(slot);
-  TORCH_CHECK(s.pins.empty(), "weight slot ", slot, " is still pinned by ", s.pins.size(),
+  PE_CHECK(s.pins.empty(), "weight slot ", slot, " is still pinned by ", s.pins.size(),
               " micro-batch(es); release them instead");
-  TORCH_CHECK(s.holders == 0, "weight slot ", slot,
+  PE_CHECK(s.holders == 0, "weight slot ", slot,
               " belongs to a double buffer; close the double buffer instead");
   erase_slot(slot, stream);
 }
@@ -478,7 +478,7 @@ void Arena::hold(int64_t slot) { slot_ref(slot).holders += 1; }
 
 bool Arena::unhold(int64_t slot, int64_t stream) {
   auto& s = slot_ref(slot);
-  TORCH_CHECK(s.holders > 0, "weight slot ", slot, " is not held by a double buffer");
+  PE_CHECK(s.holders > 0, "weight slot ", slot, " is not held by a double buffer");
   s.holders -= 1;
   if (s.holders == 0 && s.pins.empty()) {
     erase_slot(slot, stream);
@@ -619,25 +619,25 @@ L2Result Arena::set_l2_window(int64_t b, int64_t stream, double hit_ratio,
 
 void Arena::clear_l2_window(int64_t b, int64_t stream) {
   const auto& bk = bucket(b);
-  TORCH_CHECK(bk.device.is_cuda(), "L2 persistence needs a CUDA buffer; bucket ", b, " is on ",
+  PE_CHECK(bk.device.is_cuda(), "L2 persistence needs a CUDA buffer; bucket ", b, " is on ",
               bk.device.str());
 #ifdef PE_WITH_CUDA
   cuda::clear_l2_window(bk.device.index(), as_ptr(stream));
 #else
   (void)stream;
-  TORCH_CHECK(false, "engine._C was built without CUDA: there is no L2 window to clear");
+  PE_CHECK(false, "engine._C was built without CUDA: there is no L2 window to clear");
 #endif
 }
 
 void Arena::clear_l2_persistence(int64_t b, int64_t stream) {
   const auto& bk = bucket(b);
-  TORCH_CHECK(bk.device.is_cuda(), "L2 persistence needs a CUDA buffer; bucket ", b, " is on ",
+  PE_CHECK(bk.device.is_cuda(), "L2 persistence needs a CUDA buffer; bucket ", b, " is on ",
               bk.device.str());
 #ifdef PE_WITH_CUDA
   cuda::clear_l2_persistence(bk.device.index(), as_ptr(stream));
 #else
   (void)stream;
-  TORCH_CHECK(false, "engine._C was built without CUDA: there is no L2 window to clear");
+  PE_CHECK(false, "engine._C was built without CUDA: there is no L2 window to clear");
 #endif
 }
 

@@ -30,6 +30,8 @@
 #include <string>
 #include <vector>
 
+#include "errors.h"
+
 namespace pe {
 
 // Allocates `numel` zeros of `dtype` on `device` whose first element sits at an address

@@ -5,8 +5,11 @@
 // live in the engine/arena/ package, where the names are known.
 #include <torch/extension.h>
 
+#include <memory>
 #include <sstream>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include "arena.h"
 #include "sgd_cpu.h"
@@ -30,6 +33,97 @@
 namespace py = pybind11;
 
 namespace {
+
+// ---- exceptions at the binding boundary ------------------------------------------------
+//
+// Every binding runs inside `guard`: whatever C++ throws under it is caught here and turned
+// into a Python exception with PyErr_SetString, then handed to pybind11 as
+// error_already_set, which its dispatcher restores first, before (and instead of) any
+// registered exception translator. See csrc/errors.h for why (issue 22: a TORCH_CHECK that
+// crossed the default path crashed a CUDA build). Called only inside a catch block.
+[[noreturn]] void raise(PyObject* type, const char* what) {
+  PyErr_SetString(type, what);
+  throw py::error_already_set();
+}
+
+[[noreturn]] void raise_as_python() {
+  try {
+    throw;
+  } catch (py::error_already_set&) {
+    throw;  // already a Python error (e.g. a cast inside the binding)
+  } catch (const py::builtin_exception& e) {
+    e.set_error();
+    throw py::error_already_set();
+  } catch (const c10::IndexError& e) {
+    raise(PyExc_IndexError, e.what_without_backtrace());
+  } catch (const c10::ValueError& e) {
+    raise(PyExc_ValueError, e.what_without_backtrace());
+  } catch (const c10::TypeError& e) {
+    raise(PyExc_TypeError, e.what_without_backtrace());
+  } catch (const c10::NotImplementedError& e) {
+    raise(PyExc_NotImplementedError, e.what_without_backtrace());
+  } catch (const c10::Error& e) {  // an ATen op failing under us (e.g. out of memory)
+    raise(PyExc_RuntimeError, e.what_without_backtrace());
+  } catch (const std::bad_alloc&) {
+    raise(PyExc_MemoryError, "engine._C: host allocation failed (std::bad_alloc)");
+  } catch (const std::exception& e) {  // pe::Error, CUDA runtime errors (csrc/cuda)
+    raise(PyExc_RuntimeError, e.what());
+  } catch (...) {
+    raise(PyExc_RuntimeError, "engine._C: unknown C++ exception");
+  }
+}
+
+// guard(f): f with the same signature, whose exceptions leave as Python exceptions. One
+// overload per kind of callable the module binds: free functions, member functions (const
+// or not; `self` becomes the first argument, as pybind11 expects) and captureless lambdas.
+template <typename R, typename... A>
+auto guard(R (*f)(A...)) {
+  return [f](A... a) -> R {
+    try {
+      return f(std::forward<A>(a)...);
+    } catch (...) {
+      raise_as_python();
+    }
+  };
+}
+
+template <typename R, typename C, typename... A>
+auto guard(R (C::*f)(A...)) {
+  return [f](C& self, A... a) -> R {
+    try {
+      return (self.*f)(std::forward<A>(a)...);
+    } catch (...) {
+      raise_as_python();
+    }
+  };
+}
+
+template <typename R, typename C, typename... A>
+auto guard(R (C::*f)(A...) const) {
+  return [f](const C& self, A... a) -> R {
+    try {
+      return (self.*f)(std::forward<A>(a)...);
+    } catch (...) {
+      raise_as_python();
+    }
+  };
+}
+
+template <typename F, typename R, typename... A>
+auto guard_call(F f, R (F::*)(A...) const) {
+  return [f](A... a) -> R {
+    try {
+      return f(std::forward<A>(a)...);
+    } catch (...) {
+      raise_as_python();
+    }
+  };
+}
+
+template <typename F, typename = std::enable_if_t<std::is_class_v<F>>>
+auto guard(F f) {
+  return guard_call(f, &F::operator());
+}
 
 std::string cxx_compiler() {
 #if defined(__clang__)
@@ -145,7 +239,7 @@ void reset_persisting_l2(int64_t device) {
   pe::cuda::reset_persisting_l2(static_cast<int>(device));
 #else
   (void)device;
-  TORCH_CHECK(false, "engine._C was built without CUDA: there is no L2 set-aside to reset");
+  PE_CHECK(false, "engine._C was built without CUDA: there is no L2 set-aside to reset");
 #endif
 }
 
@@ -156,7 +250,7 @@ void clear_stream_window(int64_t device, int64_t stream) {
 #else
   (void)device;
   (void)stream;
-  TORCH_CHECK(false, "engine._C was built without CUDA: there is no L2 window to clear");
+  PE_CHECK(false, "engine._C was built without CUDA: there is no L2 window to clear");
 #endif
 }
 
@@ -175,7 +269,7 @@ py::dict stream_window(int64_t device, int64_t stream) {
 #else
   (void)device;
   (void)stream;
-  TORCH_CHECK(false, "engine._C was built without CUDA: streams have no L2 window");
+  PE_CHECK(false, "engine._C was built without CUDA: streams have no L2 window");
 #endif
   return d;
 }
@@ -186,25 +280,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() =
       "engine._C: the per-stage flat weight arena (buffers, version slots, L2 persistence). "
       "Use it through engine.arena.";
-  m.def("build_info", &build_info,
+  m.def("build_info", guard(&build_info),
         "Facts fixed at build time: cuda (bool), cuda_archs (list[str]), cuda_version "
         "(str | None), torch_version (str), compiler (str).");
-  m.def("aligned_zeros", &pe::aligned_zeros, py::arg("numel"), py::arg("dtype"),
+  m.def("aligned_zeros", guard(&pe::aligned_zeros), py::arg("numel"), py::arg("dtype"),
         py::arg("device"), py::arg("alignment"),
         "Zeros whose first element is aligned to `alignment` bytes (a power of two).");
-  m.def("l2_device", &l2_device, py::arg("device"),
+  m.def("l2_device", guard(&l2_device), py::arg("device"),
         "Persisting-L2 facts of a CUDA device: supported, max_persisting_bytes, "
         "max_window_bytes, set_aside_bytes (now), reason.");
-  m.def("set_persisting_l2", &set_persisting_l2, py::arg("device"), py::arg("bytes"),
+  m.def("set_persisting_l2", guard(&set_persisting_l2), py::arg("device"), py::arg("bytes"),
         "Sets the device-wide persisting-L2 set-aside; returns ok, granted_bytes, reason.");
-  m.def("reset_persisting_l2", &reset_persisting_l2, py::arg("device"),
+  m.def("reset_persisting_l2", guard(&reset_persisting_l2), py::arg("device"),
         "Evicts persisting lines and sets the set-aside back to 0.");
-  m.def("clear_stream_window", &clear_stream_window, py::arg("device"), py::arg("stream"),
+  m.def("clear_stream_window", guard(&clear_stream_window), py::arg("device"), py::arg("stream"),
         "Removes the access-policy window from one stream (cudaStream_t as an int).");
-  m.def("stream_window", &stream_window, py::arg("device"), py::arg("stream"),
+  m.def("stream_window", guard(&stream_window), py::arg("device"), py::arg("stream"),
         "The access-policy window on a stream: base, num_bytes, hit_ratio (for checks).");
 
-  m.def("sgd_step_cpu", &pe::sgd_step_cpu, py::arg("param"), py::arg("grad"),
+  m.def("sgd_step_cpu", guard(&pe::sgd_step_cpu), py::arg("param"), py::arg("grad"),
         py::arg("momentum_buffer"), py::arg("predicted"), py::arg("delta"), py::arg("lr"),
         py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"),
         py::arg("maximize"), py::arg("init_momentum"), py::arg("spike"), py::arg("sc_a"),
@@ -212,70 +306,70 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("grad_scale"),
         "One fused SGD step (spike compensation, prediction, delta) over contiguous fp32 CPU "
         "tensors, in place; use it through engine.optim.cpu_loop. Returns the ISA variant.");
-  m.def("sgd_cpu_variant", &pe::sgd_cpu_variant,
+  m.def("sgd_cpu_variant", guard(&pe::sgd_cpu_variant),
         "The ISA variant sgd_step_cpu runs here: 'fma' or 'baseline' (follows torch's CPU "
         "capability, so the loop rounds as torch's kernels do).");
 
   py::class_<pe::Arena>(m, "Arena")
-      .def(py::init<int64_t>(), py::arg("alignment"))
-      .def_property_readonly("alignment", &pe::Arena::alignment)
-      .def("add_bucket", &pe::Arena::add_bucket, py::arg("tensors"), py::arg("group"),
+      .def(py::init(guard([](int64_t alignment) { return std::make_unique<pe::Arena>(alignment); })),
+           py::arg("alignment"))
+      .def_property_readonly("alignment", guard(&pe::Arena::alignment))
+      .def("add_bucket", guard(&pe::Arena::add_bucket), py::arg("tensors"), py::arg("group"),
            py::arg("requires_grad"))
-      .def_property_readonly("num_buckets", &pe::Arena::num_buckets)
-      .def("bucket_param", [](const pe::Arena& a, int64_t b) { return a.bucket(b).param; })
-      .def("bucket_grad",
-           [](const pe::Arena& a, int64_t b) -> py::object {
+      .def_property_readonly("num_buckets", guard(&pe::Arena::num_buckets))
+      .def("bucket_param", guard([](const pe::Arena& a, int64_t b) { return a.bucket(b).param; }))
+      .def("bucket_grad", guard([](const pe::Arena& a, int64_t b) -> py::object {
              const auto& bk = a.bucket(b);
              if (!bk.requires_grad) return py::none();
              return py::cast(bk.grad);
-           })
-      .def("bucket_offsets", [](const pe::Arena& a, int64_t b) { return a.bucket(b).offsets; })
-      .def("bucket_numels", [](const pe::Arena& a, int64_t b) { return a.bucket(b).numels; })
-      .def("bucket_numel", [](const pe::Arena& a, int64_t b) { return a.bucket(b).numel; })
-      .def("bucket_nbytes", [](const pe::Arena& a, int64_t b) { return a.bucket(b).nbytes(); })
-      .def("param_views", &pe::Arena::param_views, py::arg("bucket"))
-      .def("grad_views", &pe::Arena::grad_views, py::arg("bucket"))
-      .def("snapshot", &pe::Arena::snapshot, py::arg("stream"), py::arg("microbatch"))
-      .def("new_slot", &pe::Arena::new_slot, py::arg("stream"), py::arg("microbatch"))
-      .def("swap_live", &pe::Arena::swap_live, py::arg("slot"), py::arg("stream"))
-      .def("refresh", &pe::Arena::refresh, py::arg("slot"), py::arg("stream"))
-      .def("wait", &pe::Arena::wait, py::arg("slot"), py::arg("stream"))
-      .def("wait_all", &pe::Arena::wait_all, py::arg("stream"))
-      .def("slot_views", &pe::Arena::slot_views, py::arg("slot"), py::arg("bucket"))
-      .def("slot_flat", &pe::Arena::slot_flat, py::arg("slot"), py::arg("bucket"))
-      .def("restore", &pe::Arena::restore, py::arg("slot"), py::arg("stream"))
-      .def("has_slot", &pe::Arena::has_slot, py::arg("slot"))
-      .def("was_freed", &pe::Arena::was_freed, py::arg("slot"))
-      .def("slot_ids", &pe::Arena::slot_ids)
-      .def("pins", &pe::Arena::pins, py::arg("slot"))
-      .def("refcount", &pe::Arena::refcount, py::arg("slot"))
-      .def("pin", &pe::Arena::pin, py::arg("slot"), py::arg("microbatch"))
-      .def("release", &pe::Arena::release, py::arg("slot"), py::arg("microbatch"),
+           }))
+      .def("bucket_offsets", guard([](const pe::Arena& a, int64_t b) { return a.bucket(b).offsets; }))
+      .def("bucket_numels", guard([](const pe::Arena& a, int64_t b) { return a.bucket(b).numels; }))
+      .def("bucket_numel", guard([](const pe::Arena& a, int64_t b) { return a.bucket(b).numel; }))
+      .def("bucket_nbytes", guard([](const pe::Arena& a, int64_t b) { return a.bucket(b).nbytes(); }))
+      .def("param_views", guard(&pe::Arena::param_views), py::arg("bucket"))
+      .def("grad_views", guard(&pe::Arena::grad_views), py::arg("bucket"))
+      .def("snapshot", guard(&pe::Arena::snapshot), py::arg("stream"), py::arg("microbatch"))
+      .def("new_slot", guard(&pe::Arena::new_slot), py::arg("stream"), py::arg("microbatch"))
+      .def("swap_live", guard(&pe::Arena::swap_live), py::arg("slot"), py::arg("stream"))
+      .def("refresh", guard(&pe::Arena::refresh), py::arg("slot"), py::arg("stream"))
+      .def("wait", guard(&pe::Arena::wait), py::arg("slot"), py::arg("stream"))
+      .def("wait_all", guard(&pe::Arena::wait_all), py::arg("stream"))
+      .def("slot_views", guard(&pe::Arena::slot_views), py::arg("slot"), py::arg("bucket"))
+      .def("slot_flat", guard(&pe::Arena::slot_flat), py::arg("slot"), py::arg("bucket"))
+      .def("restore", guard(&pe::Arena::restore), py::arg("slot"), py::arg("stream"))
+      .def("has_slot", guard(&pe::Arena::has_slot), py::arg("slot"))
+      .def("was_freed", guard(&pe::Arena::was_freed), py::arg("slot"))
+      .def("slot_ids", guard(&pe::Arena::slot_ids))
+      .def("pins", guard(&pe::Arena::pins), py::arg("slot"))
+      .def("refcount", guard(&pe::Arena::refcount), py::arg("slot"))
+      .def("pin", guard(&pe::Arena::pin), py::arg("slot"), py::arg("microbatch"))
+      .def("release", guard(&pe::Arena::release), py::arg("slot"), py::arg("microbatch"),
            py::arg("stream"))
-      .def("free_slot", &pe::Arena::free_slot, py::arg("slot"), py::arg("stream"))
-      .def("hold", &pe::Arena::hold, py::arg("slot"))
-      .def("unhold", &pe::Arena::unhold, py::arg("slot"), py::arg("stream"))
-      .def("trim_pool", &pe::Arena::trim_pool)
-      .def("snapshot_stream", &pe::Arena::snapshot_stream, py::arg("device"))
-      .def_property_readonly("live_bytes", &pe::Arena::live_bytes)
-      .def_property_readonly("grad_bytes", &pe::Arena::grad_bytes)
-      .def_property_readonly("slot_bytes", &pe::Arena::slot_bytes)
-      .def_property_readonly("pooled_bytes", &pe::Arena::pooled_bytes)
-      .def_property_readonly("peak_bytes", &pe::Arena::peak_bytes)
-      .def("per_slot_bytes", &pe::Arena::per_slot_bytes)
+      .def("free_slot", guard(&pe::Arena::free_slot), py::arg("slot"), py::arg("stream"))
+      .def("hold", guard(&pe::Arena::hold), py::arg("slot"))
+      .def("unhold", guard(&pe::Arena::unhold), py::arg("slot"), py::arg("stream"))
+      .def("trim_pool", guard(&pe::Arena::trim_pool))
+      .def("snapshot_stream", guard(&pe::Arena::snapshot_stream), py::arg("device"))
+      .def_property_readonly("live_bytes", guard(&pe::Arena::live_bytes))
+      .def_property_readonly("grad_bytes", guard(&pe::Arena::grad_bytes))
+      .def_property_readonly("slot_bytes", guard(&pe::Arena::slot_bytes))
+      .def_property_readonly("pooled_bytes", guard(&pe::Arena::pooled_bytes))
+      .def_property_readonly("peak_bytes", guard(&pe::Arena::peak_bytes))
+      .def("per_slot_bytes", guard(&pe::Arena::per_slot_bytes))
       .def(
           "set_l2_persistence",
-          [](pe::Arena& a, int64_t b, int64_t stream, double hit_ratio, int64_t max_bytes) {
+          guard([](pe::Arena& a, int64_t b, int64_t stream, double hit_ratio, int64_t max_bytes) {
             return l2_to_dict(a.set_l2_persistence(b, stream, hit_ratio, max_bytes));
-          },
+          }),
           py::arg("bucket"), py::arg("stream"), py::arg("hit_ratio"), py::arg("max_bytes"))
-      .def("clear_l2_persistence", &pe::Arena::clear_l2_persistence, py::arg("bucket"),
+      .def("clear_l2_persistence", guard(&pe::Arena::clear_l2_persistence), py::arg("bucket"),
            py::arg("stream"))
       .def(
           "set_l2_window",
-          [](pe::Arena& a, int64_t b, int64_t stream, double hit_ratio, int64_t share_bytes) {
+          guard([](pe::Arena& a, int64_t b, int64_t stream, double hit_ratio, int64_t share_bytes) {
             return l2_to_dict(a.set_l2_window(b, stream, hit_ratio, share_bytes));
-          },
+          }),
           py::arg("bucket"), py::arg("stream"), py::arg("hit_ratio"), py::arg("share_bytes"))
-      .def("clear_l2_window", &pe::Arena::clear_l2_window, py::arg("bucket"), py::arg("stream"));
+      .def("clear_l2_window", guard(&pe::Arena::clear_l2_window), py::arg("bucket"), py::arg("stream"));
 }

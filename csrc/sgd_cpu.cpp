@@ -83,7 +83,7 @@ namespace {
 float* data_or_null(const std::optional<at::Tensor>& t, const at::Tensor& param,
                     const char* name) {
   if (!t.has_value()) return nullptr;
-  TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+  PE_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
                   t->numel() == param.numel(),
               "sgd_step_cpu: ", name, " must be a contiguous float32 CPU tensor of ",
               param.numel(), " elements");
@@ -100,13 +100,13 @@ std::string sgd_step_cpu(const at::Tensor& param, const at::Tensor& grad,
                          bool init_momentum, bool spike, double sc_a, double sc_bd,
                          double predict_coeff, double delta_gamma,
                          std::optional<double> grad_scale) {
-  TORCH_CHECK(param.device().is_cpu() && param.scalar_type() == at::kFloat &&
+  PE_CHECK(param.device().is_cpu() && param.scalar_type() == at::kFloat &&
                   param.is_contiguous(),
               "sgd_step_cpu: param must be a contiguous float32 CPU tensor");
-  TORCH_CHECK(grad.device().is_cpu() && grad.scalar_type() == at::kFloat && grad.is_contiguous() &&
+  PE_CHECK(grad.device().is_cpu() && grad.scalar_type() == at::kFloat && grad.is_contiguous() &&
                   grad.numel() == param.numel(),
               "sgd_step_cpu: grad must be a contiguous float32 CPU tensor shaped like param");
-  TORCH_CHECK(momentum == 0.0 || momentum_buffer.has_value(),
+  PE_CHECK(momentum == 0.0 || momentum_buffer.has_value(),
               "sgd_step_cpu: momentum != 0 needs a momentum_buffer");
   Buffers t{grad.data_ptr<float>(), param.data_ptr<float>(),
             momentum != 0.0 ? data_or_null(momentum_buffer, param, "momentum_buffer") : nullptr,

@@ -5,6 +5,8 @@
 
 #include <optional>
 
+#include "errors.h"
+
 namespace pe {
 
 // One step of engine.optim.functional.sgd_update over contiguous fp32 CPU tensors, in place.

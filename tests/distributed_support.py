@@ -658,7 +658,7 @@ def phase_disagree(rank: int, S: int, key: str) -> dict[str, Any]:
 BAD_STARTS: dict[str, dict[str, Any]] = {
     "chunks": {"chunks": 2},
     "schedule": {"schedule": "gpipe"},
-    "checkpoint": {"checkpoint": "never"},
+    "checkpoint": {"checkpoint": "except_last"},
     "on_nonfinite": {"on_nonfinite": "skip"},
     "deferred_batch_norm": {"deferred_batch_norm": True},
     "spike_compensation": {"optimizer": _sgd(spike_compensation=True)},
@@ -1102,6 +1102,8 @@ def phase_resume_inflight(
     for name in names:
         tree, nan = name.startswith("tree-"), name.startswith("nan-")
         kw = configs(S)[name.removeprefix("tree-").removeprefix("nan-")]
+        if kw.get("schedule") == "pb":  # a pb forward in flight is re-run on load only when
+            kw = {"checkpoint": "except_last", **kw}  # its stage recomputes (not the default)
         data = varlen_batch if tree else nan_batch if nan else batch
         if nan:  # NaN losses in flight at the save: their flags are on the wire and stashed
             kw = dict(kw, on_nonfinite="skip_update")
@@ -1330,42 +1332,133 @@ def phase_interleaved(rank: int, R: int, v: int = 2, steps: int = 2) -> dict[str
     return out
 
 
-def phase_rank_programs(rank: int, R: int, csvs: dict[str, str]) -> dict[str, Any]:
-    """Programs of several round-robin stages per rank under gloo vs the local run: looped BFS
-    by name and the CSVs torch's schedule classes dumped (``csvs``: name -> CSV text); then the
-    V placement, refused with the placement named (tests/test_schedule_gloo_programs.py)."""
-    from engine import Pipeline, PipelineConfigError
-    from engine.schedule import from_csv, zbv
+def _blocks(R: int, M: int, reverse: bool = False) -> Any:
+    """Contiguous blocks (rank r holds stages 2r and 2r+1; ``reverse``: rank R-1-r does, so
+    the inputs enter on the last rank and the loss is computed on rank 0): neither
+    round-robin nor the V, every rank's two stages joined by a same-rank boundary; forwards of
+    both stages, then the backwards in reverse (looped BFS's order on these blocks)."""
+    from engine.schedule import Action, Kind
+    from engine.schedule.ranked import build
 
-    V = 2 * R
-    programs: dict[str, Any] = {"looped_bfs": "looped_bfs"}
+    place = tuple((2 * r, 2 * r + 1) for r in range(R))
+    if reverse:
+        place = place[::-1]
+    units = [
+        [((s, Action.forward(m)),) for s in held for m in range(M)]
+        + [((s, Action(Kind.BACKWARD, (m,))),) for s in reversed(held) for m in range(M)]
+        for held in place
+    ]
+    return build("blocks", place, M, units)
+
+
+def _same_weights(pipe: Any, ref: Any) -> bool:
+    return all(
+        torch.equal(a, b)
+        for st in pipe.stages
+        for a, b in zip(st.module.parameters(), ref.stages[st.index].module.parameters(), strict=True)
+    )
+
+
+def phase_rank_programs(rank: int, R: int, csvs: dict[str, str]) -> dict[str, Any]:
+    """Programs of several stages per rank under gloo vs the local run, bit for bit: looped
+    BFS by name, zbv and dualpipev (the V placement: rank r holds r and 2R-1-r), contiguous
+    blocks (an arbitrary map; reversed: stage 0 on the last rank), and the CSVs torch's schedule classes dumped (``csvs``: name ->
+    CSV text; the ZBV and DualPipeV ones carry the V); M = 2R micro-batches (DualPipeV's
+    minimum). Then, on zbv and dualpipev: the variable-length model with trees, a mask and a
+    weight tied between stages 0 and 2R-1 (both on rank 0), and evaluate()."""
+    from engine import Pipeline
+    from engine.schedule import dualpipev, from_csv, zbv
+
+    V, M = 2 * R, 2 * R
+    programs: dict[str, Any] = {"looped_bfs": "looped_bfs", "zbv": zbv(R, M),
+                                "dualpipev": dualpipev(R, M), "blocks": _blocks(R, M),
+                                "blocks-reversed": _blocks(R, M, reverse=True)}
     programs.update({k: from_csv(text, name=k, drop_fsdp=True) for k, text in csvs.items()})
     out: dict[str, Any] = {}
     for name, program in programs.items():
-        kw = dict(schedule=program, chunks=4, optimizer=_sgd(), loss_fn=nn.functional.mse_loss)
+        kw = dict(schedule=program, chunks=M, optimizer=_sgd(), loss_fn=nn.functional.mse_loss)
         if program == "looped_bfs":
             kw["virtual_stages"] = 2
-        pipe = Pipeline(stage_factories(V), transport="gloo", timeout=30, **kw)
-        ref = Pipeline([f() for f in stage_factories(V)], **kw)
-        same = True
-        for t in range(2):
-            x, y = batch(t)
-            same &= torch.equal(pipe.step(x, y), ref.step(x, y))
-        held = [st.index for st in pipe.stages]
-        out[name] = {
-            "stages": held,
-            "losses_equal": same,
-            "weights_equal": all(
-                torch.equal(a, b)
-                for s in held
-                for a, b in zip(pipe._executor.by_index[s].module.parameters(),
-                                ref.stages[s].module.parameters(), strict=True)
-            ),
-        }
-    try:
-        Pipeline(stage_factories(V), schedule=zbv(R, 4), chunks=4, optimizer=_sgd(),
-                 loss_fn=nn.functional.mse_loss, transport="gloo", timeout=30)
-        out["zbv_refused"] = ""
-    except PipelineConfigError as exc:
-        out["zbv_refused"] = str(exc)
+        try:
+            pipe = Pipeline(stage_factories(V), transport="gloo", timeout=30, **kw)
+            ref = Pipeline([f() for f in stage_factories(V)], **kw)
+            same = True
+            for t in range(2):
+                x, y = batch(t, 2 * M)
+                same &= torch.equal(pipe.step(x, y), ref.step(x, y))
+            out[name] = {
+                "stages": [st.index for st in pipe.stages],
+                "losses_equal": same,
+                "weights_equal": _same_weights(pipe, ref),
+                "updates": [st.updates for st in pipe.stages],
+                "leftovers": len(pipe._executor.inputs)
+                + sum(tp.held() for tp in pipe._executor.transports.values()),
+            }
+            if name in ("zbv", "dualpipev", "blocks", "blocks-reversed"):
+                x_eval = batch(99, 2 * M)[0]
+                out[name]["evaluate_equal"] = torch.equal(pipe.evaluate(x_eval), ref.evaluate(x_eval))
+            if name == "dualpipev":  # a checkpoint of the V's stages resumes the run exactly
+                fresh = Pipeline(stage_factories(V), transport="gloo", timeout=30, **kw)
+                fresh.load_state_dict(pipe.state_dict())
+                x, y = batch(2, 2 * M)
+                out[name]["resumed_equal"] = torch.equal(fresh.step(x, y), ref.step(x, y)) and (
+                    _same_weights(fresh, ref))
+            if name in ("zbv", "blocks"):  # stage 0 refuses an input: the error goes down the
+                before = [p.detach().clone() for st in pipe.stages for p in st.module.parameters()]
+                try:  # stages (through the same-rank boundaries too) and every rank raises it
+                    pipe.step(torch.randn(2 * M, DIM + 1), batch(2, 2 * M)[1])
+                    out[name]["reject"] = "accepted"
+                except Exception as exc:
+                    out[name]["reject"] = f"{type(exc).__name__}: {exc}"
+                after = [p.detach() for st in pipe.stages for p in st.module.parameters()]
+                out[name]["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+                x, y = batch(3, 2 * M)
+                out[name]["then_equal"] = torch.equal(pipe.step(x, y), ref.step(x, y)) and _same_weights(pipe, ref)
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+    for name in ("zbv", "dualpipev"):
+        key = f"{name}-varlen-tied"
+        kw = dict(schedule=programs[name], chunks=M, optimizer=_sgd(),
+                  loss_fn=nn.functional.cross_entropy)
+        try:
+            pipe = Pipeline(varlen_stages(V, True), transport="gloo", timeout=30, **kw)
+            ref = Pipeline(varlen_stages(V, True), **kw)
+            same = True
+            for t in range(3):
+                x, y = varlen_batch(t, 2 * M)
+                same &= torch.equal(pipe.step(x, y), ref.step(x, y))
+            out[key] = {"losses_equal": same, "weights_equal": _same_weights(pipe, ref),
+                        "ties": len(pipe.ties), "stages": [st.index for st in pipe.stages]}
+        except Exception:
+            out[key] = {"error": traceback.format_exc()}
+    return out
+
+
+def phase_v_data_parallel(rank: int, R: int, dp: int) -> dict[str, Any]:
+    """zbv and dualpipev on R ranks x dp replicas (world R*dp) vs one local replica with the
+    dp-times larger batch (the same check as phase_data_parallel: close, not bitwise, since
+    the all-reduce sums in another order)."""
+    from engine import Pipeline
+    from engine.schedule import dualpipev, zbv
+
+    V, M, b = 2 * R, 2 * R, 1
+    out: dict[str, Any] = {}
+    for name, program in (("zbv", zbv(R, M)), ("dualpipev", dualpipev(R, M))):
+        kw = dict(schedule=program, chunks=M, optimizer=_sgd())
+        try:
+            pipe = Pipeline(stage_factories(V), loss_fn=nn.functional.mse_loss, transport="gloo",
+                            data_parallel=dp, timeout=30, **kw)
+            shard = replica_rows(pipe.layout.replica, dp, b)
+            losses = _train(pipe, 3, B=dp * b * M, shard=shard)
+            ref, ref_losses = _local(V, kw, 3, B=dp * b * M)
+            mine = [p.detach() for st in pipe.stages for p in st.module.parameters()]
+            theirs = [p.detach() for st in pipe.stages for p in ref.stages[st.index].module.parameters()]
+            out[name] = {
+                "stages": [st.index for st in pipe.stages],
+                "replica": pipe.layout.replica,
+                "max_diff": max(float((a - t).abs().max()) for a, t in zip(mine, theirs, strict=True)),
+                "loss_diff": max(float((a - t).abs()) for a, t in zip(losses, ref_losses, strict=True)),
+            }
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
     return out

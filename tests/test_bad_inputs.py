@@ -475,7 +475,7 @@ def test_multi_process_starts_that_disagree() -> None:
     named = {
         "chunks": "chunks: rank 0 has 4, rank 1 has 2",
         "schedule": "schedule: rank 0 has '1f1b', rank 1 has 'gpipe'",
-        "checkpoint": "checkpoint: rank 0 has 'except_last', rank 1 has 'never'",
+        "checkpoint": "checkpoint: rank 0 has 'never', rank 1 has 'except_last'",
         "on_nonfinite": "on_nonfinite: rank 0 has 'raise', rank 1 has 'skip'",
         "deferred_batch_norm": "deferred_batch_norm: rank 0 has False, rank 1 has True",
         "spike_compensation": "optimizer mitigations",

@@ -45,5 +45,6 @@ def test_small_run_writes_the_ratio_csv(tmp_path: Path) -> None:
         rows = list(csv.DictReader(handle))
     assert list(rows[0]) == harness.RATIO_COLUMNS
     assert {r["case"] for r in rows} == {f"{o} {p}" for o in bench.OPTIMIZERS
-                                         for p in ("flat", "tensors")}
+                                         for p in ("flat", "tensors")} | {
+        f"{o} flat vs torch fused" for o in bench.VS_TORCH}
     assert all(float(r["median_ratio"]) > 0 for r in rows)

@@ -287,8 +287,6 @@ BAD_CONSTRUCTORS = [
     (lambda: eo.AdamW(P(), fused=True, foreach=True), RuntimeError, r"`fused` and `foreach` cannot be `True` together"),
     (lambda: eo.Adam(P(), betas=(0.9, torch.tensor(0.99))), ValueError, r"betas must be either both floats or both Tensors"),
     (lambda: eo.Adam(P(), betas=(torch.tensor([0.9, 0.8]), torch.tensor(0.99))), ValueError, r"Tensor betas\[0\] must be 1-element"),
-    (lambda: eo.SGD([nn.Parameter(torch.ones(3, device="meta"))], fused=True), ValueError,
-     r"params\[0\] is on the meta device.*to_empty"),
     (lambda: eo.SGD([nn.Parameter(torch.ones(3, dtype=torch.int32), requires_grad=False)]), TypeError,
      r"params\[0\] is torch\.int32; params must be float32, float64"),
     (lambda: eo.SGD(P(), momentum=0.9, dampening=0.1, nesterov=True), ValueError, r"nesterov=True needs momentum > 0 and dampening=0"),

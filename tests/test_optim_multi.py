@@ -37,7 +37,7 @@ def _tensors(n: int, dtype: torch.dtype, gen: torch.Generator, roles: dict[str, 
             continue
         dt = dtype if kind == "param" else torch.float32
         base = torch.rand if role in ("v", "vmax") else torch.randn
-        t = (base(n + offset, generator=gen) * (1e-3 if role == "delta" else 1)).to(DEVICE, dt)
+        t = (base(n + offset, generator=gen, device="cpu") * (1e-3 if role == "delta" else 1)).to(DEVICE, dt)
         out[role] = t[offset:]
     return out
 
@@ -216,7 +216,7 @@ def _train(m: nn.Module, opt, steps: int, set_to_none: bool = True) -> None:
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         opt.zero_grad(set_to_none=set_to_none)
-        x = torch.randn(6, 7, generator=gen).to(DEVICE)
+        x = torch.randn(6, 7, generator=gen, device="cpu").to(DEVICE)
         h = m[1](m[0](x)).to(torch.bfloat16)
         m[4](m[3](m[2](h)).float()).sin().sum().backward()
         opt.step()
@@ -325,7 +325,7 @@ def test_several_flat_buckets_of_one_group_take_one_launch(monkeypatch: pytest.M
         gen.manual_seed(2)
         for _ in range(3):
             opt.zero_grad(set_to_none=False)
-            x = torch.randn(5, 7, generator=gen).to(DEVICE)
+            x = torch.randn(5, 7, generator=gen, device="cpu").to(DEVICE)
             m[4](m[0](x)[:, :3]).sin().sum().backward()
             opt.step()
     assert calls == ["SegmentTable"] * 3  # both buckets in one launch per step

@@ -1,6 +1,6 @@
 """PipeMareLR (PipeMare T1): the multiplier tau_s ** -(1 - min(k/K, 1)) per group, exactly,
-alone and chained with StepLR / OneCycleLR (which own group["lr"]), and the rate the
-optimizer's update actually uses."""
+alone and chained with StepLR / OneCycleLR, and the rate the optimizer's update actually
+uses, which is what group["lr"] and get_last_lr() show (as torch's schedulers)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_values_match_formula() -> None:
         expected = [formula(0.1, tau, k, K) for tau in (6, 2, 0)]
         assert opt.effective_lrs() == expected  # exact: same float expression
         assert sched.get_last_lr() == expected
-        assert [g["lr"] for g in opt.param_groups] == [0.1] * 3  # base schedule untouched
+        assert [g["lr"] for g in opt.param_groups] == expected  # the applied rate, as torch's
         opt.step()
         sched.step()
     assert opt.effective_lrs() == [0.1, 0.1, 0.1]  # after warm-up the multiplier is 1
@@ -57,7 +57,10 @@ def test_chained_with_step_lr(pipemare_first: bool) -> None:
     ref_step = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)  # lr_k alone
     for k in range(8):
         lr_k = ref_opt.param_groups[0]["lr"]
-        assert opt.effective_lrs() == [formula(lr_k, tau, k, K) for tau in (6, 2, 0)]
+        expected = [formula(lr_k, tau, k, K) for tau in (6, 2, 0)]
+        # both chainable: the products agree up to the order of the roundings
+        assert opt.effective_lrs() == pytest.approx(expected, rel=1e-14)
+        assert [g["lr"] for g in opt.param_groups] == opt.effective_lrs()
         opt.step()
         ref_opt.step()
         for s in ((pm, step_lr) if k % 2 else (step_lr, pm)):  # order must not matter
@@ -71,13 +74,14 @@ def test_chained_with_one_cycle() -> None:
     _, ref_opt = three_groups(lr=0.1, momentum=0.9)
     total, K = 12, 6
     one = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=total)
-    pm = eo.PipeMareLR(opt, warmup_steps=K)
+    pm = eo.PipeMareLR(opt, warmup_steps=K, absolute_base=True)  # OneCycleLR writes lr_k whole
     ref_one = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=0.5, total_steps=total)
     seen = set()
     for k in range(total - 1):
         lr_k = ref_opt.param_groups[0]["lr"]
         seen.add(lr_k)
         assert opt.effective_lrs() == [formula(lr_k, tau, k, K) for tau in (6, 2, 0)]
+        assert pm.get_last_lr() == [g["lr"] for g in opt.param_groups] == opt.effective_lrs()
         opt.step()
         ref_opt.step()
         one.step()
@@ -116,12 +120,40 @@ def test_delay_read_at_each_step_and_state_dict() -> None:
 
 def test_rejects_bad_arguments() -> None:
     p = nn.Parameter(torch.randn(2))
-    with pytest.raises(TypeError, match="needs an engine.optim optimizer.*lr_scale"):
+    with pytest.raises(TypeError, match="needs an engine.optim optimizer.*'delay'"):
         eo.PipeMareLR(torch.optim.SGD([p], lr=0.1), warmup_steps=3)
     opt = eo.SGD([p], lr=0.1)
     with pytest.raises(ValueError, match="warmup_steps=-1 is invalid"):
         eo.PipeMareLR(opt, warmup_steps=-1)
-    assert "lr_scale" not in opt.param_groups[0]
+    assert "pipemare_scale" not in opt.param_groups[0] and opt.param_groups[0]["lr"] == 0.1
+
+
+def test_an_old_checkpoint_with_lr_scale_is_not_scaled_twice() -> None:
+    """Before issue 22 the multiplier was group["lr_scale"], applied inside the step, and
+    group["lr"] the base rate: such a state_dict resumes with the multiplier applied once."""
+    _, opt = three_groups(lr=0.1)
+    sd = opt.state_dict()
+    for g in sd["param_groups"]:
+        g["lr_scale"] = float(max(g["delay"], 1)) ** -0.5
+    _, fresh = three_groups(lr=0.1)
+    fresh.load_state_dict(sd)
+    assert fresh.effective_lrs() == [formula(0.1, t, 2, 4) for t in (6, 2, 0)]  # as before
+    sched = eo.PipeMareLR(fresh, warmup_steps=4, last_epoch=-1)
+    assert fresh.effective_lrs() == [formula(0.1, t, 0, 4) for t in (6, 2, 0)]
+    assert all("lr_scale" not in g for g in fresh.param_groups)
+    sched.step()
+    assert [g["lr"] for g in fresh.param_groups] == [formula(0.1, t, 1, 4) for t in (6, 2, 0)]
+
+
+def test_a_tensor_lr_is_rescaled_in_place() -> None:
+    p = nn.Parameter(torch.randn(3))
+    lr = torch.tensor(0.1)
+    opt = eo.SGD([p], lr=lr, delay=4)
+    sched = eo.PipeMareLR(opt, warmup_steps=2)
+    assert opt.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(formula(0.1, 4, 0, 2))
+    sched.step()
+    sched.step()
+    assert float(lr) == pytest.approx(0.1) and sched.get_last_lr()[0] is lr
 
 
 def test_predictions_after_load_use_the_lr_of_the_last_step() -> None:

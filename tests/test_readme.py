@@ -37,7 +37,8 @@ def test_readme_starts_with_the_two_commands() -> None:
 
 
 def test_training_snippet_runs(tmp_path, monkeypatch) -> None:
-    (snippet,) = [b for b in _blocks("python") if "engine.Pipeline(" in b and "Embedding" not in b]
+    (snippet,) = [b for b in _blocks("python") if "engine.Pipeline(" in b and "Embedding" not in b
+                  and "split_causal_lm" not in b]
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
     scope = {"x": torch.randn(16, 64), "y": torch.randint(0, 10, (16,))}

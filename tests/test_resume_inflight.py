@@ -33,10 +33,14 @@ CASES: dict[str, dict] = {
         opt=dict(prediction="linear"),
     ),
     "pb-t2": dict(schedule="pb", chunks=3, checkpoint="always", opt=dict(discrepancy_correction=True)),
-    # the default recomputation (every stage but the last; the last has nothing in flight)
-    "pb-default": dict(schedule="pb", chunks=3),
-    "pb-lwp-default": dict(schedule="pb", chunks=3, opt=dict(prediction="linear")),
-    "pb-t2-default": dict(schedule="pb", chunks=3, opt=dict(discrepancy_correction=True)),
+    # recomputation on every stage but the last (the last has nothing in flight)
+    "pb-except-last": dict(schedule="pb", chunks=3, checkpoint="except_last"),
+    "pb-lwp-except-last": dict(
+        schedule="pb", chunks=3, checkpoint="except_last", opt=dict(prediction="linear")
+    ),
+    "pb-t2-except-last": dict(
+        schedule="pb", chunks=3, checkpoint="except_last", opt=dict(discrepancy_correction=True)
+    ),
     "pb-sc-t1": dict(
         schedule="pb", chunks=2, checkpoint="always", opt=dict(spike_compensation=True), t1=True
     ),

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from kernel_support import DEVICE, needs_kernels
+from stream_twin import StreamTwin, twin_factory
 from test_runtime_errors import _same, _snapshot
 from torch import nn
 
@@ -293,15 +294,46 @@ class _FailOnMarked(nn.Module):
         return _FailInBackward.apply(y) if bool((x[:, 0] == 123.0).any()) else y
 
 
-def test_failed_backward_discards_the_flags_with_the_gradients() -> None:
+def _record_flag_ops(pipe: Pipeline, twin: StreamTwin) -> None:
+    """Log each stage's flag adds/clears and gradient zeroing with the stream they ran on."""
+    for st in pipe.stages:
+        skip, store = st.bridge.skip, st.store
+
+        def add(flag, k=st.index, orig=skip.add):
+            twin.note(f"add{k}")
+            orig(flag)
+
+        def clear(k=st.index, orig=skip.clear):
+            twin.note(f"clear{k}")
+            orig()
+
+        def zero_grads(*a, k=st.index, orig=store.zero_grads, **kw):
+            twin.note(f"zero{k}")
+            return orig(*a, **kw)
+
+        skip.add, skip.clear, store.zero_grads = add, clear, zero_grads
+
+
+@pytest.mark.parametrize("streams", ["plain", "cuda_twin"])
+def test_failed_backward_discards_the_flags_with_the_gradients(streams: str, monkeypatch) -> None:
     """2BW: micro-batch 4 is flagged, then stage 0's backward of micro-batch 5 fails inside
     the autograd call it shares with stages 1 and 2 (micro-batches 6, 7): each of them
     discards its pending gradients -- micro-batch 4's NaN ones included -- and with them the
-    flags, so no stale flag skips a later update; the run goes on clean."""
+    flags, so no stale flag skips a later update; the run goes on clean.
+
+    "cuda_twin" runs the executor's CUDA-stream paths on the CPU (tests/stream_twin.py):
+    there a batch of backwards runs one stage at a time, and on the H100 its failure dropped
+    nothing (found_inf stayed 1, issue 22). Every add and clear of a stage's flag, and every
+    zeroing of its gradients, must run on that stage's stream."""
+    box: list[StreamTwin] = []
+    if streams == "cuda_twin":
+        monkeypatch.setattr(Pipeline, "_make_streams", twin_factory(box))
     stages = [m.to(DEVICE) for m in _stages()]
     stages[0] = _FailOnMarked(stages[0])
     pipe = Pipeline(stages, schedule="2bw", chunks=4, loss_fn=mse, optimizer=sgd,
                     on_nonfinite="skip_update", checkpoint="never")
+    if box:
+        _record_flag_ops(pipe, box[0])
     data = _batches({1: [0]})
     data[1][0][2, 0] = 123.0  # micro-batch 1 of step 1: global 5
     pipe.step(*data[0])
@@ -310,6 +342,10 @@ def test_failed_backward_discards_the_flags_with_the_gradients() -> None:
     for st in pipe.stages:
         assert 4 in st.pending_mbs and not st.bridge.skip.found_inf.any()
         assert all(not g.any() for g in st.store.grad_flats())
+    if box:
+        log = box[0].log
+        assert {what for what, _ in log} >= {"clear0", "clear1", "clear2", "zero0", "zero2"}
+        assert all(on == int(what[-1]) for what, on in log), log
     before = _snapshot(pipe)
     for x, y in data[2:]:
         pipe.step(x, y)
@@ -321,6 +357,56 @@ def test_failed_backward_discards_the_flags_with_the_gradients() -> None:
     after = _snapshot(pipe)
     n = sum(1 for _ in pipe.stages[0].module.parameters())
     assert all(not torch.equal(a, b) for a, b in zip(before[:n], after[:n], strict=True))
+
+
+def _fused(family: str):
+    def make(p):
+        if family == "sgd":
+            return engine.optim.SGD(p, lr=0.05, momentum=0.9, fused=True)
+        if family == "nadam":
+            return engine.optim.NAdam(p, lr=0.01, fused=True)
+        cls = engine.optim.AdamW if family == "adamw" else engine.optim.Adam
+        return cls(p, lr=0.01, fused=True)
+    return make
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["sgd", "adam", "adamw", "nadam"])
+def test_captured_skip_update_steps_never_sync_the_host(family: str) -> None:
+    """The step a CUDA graph captures under skip_update (found_inf given) runs no op that
+    waits for the device: tests/capture_twin.py stands in for the capture and refuses host
+    syncs and copies between devices. On the H100, Adam's step count advanced through an
+    .item() of found_inf and the capture broke at capture_end (issue 22). Bitwise the same
+    run without graphs."""
+    from capture_twin import SyncFreeCapture
+
+    from engine.runtime.graphs import StepGraphs
+
+    a = _pipe("pb", "skip_update", _fused(family), S=2)
+    b = _pipe("pb", "skip_update", _fused(family), S=2)
+    twins = []
+    for st in a.stages:
+        twins.append(SyncFreeCapture())
+        st.bridge.graphs = StepGraphs(st.index, st.bridge.opt, twins[-1])
+    _run([a, b], _batches({1: [2]}, n=3))
+    assert all(t.captured for t in twins), "no step was captured"
+    assert _same(_snapshot(a), _snapshot(b))
+    assert _counters(a)[1] == [1, 1]
+
+
+def test_the_capture_twin_refuses_a_host_sync() -> None:
+    """The check can fail: the op Adam's step count used to take, and a bool() of a tensor."""
+    from capture_twin import HostSyncError, NoHostSync
+
+    steps = [torch.zeros(())]
+    flag = torch.zeros(())
+    with pytest.raises(HostSyncError, match="_local_scalar_dense"), NoHostSync():
+        torch._foreach_add_(steps, (flag == 0).to(torch.float32))
+    with pytest.raises(HostSyncError, match="is_nonzero|_local_scalar_dense"), NoHostSync():
+        bool(flag)
+    with NoHostSync() as mode:
+        torch._foreach_add_(steps, [(flag == 0).to(torch.float32)])
+    assert "aten._foreach_add_.List" in mode.ops
 
 
 @needs_kernels

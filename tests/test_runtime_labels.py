@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import engine.runtime.stage as stage_mod
+import engine.runtime.stage_update as stage_update_mod
 from engine import Pipeline
 
 
@@ -34,6 +35,7 @@ def test_no_record_function_without_a_profiler(monkeypatch: Any) -> None:
         return real(name)
 
     monkeypatch.setattr(stage_mod, "record_function", counting)
+    monkeypatch.setattr(stage_update_mod, "record_function", counting)  # (the U labels)
     pipe = _pipe()
     pipe.step(torch.randn(4, 4), torch.randn(4, 2))
     assert calls == []

@@ -32,9 +32,14 @@ GPU_WARPS = 4
 INTERPRET_BLOCK = 1 << 16
 
 
+#: read once, at import, as Triton itself decides at import whether ``@triton.jit`` kernels
+#: are interpreted: reading os.environ at each launch was a tenth of a small step's host time
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def interpreting() -> bool:
-    """True when Triton runs kernels through its CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET at import)."""
+    return _INTERPRETING
 
 
 def default_block(*tensors: Tensor | None) -> int:
@@ -57,13 +62,15 @@ def check_launchable(tensors: dict[str, Tensor | None]) -> None:
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous for the fused kernel (strides "
                              f"{tuple(t.stride())}); call .contiguous() or use the reference path")
-        if t.device.type == "cpu" and not interpreting():
+        if not _INTERPRETING and t.device.type == "cpu":
             raise RuntimeError(f"{name} is a CPU tensor but TRITON_INTERPRET is not set: the "
                                "fused kernels run on CUDA tensors, or on CPU under the interpreter")
 
 
 def grid_for(n: int, block: int) -> tuple[int]:
-    return (max(1, triton.cdiv(n, block)),)
+    # integer ceil-division, not triton.cdiv: called from the host that is a constexpr
+    # function call, a few microseconds per launch
+    return (max(1, -(-n // block)),)
 
 
 def placeholder(t: Tensor | None, fallback: Tensor) -> Tensor:

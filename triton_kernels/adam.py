@@ -29,6 +29,7 @@ The step counter and AMP (why it is done this way):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -241,7 +242,12 @@ def _advance_steps(steps: list[Tensor], found_inf: Tensor | None) -> None:
     if found_inf is None:
         torch._foreach_add_(steps, 1)
     elif found_inf.device == steps[0].device:
-        torch._foreach_add_(steps, (found_inf.reshape(()) == 0).to(steps[0].dtype))
+        # a list of tensors, never one 0-dim tensor: Python's overload resolution turns a lone
+        # 0-dim tensor into a Scalar (an .item(), a host sync that invalidated CUDA graph
+        # captures of skip_update steps on the H100, issue 22); the list overload reads it on
+        # the device
+        inc = (found_inf.reshape(()) == 0).to(steps[0].dtype)
+        torch._foreach_add_(steps, [inc] * len(steps))
     elif found_inf.item() == 0:
         torch._foreach_add_(steps, 1)
 
@@ -330,6 +336,7 @@ def launch_adam(
         n, *scalars, BLOCK=block, **flags)
 
 
+@functools.lru_cache(maxsize=256)  # a pure function of numbers: steady steps reuse it
 def _adam_args(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                decoupled: bool, amsgrad: bool, maximize: bool, sc_delay: int,
                host: tuple[float, float, float], predict_horizon: float, delta_gamma: float,

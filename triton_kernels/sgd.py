@@ -21,6 +21,8 @@ never synchronizes with the host.
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -72,10 +74,15 @@ def sgd_body(
             v = tl.load(buf_ptr + offs, mask=mask)
             v = v * momentum + keep * g
         tl.store(buf_ptr + offs, v, mask=mask)
+        # One explicit fused multiply-add each, not left to the compiler: on a GPU it
+        # contracts a*b + c*d into fma(c, d, a*b) or fma(a, b, c*d) as it likes, and did so
+        # differently for the two lines (SC with delay 1 was 1 ulp off Nesterov on the H100,
+        # issue 22). Written the same way, SC_1 (sc_a = m, sc_b = 1: g * 1 is exact) is
+        # Nesterov bit for bit on every device; the interpreter rounds fma as a*b, then + c.
         if SC:
-            upd = g * sc_b + sc_a * v
+            upd = tl.fma(sc_a, v, g * sc_b)
         elif NESTEROV:
-            upd = g + momentum * v
+            upd = tl.fma(momentum, v, g)
         else:
             upd = v
         direction = v
@@ -163,6 +170,7 @@ def sgd_multi_kernel(
              SCALE)
 
 
+@functools.lru_cache(maxsize=256)  # a pure function of numbers: steady steps reuse it
 def _sgd_args(*, lr: float, momentum: float, dampening: float, weight_decay: float,
               nesterov: bool, maximize: bool, init_momentum: bool, sc_delay: int,
               predict: bool, predict_coeff: float, delta: bool, delta_gamma: float,

@@ -20,8 +20,11 @@ linear`` gives the literal rule), so every method has the same momentum time con
 same total step per sample. Nothing is tuned per method. The default run takes about four
 minutes on two shared CPU cores.
 
-Outputs in ``--out``: ``summary.csv``, ``report.md``, ``curves_S{S}.png`` (test accuracy and
-training loss per method), ``timeline_{schedule}.png`` (schedule pictures from
+Outputs in ``--out``: ``summary.csv``, ``report.md`` (engine/cli/report.py: the table and what
+every number means), ``final_S{S}.png`` (which method is best: final test accuracy and
+last-epoch training loss per method, with their spread over ``--seeds`` or, for one seed, over
+the last epoch), ``curves_S{S}.png`` (test accuracy and training loss along the run, small
+multiples per method family), ``timeline_{schedule}.png`` (schedule pictures from
 ``engine.schedule.render_timeline``), ``depth.png`` when several depths are given, and one
 ``metrics.csv`` per run under ``runs/``.
 """
@@ -31,8 +34,6 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import os
-import platform
 import shlex
 import sys
 import time
@@ -44,7 +45,8 @@ from typing import Any
 from engine.cli import CLIError
 from engine.cli.config import TrainConfig
 from engine.cli.loop import TrainResult, train
-from engine.cli.plots import plot_curves, plot_depth, render_timelines
+from engine.cli.plots import plot_curves, plot_depth, plot_final, render_timelines
+from engine.cli.report import write_report
 from engine.cli.train import add_hparam_arguments, add_model_arguments
 from engine.schedule.catalog import SCHEDULES, family
 
@@ -146,6 +148,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="out/compare",
         help="folder for the table, plots and report (default out/compare)",
     )
+    p.add_argument(
+        "--seeds",
+        default=None,
+        help="comma list of seeds, e.g. 0,1,2: every method runs once per seed, and "
+        "final_S{S}.png shows the seeds' spread (default: --seed alone)",
+    )
     p.set_defaults(evals_per_epoch=8, epochs=2)
 
 
@@ -175,6 +183,18 @@ def _parse_methods(text: str) -> list[Method]:
             if opt else m
         )
     return out
+
+
+def _parse_seeds(text: str | None, seed: int) -> list[int]:
+    if text is None:
+        return [seed]
+    try:
+        out = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise CLIError(f"--seeds {text!r}: give a comma list of integers, e.g. 0,1,2") from None
+    if not out:
+        raise CLIError(f"--seeds {text!r}: give at least one seed")
+    return list(dict.fromkeys(out))
 
 
 def _parse_stages(text: str) -> list[int]:
@@ -228,8 +248,10 @@ def summarize(name: str, res: TrainResult, target: float) -> dict[str, Any]:
     hit = next((r for r in rows if r["test_acc"] >= target), None)
     buffers = st.get("weight_buffers") or [1] * len(res.stage_param_bytes)
     act_peak = st.get("activation_peak") or [0] * len(res.stage_activation_bytes)
+    last = [r for r in rows if r["epoch"] == rows[-1]["epoch"]] if rows else []
     return {
         "method": name,
+        "seed": res.config.seed,
         "S": res.config.stages,
         "schedule": res.config.schedule,
         "B": res.config.samples_per_update(),
@@ -252,6 +274,11 @@ def summarize(name: str, res: TrainResult, target: float) -> dict[str, Any]:
         "delays": "/".join(str(d) for d in _modal_delays(st)),
         "bubble": st.get("bubble_fraction", float("nan")),
         "diverged": res.diverged or "",
+        # how much the two headline numbers move within the last epoch (plot_final's bars)
+        "final_acc_min": min((r["test_acc"] for r in last), default=float("nan")),
+        "final_acc_max": max((r["test_acc"] for r in last), default=float("nan")),
+        "last_epoch_loss_min": min((r["train_loss"] for r in last), default=float("nan")),
+        "last_epoch_loss_max": max((r["train_loss"] for r in last), default=float("nan")),
     }
 
 
@@ -277,6 +304,8 @@ COLUMNS = (
 
 def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
     v = row[key]
+    if key == "method" and row.get("seeds", 1) > 1:
+        return f"{v} (seed {row['seed']})"
     if v is None:
         return "never"
     if isinstance(v, float) and math.isnan(v):
@@ -302,83 +331,6 @@ def text_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------------ report
-
-
-def machine_line() -> str:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (
-        f"{cpu}, {os.cpu_count()} cores visible, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), {dev}, Python {platform.python_version()}"
-    )
-
-
-def write_report(
-    path: Path,
-    rows: list[dict[str, Any]],
-    base: TrainConfig,
-    methods: list[Method],
-    depths: list[int],
-    images: list[Path],
-    command: str,
-    wall: float,
-    target: float,
-) -> None:
-    lines = [
-        "# Pipeline methods compared",
-        "",
-        f"Command: `{command}`",
-        "",
-        f"Wall time: {wall:.0f} s. Machine: {machine_line()}.",
-        "",
-        f"Data: {base.data_name}. Model: "
-        + ("GPT-style decoder" if base.task == "lm" else "residual MLP")
-        + f", {base.layers} layers, width {base.width}, "
-        f"split evenly into S = {', '.join(map(str, depths))} stages; {base.batch_size} sample(s) per micro-batch; "
-        f"{base.epochs} epochs; seed {base.seed}; activation recomputation `{base.checkpoint}`.",
-        "",
-        f"Hyper-parameters: {base.optimizer.upper()} with reference lr_ref = {base.lr}, m_ref = {base.momentum} "
-        + (
-            f"at B_ref = {base.ref_batch} samples per update, scaled per method to its B: m = m_ref ^ (B / B_ref), "
-            + (
-                "lr = lr_ref * (B / B_ref) * (1 - m) / (1 - m_ref) (`--scaling per-sample`: each sample's total "
-                "step fixed with PyTorch's undampened momentum)."
-                if base.scaling == "per-sample"
-                else "lr = lr_ref * B / B_ref (`--scaling linear`)."
-            )
-            if base.ref_batch
-            else "used as given (no scaling)."
-        ),
-        "",
-        "Methods: " + "; ".join(f"`{m.name}`: {m.what}" for m in methods) + ".",
-        "",
-        f"Columns: test accuracy at the end, averaged over the last epoch's evaluation points, and best; "
-        "training loss averaged over the last epoch (over many more samples than the test set, so the "
-        f"least noisy column); updates and samples until the test accuracy first reached {target} "
-        "(measured at the evaluation points); training throughput; peak weight memory (weight buffers the "
-        "engine held per stage x that stage's parameter bytes, summed); peak activation memory (micro-batches "
-        "stashed per stage x measured bytes per micro-batch, summed); the delay most micro-batches saw per "
-        "stage (measured by the engine); bubble fraction (engine clock, unit costs F = 1, B = 2).",
-        "",
-        markdown_table(rows),
-        "",
-    ]
-    for img in images:
-        lines += [f"![{img.stem}]({img.name})", ""]
-    path.write_text("\n".join(lines))
-
-
 def write_summary(path: Path, rows: list[dict[str, Any]]) -> None:
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -396,6 +348,7 @@ def run(args: argparse.Namespace) -> int:
 
     t_start = time.perf_counter()
     methods = _parse_methods(args.methods)
+    seeds = _parse_seeds(args.seeds, args.seed)
     depths = _parse_stages(args.stages or str(TASK_DEFAULTS[args.task]["stages"]))
     if args.chunks is not None and args.chunks < 1:
         raise CLIError(f"--chunks {args.chunks} must be >= 1")
@@ -408,7 +361,8 @@ def run(args: argparse.Namespace) -> int:
         argparse.Namespace(**{**vars(args), "stages": depths[0], "schedule": "pb"})
     )
     configs = [
-        (m, S, method_config(base, m, S, args.chunks, args.update_size))
+        (m, S, replace(method_config(base, m, S, args.chunks, args.update_size), seed=seed))
+        for seed in seeds
         for S in depths
         for m in methods
     ]
@@ -430,28 +384,36 @@ def run(args: argparse.Namespace) -> int:
         disable=not (args.progress and sys.stderr.isatty()), file=sys.stderr,
     )
     for i, (m, S, cfg) in enumerate(configs):
-        cfg = replace(cfg, out=str(out / "runs" / f"S{S}-{m.name}"))
+        tag = f"S{S}-{m.name}" + (f"-seed{cfg.seed}" if len(seeds) > 1 else "")
+        cfg = replace(cfg, out=str(out / "runs" / tag))
         res = train(cfg, save=True, desc=f"S={S} {m.name}", position=1)
         row = summarize(m.name, res, args.target)
+        row["seeds"] = len(seeds)
         rows.append(row)
-        by_depth.setdefault(S, []).append((m.name, res))
+        if cfg.seed == seeds[0]:  # the curves show the first seed's runs
+            by_depth.setdefault(S, []).append((m.name, res))
         overall.update(1)
         msg = (
-            f"[{i + 1}/{len(configs)}] S={S} {m.name:12s} acc {row['final_acc']:.4f} "
+            f"[{i + 1}/{len(configs)}] S={S} {m.name:12s}"
+            + (f" seed {cfg.seed}" if len(seeds) > 1 else "")
+            + f" acc {row['final_acc']:.4f} "
             f"({row['samples_per_s']:.0f} samples/s)"
             + (f" DIVERGED: {res.diverged}" if res.diverged else "")
         )
         if args.progress:
             overall.write(msg, file=sys.stderr)
     overall.close()
+    order = {m.name: k for k, m in enumerate(methods)}
+    rows.sort(key=lambda r: (r["S"], order[r["method"]], r["seed"]))  # a method's seeds together
     images: list[Path] = []
+    spread = ""
     for S, results in by_depth.items():
+        setting = f"{base.data_name}: S={S} stages, {base.layers} layers, {base.batch_size} sample/micro-batch"
+        p = out / f"final_S{S}.png"
+        spread = plot_final([r for r in rows if r["S"] == S], p, setting)
+        images.append(p)
         p = out / f"curves_S{S}.png"
-        plot_curves(
-            results,
-            p,
-            f"{base.data_name}: S={S} stages, {base.layers} layers, {base.batch_size} sample/micro-batch",
-        )
+        plot_curves(results, p, setting + (f", seed {seeds[0]}" if len(seeds) > 1 else ""))
         images.append(p)
     if len(depths) > 1:
         p = out / "depth.png"
@@ -465,7 +427,8 @@ def run(args: argparse.Namespace) -> int:
     )
     write_summary(out / "summary.csv", rows)
     write_report(
-        out / "report.md", rows, base, methods, depths, images, command.strip(), wall, args.target
+        out / "report.md", markdown_table(rows), base, [(m.name, m.what) for m in methods],
+        depths, images, command.strip(), wall, args.target, seeds, spread,
     )
     print(text_table(rows))
     print(

@@ -35,6 +35,7 @@ from engine.cli import CLIError
 from engine.mitigations import WEIGHT_PREDICTIONS
 from engine.schedule.catalog import FAMILIES, SYNCHRONOUS, Family, family
 from engine.schedule.catalog import SCHEDULES as _CATALOG
+from engine.runtime.config import DEFAULT_CHECKPOINT
 
 __all__ = [
     "SCHEDULES",
@@ -89,7 +90,7 @@ class TrainConfig:
     correction_decay: float = 0.1
     stage_beta1: float | None = None
     delay_compensation: float = 0.0
-    checkpoint: str = "never"
+    checkpoint: str = DEFAULT_CHECKPOINT  # activation recomputation (--recompute), the API's default
     epochs: int = 3
     evals_per_epoch: int = 4
     checkpoint_every: int | None = None

@@ -59,6 +59,7 @@ class TrainResult:
     stage_activation_bytes: list[int] = field(default_factory=list)
     lr: float = float("nan")
     momentum: float = float("nan")
+    steps_run: int = 0  # steps this call trained (0: a --resume of a finished run)
 
 
 class _AccuracyLoss:
@@ -293,6 +294,7 @@ def train(
     samples = 0
     train_seconds = 0.0
     loss_sum, loss_n, seg_samples = 0.0, 0, 0
+    seg_before = 0.0  # seconds of the metric row in progress spent before a mid-epoch resume
     if cfg.resume:
         state = read_state(out, cfg)
         start_epoch = int(state["epoch"])
@@ -310,6 +312,7 @@ def train(
         # the loop's own position: running sums of the metric row in progress, and the RNG
         loss_sum, loss_n = float(state.get("loss_sum", 0.0)), int(state.get("loss_n", 0))
         seg_samples = int(state.get("seg_samples", 0))
+        seg_before = float(state.get("seg_seconds", 0.0))
         loss_fn.correct, loss_fn.seen = int(state.get("acc_correct", 0)), int(state.get("acc_seen", 0))
         if "rng" in state:
             torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["rng"])), dtype=torch.uint8))
@@ -328,6 +331,8 @@ def train(
             raise CLIFailure(f"cannot create --out {out}: {exc.strerror or exc}") from None
 
     per_step = cfg.chunks * cfg.batch_size
+    # token ids per sample (the LM's sequence length): the progress line's tokens/s
+    tokens_per_sample = int(data.train_x[0].numel()) if cfg.task == "lm" else None
     evals = min(cfg.evals_per_epoch, steps_per_epoch)
     log_steps = {round((i + 1) * steps_per_epoch / evals) - 1 for i in range(evals)}
     n_train = len(data.train_y)
@@ -359,6 +364,8 @@ def train(
             "loss_sum": loss_sum,
             "loss_n": loss_n,
             "seg_samples": seg_samples,
+            # the row in progress's time so far: its samples/s on resume spans both halves
+            "seg_seconds": seg_before + time.perf_counter() - t0 if step_in_epoch else 0.0,
             "acc_correct": loss_fn.correct,
             "acc_seen": loss_fn.seen,
             "rng": rng,
@@ -386,6 +393,7 @@ def train(
                 if not math.isfinite(lv):
                     result.diverged = f"epoch {epoch + 1} step {step + 1}: loss {lv}"
                     raise FloatingPointError(result.diverged)
+                result.steps_run += 1
                 loss_sum += lv * per_step
                 loss_n += per_step
                 samples += per_step
@@ -395,7 +403,8 @@ def train(
                 if step in log_steps:
                     if last:
                         pipe.flush()
-                    seg_t = time.perf_counter() - t0
+                    seg_t = time.perf_counter() - t0 + seg_before
+                    seg_before = 0.0
                     train_seconds += seg_t
                     test_loss, test_acc = evaluate(modules, data.test_x, data.test_y)
                     st = pipe.stats()
@@ -413,11 +422,13 @@ def train(
                     }
                     result.rows.append(row)
                     loss_sum, loss_n, seg_samples = 0.0, 0, 0
+                    speed = _speed(st, row["samples_per_s"], tokens_per_sample)
                     bar.set_postfix(
                         loss=f"{row['train_loss']:.3f}",
                         acc=f"{row['train_acc']:.3f}",
                         test=f"{test_acc:.3f}",
                         sps=f"{row['samples_per_s']:.0f}",
+                        **speed,
                     )
                     t0 = time.perf_counter()
                 every = cfg.checkpoint_every
@@ -430,10 +441,13 @@ def train(
                         commit(epoch, step + 1)
             if epoch_lines and result.rows:
                 r = result.rows[-1]
+                speed = _speed(pipe.stats(), r["samples_per_s"], tokens_per_sample)
                 print(
                     f"{desc or cfg.label()}: epoch {epoch + 1}/{cfg.epochs} train loss "
                     f"{r['train_loss']:.4f} acc {r['train_acc']:.4f} test acc {r['test_acc']:.4f} "
-                    f"({r['samples_per_s']:.0f} samples/s)",
+                    f"({r['samples_per_s']:.0f} samples/s"
+                    + (f", {speed['tps']} tokens/s" if "tps" in speed else "")
+                    + f", step {speed['step']}, bubble {speed['bubble']} measured/modelled)",
                     file=sys.stderr, flush=True,
                 )
             if save:
@@ -449,9 +463,23 @@ def train(
     result.train_seconds = train_seconds
     result.samples_per_s = samples / train_seconds if train_seconds > 0 else float("nan")
     result.stats = stats_mark if stats_mark is not None else _safe_stats(pipe)
-    if save and result.rows:
+    if save and result.rows and result.steps_run:  # a finished run resumed: leave it be
         write_metrics(out / METRICS_FILE, result.rows)
     return result
+
+
+def _speed(stats: dict[str, Any], samples_per_s: float, tokens_per_sample: int | None) -> dict[str, str]:
+    """The progress line's step time, measured/modelled bubble and (LM) tokens/s."""
+    tp = stats.get("throughput") or {}
+    step = tp.get("step_time_s")
+    out = {
+        "step": f"{step * 1e3:.1f}ms" if step is not None else "?",
+        "bubble": f"{tp.get('bubble_measured', float('nan')):.2f}/"
+        f"{tp.get('bubble_modelled', float('nan')):.2f}",
+    }
+    if tokens_per_sample is not None:
+        out["tps"] = f"{samples_per_s * tokens_per_sample:.0f}"
+    return out
 
 
 def _safe_stats(pipe: Any) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any
 from engine.cli.loop import TrainResult
 from engine.schedule.catalog import family
 
-__all__ = ["plot_curves", "plot_depth", "render_timelines"]
+__all__ = ["plot_curves", "plot_depth", "plot_final", "render_timelines"]
 
 
 def _plt() -> Any:
@@ -27,25 +27,32 @@ def _plt() -> Any:
     return plt
 
 
-#: panels of the curves figure: methods grouped by how their forwards read weights
+#: panels of the curves figure: methods grouped by how their forwards read weights, the
+#: live-weight methods split by mitigation family so no panel holds more than five lines
 _PANELS = (
     "synchronous (no staleness)",
     "weight stashing",
-    "live weights, pipelined backpropagation",
+    "live weights: pb, SC, LWP, SpecTrain",
+    "live weights: PipeMare T1 / T2",
 )
+#: the colour of each panel's methods in the final-metrics figure
+_PANEL_COLOURS = ("0.35", "tab:blue", "tab:orange", "tab:green")
 _STYLES = ("-", "--", "-.", ":")
 _MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*")
 
 
-def _panel_of(res: TrainResult) -> int:
-    fam = family(res.config.schedule)  # the catalog says how a family reads weights
+def _panel_of(name: str, schedule: str) -> int:
+    fam = family(schedule)  # the catalog says how a family reads weights
     if fam.synchronous:
         return 0
-    return 2 if fam.live_async else 1
+    if not fam.live_async:
+        return 1
+    return 3 if name.startswith("pipemare") else 2
 
 
 def plot_curves(results: list[tuple[str, TrainResult]], path: Path, title: str) -> None:
-    """Small multiples: one column per method family (synchronous, stashing, live weights),
+    """Small multiples: one column per method family (synchronous, stashing, and the live
+    weights split into SC/LWP/SpecTrain and PipeMare),
     test accuracy on top and training loss below; inside a panel every method has its own
     colour, line style and marker, and the first synchronous method is drawn in grey in every
     other panel as the reference (gpipe and 1f1b compute the same thing, so one of them
@@ -54,9 +61,10 @@ def plot_curves(results: list[tuple[str, TrainResult]], path: Path, title: str) 
     groups: list[list[tuple[str, TrainResult]]] = [[] for _ in _PANELS]
     for name, res in results:
         if res.rows:
-            groups[_panel_of(res)].append((name, res))
+            groups[_panel_of(name, res.config.schedule)].append((name, res))
     cols = [k for k, g in enumerate(groups) if g] or [0]
-    fig, axes = plt.subplots(2, len(cols), figsize=(5.2 * len(cols), 7.2), squeeze=False)
+    fig, axes = plt.subplots(2, len(cols), figsize=(4.6 * len(cols), 7.2), squeeze=False,
+                             sharey="row")
     reference = groups[0][0] if groups[0] else None
     cmap = plt.get_cmap("tab10")
     for c, k in enumerate(cols):
@@ -86,6 +94,56 @@ def plot_curves(results: list[tuple[str, TrainResult]], path: Path, title: str) 
     plt.close(fig)
 
 
+def plot_final(rows: list[dict[str, Any]], path: Path, title: str) -> str:
+    """Which method is best, at a glance: per method (one row each, best training loss on
+    top) its final test accuracy and its last-epoch training loss, a dot per seed, the bar
+    spanning the seeds' range (mean marked) -- or, for a single seed, the range over the last
+    epoch's evaluation points (test accuracy) and metric rows (training loss), which is how
+    much the number moves within one run. Returns the caption saying which spread is drawn."""
+    plt = _plt()
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault(r["method"], []).append(r)
+    seeds = max(len(v) for v in by.values())
+
+    def mean(rs: list[dict[str, Any]], key: str) -> float:
+        return sum(r[key] for r in rs) / len(rs)
+
+    names = sorted(by, key=lambda n: -mean(by[n], "last_epoch_loss"))  # best ends on top
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.42 * len(names) + 1.6), sharey=True)
+    for ax, key, label in (
+        (axes[0], "final_acc", "final test accuracy"),
+        (axes[1], "last_epoch_loss", "training loss, mean over the last epoch (lower is better)"),
+    ):
+        for y, name in enumerate(names):
+            rs = by[name]
+            colour = _PANEL_COLOURS[_panel_of(name, rs[0]["schedule"])]
+            values = [r[key] for r in rs]
+            if seeds > 1:
+                lo, hi = min(values), max(values)
+            else:
+                lo, hi = rs[0][f"{key}_min"], rs[0][f"{key}_max"]
+            ax.plot([lo, hi], [y, y], color=colour, lw=2.5, alpha=0.45, solid_capstyle="butt")
+            ax.plot(values, [y] * len(values), "o", color=colour, ms=4)
+            ax.plot([mean(rs, key)], [y], "|", color="black", ms=12, mew=1.5)
+        ax.set_yticks(range(len(names)))
+        ax.set_yticklabels(names)
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3, axis="x")
+    from matplotlib.lines import Line2D
+
+    used = sorted({_panel_of(n, by[n][0]["schedule"]) for n in names})
+    axes[0].legend([Line2D([], [], color=_PANEL_COLOURS[k], lw=2.5) for k in used],
+                   [_PANELS[k] for k in used], fontsize=7, loc="best")
+    spread = (f"dots: {seeds} seeds, bar: their range, tick: their mean" if seeds > 1 else
+              "dot: end of run, bar: range over the last epoch's evaluations (one seed)")
+    fig.suptitle(f"{title}\n{spread}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return spread
+
+
 def plot_depth(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     """Two panels against S: final test accuracy and last-epoch training loss (less noisy)."""
     plt = _plt()
@@ -94,6 +152,11 @@ def plot_depth(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     by: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         by.setdefault(r["method"], []).append(r)
+    for name, rs in by.items():  # several seeds: their mean per depth
+        per = {S: [r for r in rs if r["S"] == S] for S in depths}
+        by[name] = [{"S": S, **{k: sum(r[k] for r in g) / len(g)
+                                for k in ("final_acc", "last_epoch_loss")}}
+                    for S, g in per.items() if g]
     for ax, key, label in (
         (axes[0], "final_acc", "final test accuracy"),
         (axes[1], "last_epoch_loss", "training loss, mean over the last epoch"),
@@ -131,7 +194,13 @@ def render_timelines(out: Path, stages: int, chunks: int, schedules: list[str]) 
         bubble = analyze(sched).bubble_fraction
         drawn = f"S={S} stages" + ("" if S == stages else f" (of {stages})")
         drawn += f", M={M} micro-batches" + ("" if M == chunks else f" (of {chunks})")
+        if not family(name).synchronous:  # the pipeline stays full across steps (no flush):
+            # two steps from an empty pipeline: fill and drain dominate the picture, but a
+            # run never drains, so the table's bubble (a whole run) is near 0
+            why = f"bubble {bubble:.3f} here (fill + drain); ~0 over a run, which never drains"
+        else:
+            why = f"bubble {bubble:.3f}, in every step: it drains every mini-batch"
         p = out / f"timeline_{name}.png"
-        render_timeline(sched, p, title=f"{name}: {drawn}, 2 steps; bubble {bubble:.3f} (F = 1, B = 2)")
+        render_timeline(sched, p, title=f"{name}: {drawn}, 2 steps, F = 1, B = 2\n{why}")
         paths.append(p)
     return paths

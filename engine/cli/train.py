@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from engine.cli.config import (
     config_from_args,
 )
 from engine.cli.loop import TrainResult, train
+from engine.runtime.config import CHECKPOINT_MODES, DEFAULT_CHECKPOINT
 from engine.cli.runlog import CHECKPOINT_FILE, METRICS_FILE
 
 __all__ = [
@@ -59,6 +61,17 @@ def _positive(name: str) -> Callable[[str], int]:
         return v
 
     return parse
+
+
+class _DeprecatedAlias(argparse.Action):
+    """An old option name that still works, with a DeprecationWarning naming the new one."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        new = "--recompute"
+        msg = f"{option_string} is deprecated and will be removed in 0.3; use {new} {values}"
+        warnings.warn(msg, DeprecationWarning, stacklevel=2)
+        print(f"{parser.prog}: warning: {msg}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def _per_task(option: str) -> str:
@@ -96,22 +109,45 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="samples per micro-batch (default 1)",
     )
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument(
+        "--optimizer", choices=OPTIMIZERS, default="sgd",
+        help=f"stage optimizer, engine.optim's: {', '.join(OPTIMIZERS)} (default sgd)",
+    )
+    p.add_argument(
+        "--weight-decay", type=float, default=0.0,
+        help="weight decay (default 0; decoupled for adamw, muon, basis-rotation)",
+    )
+    p.add_argument(
+        "--recompute",
+        dest="checkpoint",
+        choices=CHECKPOINT_MODES,
+        default=DEFAULT_CHECKPOINT,
+        help=f"activation recomputation, engine.Pipeline's checkpoint= (default "
+        f"{DEFAULT_CHECKPOINT}, as the API's: fastest; except_last/always re-run forwards in "
+        "the backward, ~1.5x slower per step for 2-4x less activation memory)",
+    )
     p.add_argument(
         "--checkpoint",
-        choices=("never", "except_last", "always"),
-        default="never",
-        help="activation recomputation (default never: the models are small)",
+        dest="checkpoint",
+        choices=CHECKPOINT_MODES,
+        action=_DeprecatedAlias,
+        help="deprecated alias of --recompute (removed in 0.3; not --checkpoint-every, "
+        "which saves checkpoints)",
     )
-    p.add_argument("--epochs", type=_positive("--epochs"), default=3)
+    p.add_argument(
+        "--epochs", type=_positive("--epochs"), default=3,
+        help="passes over the training set (default 3)",
+    )
     p.add_argument(
         "--evals-per-epoch",
         type=_positive("--evals-per-epoch"),
         default=4,
         help="test-set evaluations (metric rows) per epoch",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0,
+        help="seed of the weights and the data order (default 0); a rerun repeats the bits",
+    )
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument(
         "--threads",
@@ -206,7 +242,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="pb only: lwp (linear weight prediction), spectrain, spectrain_reuse",
     )
-    p.add_argument("--prediction-mode", choices=("linear", "momentum"), default="linear")
+    p.add_argument(
+        "--prediction-mode", choices=("linear", "momentum"), default="linear",
+        help="how --prediction lwp extrapolates the weights D_s updates ahead: linear (from "
+        "the last update, default) or momentum (from the momentum buffer)",
+    )
     p.add_argument(
         "--pipemare-lr", action="store_true", help="PipeMare T1 learning-rate rescheduling"
     )
@@ -217,7 +257,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="T1 warm-up K in updates (default: one epoch of updates)",
     )
     p.add_argument("--discrepancy-correction", action="store_true", help="PipeMare T2")
-    p.add_argument("--correction-decay", type=float, default=0.1)
+    p.add_argument(
+        "--correction-decay", type=float, default=0.1,
+        help="PipeMare's D_decay in (0, 1) for --discrepancy-correction's delta (default 0.1)",
+    )
     p.add_argument(
         "--out", default="out/train", help="folder for checkpoint, metrics.csv, train_state.json"
     )
@@ -250,5 +293,9 @@ def run(args: argparse.Namespace) -> int:
         f"epochs={cfg.epochs} test_acc={res.final_test_acc:.4f} test_loss={res.final_test_loss:.4f} "
         f"samples/s={res.samples_per_s:.0f}"
     )
-    print(f"wrote {Path(cfg.out) / CHECKPOINT_FILE}, {Path(cfg.out) / METRICS_FILE}")
+    if res.steps_run == 0:  # a --resume of a finished run: nothing was trained or written
+        print(f"trained nothing; {Path(cfg.out) / CHECKPOINT_FILE} and "
+              f"{Path(cfg.out) / METRICS_FILE} are unchanged")
+    else:
+        print(f"wrote {Path(cfg.out) / CHECKPOINT_FILE}, {Path(cfg.out) / METRICS_FILE}")
     return 0

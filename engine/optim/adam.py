@@ -182,7 +182,9 @@ class _AdamBase(DelayOptimizer):
             beta1=beta1,
             beta2=beta2,
             eps=group["eps"],
-            weight_decay=scalar(group["weight_decay"]),
+            # autograd through a differentiable step reaches a Tensor decay, as in torch
+            weight_decay=group["weight_decay"] if reference and group["differentiable"]
+            else scalar(group["weight_decay"]),
             decoupled=group["decoupled_weight_decay"],
             amsgrad=group["amsgrad"],
             maximize=group["maximize"],

@@ -16,10 +16,10 @@ two runs and over what tensors:
   the flat state, so ``state_dict`` keeps torch's per-param layout. Otherwise there is one
   call per tensor.
 
-Learning-rate rescaling (PipeMare T1, see ``lr_scheduler.PipeMareLR``) is a per-group
-multiplier ``group["lr_scale"]`` applied at step time: the update uses
-``group["lr"] * group["lr_scale"]``. Keeping the multiplier apart from ``group["lr"]`` is what
-lets PipeMareLR chain with StepLR/OneCycleLR, which own ``group["lr"]``.
+Learning-rate rescaling (PipeMare T1, see ``lr_scheduler.PipeMareLR``) writes the applied
+rate into ``group["lr"]``, as torch's schedulers do. A ``group["lr_scale"]`` (where PipeMareLR
+kept its multiplier before; old checkpoints carry it) is still applied at step time:
+``group["lr"] * group["lr_scale"]``, until PipeMareLR's next step folds it into ``lr``.
 """
 
 from __future__ import annotations
@@ -120,13 +120,12 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorStep
 
     @staticmethod
     def effective_lr(group: dict[str, Any]) -> float:
-        """The learning rate this group's next update uses: ``lr * lr_scale``.
-
-        ``lr_scale`` is PipeMareLR's multiplier; when absent the lr is used untouched (no
-        multiplication at all, so results stay bit-identical to torch.optim).
+        """The learning rate this group's next update uses: ``lr`` (times a legacy
+        ``lr_scale`` where an old checkpoint carries one; module docstring). Without it the lr
+        is used untouched (no multiplication at all: bit-identical to torch.optim).
         """
         lr = group["lr"]
-        lr = float(lr) if isinstance(lr, Tensor) else lr
+        lr = float(lr.detach()) if isinstance(lr, Tensor) else lr  # (no autograd warning)
         if "lr_scale" in group:
             return lr * group["lr_scale"]
         return lr

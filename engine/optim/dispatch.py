@@ -49,9 +49,13 @@ class _Fused:
     def __init__(self, family: str, multi: bool = False) -> None:
         self.family = family
         self.multi = multi
+        self._fn: Callable[..., Any] | None = None  # resolved at the first call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _fused(self.family, self.multi)(*args, **kwargs)
+        fn = self._fn
+        if fn is None:
+            fn = self._fn = _fused(self.family, self.multi)
+        return fn(*args, **kwargs)
 
     def table(self, rows: dict[str, list[Tensor] | None]) -> Any:
         """A multi-tensor launch's ``SegmentTable`` over ``rows`` (role -> tensors)."""

@@ -34,6 +34,8 @@ import torch
 from torch import Tensor
 
 from engine.optim.functional_dc import check_dc, delay_compensate
+from engine.optim.hyperparams import decay_grad as _decay_grad
+from engine.optim.hyperparams import to_scalar
 
 __all__ = [
     "spike_coeffs",
@@ -287,9 +289,10 @@ def sgd_update(
         g = -g
     g = delay_compensate(g, delta, dc_coeff, _workspace)
     w_old = w.clone() if delta is not None else None
+    lr = to_scalar(lr)
 
     if weight_decay != 0:
-        g = g.add(w, alpha=weight_decay)
+        g = _decay_grad(g, w, weight_decay)
 
     if momentum != 0:
         buf = momentum_buffer
@@ -317,7 +320,10 @@ def sgd_update(
         upd = g
         direction = g
 
-    w.add_(upd, alpha=-lr)
+    if isinstance(lr, Tensor) and lr.requires_grad:
+        w.addcmul_(upd, lr, value=-1)  # as torch: alpha= would cut the gradient to lr
+    else:
+        w.add_(upd, alpha=-lr)
     if w is not param:
         param.copy_(w)
         w = _as_f32(param)  # derived buffers use the stored (rounded) weights
@@ -434,12 +440,13 @@ def adam_update(
     w_old = w.clone() if (last_update is not None or predicted is not None
                           or delta is not None) else None
 
+    lr, beta1, beta2 = to_scalar(lr), to_scalar(beta1), to_scalar(beta2)
     step += 1
     if weight_decay != 0:
         if decoupled:
             w.mul_(1 - lr * weight_decay)
         else:
-            g = g.add(w, alpha=weight_decay)
+            g = _decay_grad(g, w, weight_decay)
 
     if torch.is_complex(w):  # as torch: the weight decay above on complex, the rest on real views
         w = param = torch.view_as_real(param)
@@ -452,7 +459,11 @@ def adam_update(
     # torch casts a Tensor beta1 to the param's dtype for lerp_
     b1 = beta1.to(device=w.device, dtype=w.dtype) if isinstance(beta1, Tensor) else beta1
     exp_avg.lerp_(g, 1 - b1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    if isinstance(beta2, Tensor) and beta2.requires_grad:
+        # as torch: value= takes numbers only; lerp is the same update and keeps the graph
+        exp_avg_sq.lerp_(torch.square(g), weight=1 - beta2)
+    else:
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
 
     if capturable or differentiable:
         _adam_tensor_step(w, g, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr=lr, beta1=beta1,
@@ -506,9 +517,14 @@ def _adam_tensor_step(
     sc_delay: int, differentiable: bool,
 ) -> None:
     """Adam's weight update with tensor bias corrections (torch's capturable/differentiable
-    path): the step count is never read on the host."""
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
+    path): the step count is never read on the host. A beta that requires grad reads a copy
+    of ``step`` (autograd saves it, and the next step increments ``step`` in place)."""
+    def power(beta: Any) -> Any:
+        grad_beta = isinstance(beta, Tensor) and beta.requires_grad
+        return beta ** (step.clone() if grad_beta else step)
+
+    bias_correction1 = 1 - power(beta1)
+    bias_correction2 = 1 - power(beta2)
     bias_correction2_sqrt = bias_correction2.sqrt()
     if amsgrad:
         assert max_exp_avg_sq is not None

@@ -26,6 +26,7 @@ from engine.optim.functional import (
     store_and_derive,
 )
 from engine.optim.functional_dc import check_dc, delay_compensate
+from engine.optim.hyperparams import to_scalar
 
 __all__ = ["nadam_update", "validate_nadam_args", "stage_beta1", "nadam_mu"]
 
@@ -124,6 +125,7 @@ def nadam_update(
             for t in (last_update, predicted, delta, w_old)
         )
 
+    lr, beta1, beta2 = to_scalar(lr), to_scalar(beta1), to_scalar(beta2)
     step += 1
     t: Any = step if capturable else step.item()
     bias_correction2 = 1 - beta2**t

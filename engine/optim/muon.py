@@ -179,8 +179,8 @@ class Muon(DelayOptimizer):
                 f"{where}adamw_betas={betas!r} is invalid: give (beta1, beta2), each in [0, 1)"
             )
 
-    def _check_group(self, group: dict[str, Any], index: int) -> None:
-        super()._check_group(group, index)
+    def _check_group(self, group: dict[str, Any], index: int, stepping: bool = True) -> None:
+        super()._check_group(group, index, stepping)
         for j, p in enumerate(group["params"]):
             if torch.is_complex(p):
                 raise TypeError(

@@ -47,7 +47,7 @@ def is_real_number(x: Any) -> bool:
 
 def scalar(x: Any) -> Any:
     """A number option as a Python number (a 1-element tensor is read once, on the host)."""
-    return float(x) if isinstance(x, Tensor) else x
+    return float(x.detach()) if isinstance(x, Tensor) else x
 
 
 def _number_or_tensor(name: str, x: Any, where: str) -> float:

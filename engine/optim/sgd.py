@@ -96,6 +96,15 @@ class SGD(DelayOptimizer):
         self.update_paths: dict[str, int] = {"cpu_loop": 0, "reference": 0, "triton": 0}
         super().__init__(params, defaults)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's __getstate__ keeps defaults, state and param_groups only: a deepcopy or a
+        # pickle would lose this public counter (torch's suite checks public attributes)
+        return {**super().__getstate__(), "update_paths": dict(self.update_paths)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("update_paths", {"cpu_loop": 0, "reference": 0, "triton": 0})
+
     def _check_options(self, group: dict[str, Any], where: str) -> None:
         super()._check_options(group, where)
         # torch's conditions: momentum >= 0 (no upper bound), dampening any number
@@ -169,6 +178,12 @@ class SGD(DelayOptimizer):
         ref = self._kernel_pair[0]
         if fn is ref and (sc_delay or predicted is not None or gamma is not None) and cpu_loop.enabled():
             fn = cpu_loop.sgd_update  # runs the reference itself where the loop does not apply
+        weight_decay = scalar(group["weight_decay"])
+        if fn is ref and group["differentiable"]:
+            # autograd through the step reaches Tensor hyperparameters, as in torch: pass them
+            if isinstance(group["lr"], Tensor) and "lr_scale" not in group:
+                lr = group["lr"]
+            weight_decay = group["weight_decay"]
         ran_loop = fn(
             param,
             grad,
@@ -176,7 +191,7 @@ class SGD(DelayOptimizer):
             lr=lr,
             momentum=group["momentum"],
             dampening=group["dampening"],
-            weight_decay=scalar(group["weight_decay"]),
+            weight_decay=weight_decay,
             nesterov=group["nesterov"],
             maximize=group["maximize"],
             init_momentum=init,

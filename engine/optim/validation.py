@@ -53,8 +53,11 @@ class OptionChecks:
         option of ``group`` is out of range. Subclasses extend it with their own options."""
         check_delay_options(group, where)
 
-    def _check_group(self, group: dict[str, Any], index: int) -> None:
-        """Options plus the checks that need the group's tensors."""
+    def _check_group(self, group: dict[str, Any], index: int, stepping: bool = True) -> None:
+        """Options plus the checks that need the group's tensors. ``stepping=False`` (a group
+        being added) leaves out what only a step needs: real (non-meta) tensors for
+        ``fused=True`` where a gradient is to be applied, which torch too checks at ``step()``,
+        so that a model built on the meta device can get its optimizer before ``to_empty``."""
         where = f"param_groups[{index}]: "
         self._check_options(group, where)
         for j, p in enumerate(group["params"]):
@@ -69,10 +72,12 @@ class OptionChecks:
                     f"params, but params[{j}] is {p.dtype} (its g * g term is elementwise on "
                     "real coordinates); set delay_compensation=0 for this param group"
                 )
-            if group["fused"] is True and p.device.type == "meta":
-                raise ValueError(
-                    f"{where}fused=True needs real tensors, but params[{j}] is on the meta "
-                    "device (nothing to update there): materialize the model first, e.g. "
+            if stepping and group["fused"] is True and p.device.type == "meta" and p.grad is not None:
+                # torch's type and the start of its wording (its tests match it), then ours
+                raise RuntimeError(
+                    f"{where}`fused=True` requires all the params to be floating point Tensors "
+                    f"on a device with data, but params[{j}] is on the meta device (nothing to "
+                    "update there): materialize the model first, e.g. "
                     "module.to_empty(device=...), or pass fused=None"
                 )
         # only tensors the kernels would update need them (other dtypes fall back to torch ops)
@@ -105,7 +110,7 @@ class OptionChecks:
         # torch also accepts named params, (name, tensor) pairs: check the tensors
         tensors = [p[1] if isinstance(p, tuple) else p for p in params]
         merged = {**self.defaults, **param_group, "params": tensors}
-        self._check_group(merged, len(getattr(self, "param_groups", [])))
+        self._check_group(merged, len(getattr(self, "param_groups", [])), stepping=False)
         super().add_param_group(param_group)
         if hasattr(self, "_checked"):
             self._checked.clear()
@@ -122,13 +127,18 @@ class OptionChecks:
         for i, group in enumerate(self.param_groups):
             params = group["params"]
             pkey = (id(params), len(params))
-            okey = _option_key(group)
+            values = tuple(group.values())
             seen = checked.get(i)
-            if seen is None or seen[0] != pkey:
-                self._check_group(group, i)
-            elif seen[1] != okey:
-                self._check_options(group, f"param_groups[{i}]: ")
-            checked[i] = (pkey, okey)
+            if (seen is not None and seen[0] == pkey and len(seen[2]) == len(values)
+                    and all(map(operator.is_, values, seen[2]))):
+                pass  # the same objects as at the last check: nothing to look at (fast path)
+            else:
+                okey = _option_key(group)
+                if seen is None or seen[0] != pkey:
+                    self._check_group(group, i)
+                elif seen[1] != okey:
+                    self._check_options(group, f"param_groups[{i}]: ")
+                checked[i] = (pkey, okey, values)
             bindings = self._group_bindings(i, group)
             for b in bindings:
                 b.steady = False

@@ -102,8 +102,9 @@ def program_refusal(spec: Any, config: Any) -> str | None:
 
 
 def refuse_program(spec: Any, config: Any) -> None:
-    """Raise PipelineConfigError with :func:`program_refusal`'s reason, if any."""
-    why = program_refusal(spec, config)
+    """Raise PipelineConfigError with :func:`program_refusal`'s reason, if any (a no-op
+    unless ``config.cuda_graphs == "program"``)."""
+    why = program_refusal(spec, config) if config.cuda_graphs == "program" else None
     if why is not None:
         raise PipelineConfigError(why)
 

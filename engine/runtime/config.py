@@ -21,6 +21,7 @@ from engine.schedule.spec import ScheduleSpec
 
 __all__ = [
     "CHECKPOINT_MODES",
+    "DEFAULT_CHECKPOINT",
     "WEIGHT_PREDICTIONS",
     "TRANSPORTS",
     "PipelineConfig",
@@ -29,6 +30,11 @@ __all__ = [
 ]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
+#: Activation recomputation by default: none. Measured (bench/recompute.py, README "Activation
+#: recomputation"): recomputing every stage but the last makes a 1F1B step 1.4-1.5x slower for
+#: 2.3-4.4x less activation memory; recompute where the activations do not fit. The CLI's
+#: ``--recompute`` default is this same constant.
+DEFAULT_CHECKPOINT = "never"
 TRANSPORTS = ("local", "gloo", "nccl")
 NONFINITE = ("raise", "skip", "skip_update")
 
@@ -133,6 +139,8 @@ def check_options(
             f"cuda_graphs={cuda_graphs!r} must be False (off), 'optimizer' (each stage's "
             "optimizer step; True means this) or 'program' (whole synchronous steps)"
         )
+    if cuda_graphs == "program" and cuda_streams is None:
+        cuda_streams = False  # a captured step runs on one stream (not the default streams)
     if cuda_graphs == "program" and distributed:
         raise PipelineConfigError(
             f"cuda_graphs='program' with transport={transport!r}: only the local transport is "

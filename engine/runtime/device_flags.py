@@ -58,6 +58,10 @@ class SkipFlags:
 
     def add(self, flag: Tensor) -> None:
         """A backward of a flagged (or clean: 0.0) micro-batch joined the pending group."""
+        if flag.is_cuda:
+            # made on the last stage's stream, read here on this stage's: without this its
+            # memory could be handed out again there before this add has run
+            flag.record_stream(torch.cuda.current_stream(flag.device))
         self.found_inf.add_(flag.to(self.found_inf.device, non_blocking=True))
 
     def after_step(self) -> None:

@@ -242,7 +242,7 @@ class RankRuntime:
         never match the gradients the last stage sends on the same pair of ranks.
         """
         lay, tp = self.layout, self.transport
-        if tp.backend != "gloo" or lay.stage == lay.stages - 1 or self._loss_work is not None:
+        if tp.backend != "gloo" or lay.holds_last or self._loss_work is not None:
             return
         self._loss_msg = torch.zeros(3, dtype=torch.float64)
         self._loss_work = dist.irecv(
@@ -253,7 +253,7 @@ class RankRuntime:
         """Send the last stage's (loss, non-finite count) to every stage of its replica, then
         average the loss over replicas. Returns (loss or None, non-finite micro-batches)."""
         lay, tp = self.layout, self.transport
-        last = lay.stage == lay.stages - 1
+        last = lay.holds_last
         msg = torch.zeros(3, dtype=torch.float64)
         if last:
             msg[0] = float("nan") if loss is None else float(loss.double())
@@ -268,7 +268,7 @@ class RankRuntime:
                 for work, _out in self._loss_sends:
                     tp.wait(work, "sending the previous step's loss")
                 self._loss_sends = []
-                for peer in lay.pipeline_ranks[:-1]:
+                for peer in (r for r in lay.pipeline_ranks if r != lay.last_rank):
                     out = msg.clone()  # msg is all-reduced below while this may still be sent
                     work = dist.isend(out, peer, group=lay.pipeline_group, tag=LOSS_TAG)
                     self._loss_sends.append((work, out))
@@ -296,7 +296,7 @@ class RankRuntime:
         count = int(msg[1].item())
         if msg[2].item() < 0.5:
             return None, count
-        if lay.stage == lay.stages - 1 and lay.replicas == 1 and loss is not None:
+        if last and lay.replicas == 1 and loss is not None:
             return loss, count  # the very tensor the local run returns
         return msg[0].float().to(self.device), count
 

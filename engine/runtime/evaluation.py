@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from engine.errors import PipelineInputError
 from engine.runtime import trees
+from engine.runtime.placement import RankPlacement
 
 if TYPE_CHECKING:
     from engine.runtime.pipeline import Pipeline
@@ -132,38 +133,45 @@ def _recv(src: int, group: Any, device: torch.device) -> Tensor:
 def _evaluate_rank(pipe: Pipeline, inputs: Any, M: int) -> Tensor:
     """Every rank calls it with the same arguments (stage 0 reads ``inputs``); every rank
     returns the last stage's outputs. With virtual stages a rank runs each of its stages in
-    turn, receiving from the previous stage's rank and sending to the next one's; a
+    turn, receiving from the previous stage's rank and sending to the next one's (or, where
+    it holds both, as under the V placement, passing the output on in the process); a
     micro-batch passes the stages one at a time, so the blocking messages between two ranks
     arrive in the order they are sent."""
-    if not isinstance(inputs, Tensor) and pipe.layout.stage == 0:
+    lay = pipe.layout
+    place = RankPlacement.of(pipe.spec)  # round-robin, the V, or any map
+    first, last = lay.stage == place.first, lay.stage == place.last
+    if not isinstance(inputs, Tensor) and first:
         raise PipelineInputError(
             "evaluate() under gloo/NCCL takes a tensor of inputs, and stages that pass tensors; "
             "for tree-valued stages evaluate on a local pipeline"
         )
-    lay = pipe.layout
-    R, S = lay.stages, pipe.spec.stages  # ranks; (virtual) stages, stage s on rank s % R
+    S = pipe.spec.stages
     ranks = lay.pipeline_ranks
     group = _group(pipe)
     device = pipe.device
     held = [(st.index, st.module) for st in pipe.stages]
     outs = []
     with _eval_mode([m for _, m in held]):
-        n = len(_chunks(inputs, M)) if lay.stage == 0 else 0
+        n = len(_chunks(inputs, M)) if first else 0
         count = torch.tensor([n], dtype=torch.int64, device=device)
-        torch.distributed.broadcast(count, ranks[0], group=group)
-        pieces = _chunks(inputs, M) if lay.stage == 0 else [None] * int(count)
+        torch.distributed.broadcast(count, ranks[place.first], group=group)
+        pieces = _chunks(inputs, M) if first else [None] * int(count)
         for x in pieces:
             for s, module in held:
-                x = x.to(device) if s == 0 else _recv(ranks[(s - 1) % R], group, device)
+                if s == 0:
+                    x = x.to(device)
+                elif not place.same_rank(s - 1):
+                    x = _recv(ranks[place.rank_of(s - 1)], group, device)
                 x = module(x)
-                if s < S - 1:
-                    _send(x, ranks[(s + 1) % R], group, device)
-                else:
+                if s == S - 1:
                     outs.append(x)
+                elif not place.same_rank(s):
+                    _send(x, ranks[place.rank_of(s + 1)], group, device)
     # every rank returns the outputs: the last stage sends them to the others
-    if lay.stage == R - 1:
+    if last:
         result = torch.cat(outs)
-        for r in ranks[:-1]:
-            _send(result, r, group, device)
+        for r in ranks:
+            if r != ranks[place.last]:
+                _send(result, r, group, device)
         return result
-    return _recv(ranks[-1], group, device)
+    return _recv(ranks[place.last], group, device)

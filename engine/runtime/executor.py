@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from engine.runtime import labels
+from engine.runtime import trace as _trace
 from engine.runtime.clock import Clock
 from engine.runtime.device_flags import DeviceFlags
 from engine.runtime.failures import FailureHandling, Outcome
@@ -106,7 +107,9 @@ class Executor(SynchronousSteps, FailureHandling):
             if program is not None and program.rank_order is not None
             else None
         )
-        self.clock = Clock(self.S, spec.split_backward, ranks)
+        self.clock = Clock(self.S, spec.split_backward, ranks, spec.split_only, self.M)
+        if program is not None and program.overlaps:  # DualPipeV's F;B pairs
+            self.clock.overlap(program.overlaps, program.num_micro_batches)
         #: synchronous steps chain the stages' graphs (one process holds every stage), unless
         #: the schedule splits backwards into B and W: those run per stage, as scheduled
         self.chain_sync = len(stages) == spec.stages and not spec.split_backward
@@ -140,6 +143,11 @@ class Executor(SynchronousSteps, FailureHandling):
         #: Pipeline(cuda_graphs="program"): the synchronous loss check on the device, called
         #: with the step's losses instead of reading them (engine.runtime.capture)
         self.device_check: Callable[[list[Tensor]], None] | None = None
+        #: gradient clipping (engine.runtime.clipping): the synchronous global norm is taken
+        #: before the update phase; asynchronous stages clip their own groups
+        self.clipper: Any = None
+        #: float16 dynamic loss scaling (engine.runtime.amp), synchronous schedules
+        self.loss_scaler: Any = None
         self._pc = 0
         self._in_action = False
 
@@ -400,14 +408,18 @@ class Executor(SynchronousSteps, FailureHandling):
     def _backward_batch(self, items: tuple[tuple[int, int], ...], base: int) -> None:
         """Several stages' backwards (different stages, independent) in one autograd call;
         while profiling each runs on its own so every one keeps its profiler label."""
-        if labels.profiling() or self.streams.separate:
-            for s, rel in items:
-                st = self.by_index[s]
-                if self.streams.separate:
-                    with self.streams.on(s):
+        if labels.profiling() or self.streams.separate or _trace.ACTIVE is not None:
+            try:
+                for s, rel in items:
+                    st = self.by_index[s]
+                    if self.streams.separate:
+                        with self.streams.on(s):
+                            self._backward(st, base + rel)
+                    else:
                         self._backward(st, base + rel)
-                else:
-                    self._backward(st, base + rel)
+            except BaseException:
+                self._batch_failed(items, base)  # as the one autograd call below would
+                raise
             return
         jobs = []
         upstream: list[tuple[Stage, int, Any]] = []

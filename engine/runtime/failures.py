@@ -18,6 +18,7 @@ from engine.runtime.stage import DROPPED
 
 if TYPE_CHECKING:
     from engine.runtime.stage import Stage
+    from engine.runtime.streams import StageStreams
 
 __all__ = ["FailureHandling", "Outcome", "nonfinite_message"]
 
@@ -80,6 +81,7 @@ class FailureHandling:
     dropped: int
     acts: dict[tuple[int, int], tuple[Any, Any]]
     grads: dict[tuple[int, int], tuple[Any, Any]]
+    streams: StageStreams
 
     def _batch_failed(self, items: tuple[tuple[int, int], ...], base: int) -> None:
         """A batched backward raised: every micro-batch in it is dropped at its stage."""
@@ -105,8 +107,11 @@ class FailureHandling:
         """A backward or W failed halfway at ``st``: the gradients it accumulated for the
         current update cannot be told apart, so they go. Micro-batches whose B ran but whose W
         has not (a split backward) keep their share of the group: their weight gradients
-        still come."""
-        st.discard_gradients()
+        still come. The zeroing runs on the stage's own stream: on a GPU the gradients and skip
+        flags are accumulated there, and a zero enqueued on the caller's stream could run
+        before the adds still queued on the stage's (a stale found_inf skipping a later update)."""
+        with self.streams.on(st.index):
+            st.discard_gradients()
         st.pending_weight = sum(job.entry.scale for job in st._deferred.values())
 
     # ------------------------------------------------------------------ failures

@@ -57,8 +57,9 @@ def split_budget(budget: int, sizes: Sequence[int]) -> list[int]:
 @dataclass
 class L2State:
     """What a pipeline's stages got (``Pipeline.stats()``): ``granted`` bytes per stage,
-    the ``set_aside`` set on the device, its ``max_persisting`` size, and ``reason`` (empty
-    when every stage with weights got a window)."""
+    the ``set_aside`` the device reports holding (at least the sum of ``granted``: devices
+    round the set-aside up to their granularity), its ``max_persisting`` size, and
+    ``reason`` (empty when every stage with weights got a window)."""
 
     requested: float
     granted: list[int]
@@ -123,8 +124,12 @@ def apply_l2(stages: Sequence[Any], streams: Any, fraction: float, owner: object
     got = arena_l2.set_aside(device, sum(shares))
     if not got["ok"]:
         return _unsupported(state, str(got["reason"]), warn=True)
+    # What the device holds now. It may differ from the request either way: rounded down
+    # (less than asked: the shares are split again) or up to its allocation granularity (an
+    # H100 reported 3,276,800 bytes for a request of 5,120: the shares stay as asked, and the
+    # set-aside reported is the device's, issue 22).
     granted = int(got["granted_bytes"])
-    if granted < sum(shares):  # the device may round the set-aside down
+    if granted < sum(shares):
         shares = split_budget(granted, shares)
     reasons = []
     for i, (st, share) in enumerate(zip(stages, shares, strict=True)):
@@ -144,12 +149,14 @@ def apply_l2(stages: Sequence[Any], streams: Any, fraction: float, owner: object
             st.store.on_live_moved = refresh
         else:
             reasons.append(f"stage {st.index}: {r.reason}")
-    state.set_aside = sum(state.granted)
-    if state.set_aside < granted:  # give back what failed windows would have used
-        if state.set_aside:
-            arena_l2.set_aside(device, state.set_aside)
+    state.set_aside = granted
+    if sum(state.granted) < sum(shares):  # give back what failed windows would have used
+        if sum(state.granted):
+            again = arena_l2.set_aside(device, sum(state.granted))
+            state.set_aside = int(again["granted_bytes"]) if again["ok"] else granted
         else:
             arena_l2.reset(device)
+            state.set_aside = 0
     state.reason = "; ".join(reasons)
     if reasons:
         warnings.warn(f"l2_persistence: {state.reason}", stacklevel=4)

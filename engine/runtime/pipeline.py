@@ -15,6 +15,9 @@ equal the local run's bit for bit on CPU.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,9 +26,11 @@ from torch import Tensor, nn
 
 from engine.errors import NotFlushedError, PipelineConfigError, ScheduleError
 from engine.runtime import inputs as _inputs
+from engine.runtime.amp import autocast_context, check_scaler_state
 from engine.runtime.build import build_module, build_store, resolve_stage_specs
 from engine.runtime.capture import ProgramCapture, refuse_program
-from engine.runtime.config import PipelineConfig, check_options, resolve_mitigations
+from engine.runtime.config import DEFAULT_CHECKPOINT, PipelineConfig, check_options
+from engine.runtime.config import resolve_mitigations
 from engine.runtime.device_flags import check_skip_update
 from engine.runtime.executor import Executor
 from engine.runtime.graphs import attach_step_graphs
@@ -33,7 +38,10 @@ from engine.runtime.host_memory import keep_freed_host_memory
 from engine.runtime.l2 import apply_l2
 from engine.runtime.policy import SpecTrain, make_policy
 from engine.runtime.stage import Stage
+from engine.runtime.step_features import StepFeatures, check_async_fp16, check_step_features
+from engine.runtime.step_features import attach as attach_features
 from engine.runtime.streams import StageStreams
+from engine.runtime.throughput import StepMeter, batch_size
 from engine.runtime.ties import TiedGradients, tie_stages
 from engine.schedule.analysis import analyze, schedule_delays
 from engine.schedule.catalog import FAMILIES
@@ -73,8 +81,10 @@ class Pipeline:
             (its param groups become the stage's flat buckets). The pipeline writes each stage's
             delay D_s into ``group["delay"]``. Mitigations are options of the optimizer
             (engine.optim: ``spike_compensation``, ``prediction``, ``discrepancy_correction``).
-        checkpoint: activation recomputation: "never", "except_last" (all but the last stage)
-            or "always" (through ``torch.utils.checkpoint``).
+        checkpoint: activation recomputation: "never" (default, the fastest: stages keep what
+            autograd saved), "except_last" (all but the last stage re-run their forward in the
+            backward) or "always" (``torch.utils.checkpoint``): about 1.4-1.5x per step for
+            2-4x less activation memory (README, "Activation recomputation").
         transport: "local", "gloo" or "nccl" (one process per stage under ``torchrun
             --nproc-per-node S*data_parallel``: global rank r runs stage r % S of replica
             r // S; every rank calls ``step(inputs, targets)``, stage 0 reads ``inputs``, the
@@ -124,14 +134,16 @@ class Pipeline:
             the stage modules are the ranks*v virtual stages, rank r running r, r+ranks, ...
             in Megatron's order. Under gloo/NCCL one process per rank (R = stages / v
             processes per replica) holds its v stages (engine/runtime/virtual.py).
-        cuda_graphs: False (off); ``"optimizer"`` (``True`` means the same): replay each
-            stage's optimizer step from a CUDA graph (engine/runtime/graphs.py), recorded once
-            a step's launch arguments repeat (same options, same buffers), eager otherwise;
-            ``stats()["cuda_graphs"]`` counts both. ``"program"``: whole synchronous steps
-            captured per batch shape and replayed (engine/runtime/capture.py; local, stage
-            streams off); ``stats()["capture"]`` says what ran eagerly and why. Both need
-            engine.optim SGD/Adam/AdamW/NAdam with the fused kernels and stages on CUDA;
-            refused otherwise, before anything is built.
+        cuda_graphs: False; ``"optimizer"`` (or True): each stage's optimizer step replayed
+            from a CUDA graph (runtime/graphs.py); ``"program"``: whole synchronous steps per
+            batch shape (runtime/capture.py; ``stats()["capture"]`` says what ran eagerly and
+            why). engine.optim's fused SGD/Adam/AdamW/NAdam on CUDA; refused otherwise.
+        clip_grad_norm: ``max_norm`` of ``torch.nn.utils.clip_grad_norm_`` (``clip_norm_type``
+            its p): synchronous schedules clip by the global norm over all stages and replicas,
+            asynchronous ones each stage's update group by its own (runtime/clipping.py).
+        autocast: ``torch.bfloat16``/``float16``: stage functions under ``torch.autocast``,
+            weights float32; float16 adds loss scaling (``grad_scaler``; runtime/amp.py).
+        offload_activations: saved activations wait in host memory (runtime/offload.py).
     """
 
     def __init__(
@@ -142,7 +154,7 @@ class Pipeline:
         chunks: int | None = None,
         loss_fn: Callable[[Tensor, Any], Tensor],
         optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-        checkpoint: str = "except_last",
+        checkpoint: str = DEFAULT_CHECKPOINT,
         transport: str = "local",
         update_size: int | None = None,
         order: str | None = None,
@@ -165,8 +177,19 @@ class Pipeline:
         l2_persistence: bool | float = False,
         virtual_stages: int | None = None,
         cuda_graphs: bool | str = False,
+        clip_grad_norm: float | None = None,
+        clip_norm_type: float = 2.0,
+        autocast: torch.dtype | None = None,
+        grad_scaler: dict[str, Any] | None = None,
+        offload_activations: bool = False,
     ) -> None:
         fam = FAMILIES.get(schedule) if isinstance(schedule, str) else None
+        self._meter = StepMeter()  # stats()["throughput"]
+        self.features: StepFeatures = check_step_features(
+            clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type, autocast=autocast,
+            grad_scaler=grad_scaler, offload_activations=offload_activations,
+        )
+        check_async_fp16(autocast, None if fam is None else fam.synchronous, schedule, grad_scaler)
         self._virtual_stages = virtual_stages
         self.config: PipelineConfig = check_options(
             transport=transport,
@@ -205,8 +228,7 @@ class Pipeline:
         specs = resolve_stage_specs(stages, balance)
         self.balance = list(balance) if balance is not None else None
         spec = self._resolve(schedule, len(specs), chunks, update_size, order)
-        if self.config.cuda_graphs == "program":
-            refuse_program(spec, self.config)
+        refuse_program(spec, self.config)
         modules = [build_module(m, s) for s, m in enumerate(specs)]
         if deferred_batch_norm:
             from engine.runtime.batch_norm import convert_deferred_batch_norm
@@ -220,6 +242,7 @@ class Pipeline:
         )
         self.ties = ties
         self._executor.ties = TiedGradients(ties, self.stages) if ties else None
+        attach_features(self)
 
     # ------------------------------------------------------------------ construction
 
@@ -294,8 +317,7 @@ class Pipeline:
         if any(d.type == "cpu" for d in devices) or not devices:
             keep_freed_host_memory()
         if streams is None:
-            want = False if cfg.cuda_graphs == "program" else cfg.cuda_streams  # one stream
-            streams = self._make_streams(stages, want, l2=bool(cfg.l2_persistence))
+            streams = self._make_streams(stages, cfg.cuda_streams, l2=bool(cfg.l2_persistence))
         self._streams = streams
         if cfg.cuda_graphs == "optimizer":
             attach_step_graphs(stages)
@@ -406,6 +428,12 @@ class Pipeline:
         steps roll back; asynchronous ones stop at an action boundary, dropping the micro-batch
         whose forward or backward raised). The exception carries a note saying which.
         """
+        t0 = time.perf_counter()
+        loss = self._step(inputs, targets)
+        self._meter.record(time.perf_counter() - t0, *batch_size(inputs, targets))
+        return loss
+
+    def _step(self, inputs: Any, targets: Any) -> Tensor:
         if self.config.distributed:
             from engine.runtime.rank import rank_step
 
@@ -413,14 +441,27 @@ class Pipeline:
         xs, ts, sizes = _inputs.split(inputs, targets, self.spec.chunks)
         key = _inputs.input_key(xs[0], ts[0])
         if key not in self._checked:
-            _inputs.dry_run(
-                [st.module for st in self.stages], xs[0], ts[0], self.stages[-1].loss_fn  # type: ignore[arg-type]
-            )
+            with self._autocast():  # the shapes autocast gives
+                _inputs.dry_run(
+                    [st.module for st in self.stages], xs[0], ts[0], self.stages[-1].loss_fn  # type: ignore[arg-type]
+                )
             self._checked.add(key)
         result = (self._capture or self._executor).run_step(xs, ts, sizes)
         if result.loss is None:
             return torch.tensor(float("nan"))
         return result.loss
+
+    def trace(self, path: str | os.PathLike[str]) -> contextlib.AbstractContextManager[Any]:
+        """``with pipe.trace("run.json"): ...``: record every action run inside the block and
+        write a Chrome/Perfetto trace-event file at its end (engine/runtime/trace.py). Under
+        gloo/NCCL every rank enters the block; rank 0 writes one file for all ranks."""
+        from engine.runtime.trace import trace
+
+        return trace(self, path)
+
+    def _autocast(self) -> Any:
+        a = self.stages[0].autocast if self.stages else None
+        return autocast_context(*a) if a is not None else contextlib.nullcontext()
 
     def evaluate(self, inputs: Tensor, chunks: int | None = None) -> Tensor:
         """Forward only: the last stage's module outputs for ``inputs`` (before ``loss_fn``),
@@ -459,67 +500,18 @@ class Pipeline:
     # ------------------------------------------------------------------ facts
 
     def stats(self) -> dict[str, Any]:
-        """Per-stage facts measured by the engine's own clock and counters.
+        """Per-stage facts measured by the engine's own clock and counters; each key is
+        described in :func:`engine.runtime.pipeline_stats.pipeline_stats`."""
+        from engine.runtime.pipeline_stats import pipeline_stats
 
-        ``delays``: D_s set on the optimizers (derived by simulating the schedule);
-        ``measured_delays``: {delay: micro-batches} per stage, counted when their gradient was
-        applied; ``weight_versions``: peak distinct weight versions kept per stage (live
-        included); ``weight_buffers``: peak weight buffers held (live, kept versions, the
-        transient); ``weight_bytes``: bytes of live weights, gradients, slots and the pool;
-        ``activation_peak``: peak micro-batches stashed per stage; ``bubble_fraction``: idle
-        share of stage time with unit costs (F = 1, B = 2); ``bubble_fraction_wall``: the
-        same with measured action times; ``compiled_programs``: step programs compiled so
-        far (it stops growing once the schedule's steps repeat); ``l2_persisting_bytes``:
-        persisting-L2 bytes granted per stage (0 when off or unsupported), and
-        ``l2_persistence``: the ``requested`` fraction, the device's ``set_aside_bytes`` and
-        ``max_persisting_bytes``, and the ``reason`` when a stage got nothing;
-        ``cuda_graphs``: per stage (None when off) optimizer steps ``replays``-ed from a graph,
-        ``captures``, ``eager`` steps and the ``last_eager_reason``; ``capture``: the
-        ``mode`` (``"off"``, ``"optimizer"``, ``"program"``) and, for ``"program"``, the
-        ``window``, steps ``captures``-d, ``replays``, ``eager`` steps, ``evictions``,
-        ``graphs`` kept and the ``last_eager_reason``.
-        """
-        ex = self._executor
-        ex.fold_flags()  # "skip_update" counts on the device: one host read
-        if self._capture is not None:
-            self._capture.fold()
-        unit, wall = ex.clock.bubble()
-        return {
-            "schedule": self.spec.name,
-            "stages": self.spec.stages,
-            "chunks": self.spec.chunks,
-            "update_size": self.spec.update_size,
-            "steps": ex.steps,
-            "skipped_steps": ex.skipped_steps,
-            "dropped_microbatches": ex.dropped,
-            "updates": [st.updates for st in self.stages],
-            "skipped_updates": [st.skipped_updates for st in self.stages],
-            "delays": list(self.delays),
-            "measured_delays": [dict(sorted(st.delay_counts.items())) for st in self.stages],
-            "weight_versions": [st.store.peak_versions for st in self.stages],
-            "weight_buffers": [st.store.peak_buffers for st in self.stages],
-            "weight_bytes": [st.store.bytes() for st in self.stages],
-            "activation_peak": [st.stash.peak for st in self.stages],
-            "bubble_fraction": unit,
-            "bubble_fraction_wall": wall,
-            "compiled_programs": ex.compiler.compiled,
-            "transport": self.config.transport,
-            "stage_indices": [st.index for st in self.stages],
-            "l2_persisting_bytes": list(self._l2.granted),
-            "l2_persistence": self._l2.stats(),
-            "capture": (self._capture.stats() if self._capture is not None
-                        else {"mode": self.config.cuda_graphs or "off"}),
-            "cuda_graphs": [
-                st.bridge.graphs.stats()
-                if st.bridge is not None and st.bridge.graphs is not None else None
-                for st in self.stages
-            ],
-        }
+        return pipeline_stats(self)
 
     def reset_stats(self) -> None:
         """Restart the clock and peak counters (e.g. after warm-up)."""
         self._executor.clock.reset()
+        self._meter.reset()
         for st in self.stages:
+            st.busy_ns = 0
             st.delay_counts.clear()
             st.stash.peak = len(st.stash)
             st.store.reset_peaks()
@@ -531,7 +523,10 @@ class Pipeline:
         rebuilt on load (engine.runtime.inflight says when that is possible)."""
         from engine.runtime.state import pipeline_state_dict
 
-        return pipeline_state_dict(self)
+        state = pipeline_state_dict(self)
+        if self._executor.loss_scaler is not None:  # float16: the scale and its growth tracker
+            state["loss_scaler"] = self._executor.loss_scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any], *, override_hyperparameters: bool = False) -> None:
         """Load ``state_dict()`` output; validated completely before anything changes. The
@@ -539,7 +534,12 @@ class Pipeline:
         ``override_hyperparameters`` (then the checkpoint's values win, as torch's)."""
         from engine.runtime.state import load_pipeline_state_dict
 
-        load_pipeline_state_dict(self, state, override_hyperparameters)
+        scaler = self._executor.loss_scaler
+        check_scaler_state(scaler, state)  # (float16's scale: before anything changes)
+        load_pipeline_state_dict(self, {k: v for k, v in state.items() if k != "loss_scaler"},
+                                 override_hyperparameters)
+        if scaler is not None:
+            scaler.load_state_dict(state["loss_scaler"])
 
     def __repr__(self) -> str:
         return (

@@ -17,6 +17,7 @@ merged in the schedule's rank order (:mod:`engine.runtime.virtual`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ from engine.runtime.build import build_module, build_store, resolve_stage_specs
 from engine.runtime.executor import Executor, StepResult
 from engine.runtime.failures import nonfinite_message
 from engine.runtime.first_failure import begin, report
+from engine.runtime.placement import RankPlacement
 from engine.runtime.program import OP_NAMES, RB, RF, SB, SF, F, StepProgram, U, W
 from engine.runtime.stage import DROPPED
 from engine.runtime.streams import StageStreams
@@ -93,7 +95,9 @@ def build_distributed(
     except ValueError as exc:
         per = f" (interleaved: the {spec.stages} virtual stages run on {ranks} ranks)" if virtual else ""
         raise PipelineConfigError(f"{exc}{per}") from None
-    mine = list(range(layout.stage, spec.stages, ranks))  # virtual stage s runs on rank s % R
+    place = RankPlacement.of(spec)  # round-robin, the V, or any map (engine/runtime/placement.py)
+    layout = dataclasses.replace(layout, last_index=place.last)
+    mine = place.held(layout.stage)
     modules = [build_module(specs[s], s) for s in mine]
     if deferred_batch_norm:
         from engine.runtime.batch_norm import convert_deferred_batch_norm
@@ -114,7 +118,7 @@ def build_distributed(
         from engine.runtime.ties import connect_ties, tie_stages
 
         ties = tie_stages(list(specs), spec, stages=mine)
-        connect_ties(ties, ranks, cfg.data_parallel, layout.stage, layout.replica)
+        connect_ties(ties, ranks, cfg.data_parallel, layout.stage, layout.replica, place.rank_of)
     built = [
         build_store(m, s, optimizer, pipe.config.cuda_graphs)
         for s, m in zip(mine, modules, strict=True)
@@ -126,6 +130,7 @@ def build_distributed(
         weight_prediction=weight_prediction,
         discrepancy_correction=discrepancy_correction,
         deferred_batch_norm=deferred_batch_norm,
+        **pipe.features.describe(),
     )
     held = modules[0] if not virtual else nn.ModuleList(modules)
     fp = fingerprint(spec, cfg, options, ties, bridge.opt if bridge is not None else None, held)
@@ -135,7 +140,7 @@ def build_distributed(
     if virtual:
         from engine.runtime.virtual import VirtualRankRuntime, virtual_transports
 
-        tps = virtual_transports(cfg.transport, layout, spec.stages, device, cfg.timeout)
+        tps = virtual_transports(cfg.transport, layout, spec.stages, device, cfg.timeout, place)
         pipe._rank = VirtualRankRuntime(layout, tps, cfg.timeout)
     else:
         tp = P2PTransport(
@@ -171,6 +176,9 @@ def build_distributed(
 
         pipe._executor.ties = TiedGradients(ties, pipe.stages)
     pipe.replicas = cfg.data_parallel
+    from engine.runtime.step_features import attach
+
+    attach(pipe, layout.pipeline_group)  # clipping, mixed precision, offload
 
 
 def _with_flag(reduce: Callable[[list[Tensor]], None], found_inf: Tensor) -> Callable[[list[Tensor]], None]:
@@ -393,11 +401,10 @@ class RankExecutor(Executor):
                     st.forget_pending()
                 self.skipped_steps += 1
             else:
-                if self.ties is not None:
-                    self.ties.reduce()
-                for _s, _mbs in prog.commit:
-                    if _s in self.by_index:
-                        self.by_index[_s].update()
+                mine = [self.by_index[_s] for _s, _ in prog.commit if _s in self.by_index]
+                self._before_updates(mine)  # tied gradients; clipping's global norm
+                for st in mine:
+                    st.update()
             for st in self.stages:
                 st.reset_in_flight()
         elif nonfinite:
@@ -463,8 +470,9 @@ def rank_step(pipe: Pipeline, inputs: Any, targets: Any) -> Tensor:
     """``Pipeline.step`` on one rank: split what this rank reads, handshake once, run."""
     begin()  # first thing: every rank counts every step call, even one that fails early
     lay = pipe.layout
-    s, S, M = lay.stage, lay.stages, pipe.spec.chunks
-    first, last = s == 0, s == S - 1
+    M = pipe.spec.chunks
+    held = pipe._executor.by_index  # (under a V placement one rank holds the first and the last)
+    first, last = 0 in held, pipe.spec.stages - 1 in held
     if pipe.device.type == "cuda":  # NCCL: the data a rank reads goes to its GPU
         inputs = trees.map_tensors(lambda t: t.to(pipe.device, non_blocking=True), inputs)
         targets = trees.map_tensors(lambda t: t.to(pipe.device, non_blocking=True), targets)
@@ -492,11 +500,12 @@ def rank_step(pipe: Pipeline, inputs: Any, targets: Any) -> Tensor:
         xs, ts, sizes = [None] * M, [None] * M, [1] * M
     rk = pipe._rank
     try:
-        if not rk.handshaken:
-            st = pipe.stages[0]
-            rk.handshake(st.module, xs[0], ts[0], st.loss_fn)
-        elif first:  # new shapes: a clear error before the step instead of one inside it
-            rk.check_inputs(pipe.stages[0].module, xs, pipe._executor.j * M)
+        with pipe._autocast():  # the dry runs see the dtypes autocast gives
+            if not rk.handshaken:
+                st = pipe.stages[0]
+                rk.handshake(st.module, xs[0], ts[0], st.loss_fn)
+            elif first:  # new shapes: a clear error before the step instead of one inside it
+                rk.check_inputs(pipe.stages[0].module, xs, pipe._executor.j * M)
         result = pipe._executor.run_step(xs, ts, sizes)
     except BaseException as exc:  # the first rank to fail is named in its peers' errors
         report(lay.rank, exc)

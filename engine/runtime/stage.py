@@ -31,8 +31,8 @@ skips a parameter whose ``.grad`` is None.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
+from time import perf_counter_ns
 from typing import Any, cast
 
 import torch
@@ -42,9 +42,12 @@ from torch.profiler import record_function
 
 from engine.errors import PipelineInputError
 from engine.runtime import fresh_grads, labels, trees
+from engine.runtime import trace as _trace
+from engine.runtime.amp import autocast_context
 from engine.runtime.optim_bridge import OptimizerBridge
 from engine.runtime.policy import LIVE, PINNED, Transient, WeightPolicy
 from engine.runtime.saved_weights import SavedWeights
+from engine.runtime.stage_update import StageUpdates
 from engine.runtime.stash import DROPPED, ActivationStash, StashEntry, _Dropped
 from engine.runtime.weight_store import LIVE as LIVE_BUFFER
 from engine.runtime.weight_store import WeightStore
@@ -75,7 +78,7 @@ class BackwardJob:
         self.buf = buf
 
 
-class Stage:
+class Stage(StageUpdates):
     """Stage ``index`` of ``num_stages``: runs F(i), B(i) and U on its module and optimizer."""
 
     def __init__(
@@ -103,6 +106,17 @@ class Stage:
         #: called with the stage's flat gradient buffers before each optimizer step: the
         #: data-parallel all-reduce under gloo/NCCL (None: no replicas)
         self.grad_hook: Callable[[list[Tensor]], None] | None = None
+        #: gradient clipping (engine.runtime.clipping), applied before each optimizer step
+        self.clipper: Any = None
+        #: mixed precision (engine.runtime.amp): (dtype, device type) of the stage's autocast,
+        #: and the float16 loss scaler (its scale multiplies the last stage's backward root)
+        self.autocast: tuple[torch.dtype, str] | None = None
+        self.loss_scaler: Any = None
+        #: activation offload (engine.runtime.offload), None when off
+        self.offload: Any = None
+        #: nanoseconds spent in this stage's forwards, backwards and updates (throughput.py)
+        self.busy_ns = 0
+        self._prepared = False  # prepare_grads ran for the pending update
         self.stash = ActivationStash()
         self.updates = 0  # t: updates applied so far
         self.segment_updates = 0  # t when the current segment started (2BW's origin)
@@ -184,12 +198,18 @@ class Stage:
     ) -> tuple[Any, Tensor | None]:
         """F(i): returns (output for the next stage, detached unscaled loss at the last stage)."""
         label = record_function(f"stage{self.index}/F{n}") if labels.profiling() else _NULL
+        tl = _trace.ACTIVE
+        t0 = perf_counter_ns()
         with label:
             labels.CURRENT = (self.index, n, "F")
             try:
                 return self._forward(i, n, x, target, scale)
             finally:
                 labels.CURRENT = None
+                self.busy_ns += perf_counter_ns() - t0
+                if tl is not None:
+                    tl.add(self.index, f"stage{self.index}/F{n}", "forward", t0, {
+                        "micro_batch": n, "version_read": self._t_f.get(n), "live_version": self.updates})
 
     def _forward(
         self, i: int, n: int, x: Any, target: Any, scale: float
@@ -229,6 +249,9 @@ class Stage:
                 if self._saved is not None and not self.recompute:
                     with self._saved.packing(buf):
                         out = self._run(xin, target)
+                elif self.offload is not None and not self.recompute:
+                    with self.offload.saving():  # saved activations to host memory (offload.py)
+                        out = self._run(xin, target)
                 else:
                     out = self._call(xin, target)
             loss = out if self.is_last else None
@@ -261,7 +284,8 @@ class Stage:
         """What the stash keeps of a forward's output for its backward: the scaled loss on
         the last stage; else the output, or of a tree only the leaves that require grad."""
         if self.is_last:
-            return out if scale == 1.0 else out * scale  # x * 1.0 == x: save the launch
+            root = out if scale == 1.0 else out * scale  # x * 1.0 == x: save the launch
+            return root if self.loss_scaler is None else self.loss_scaler.scaled(root)
         return out if isinstance(out, Tensor) else trees.grad_roots(out)
 
     def _recomputable(self) -> Callable[[Any, Any], Tensor]:
@@ -290,6 +314,12 @@ class Stage:
         return run
 
     def _run(self, x: Any, target: Any) -> Any:
+        if self.autocast is not None:  # the forward and its recomputation alike (amp.py)
+            with autocast_context(*self.autocast):
+                return self._run_plain(x, target)
+        return self._run_plain(x, target)
+
+    def _run_plain(self, x: Any, target: Any) -> Any:
         out = self.module(x) if isinstance(x, Tensor) else trees.call(self.module, x)
         if self.is_last:
             assert self.loss_fn is not None
@@ -319,12 +349,19 @@ class Stage:
         """B(i): accumulates weight gradients into the flat buffers; returns the gradient for
         the previous stage (None at stage 0, DROPPED when the micro-batch was dropped)."""
         label = record_function(f"stage{self.index}/B{n}") if labels.profiling() else _NULL
+        tl = _trace.ACTIVE
+        t0 = perf_counter_ns()
         with label:
             labels.CURRENT = (self.index, n, "B")
             try:
                 return self._backward(i, n, grad)
             finally:
                 labels.CURRENT = None
+                self.busy_ns += perf_counter_ns() - t0
+                if tl is not None:
+                    tl.add(self.index, f"stage{self.index}/B{n}", "backward", t0, {
+                        "micro_batch": n, "forward_version": self._t_f.get(n),
+                        "live_version": self.updates})
 
     def _backward(self, i: int, n: int, grad: Any) -> Any:
         job = self.begin_backward(i, n, grad)
@@ -455,6 +492,8 @@ class Stage:
         if job is None:
             return
         self.stash.pop(i)
+        tl = _trace.ACTIVE
+        t0 = perf_counter_ns()
         with record_function(f"stage{self.index}/W{n}") if labels.profiling() else _NULL:
             labels.CURRENT = (self.index, n, "W")
             try:
@@ -462,6 +501,10 @@ class Stage:
             finally:
                 labels.CURRENT = None
                 self.end_backward(job)
+                self.busy_ns += perf_counter_ns() - t0
+                if tl is not None:
+                    tl.add(self.index, f"stage{self.index}/W{n}", "weight", t0,
+                           {"micro_batch": n, "live_version": self.updates})
 
     def end_backward(self, job: BackwardJob) -> None:
         """Release what the job pinned (also when its backward raised)."""
@@ -479,68 +522,6 @@ class Stage:
         if not xin.requires_grad:
             return None
         return xin.grad if xin.grad is not None else torch.zeros_like(xin)
-
-    # ------------------------------------------------------------------ update
-
-    def update(self, expected_weight: float | None = 1.0) -> None:
-        """U: apply the accumulated gradient (mean over the coalesced samples) and advance t.
-
-        Gradients were accumulated with each micro-batch's loss scaled so that a full group
-        sums to the mean loss; a partial group (flush) or one with dropped micro-batches is
-        renormalised by the weight that actually arrived, so no gradient is silently lost or
-        double counted. A group in which nothing arrived applies no step (t still advances:
-        the schedule's version numbering does not depend on what was dropped)."""
-        label = record_function(f"stage{self.index}/U{self.updates}") if labels.profiling() else _NULL
-        with label:
-            store = self.store
-            policy = self.policy
-            store.before_update(policy.keep_live_at_update(self))
-            w = self.pending_weight
-            written = None
-            if w > 0.0 and self.bridge is not None:  # (no bridge: a stage without parameters)
-                if expected_weight is not None and not math.isclose(w, expected_weight, rel_tol=1e-9):
-                    store.scale_grads(expected_weight / w)
-                if self.grad_hook is not None:
-                    self.grad_hook(store.grad_flats())
-                key = policy.prediction_key(self)
-                if key is not None and self._trivial(Transient(*key)):
-                    key = None  # the forward reads the live weights: nothing to predict
-                written = self.bridge.step(store, key)
-                if self.scheduler is not None:
-                    self.scheduler.step()
-            elif w <= 0.0:
-                self.skipped_updates += 1
-            store.finish_update(written)
-            self._account(self.pending_mbs)
-            self.updates += 1
-            self.pending = 0
-            self.pending_weight = 0.0
-            self.pending_mbs = []
-
-    def _account(self, mbs: list[int]) -> None:
-        for n in mbs:
-            d = self.updates - self._t_f.pop(n, self.updates)
-            self.delay_counts[d] = self.delay_counts.get(d, 0) + 1
-            if self.trace:
-                self.records.setdefault(n, {})["update"] = self.updates
-
-    # ------------------------------------------------------------------ recovery
-
-    def discard_gradients(self) -> None:
-        """Forget the accumulated gradients (a rolled-back or skipped synchronous step, or a
-        backward that failed halfway: its partial sums cannot be told apart)."""
-        self.store.zero_grads()
-        self.pending_weight = 0.0
-        if self.bridge is not None and self.bridge.skip is not None:
-            self.bridge.skip.clear()
-
-    def forget_pending(self) -> None:
-        """Forget the pending group entirely (a rolled-back synchronous step)."""
-        self.discard_gradients()
-        for n in self.pending_mbs:
-            self._t_f.pop(n, None)
-        self.pending = 0
-        self.pending_mbs = []
 
     def reset_in_flight(self) -> None:
         """Drop stashed activations and kept weight versions (rollback, end of a segment)."""

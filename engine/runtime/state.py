@@ -99,7 +99,8 @@ def _type_name(obj: Any) -> str:
 
 #: group keys the runtime or an LR scheduler sets: they may differ between a fresh pipeline
 #: and a checkpoint of the same configuration
-_RUNTIME_KEYS = {"params", "delay", "lr_scale", "prediction_lr", "prediction_horizon", "initial_lr"}
+_RUNTIME_KEYS = {"params", "delay", "lr_scale", "prediction_lr", "prediction_horizon", "initial_lr",
+                 "pipemare_scale", "pipemare_base", "pipemare_lr"}
 
 
 def _plain(v: Any) -> Any:

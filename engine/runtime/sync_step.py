@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.runtime import labels
+from engine.runtime import trace as _trace
 from engine.runtime.failures import Outcome
 from engine.runtime.program import StepProgram, U
 from engine.runtime.rollback import BufferTracker, RollbackPoint
@@ -43,6 +44,9 @@ class SynchronousSteps:
     on_nonfinite: str
     dropped: int
     skipped_steps: int
+    ties: Any
+    clipper: Any
+    loss_scaler: Any
 
     # ------------------------------------------------------------------ synchronous steps
 
@@ -65,8 +69,8 @@ class SynchronousSteps:
         point = RollbackPoint(self.tracker, self._cuda_devices())
         # one autograd call per micro-batch through every stage (no update happens inside a
         # synchronous step, so chaining the stages' graphs computes exactly what per-stage
-        # backwards compute); while profiling, per-stage backwards keep their labels
-        chain = self.chain_sync and not labels.profiling()
+        # backwards compute); while profiling or tracing, per-stage backwards keep their labels
+        chain = self.chain_sync and not labels.profiling() and _trace.ACTIVE is None
         for st in self.stages:
             st.chain = chain
             # a chained backward runs through every stage: all take fresh gradients
@@ -124,8 +128,7 @@ class SynchronousSteps:
         the first error is raised afterwards (nothing is left half-applied)."""
         first: BaseException | None = None
         base = self.j * self.M
-        if self.ties is not None:
-            self.ties.reduce()
+        self._before_updates([self.by_index[s] for s, _ in prog.commit])
         for s, mbs in prog.commit:
             st = self.by_index[s]
             if self.log is not None:
@@ -139,6 +142,31 @@ class SynchronousSteps:
                     self._note(exc, (U, s, mbs), base, Outcome.UPDATE_PHASE_FAILED)
         if first is not None:
             raise first
+
+    def _before_updates(self, stages: list[Stage]) -> None:
+        """What a synchronous update phase needs from all its stages before any steps: tied
+        gradients summed; with clipping, every gradient final (renormalised, the
+        data-parallel mean) and the global norm taken (one reduction over the ranks); with
+        float16 loss scaling, unscaled and the step's one found_inf decided first."""
+        if self.ties is not None:
+            self.ties.reduce()
+        scaler = self.loss_scaler
+        if self.clipper is None and scaler is None:
+            return
+        # on the caller's stream, after every stage stream's backwards; the stage streams'
+        # updates start after it (CUDA stage streams; nothing to do on the CPU)
+        self.streams.join()
+        for st in stages:
+            st.prepare_grads()
+        if scaler is not None:  # unscaled first (GradScaler.unscale_), then clipped
+            scaler.unscale(stages)
+        if self.clipper is not None:  # its all-reduce carries found_inf along
+            self.clipper.begin_step(stages, None if scaler is None else scaler.found_inf)
+        elif scaler is not None:
+            scaler.reduce()
+        if scaler is not None:
+            scaler.update()  # the next step's scale; this step's found_inf stays for the updates
+        self.streams.wait_caller()
 
     def _rollback(self, point: RollbackPoint) -> None:
         self.streams.join()

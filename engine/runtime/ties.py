@@ -18,6 +18,7 @@ without a policy of its own (docs/ALGORITHMS.md, "Tied parameters").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,16 +124,25 @@ def tie_stages(modules: list[nn.Module], spec: Any, stages: list[int] | None = N
     return groups
 
 
-def connect_ties(groups: list[TieGroup], stages: int, replicas: int, stage: int, replica: int) -> None:
+def connect_ties(
+    groups: list[TieGroup],
+    stages: int,
+    replicas: int,
+    stage: int,
+    replica: int,
+    rank_of: Callable[[int], int] | None = None,
+) -> None:
     """One process group per tie group and replica: the holders' ranks (global rank
     ``replica * stages + stage``). ``new_group`` is collective over the world, so every rank
     creates every group in the same order and keeps the one it belongs to.
 
     With virtual stages ``stages`` is the number of ranks R and ``stage`` this rank: holder
     s runs on rank s % R, and a rank holding several holders sums them before the all-reduce
-    (:class:`TiedGradients`); holders all on one rank need no group."""
+    (:class:`TiedGradients`); holders all on one rank need no group. ``rank_of``: the rank
+    of a stage under another placement (the V puts stages 0 and 2R-1 on rank 0)."""
+    where = rank_of or (lambda s: s % stages)
     for g in groups:
-        ranks = sorted({s % stages for s in g.stages})
+        ranks = sorted({where(s) for s in g.stages})
         if len(ranks) < 2:
             continue
         for r in range(replicas):

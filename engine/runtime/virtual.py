@@ -21,7 +21,15 @@ The rank runs its stages' actions in the schedule's ``rank_order`` (``StepProgra
 one at a time with blocking receives; the validator checks exactly that execution for
 deadlocks. Gradients are flushed and applied per virtual stage, as in one process.
 
-Supported: synchronous programs with a rank order (``schedule="interleaved"``), trees,
+Placement: virtual stage s runs on rank s % R unless the program names a ``placement`` (the
+V of ``zbv``/``dualpipev``: rank r holds r and 2R-1-r; or any map from a CSV), which
+:class:`~engine.runtime.placement.RankPlacement` reads. A boundary whose two stages one rank
+holds (the V's bottom, contiguous blocks) gets no process group: its sides are the two ends
+of a :class:`~engine.runtime.transport.local_link.LocalLink`, which hands the value over in
+the process, exactly as the single-process executor does.
+
+Supported: synchronous programs with a rank order (``schedule="interleaved"``, ``looped_bfs``,
+``zbv``, ``dualpipev``, CSV imports), any placement, trees,
 masks, variable shapes, tied weights, data-parallel replicas (each virtual stage's gradients
 are all-reduced over its replicas at its update, in the same stage order on every replica).
 Refused: asynchronous programs over virtual stages, and one rank per replica
@@ -39,7 +47,9 @@ from torch import nn
 
 from engine.errors import PipelineConfigError, PipelineInputError
 from engine.runtime.distributed import RankRuntime
+from engine.runtime.placement import RankPlacement
 from engine.runtime.transport.layout import Layout
+from engine.runtime.transport.local_link import LocalEnd, LocalLink
 from engine.runtime.transport.p2p import P2PTransport
 from engine.schedule.spec import ScheduleSpec
 
@@ -57,12 +67,6 @@ def check_virtual(spec: ScheduleSpec, data_parallel: int) -> int:
         raise PipelineConfigError(
             f"{what} is asynchronous; across processes virtual stages run synchronous programs "
             "only (schedule='interleaved'); use transport='local'"
-        )
-    if program.placement is not None:  # the V's turn joins two stages of one rank
-        raise PipelineConfigError(
-            f"{what} places its stages as {[list(r) for r in program.placement]}; across "
-            "processes only round-robin placement runs so far (stage s on rank s % R: "
-            "interleaved, looped_bfs); run V schedules (zbv, dualpipev) with transport='local'"
         )
     if R < 2:
         raise PipelineConfigError(
@@ -103,11 +107,20 @@ class VirtualStageTransport:
         V = len(ranks)
         self.stage = stage
         self.ranks = list(ranks)
-        self.down = (
-            P2PTransport(backend, stage, ranks, groups[stage], device, timeout) if stage < V - 1 else None
-        )
-        self.up = _UpSide(backend, stage, ranks, groups[stage - 1], device, timeout) if stage > 0 else None
-        if self.up is not None:
+        self.down: Any = None
+        self.up: Any = None
+        if stage < V - 1:  # a boundary within this rank is a LocalLink (transport/local_link.py)
+            below = groups[stage]
+            self.down = (
+                below.down if isinstance(below, LocalLink)
+                else P2PTransport(backend, stage, ranks, below, device, timeout)
+            )
+        if stage > 0:
+            above = groups[stage - 1]
+            self.up = (
+                above.up if isinstance(above, LocalLink)
+                else _UpSide(backend, stage, ranks, above, device, timeout)
+            )
             self.up.onward = self.down
         self.sides = [t for t in (self.up, self.down) if t is not None]
         main = self.sides[0]
@@ -140,7 +153,7 @@ class VirtualStageTransport:
             self.down.poison(message)
 
     def unsupported(self, tree: Any) -> str:
-        return self.sides[0].unsupported(tree)
+        return (self.down or self.sides[0]).unsupported(tree)  # (the side the output leaves by)
 
     def wait(self, work: Any, what: str, peer: int | None = None) -> None:
         self.sides[0].wait(work, what, peer)
@@ -172,28 +185,44 @@ class VirtualStageTransport:
     def held(self) -> int:
         """Works and bookkeeping both sides still hold (0 after a synchronous step)."""
         return sum(
-            len(t._sends) + len(t._posted) + len(t._heads) + len(t._sent_sigs) + len(t._recv_sigs)
+            t.held() if isinstance(t, LocalEnd)
+            else len(t._sends) + len(t._posted) + len(t._heads) + len(t._sent_sigs) + len(t._recv_sigs)
             for t in self.sides
         )
 
 
 def virtual_transports(
-    backend: str, layout: Layout, V: int, device: torch.device, timeout: float
+    backend: str,
+    layout: Layout,
+    V: int,
+    device: torch.device,
+    timeout: float,
+    placement: RankPlacement | None = None,
 ) -> dict[int, VirtualStageTransport]:
     """The transports of this rank's virtual stages, and one process group per boundary and
     replica (``new_group`` is collective over the world: every rank creates every group, in
-    the same order, and keeps its replica's)."""
+    the same order, and keeps its replica's). A boundary whose two stages this rank holds
+    (the V's bottom) gets no group but a :class:`LocalLink`. ``placement``: which rank holds
+    which stage (default round-robin, stage s on rank s % R)."""
     R = layout.stages
+    place = placement or RankPlacement(tuple(s % R for s in range(V)), R)
     groups: list[Any] = []
     for d in range(layout.replicas):
-        of = [d * R + s % R for s in range(V)]  # global rank of each virtual stage in replica d
-        made = [dist.new_group(sorted({of[b], of[b + 1]})) for b in range(V - 1)]
+        of = [d * R + place.rank_of(s) for s in range(V)]  # global rank of each stage in replica d
+        made = [
+            None if place.same_rank(b) else dist.new_group(sorted({of[b], of[b + 1]}))
+            for b in range(V - 1)
+        ]
         if d == layout.replica:
             groups = made
-    ranks = [layout.pipeline_ranks[s % R] for s in range(V)]
+    ranks = [layout.pipeline_ranks[place.rank_of(s)] for s in range(V)]
+    groups = [
+        LocalLink(b, ranks, device, timeout, backend) if g is None else g
+        for b, g in enumerate(groups)
+    ]
     return {
         s: VirtualStageTransport(backend, s, ranks, groups, device, timeout)
-        for s in range(layout.stage, V, R)
+        for s in place.held(layout.stage)
     }
 
 
@@ -205,12 +234,14 @@ class VirtualRankRuntime(RankRuntime):
     def __init__(
         self, layout: Layout, transports: dict[int, VirtualStageTransport], timeout: float
     ) -> None:
-        super().__init__(layout, transports[layout.stage], timeout)  # type: ignore[arg-type]
+        super().__init__(layout, transports[min(transports)], timeout)  # type: ignore[arg-type]
         self.transports = transports
         V = len(next(iter(transports.values())).ranks)
         self.per_stage = {
             s: RankRuntime(
-                dataclasses.replace(layout, stage=s, stages=V, pipeline_ranks=tuple(tp.ranks)),
+                dataclasses.replace(
+                    layout, stage=s, stages=V, pipeline_ranks=tuple(tp.ranks), last_index=-1
+                ),
                 tp,  # type: ignore[arg-type]
                 timeout,
             )

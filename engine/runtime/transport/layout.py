@@ -39,11 +39,19 @@ class Layout:
     pipeline_group: Any
     dp_ranks: tuple[int, ...]  # global rank of this stage in every replica
     dp_group: Any  # None when replicas == 1
+    #: position in ``pipeline_ranks`` of the rank that holds the last stage (the loss): the
+    #: last one, except under a placement such as the V (engine/runtime/placement.py)
+    last_index: int = -1
 
     @property
     def last_rank(self) -> int:
         """Global rank of this replica's last stage (it computes the loss)."""
-        return self.pipeline_ranks[-1]
+        return self.pipeline_ranks[self.last_index]
+
+    @property
+    def holds_last(self) -> bool:
+        """Whether this rank holds the last stage (computes the loss and sends it)."""
+        return self.stage == self.last_index % self.stages
 
 
 def init_distributed(backend: str, timeout: float) -> None:

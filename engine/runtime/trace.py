@@ -1,0 +1,180 @@
+"""A trace of what ran: Chrome/Perfetto trace-event JSON of a pipeline's executed actions.
+
+Why: ``stats()`` gives bubble fractions; a user chasing a stall needs the timeline itself --
+which stage ran which forward, backward, weight gradient and update when, and under
+gloo/NCCL where a rank sat in a send, a receive or an all-reduce. ``with pipe.trace(path):``
+records every action run inside the block and writes one JSON file in the Trace Event Format
+(open it in https://ui.perfetto.dev or chrome://tracing):
+
+* one complete event (``"ph": "X"``) per action, named as the runtime's ``torch.profiler``
+  labels (``stage2/F17``, ``stage2/B17``, ``stage2/W17``, ``stage2/U5``), so a profiler trace
+  recorded alongside lines up with it; ``args`` carry the micro-batch id, the weight version
+  its forward read (``version_read`` at F, ``forward_version`` at B) and the live version,
+  and for an update the micro-batches it applies and the version it makes;
+* under gloo/NCCL also the rank's ``send``/``recv`` (the receive includes its wait),
+  ``wait_sends`` and the data-parallel ``allreduce``;
+* ``pid`` is the rank (0 locally), ``tid`` the stage; the process and thread names are
+  metadata events. Under gloo/NCCL every rank records its own events and rank 0 writes the
+  merged file: timestamps count from the barrier every rank passes when the trace starts, so
+  the ranks share one clock (to within the barrier's exit skew).
+
+Times are the host's: on a GPU an action's span is the time its kernels took to enqueue (a
+stall shows where the host waited); record ``torch.profiler`` alongside for device times --
+its ``stageS/...`` labels are the same names. While recording, every stage's backward runs as
+its own autograd call (as while a profiler
+records), so each has its own event. Disabled, the cost is one module-attribute check per
+action (:data:`ACTIVE` is None).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.runtime.pipeline import Pipeline
+
+__all__ = ["Timeline", "ACTIVE", "trace", "validate_trace_events"]
+
+
+class Timeline:
+    """Events of one process, in microseconds since the trace's start."""
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+        self.events: list[dict[str, Any]] = []
+        self.origin = time.perf_counter_ns()
+        self.stages: set[int] = set()
+
+    def now(self) -> int:
+        return time.perf_counter_ns()
+
+    def add(self, stage: int, name: str, cat: str, t0: int, args: dict[str, Any]) -> None:
+        t1 = time.perf_counter_ns()
+        self.stages.add(stage)
+        self.events.append({
+            "name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": stage,
+            "ts": (t0 - self.origin) / 1000.0, "dur": (t1 - t0) / 1000.0, "args": args,
+        })
+
+    def metadata(self) -> list[dict[str, Any]]:
+        out = [{"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0,
+                "args": {"name": f"rank {self.rank}"}}]
+        out += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": s,
+                 "args": {"name": f"stage {s}"}} for s in sorted(self.stages)]
+        return out
+
+
+#: the timeline being recorded, or None (the hot path checks only this)
+ACTIVE: Timeline | None = None
+
+
+def _timed(tl: Timeline, fn: Any, stage: int, name: str, args_of: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        t0 = tl.now()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            tl.add(stage, name, "comm", t0, args_of(*args))
+
+    return run
+
+
+def _wrap_rank(pipe: Pipeline, tl: Timeline) -> list[tuple[Any, str, Any]]:
+    """Time the rank's communication (instance attributes, put back afterwards)."""
+    saved: list[tuple[Any, str, Any]] = []
+    ex = pipe._executor
+    for s, tp in getattr(ex, "transports", {}).items():
+        for name, args_of in (
+            ("send", lambda ch, st, mb, *a: {"channel": ch, "micro_batch": mb}),
+            ("recv", lambda ch, st, mb, *a: {"channel": ch, "micro_batch": mb}),
+            ("wait_sends", lambda *a: {}),
+        ):
+            saved.append((tp, name, tp.__dict__.get(name)))
+            setattr(tp, name, _timed(tl, getattr(tp, name), s, name, args_of))
+    for st in pipe.stages:
+        if st.grad_hook is not None:
+            saved.append((st, "grad_hook", st.grad_hook))
+            st.grad_hook = _timed(tl, st.grad_hook, st.index, "allreduce", lambda *a: {})
+    return saved
+
+
+@contextlib.contextmanager
+def trace(pipe: Pipeline, path: str | os.PathLike[str]) -> Iterator[Timeline]:
+    """Record the actions run inside the block; write ``path`` at its end (module docstring).
+    Under gloo/NCCL every rank must enter and leave the block (a barrier and a gather)."""
+    global ACTIVE
+    if ACTIVE is not None:
+        raise RuntimeError("a pipeline trace is already being recorded in this process")
+    distributed = pipe.config.distributed
+    rank = pipe.layout.rank if distributed else 0
+    if distributed:
+        import torch.distributed as dist
+
+        dist.barrier()  # the common origin of every rank's clock
+    tl = Timeline(rank)
+    saved = _wrap_rank(pipe, tl) if distributed else []
+    ACTIVE = tl
+    try:
+        yield tl
+    finally:
+        ACTIVE = None
+        for obj, name, old in saved:
+            if old is None and name != "grad_hook":
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+    events = tl.metadata() + tl.events
+    if distributed:
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, events)
+        if rank != 0:
+            return
+        events = [e for part in gathered for e in part]
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+_PHASES = set("BEXiIbneCMsftPNODRc")
+
+
+def validate_trace_events(doc: Any) -> list[str]:
+    """Problems of ``doc`` against the Trace Event Format (the JSON object form); [] if none.
+    Checks what Perfetto and chrome://tracing need to load it: a ``traceEvents`` list of
+    objects with a known ``ph``, integer ``pid``/``tid``, numeric ``ts`` (and ``dur`` >= 0
+    for complete events), string names, and ``args`` objects."""
+    problems: list[str] = []
+    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
+        return ["the document is not an object with a 'traceEvents' list"]
+    for k, e in enumerate(doc["traceEvents"]):
+        where = f"event {k}"
+        if not isinstance(e, dict):
+            problems.append(f"{where} is not an object")
+            continue
+        ph = e.get("ph")
+        if ph not in _PHASES:
+            problems.append(f"{where}: unknown ph {ph!r}")
+        if not isinstance(e.get("name"), str):
+            problems.append(f"{where}: name is not a string")
+        for key in ("pid", "tid"):
+            if not isinstance(e.get(key), int):
+                problems.append(f"{where}: {key} is not an integer")
+        if "args" in e and not isinstance(e["args"], dict):
+            problems.append(f"{where}: args is not an object")
+        if ph == "M":
+            if e.get("name") in ("process_name", "thread_name") and not isinstance(
+                e.get("args", {}).get("name"), str
+            ):
+                problems.append(f"{where}: metadata without args.name")
+            continue
+        if not isinstance(e.get("ts"), (int, float)):
+            problems.append(f"{where}: ts is not a number")
+        if ph == "X" and not (isinstance(e.get("dur"), (int, float)) and e["dur"] >= 0):
+            problems.append(f"{where}: a complete event needs dur >= 0")
+    return problems

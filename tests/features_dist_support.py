@@ -1,0 +1,171 @@
+"""Multi-process phases of the step features (clipping, mixed precision, trace) under gloo.
+
+Why a file of its own: distributed_support.py's worker looks phases up in its own module;
+these phases spawn through :func:`spawn` here, reusing its model and data helpers."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from distributed_support import _local, _train, batch, configs, free_port, replica_rows, stage_factories
+from torch import nn
+
+STEPS = 4
+CLIP = 0.02
+
+
+def _clip_configs(S: int) -> dict[str, dict[str, Any]]:
+    base = configs(S)
+    names = ["gpipe", "1f1b-adam", "zbh1", "pb", "pb-lwp", "pipedream", "2bw"]
+    return {n: dict(base[n], clip_grad_norm=CLIP) for n in names}
+
+
+def phase_clip(rank: int, S: int, R: int = 1) -> dict[str, Any]:
+    """Clipping under gloo vs the local run: bit for bit with one replica; with R replicas
+    against one replica with the R-times larger batch (the mean over replicas rounds)."""
+    from engine import Pipeline
+
+    out: dict[str, Any] = {}
+    B = 8
+    for name, kw in _clip_configs(S).items():
+        if R > 1 and name not in ("gpipe", "pipedream"):
+            continue
+        try:
+            pipe = Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo",
+                            data_parallel=R, timeout=30, **kw)
+            shard = replica_rows(pipe.layout.replica, R, B // kw["chunks"]) if R > 1 else None
+            losses = _train(pipe, STEPS, B=R * B, shard=shard)
+            ref, ref_losses = _local(S, kw, STEPS, B=R * B)
+            s = pipe.layout.stage
+            mine = [p.detach() for p in pipe.stages[0].module.parameters()]
+            theirs = [p.detach() for p in ref.stages[s].module.parameters()]
+            norm, ref_norm = pipe.stats()["grad_norm"][0], ref.stats()["grad_norm"][s]
+            out[name] = {
+                "weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
+                "max_diff": max(float((a - b).abs().max()) for a, b in zip(mine, theirs, strict=True)),
+                "losses_equal": all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)),
+                "norm": float(norm),
+                "ref_norm": float(ref_norm),
+            }
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+def _amp_configs(S: int) -> dict[str, dict[str, Any]]:
+    base = configs(S)
+    fp16 = dict(autocast=torch.float16, grad_scaler=dict(init_scale=2.0**22, growth_interval=2))
+    return {
+        "gpipe-fp16": dict(base["gpipe"], **fp16),
+        "1f1b-adam-fp16-clip": dict(base["1f1b-adam"], clip_grad_norm=CLIP, **fp16),
+        "naive-torch-fp16": dict(base["naive"], **fp16),
+        "1f1b-bf16": dict(base["1f1b-adam"], autocast=torch.bfloat16),
+        "pb-bf16-clip": dict(base["pb"], autocast=torch.bfloat16, clip_grad_norm=CLIP),
+        # asynchronous float16: a static scale, each update group skipped on its own
+        "pb-fp16-clip": dict(base["pb"], autocast=torch.float16, clip_grad_norm=CLIP,
+                             grad_scaler=dict(init_scale=2.0**6)),
+        "pipedream-fp16-overflow": dict(base["pipedream"], autocast=torch.float16,
+                                        grad_scaler=dict(init_scale=2.0**40)),
+    }
+
+
+def phase_amp(rank: int, S: int) -> dict[str, Any]:
+    """Mixed precision under gloo vs the local run, bit for bit: float16's one found_inf per
+    step spans the ranks (alone, or inside clipping's all-reduce)."""
+    from engine import Pipeline
+
+    out: dict[str, Any] = {}
+    for name, kw in _amp_configs(S).items():
+        try:
+            pipe = Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo",
+                            timeout=30, **kw)
+            losses = _train(pipe, 6)
+            ref, ref_losses = _local(S, kw, 6)
+            s = pipe.layout.stage
+            mine = [p.detach() for p in pipe.stages[0].module.parameters()]
+            theirs = [p.detach() for p in ref.stages[s].module.parameters()]
+            initial = [p.detach() for p in stage_factories(S)[s]().parameters()]
+            st, rst = pipe.stats(), ref.stats()
+            out[name] = {
+                "weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
+                "losses_equal": all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)),
+                "moved": any(not torch.equal(a, b) for a, b in zip(mine, initial, strict=True)),
+                "skipped": st["amp_skipped_steps"],
+                "ref_skipped": rst["amp_skipped_steps"],
+                "group_skips": None if st["amp_skipped_updates"] is None
+                else st["amp_skipped_updates"][0],
+                "ref_group_skips": None if rst["amp_skipped_updates"] is None
+                else rst["amp_skipped_updates"][s],
+                "scale": None if st["loss_scale"] is None else float(st["loss_scale"]),
+                "ref_scale": None if rst["loss_scale"] is None else float(rst["loss_scale"]),
+            }
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+def phase_trace(rank: int, S: int, path: str) -> dict[str, Any]:
+    """Every rank records inside ``pipe.trace(path)``; rank 0 writes the merged file."""
+    from engine import Pipeline
+
+    kw = dict(configs(S)["1f1b-adam"])
+    pipe = Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo",
+                    timeout=30, **kw)
+    ref, _ = _local(S, kw, 3)
+    with pipe.trace(path):
+        _train(pipe, 3)
+    s = pipe.layout.stage
+    mine = [p.detach() for p in pipe.stages[0].module.parameters()]
+    theirs = [p.detach() for p in ref.stages[s].module.parameters()]
+    return {"weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
+            "throughput": pipe.stats()["throughput"]}
+
+
+def _worker(rank: int, world: int, port: int, phases: list[tuple[str, dict[str, Any]]], outdir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    results: dict[str, Any] = {}
+    path = os.path.join(outdir, f"rank{rank}.pt")
+    try:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        for name, kw in phases:
+            results[name] = globals()[f"phase_{name}"](rank, **kw)
+            torch.save(results, path)
+    except Exception:
+        results["fatal"] = traceback.format_exc()
+    torch.save(results, path)
+    os._exit(0)
+
+
+def spawn(world: int, phases: list[tuple[str, dict[str, Any]]], timeout: float = 240.0) -> list[dict[str, Any]]:
+    """Run ``phases`` (functions ``phase_<name>`` of this module) on ``world`` gloo ranks."""
+    outdir = tempfile.mkdtemp(prefix="engine-feat-")
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, phases, outdir)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():  # only our own children, by handle
+            p.kill()
+            p.join(5)
+    out = []
+    for r in range(world):
+        path = os.path.join(outdir, f"rank{r}.pt")
+        out.append(torch.load(path, weights_only=False) if os.path.exists(path) else {})
+    return out
+
+
+__all__ = ["spawn", "batch"]
