@@ -107,6 +107,16 @@ def test_captured_steps_equal_eager_bitwise(schedule: str) -> None:
     assert cap["mode"] == "program" and cap["window"] == "synchronous step"
 
 
+@pytest.mark.parametrize("kw", [{"clip_grad_norm": 1.0}, {"autocast": torch.bfloat16},
+                                {"autocast": torch.float16}], ids=["clip", "bf16", "fp16-scaled"])
+def test_step_features_are_captured_and_equal_eager(kw) -> None:
+    """Clipping by the global norm and autocast (float16: device-side loss scaling) keep
+    their state on the device: captured, replayed, equal to eager."""
+    a, b = make("1f1b", **kw), make("1f1b", False, **kw)
+    cap = run_both(a, b, data(6))
+    assert (cap["captures"], cap["replays"]) == (1, 3), cap
+
+
 def test_staging_buffers_are_static_and_copied_once_per_leaf() -> None:
     """Trees (a dict with a mask and a constant leaf; tuple targets): one buffer per tensor
     leaf and slot, the same addresses every step, one copy per leaf and slot per step."""
@@ -340,6 +350,7 @@ def test_asynchronous_schedules_are_refused(schedule: str) -> None:
 @pytest.mark.parametrize(("kw", "match"), [
     ({"cuda_streams": True}, "cuda_streams"),
     ({"trace": True}, "trace=True"),
+    ({"offload_activations": True}, "offload_activations"),
     ({"optimizer": lambda p: torch.optim.SGD(p, lr=0.1)}, "torch.optim.sgd.SGD"),
     ({"optimizer": lambda p: engine.optim.SGD(p, lr=0.1, fused=False)}, "fused=False"),
 ])

@@ -84,7 +84,7 @@ def use_backend(backend: GraphBackend) -> Iterator[None]:
         _TEST_BACKEND = old
 
 
-def program_refusal(spec: Any, config: Any) -> str | None:
+def program_refusal(spec: Any, config: Any, features: Any = None) -> str | None:
     """Why ``cuda_graphs="program"`` cannot run this schedule and configuration (None: it
     can); checked before any module is built. The optimizers and devices are checked by
     :func:`optimizer_refusal` as each stage is built."""
@@ -95,16 +95,19 @@ def program_refusal(spec: Any, config: Any) -> str | None:
     if config.cuda_streams:
         return ("cuda_graphs='program' with cuda_streams=True: stage streams inside a graph "
                 "(concurrent branches) are not captured yet; pass cuda_streams=False")
+    if features is not None and getattr(features, "offload_activations", False):
+        return ("cuda_graphs='program' with offload_activations=True: copies to host memory "
+                "inside a captured step are not captured yet")
     if config.trace:
         return ("cuda_graphs='program' with trace=True: the trace records on the host at every "
                 "action, which a replay would not do")
     return None
 
 
-def refuse_program(spec: Any, config: Any) -> None:
+def refuse_program(spec: Any, config: Any, features: Any = None) -> None:
     """Raise PipelineConfigError with :func:`program_refusal`'s reason, if any (a no-op
     unless ``config.cuda_graphs == "program"``)."""
-    why = program_refusal(spec, config) if config.cuda_graphs == "program" else None
+    why = program_refusal(spec, config, features) if config.cuda_graphs == "program" else None
     if why is not None:
         raise PipelineConfigError(why)
 

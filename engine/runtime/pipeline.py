@@ -228,7 +228,7 @@ class Pipeline:
         specs = resolve_stage_specs(stages, balance)
         self.balance = list(balance) if balance is not None else None
         spec = self._resolve(schedule, len(specs), chunks, update_size, order)
-        refuse_program(spec, self.config)
+        refuse_program(spec, self.config, self.features)
         modules = [build_module(m, s) for s, m in enumerate(specs)]
         if deferred_batch_norm:
             from engine.runtime.batch_norm import convert_deferred_batch_norm
