@@ -401,8 +401,14 @@ class ProgramCapture:
                                   f"{op.where}): not captured")
             self.reason = self._refused[key]
         else:
-            self.reason = ("a new capture key (batch shapes, micro-batch sizes or optimizer "
-                           "options such as lr): captured when a later step repeats it")
+            known = [k for k in (*self._graphs, *self._seen) if isinstance(k, tuple)]
+            if any(k[:2] == key[:2] and k[3:] == key[3:] for k in known):  # type: ignore[index]
+                self.reason = ("optimizer options changed (e.g. lr: engine.optim's fused "
+                               "kernels take it as a launch argument, not a device tensor, so a "
+                               "new value is a new graph): captured when a later step repeats it")
+            else:
+                self.reason = ("a new capture key (batch shapes, micro-batch sizes or optimizer "
+                               "options such as lr): captured when a later step repeats it")
             self._seen[key] = None
             while len(self._seen) > self.cache:
                 self._seen.popitem(last=False)
