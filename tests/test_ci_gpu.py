@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / ".ci" / "gpu"
-PHASES = ["build", "test", "test-optim", "bench-kernels", "bench-pipeline"]
+PHASES = ["build", "test", "test-optim", "bench-kernels", "bench-pipeline", "bench-capture"]
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
@@ -99,7 +99,8 @@ def test_each_phase_lists_its_commands_and_writes_nothing(tmp_path: Path) -> Non
 
     assert {k.split("/")[1] for k in listed["bench-kernels"]} == {"optim", "l2_persistence"}
     assert {k.split("/")[1] for k in listed["bench-pipeline"]} >= {"overhead", "pipeline_gloo"}
-    for phase in ("bench-kernels", "bench-pipeline"):
+    assert set(listed["bench-capture"]) == {"bench-capture/pipeline_capture_gpu"}
+    for phase in ("bench-kernels", "bench-pipeline", "bench-capture"):
         for argv in listed[phase].values():
             assert argv[argv.index("--out") + 1] == f"{out}/{phase}"
 

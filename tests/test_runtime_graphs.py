@@ -170,7 +170,7 @@ def test_refused_before_the_model_moves(opt, words):
 
 
 def test_option_type_checked():
-    with pytest.raises(PipelineConfigError, match="cuda_graphs=1 must be True or False"):
+    with pytest.raises(PipelineConfigError, match="cuda_graphs=1 must be False \\(off\\), 'optimizer'"):
         Pipeline([nn.Linear(4, 2)], schedule="pb", chunks=2, loss_fn=nn.functional.mse_loss,
                  optimizer=lambda p: eo.SGD(p, lr=0.1), cuda_graphs=1)
 

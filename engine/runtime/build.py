@@ -103,7 +103,7 @@ def build_store(
     module: nn.Module,
     s: int,
     factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-    cuda_graphs: bool = False,
+    cuda_graphs: bool | str = False,
 ) -> tuple[WeightStore, OptimizerBridge | None]:
     """The weight store and optimizer bridge of stage ``s`` (module docstring).
     ``cuda_graphs``: refuse an optimizer or device the graphs cannot capture before the
@@ -121,9 +121,9 @@ def build_store(
             "torch.optim.Optimizer (e.g. optimizer=lambda params: engine.optim.SGD(params, lr=0.1))"
         )
     if cuda_graphs:
-        from engine.runtime.graphs import graph_refusal
+        from engine.runtime.capture import optimizer_refusal
 
-        reason = graph_refusal(s, opt, named[0][1].device)
+        reason = optimizer_refusal(s, opt, named[0][1].device, cuda_graphs)
         if reason is not None:
             raise PipelineConfigError(reason)
     where = {id(t): i for i, t in enumerate(temp)}

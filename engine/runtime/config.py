@@ -52,7 +52,9 @@ class PipelineConfig:
     trace: bool
     correction_decay: float
     l2_persistence: float = 0.0  # fraction of the device's persisting L2; 0: off
-    cuda_graphs: bool = False  # replay each stage's optimizer step (engine.runtime.graphs)
+    #: False, "optimizer" (each stage's optimizer step, engine.runtime.graphs; True means
+    #: this) or "program" (whole synchronous steps, engine.runtime.capture)
+    cuda_graphs: bool | str = False
 
     @property
     def distributed(self) -> bool:
@@ -129,8 +131,21 @@ def check_options(
         )
     if not isinstance(trace, bool):
         raise PipelineConfigError(f"trace={trace!r} must be True or False")
-    if not isinstance(cuda_graphs, bool):
-        raise PipelineConfigError(f"cuda_graphs={cuda_graphs!r} must be True or False")
+    if cuda_graphs is True:
+        cuda_graphs = "optimizer"
+    if cuda_graphs is not False and not (isinstance(cuda_graphs, str)
+                                         and cuda_graphs in ("optimizer", "program")):
+        raise PipelineConfigError(
+            f"cuda_graphs={cuda_graphs!r} must be False (off), 'optimizer' (each stage's "
+            "optimizer step; True means this) or 'program' (whole synchronous steps)"
+        )
+    if cuda_graphs == "program" and cuda_streams is None:
+        cuda_streams = False  # a captured step runs on one stream (not the default streams)
+    if cuda_graphs == "program" and distributed:
+        raise PipelineConfigError(
+            f"cuda_graphs='program' with transport={transport!r}: only the local transport is "
+            "captured (a graph cannot hold gloo/NCCL messages yet); use cuda_graphs='optimizer'"
+        )
     l2_fraction = check_l2_option(l2_persistence)
     if l2_fraction and distributed:
         raise PipelineConfigError(

@@ -140,6 +140,9 @@ class Executor(SynchronousSteps, FailureHandling):
         #: tied parameters across stages (engine.runtime.ties): their gradients are summed
         #: before a synchronous update phase
         self.ties: Any = None
+        #: Pipeline(cuda_graphs="program"): the synchronous loss check on the device, called
+        #: with the step's losses instead of reading them (engine.runtime.capture)
+        self.device_check: Callable[[list[Tensor]], None] | None = None
         #: gradient clipping (engine.runtime.clipping): the synchronous global norm is taken
         #: before the update phase; asynchronous stages clip their own groups
         self.clipper: Any = None
@@ -487,7 +490,9 @@ class Executor(SynchronousSteps, FailureHandling):
         else:
             value = (sum(loss.double() * b for _, loss, b in losses) / total).float()
         bad: list[int] = []
+        if self.device_check is not None:
+            self.device_check([loss for _, loss, _ in losses])
         # one host read for the step; a non-finite mean means some loss is not finite
-        if not self.immediate_nonfinite and self.flags is None and not math.isfinite(float(value)):
+        elif not self.immediate_nonfinite and self.flags is None and not math.isfinite(float(value)):
             bad = [n for n, loss, _ in losses if not bool(torch.isfinite(loss).all())]
         return StepResult(value, len(bad), bad)

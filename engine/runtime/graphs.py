@@ -83,9 +83,11 @@ def _hashable(v: Any) -> Hashable:
     return v
 
 
-def launch_key(opt: Any, extra: tuple[Hashable, ...] = ()) -> tuple[Hashable, ...] | str:
+def launch_key(opt: Any, extra: tuple[Hashable, ...] = (), *, reference_ok: bool = False
+               ) -> tuple[Hashable, ...] | str:
     """Everything the next ``opt.step()``'s launches depend on, or why that step cannot be
-    replayed from a graph (a str). ``extra``: the caller's arguments of the step."""
+    replayed from a graph (a str). ``extra``: the caller's arguments of the step;
+    ``reference_ok``: accept the reference path (a CPU test twin replays its torch ops)."""
     if (
         opt._optimizer_step_pre_hooks
         or opt._optimizer_step_post_hooks
@@ -118,7 +120,7 @@ def launch_key(opt: Any, extra: tuple[Hashable, ...] = ()) -> tuple[Hashable, ..
             buffers.append((_ptr(b.view.param), _ptr(b.view.grad), _ptr(b.predicted), state))
         if covered != len(params):
             return f"param group {i}: some of its parameters are outside the stage's flat buffers"
-        if params and not opt._fused_choice(i, group, params):
+        if params and not reference_ok and not opt._fused_choice(i, group, params):
             return (f"param group {i} runs the reference path (a dtype the fused kernels do not "
                     "take)")
         options = []

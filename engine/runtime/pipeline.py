@@ -28,6 +28,7 @@ from engine.errors import NotFlushedError, PipelineConfigError, ScheduleError
 from engine.runtime import inputs as _inputs
 from engine.runtime.amp import autocast_context, check_scaler_state
 from engine.runtime.build import build_module, build_store, resolve_stage_specs
+from engine.runtime.capture import ProgramCapture, refuse_program
 from engine.runtime.config import DEFAULT_CHECKPOINT, PipelineConfig, check_options
 from engine.runtime.config import resolve_mitigations
 from engine.runtime.device_flags import check_skip_update
@@ -133,11 +134,10 @@ class Pipeline:
             the stage modules are the ranks*v virtual stages, rank r running r, r+ranks, ...
             in Megatron's order. Under gloo/NCCL one process per rank (R = stages / v
             processes per replica) holds its v stages (engine/runtime/virtual.py).
-        cuda_graphs: replay each stage's optimizer step from a CUDA graph
-            (engine/runtime/graphs.py): recorded once a step's launch arguments repeat (same
-            options, same buffers), eager otherwise; ``stats()["cuda_graphs"]`` counts both.
-            engine.optim SGD/Adam/AdamW/NAdam with the fused kernels, stages on CUDA; refused
-            otherwise, before anything is built.
+        cuda_graphs: False; ``"optimizer"`` (or True): each stage's optimizer step replayed
+            from a CUDA graph (runtime/graphs.py); ``"program"``: whole synchronous steps per
+            batch shape (runtime/capture.py; ``stats()["capture"]`` says what ran eagerly and
+            why). engine.optim's fused SGD/Adam/AdamW/NAdam on CUDA; refused otherwise.
         clip_grad_norm: ``max_norm`` of ``torch.nn.utils.clip_grad_norm_`` (``clip_norm_type``
             its p): synchronous schedules clip by the global norm over all stages and replicas,
             asynchronous ones each stage's update group by its own (runtime/clipping.py).
@@ -179,7 +179,7 @@ class Pipeline:
         deferred_batch_norm: bool = False,
         l2_persistence: bool | float = False,
         virtual_stages: int | None = None,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | str = False,
         clip_grad_norm: float | None = None,
         clip_norm_type: float = 2.0,
         autocast: torch.dtype | None = None,
@@ -224,6 +224,7 @@ class Pipeline:
         specs = resolve_stage_specs(stages, balance)
         self.balance = list(balance) if balance is not None else None
         spec = self._resolve(schedule, len(specs), chunks, update_size, order)
+        refuse_program(spec, self.config, self.features)
         modules = [build_module(m, s) for s, m in enumerate(specs)]
         if deferred_batch_norm:
             from engine.runtime.batch_norm import convert_deferred_batch_norm
@@ -315,13 +316,14 @@ class Pipeline:
         if streams is None:
             streams = self._make_streams(stages, cfg.cuda_streams, l2=bool(cfg.l2_persistence))
         self._streams = streams
-        if cfg.cuda_graphs:
+        if cfg.cuda_graphs == "optimizer":
             attach_step_graphs(stages)
         self._l2 = apply_l2(stages, streams, cfg.l2_persistence, owner=self)
         self._executor = Executor(
             spec, stages, on_nonfinite=cfg.on_nonfinite, streams=streams, device_flags=device_flags
         )
         self._checked: set[Any] = set()
+        self._capture = ProgramCapture(self._executor) if cfg.cuda_graphs == "program" else None
 
     @staticmethod
     def _make_streams(stages: list[Stage], want: bool | None, l2: bool = False) -> StageStreams:
@@ -441,7 +443,7 @@ class Pipeline:
                     [st.module for st in self.stages], xs[0], ts[0], self.stages[-1].loss_fn  # type: ignore[arg-type]
                 )
             self._checked.add(key)
-        result = self._executor.run_step(xs, ts, sizes)
+        result = (self._capture or self._executor).run_step(xs, ts, sizes)
         if result.loss is None:
             return torch.tensor(float("nan"))
         return result.loss

@@ -31,7 +31,10 @@ def pipeline_stats(pipe: Pipeline) -> dict[str, Any]:
     ``l2_persistence``: the ``requested`` fraction, the device's ``set_aside_bytes`` and
     ``max_persisting_bytes``, and the ``reason`` when a stage got nothing;
     ``cuda_graphs``: per stage (None when off) optimizer steps ``replays``-ed from a graph,
-    ``captures``, ``eager`` steps and the ``last_eager_reason``; ``grad_norm``: per stage
+    ``captures``, ``eager`` steps and the ``last_eager_reason``; ``capture``: the ``mode``
+    (``"off"``, ``"optimizer"``, ``"program"``) and, for ``"program"``, the ``window``, steps
+    ``captures``-d, ``replays``, ``eager`` steps, ``evictions``, ``graphs`` kept and the
+    ``last_eager_reason`` (engine/runtime/capture.py); ``grad_norm``: per stage
     the last gradient norm clipping measured (a device tensor, not read here; the global
     norm, the same tensor at every stage, for synchronous schedules; None without
     ``clip_grad_norm`` or before the first update); ``loss_scale``: the float16 loss
@@ -46,6 +49,8 @@ def pipeline_stats(pipe: Pipeline) -> dict[str, Any]:
     """
     ex = pipe._executor
     ex.fold_flags()  # "skip_update" counts on the device: one host read
+    if pipe._capture is not None:
+        pipe._capture.fold()
     unit, wall = ex.clock.bubble()
     clipper = ex.clipper
     return {
@@ -71,6 +76,8 @@ def pipeline_stats(pipe: Pipeline) -> dict[str, Any]:
         "stage_indices": [st.index for st in pipe.stages],
         "l2_persisting_bytes": list(pipe._l2.granted),
         "l2_persistence": pipe._l2.stats(),
+        "capture": (pipe._capture.stats() if pipe._capture is not None
+                    else {"mode": pipe.config.cuda_graphs or "off"}),
         "cuda_graphs": [
             st.bridge.graphs.stats()
             if st.bridge is not None and st.bridge.graphs is not None else None

@@ -52,7 +52,8 @@ class SynchronousSteps:
     # ------------------------------------------------------------------ synchronous steps
 
     def _cuda_devices(self) -> list[int]:
-        if not self.streams.cuda:
+        # a captured step reads no RNG state inside its window (engine.runtime.capture)
+        if not self.streams.cuda or getattr(self, "device_check", None) is not None:
             return []
         dev = self.streams.device
         return [dev.index if dev is not None and dev.index is not None else torch.cuda.current_device()]
