@@ -432,7 +432,7 @@ class Pipeline:
 
     def _step(self, inputs: Any, targets: Any) -> Tensor:
         if self.config.distributed:
-            from engine.runtime.rank import rank_step
+            from engine.runtime.rank_step import rank_step
 
             return rank_step(self, inputs, targets)
         xs, ts, sizes = _inputs.split(inputs, targets, self.spec.chunks)
