@@ -1029,16 +1029,6 @@ def phase_reject_later(rank: int, S: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------- spawning
 
 
-def _phase(name: str) -> Callable[..., dict[str, Any]]:
-    """``phase_<name>`` of this module, or of module m for ``"m:<name>"`` (a tests/ file)."""
-    module, _, short = name.rpartition(":")
-    if not module:
-        return globals()[f"phase_{name}"]
-    import importlib
-
-    return getattr(importlib.import_module(module), f"phase_{short}")
-
-
 def _worker(
     rank: int, world: int, port: int, phases: list[tuple[str, dict[str, Any]]], outdir: str
 ) -> None:
@@ -1071,13 +1061,18 @@ def _worker(
 
 
 def _phase(name: str) -> Callable[..., Any]:
-    """``name``: a ``phase_<name>`` here, or ``module.function`` of another support module."""
-    if "." in name:
-        import importlib
-
+    """A phase by name: ``phase_<name>`` of this module; ``"m:<name>"`` is ``phase_<name>`` of
+    tests module m; ``"m.f"`` is function f of tests module m (phases kept in other files)."""
+    if ":" in name:
+        module, fn = name.split(":", 1)
+        fn = f"phase_{fn}"
+    elif "." in name:
         module, fn = name.rsplit(".", 1)
-        return getattr(importlib.import_module(module), fn)  # type: ignore[no-any-return]
-    return globals()[f"phase_{name}"]  # type: ignore[no-any-return]
+    else:
+        return globals()[f"phase_{name}"]  # type: ignore[no-any-return]
+    import importlib
+
+    return getattr(importlib.import_module(module), fn)  # type: ignore[no-any-return]
 
 
 def spawn(

@@ -1,21 +1,16 @@
 """Multi-process phases of the step features (clipping, mixed precision, trace) under gloo.
 
-Why a file of its own: distributed_support.py's worker looks phases up in its own module;
-these phases spawn through :func:`spawn` here, reusing its model and data helpers."""
+Why a file of its own: distributed_support.py is already long; its runner finds these phases
+by the name ``features_dist_support:<phase>`` (:func:`spawn` here adds the prefix)."""
 
 from __future__ import annotations
 
-import datetime
-import os
-import tempfile
-import time
 import traceback
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from distributed_support import _local, _train, batch, configs, free_port, replica_rows, stage_factories
+from distributed_support import _local, _train, configs, replica_rows, stage_factories
+from distributed_support import spawn as _spawn
 from torch import nn
 
 STEPS = 4
@@ -129,43 +124,8 @@ def phase_trace(rank: int, S: int, path: str) -> dict[str, Any]:
             "throughput": pipe.stats()["throughput"]}
 
 
-def _worker(rank: int, world: int, port: int, phases: list[tuple[str, dict[str, Any]]], outdir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    results: dict[str, Any] = {}
-    path = os.path.join(outdir, f"rank{rank}.pt")
-    try:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-        for name, kw in phases:
-            results[name] = globals()[f"phase_{name}"](rank, **kw)
-            torch.save(results, path)
-    except Exception:
-        results["fatal"] = traceback.format_exc()
-    torch.save(results, path)
-    os._exit(0)
-
-
 def spawn(world: int, phases: list[tuple[str, dict[str, Any]]], timeout: float = 240.0) -> list[dict[str, Any]]:
-    """Run ``phases`` (functions ``phase_<name>`` of this module) on ``world`` gloo ranks."""
-    outdir = tempfile.mkdtemp(prefix="engine-feat-")
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, phases, outdir)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():  # only our own children, by handle
-            p.kill()
-            p.join(5)
-    out = []
-    for r in range(world):
-        path = os.path.join(outdir, f"rank{r}.pt")
-        out.append(torch.load(path, weights_only=False) if os.path.exists(path) else {})
-    return out
-
-
-__all__ = ["spawn", "batch"]
+    """Run ``phases`` (``phase_<name>`` of this module) on ``world`` gloo ranks, through
+    distributed_support's runner; results keyed by the short names."""
+    runs = _spawn(world, [(f"features_dist_support:{n}", kw) for n, kw in phases], timeout)
+    return [{k.split(":", 1)[-1]: v for k, v in r.items()} for r in runs]
