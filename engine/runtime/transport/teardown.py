@@ -101,6 +101,30 @@ def exit_rendezvous() -> None:
         pass
 
 
+def release_captured_world() -> None:
+    """Drop the default group from ``torch.distributed.nn.functional``'s default arguments.
+
+    Why: that module's functions are defined as ``def broadcast(tensor, src,
+    group=group.WORLD)``, so a process that imports it after the default group exists (here:
+    ``torch.optim``'s first ``add_param_group`` pulls it in through ``torch.distributed._shard``
+    while the engine builds each stage's optimizer) keeps the live ``ProcessGroup`` in ten
+    functions' ``__defaults__`` for good. ``destroy_process_group`` then frees nothing: the
+    gloo group's two work loops, its TCP loop and rank 0's store daemon keep running past the
+    teardown and are torn down by the interpreter's finalization or by ``exit()`` -- the
+    unordered end this module exists to prevent (seen: all four threads alive after the
+    teardown on every rank; the ten defaults were exactly the group's missing references)."""
+    import sys
+
+    mod = sys.modules.get("torch.distributed.nn.functional")
+    world = getattr(dist.GroupMember, "WORLD", None) if dist.is_available() else None
+    if mod is None or world is None:
+        return
+    for fn in list(vars(mod).values()):
+        defaults = getattr(fn, "__defaults__", None)
+        if defaults and any(d is world for d in defaults):
+            fn.__defaults__ = tuple(None if d is world else d for d in defaults)
+
+
 def teardown() -> None:
     """Settle every tracked transport, meet at the exit (:func:`exit_rendezvous`), then
     destroy the default group if the engine made it."""
@@ -113,6 +137,7 @@ def teardown() -> None:
     exit_rendezvous()
     if _STATE["created"] and dist.is_available() and dist.is_initialized():
         try:
+            release_captured_world()
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 -- exit path
             pass
