@@ -12,9 +12,13 @@ reported a failed job and ``--max-restarts`` paid a restart.
 So at interpreter exit (``atexit``: before finalization, while every object is alive), each
 live transport of this process completes or cancels what it still has in flight (sends: a
 short wait, since the peer already received them in every flow the engine runs; receives
-posted ahead are left to the group's destruction), and then, if the engine created the default process group
-(:func:`~engine.runtime.transport.layout.init_distributed`), it destroys it: the gloo
-threads are joined on the main thread while the interpreter is still whole. A group the
+posted ahead are left to the group's destruction) and drops its references to its groups;
+then, if the engine created the default process group
+(:func:`~engine.runtime.transport.layout.init_distributed`), it releases the copy that
+``torch.distributed.nn.functional`` captured (:func:`release_captured_world`) and destroys
+it. With no reference left the group's C++ object dies right there: the gloo threads are
+joined on the main thread while the interpreter is still whole (checked by
+tests/test_clean_exit.py: no gloo or store thread is left after the teardown). A group the
 user created stays theirs to destroy; its pending work is still settled. Without
 torchrun's agent rank 0 also waits (bounded) for the other ranks to reach their exit, since
 its process hosts the store they read the first failure from (:func:`exit_rendezvous`).
