@@ -117,11 +117,12 @@ def release_captured_world() -> None:
     teardown and are torn down by the interpreter's finalization or by ``exit()`` -- the
     unordered end this module exists to prevent (seen: all four threads alive after the
     teardown on every rank; the ten defaults were exactly the group's missing references)."""
-    import sys
-
-    mod = sys.modules.get("torch.distributed.nn.functional")
+    try:  # imported before the group by init_distributed, so normally bound to None already
+        from torch.distributed.nn import functional as mod
+    except Exception:  # noqa: BLE001 -- exit path: a torch without it captured nothing
+        return
     world = getattr(dist.GroupMember, "WORLD", None) if dist.is_available() else None
-    if mod is None or world is None:
+    if world is None:
         return
     for fn in list(vars(mod).values()):
         defaults = getattr(fn, "__defaults__", None)
