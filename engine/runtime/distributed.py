@@ -242,6 +242,22 @@ class RankRuntime:
         for tp in {id(t): t for t in getattr(self, "transports", {0: self.transport}).values()}.values():
             for side in getattr(tp, "sides", [tp]):
                 side.settle_for_exit()
+                side.group = None  # see release_groups
+        self.release_groups()
+
+    def release_groups(self) -> None:
+        """Drop this rank's references to its process groups (at exit, after settling).
+
+        Why: ``destroy_process_group`` only forgets torch's own references; a ``ProcessGroup``
+        that the layout or a transport still holds stays alive with its gloo threads (two
+        work loops, the TCP transport's loop, rank 0's store daemon) and is destroyed later,
+        by the interpreter's finalization or never (seen: every one of those threads still ran
+        after the teardown). Dropped here, the group dies inside ``destroy_process_group``,
+        on the main thread, while the interpreter is whole."""
+        lay = self.layout
+        for name in ("pipeline_group", "dp_group"):
+            if getattr(lay, name, None) is not None:
+                object.__setattr__(lay, name, None)  # frozen dataclass; the groups are gone
 
     # ------------------------------------------------------------------ loss
 

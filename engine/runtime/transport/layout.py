@@ -82,6 +82,11 @@ def init_distributed(backend: str, timeout: float) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     td = datetime.timedelta(seconds=timeout)
+    # imported before the group exists, so that its functions' default ``group=group.WORLD``
+    # binds None, not the live group (which would then outlive destroy_process_group at exit,
+    # gloo threads and all: teardown.release_captured_world)
+    import torch.distributed.nn.functional  # noqa: F401
+
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun shares its rendezvous store with the workers across --max-restarts
         # attempts, so a restarted job would read the dead attempt's gloo/NCCL addresses

@@ -12,9 +12,13 @@ reported a failed job and ``--max-restarts`` paid a restart.
 So at interpreter exit (``atexit``: before finalization, while every object is alive), each
 live transport of this process completes or cancels what it still has in flight (sends: a
 short wait, since the peer already received them in every flow the engine runs; receives
-posted ahead are left to the group's destruction), and then, if the engine created the default process group
-(:func:`~engine.runtime.transport.layout.init_distributed`), it destroys it: the gloo
-threads are joined on the main thread while the interpreter is still whole. A group the
+posted ahead are left to the group's destruction) and drops its references to its groups;
+then, if the engine created the default process group
+(:func:`~engine.runtime.transport.layout.init_distributed`), it releases the copy that
+``torch.distributed.nn.functional`` captured (:func:`release_captured_world`) and destroys
+it. With no reference left the group's C++ object dies right there: the gloo threads are
+joined on the main thread while the interpreter is still whole (checked by
+tests/test_clean_exit.py: no gloo or store thread is left after the teardown). A group the
 user created stays theirs to destroy; its pending work is still settled. Without
 torchrun's agent rank 0 also waits (bounded) for the other ranks to reach their exit, since
 its process hosts the store they read the first failure from (:func:`exit_rendezvous`).
@@ -101,6 +105,31 @@ def exit_rendezvous() -> None:
         pass
 
 
+def release_captured_world() -> None:
+    """Drop the default group from ``torch.distributed.nn.functional``'s default arguments.
+
+    Why: that module's functions are defined as ``def broadcast(tensor, src,
+    group=group.WORLD)``, so a process that imports it after the default group exists (here:
+    ``torch.optim``'s first ``add_param_group`` pulls it in through ``torch.distributed._shard``
+    while the engine builds each stage's optimizer) keeps the live ``ProcessGroup`` in ten
+    functions' ``__defaults__`` for good. ``destroy_process_group`` then frees nothing: the
+    gloo group's two work loops, its TCP loop and rank 0's store daemon keep running past the
+    teardown and are torn down by the interpreter's finalization or by ``exit()`` -- the
+    unordered end this module exists to prevent (seen: all four threads alive after the
+    teardown on every rank; the ten defaults were exactly the group's missing references)."""
+    try:  # imported before the group by init_distributed, so normally bound to None already
+        from torch.distributed.nn import functional as mod
+    except Exception:  # noqa: BLE001 -- exit path: a torch without it captured nothing
+        return
+    world = getattr(dist.GroupMember, "WORLD", None) if dist.is_available() else None
+    if world is None:
+        return
+    for fn in list(vars(mod).values()):
+        defaults = getattr(fn, "__defaults__", None)
+        if defaults and any(d is world for d in defaults):
+            fn.__defaults__ = tuple(None if d is world else d for d in defaults)
+
+
 def teardown() -> None:
     """Settle every tracked transport, meet at the exit (:func:`exit_rendezvous`), then
     destroy the default group if the engine made it."""
@@ -113,6 +142,7 @@ def teardown() -> None:
     exit_rendezvous()
     if _STATE["created"] and dist.is_available() and dist.is_initialized():
         try:
+            release_captured_world()
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 -- exit path
             pass
