@@ -50,12 +50,8 @@ def model() -> nn.Sequential:
     return engine.models.residual_mlp(FEATURES, CLASSES, layers=LAYERS, width=WIDTH)
 
 
-def stages_of(net: nn.Sequential) -> list[nn.Module]:
-    layers, out, start = list(net.children()), [], 0
-    for count in engine.models.even_balance(LAYERS, S):
-        out.append(nn.Sequential(*layers[start : start + count]))
-        start += count
-    return out
+def stages_of(net: nn.Sequential) -> list[nn.Sequential]:
+    return engine.models.split_layers(net, engine.models.even_balance(LAYERS, S))
 
 
 def data(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
