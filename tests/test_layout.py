@@ -127,9 +127,9 @@ def test_no_import_cycles() -> None:
 #: circles counting type-only imports. Main f2dacbd had 4: arena.{double_buffer, l2,
 #: weight_arena} and runtime.{device_flags, optim_bridge, stage} (cut by Protocols),
 #: runtime.{executor, sync_step} (cut: StepResult in runtime/result.py) and
-#: runtime.{evaluation, inflight, pipeline, rank, state}, which remains: it needs the facade
-#: to hold PipelineParts (issue 28). The count may only go down.
-TYPE_LEVEL_CIRCLES = 1
+#: runtime.{evaluation, inflight, pipeline, rank, state} (cut: the builders return
+#: PipelineParts, which the facade holds, issue 28). The count may only go down.
+TYPE_LEVEL_CIRCLES = 0
 
 
 def _circles_beyond(circles: list[list[str]], ceiling: int) -> str | None:
@@ -156,6 +156,38 @@ def test_type_level_circle_gate_can_fail(tmp_path: Path) -> None:
     assert _cycles(run) == [] and _cycles(typed) == [["engine.a", "engine.b"]]
     assert _circles_beyond(_cycles(typed), 0) is not None
     assert _circles_beyond(_cycles(typed), 1) is None
+
+
+FACADE = "engine.runtime.pipeline"
+
+
+def facade_importers(graph: dict[str, set[str]]) -> list[str]:
+    """engine.runtime modules that import the facade (``graph``: type-only imports counted).
+    The facade holds what the builders return (engine/runtime/parts.py); a module below it
+    that needs a pipeline takes its PipelineParts, or the few parts it uses."""
+    return sorted(
+        m for m, deps in graph.items()
+        if m.startswith("engine.runtime.") and m != FACADE and FACADE in deps
+    )
+
+
+def test_nothing_in_the_runtime_imports_the_facade() -> None:
+    assert facade_importers(_graph(type_only=True)) == []
+
+
+def test_facade_gate_can_fail(tmp_path: Path) -> None:
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine.runtime.pipeline import Pipeline\n"
+    (tmp_path / "state.py").write_text(typed)
+    (tmp_path / "trace.py").write_text("def f():\n    from engine.runtime import pipeline\n")
+    (tmp_path / "parts.py").write_text("from engine.runtime.stage import Stage\n")
+    known = {FACADE, "engine.runtime", "engine.runtime.stage"} | {
+        f"engine.runtime.{n}" for n in ("state", "trace", "parts")
+    }
+    graph = {
+        f"engine.runtime.{n}": _imports(f"engine.runtime.{n}", tmp_path / f"{n}.py", known, True)
+        for n in ("state", "trace", "parts")
+    }
+    assert facade_importers(graph) == ["engine.runtime.state", "engine.runtime.trace"]
 
 
 def test_no_hidden_module_lookups() -> None:

@@ -43,14 +43,14 @@ from engine.runtime.stash import StashEntry
 from engine.runtime.weight_store import LIVE as LIVE_BUFFER
 
 if TYPE_CHECKING:
-    from engine.runtime.pipeline import Pipeline
+    from engine.runtime.parts import PipelineParts
 
 __all__ = ["capture", "check", "restore"]
 
 
-def _refuse(pipe: Pipeline, why: str) -> NotFlushedError:
+def _refuse(parts: PipelineParts, why: str) -> NotFlushedError:
     return NotFlushedError(
-        f"state_dict() of an unflushed {pipe.spec.describe()} pipeline: {why}; call "
+        f"state_dict() of an unflushed {parts.spec.describe()} pipeline: {why}; call "
         "pipe.flush() first"
     )
 
@@ -71,15 +71,15 @@ def _unmail(d: dict[str, Any]) -> Any:
     return trees.with_grad_flags(d["value"], d["grad"])  # an output's flags: a gradient comes back
 
 
-def _rebuildable(pipe: Pipeline, st: Stage, e: StashEntry) -> None:
+def _rebuildable(parts: PipelineParts, st: Stage, e: StashEntry) -> None:
     """A forward can be re-run when it pinned its weights, when its stage recomputes (the
     backward re-runs it on the backward's weights, whatever the forward read), or when no
     update has overwritten the weights it read since."""
     if e.dropped or e.pin is not None or st.recompute or e.t_f == st.updates:
         return
     raise _refuse(
-        pipe,
-        f"stage {st.index}'s forward of micro-batch {pipe._executor.n_base + e.i} read weight "
+        parts,
+        f"stage {st.index}'s forward of micro-batch {parts.executor.n_base + e.i} read weight "
         f"version {e.t_f}, which updates have overwritten since (policy {st.policy.name!r} "
         "keeps no old versions to re-run it on); build the pipeline with "
         "checkpoint='always' to save it unflushed",
@@ -105,15 +105,15 @@ def _slots(store: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _stage_state(pipe: Pipeline, st: Stage) -> dict[str, Any]:
+def _stage_state(parts: PipelineParts, st: Stage) -> dict[str, Any]:
     for name, m in st.module.named_modules():
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0:
-            raise _refuse(pipe, f"stage {st.index}'s {name or 'module'} is an active dropout")
+            raise _refuse(parts, f"stage {st.index}'s {name or 'module'} is an active dropout")
     store = st.store
     skip = st.bridge.skip if st.bridge is not None else None
     stash = []
     for e in sorted(st.stash.entries(), key=lambda e: e.i):
-        _rebuildable(pipe, st, e)
+        _rebuildable(parts, st, e)
         x, flags = (None, []) if e.dropped else trees.detached_copy(e.x)
         stash.append({
             "i": e.i,
@@ -146,18 +146,18 @@ def _stage_state(pipe: Pipeline, st: Stage) -> dict[str, Any]:
     }
 
 
-def capture(pipe: Pipeline) -> dict[str, Any] | None:
-    """The in-flight state of ``pipe`` (None when flushed); changes nothing. Raises
+def capture(parts: PipelineParts) -> dict[str, Any] | None:
+    """The in-flight state of ``parts`` (None when flushed); changes nothing. Raises
     NotFlushedError naming why when it cannot be rebuilt on load (module docstring)."""
-    ex = pipe._executor
-    if ex.in_flight() == 0 and not (pipe.config.distributed and ex.active):
+    ex = parts.executor
+    if ex.in_flight() == 0 and not (parts.config.distributed and ex.active):
         return None  # (a rank with nothing in flight may still have messages on the wire)
     if ex.tail is not None:
-        raise _refuse(pipe, "a step was interrupted and the rest of its program is pending")
+        raise _refuse(parts, "a step was interrupted and the rest of its program is pending")
     # messages between ranks first: a gradient received now brings its "skip_update" flag
     # into the stash entry that the stage's state holds
-    wire = ex.wire_state() if pipe.config.distributed else None
-    stages = [_stage_state(pipe, st) for st in pipe.stages]
+    wire = ex.wire_state() if parts.config.distributed else None
+    stages = [_stage_state(parts, st) for st in parts.stages]
     return {
         "wire": wire,
         "n_base": ex.n_base,
@@ -197,21 +197,21 @@ def _same(theirs: list[Any], ours: list[Tensor], what: str) -> None:
         raise _fail(f"{what} do not match the pipeline's buffers")
 
 
-def check(pipe: Pipeline, state: Any) -> None:
-    """Validate in-flight ``state`` against ``pipe`` before anything changes."""
+def check(parts: PipelineParts, state: Any) -> None:
+    """Validate in-flight ``state`` against ``parts`` before anything changes."""
     if not isinstance(state, dict) or not isinstance(state.get("stages"), list):
         raise _fail("not an in-flight state dict")
-    if (state.get("wire") is not None) != pipe.config.distributed:
+    if (state.get("wire") is not None) != parts.config.distributed:
         raise _fail("saved by a pipeline of another transport (messages between ranks)")
     if state.get("wire") is not None and not _shapes_ok(state["wire"].get("shapes", {})):
         raise _fail("the shapes of the activations in flight are malformed")
     stages = state["stages"]
-    if [sd.get("index") for sd in stages] != [st.index for st in pipe.stages]:
+    if [sd.get("index") for sd in stages] != [st.index for st in parts.stages]:
         raise _fail(
             f"saved for stages {[sd.get('index') for sd in stages]}, this pipeline holds "
-            f"{[st.index for st in pipe.stages]}"
+            f"{[st.index for st in parts.stages]}"
         )
-    for st, sd in zip(pipe.stages, stages, strict=True):
+    for st, sd in zip(parts.stages, stages, strict=True):
         where = f"stage {st.index}"
         if sd.get("policy") != st.policy.name:
             raise _fail(f"{where}: weight policy {sd.get('policy')!r} saved, {st.policy.name!r} here")
@@ -277,13 +277,13 @@ def _restore_store(st: Stage, sd: dict[str, Any]) -> dict[int, int]:
     return moved
 
 
-def restore(pipe: Pipeline, state: dict[str, Any]) -> None:
-    """Rebuild the in-flight state (``check``-ed) into ``pipe``, whose flushed state was just
+def restore(parts: PipelineParts, state: dict[str, Any]) -> None:
+    """Rebuild the in-flight state (``check``-ed) into ``parts``, whose flushed state was just
     loaded: kept versions and pending gradients, then every stashed forward re-run on its
     pinned version, then the executor's mailboxes and counters. Module buffers a forward
     updates (BatchNorm statistics) are put back afterwards; the caller restores the RNG."""
-    ex = pipe._executor
-    for st, sd in zip(pipe.stages, state["stages"], strict=True):
+    ex = parts.executor
+    for st, sd in zip(parts.stages, state["stages"], strict=True):
         moved = _restore_store(st, sd)
         _rebuild(st, sd, moved, int(state["n_base"]))
     ex.n_base = int(state["n_base"])
