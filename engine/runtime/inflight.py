@@ -40,7 +40,6 @@ from engine.runtime import trees
 from engine.runtime.executor import _Input
 from engine.runtime.stage import DROPPED, Stage
 from engine.runtime.stash import StashEntry
-from engine.runtime.weight_store import LIVE as LIVE_BUFFER
 
 if TYPE_CHECKING:
     from engine.runtime.parts import PipelineParts
@@ -86,25 +85,6 @@ def _rebuildable(parts: PipelineParts, st: Stage, e: StashEntry) -> None:
     )
 
 
-def _slots(store: Any) -> list[dict[str, Any]]:
-    """Kept versions, pinned transients (SpecTrain's reuse) and the transient's content."""
-    out = [
-        {
-            "slot": slot,
-            "version": entry["version"],
-            "flats": [f.clone() for f in store.flats(slot)],
-            "pins": sorted(entry["pins"]),
-            "held": bool(entry["held"]),
-        }
-        for slot, entry in sorted(store._slots.items())
-    ]
-    t = store._transient
-    if t is not None and t not in store._slots and store._transient_key is not None:
-        out.append({"slot": t, "version": None, "flats": [f.clone() for f in store.flats(t)],
-                    "pins": None, "held": False, "key": store._transient_key})
-    return out
-
-
 def _stage_state(parts: PipelineParts, st: Stage) -> dict[str, Any]:
     for name, m in st.module.named_modules():
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0:
@@ -134,13 +114,9 @@ def _stage_state(parts: PipelineParts, st: Stage) -> dict[str, Any]:
         "pending": st.pending,
         "pending_weight": st.pending_weight,
         "pending_mbs": list(st.pending_mbs),
-        "t_f": [[n, t] for n, t in st._t_f.items()],
+        "t_f": [[n, t] for n, t in st.versions_read.items()],
         "grads": [g.clone() for g in store.grad_flats()],
-        "used": list(store._used),
-        "slots": _slots(store),
-        "transient": store._transient,
-        "live_pins": sorted(store._live_pins),
-        "held": store._held,
+        **store.kept_state(),  # used, slots, transient, live_pins, held
         "stash": stash,
         "found_inf": skip.found_inf.clone() if skip is not None else None,
     }
@@ -251,30 +227,12 @@ def _shapes_ok(shapes: Any) -> bool:
 
 
 def _restore_store(st: Stage, sd: dict[str, Any]) -> dict[int, int]:
-    """Kept buffers into fresh arena slots; returns saved slot id -> new slot id."""
-    store = st.store
-    moved: dict[int, int] = {}
+    """Pending gradients and kept buffers (into fresh arena slots); returns saved slot id ->
+    new slot id."""
     with torch.no_grad():
-        for g, saved in zip(store.grad_flats(), sd["grads"], strict=True):
+        for g, saved in zip(st.store.grad_flats(), sd["grads"], strict=True):
             g.copy_(saved)
-        store._used[:] = bytes(sd["used"])
-        for v in sd["slots"]:
-            slot = store.arena.new_slot()
-            moved[v["slot"]] = slot
-            for dst, src in zip(store.flats(slot), v["flats"], strict=True):
-                dst.copy_(src)
-            if v["pins"] is None:  # the transient, holding a prediction or correction
-                store._transient_key = v["key"]
-                continue
-            store._slots[slot] = {"version": v["version"], "pins": set(v["pins"]), "held": v["held"]}
-            if v["version"] is not None:
-                store._by_version[v["version"]] = slot
-    if sd["transient"] is not None and sd["transient"] in moved:
-        store._transient = moved[sd["transient"]]
-    store._live_pins = set(sd["live_pins"])
-    store._held = sd["held"]
-    store._count()
-    return moved
+    return st.store.load_kept_state(sd)
 
 
 def restore(parts: PipelineParts, state: dict[str, Any]) -> None:
@@ -298,17 +256,6 @@ def restore(parts: PipelineParts, state: dict[str, Any]) -> None:
         ex.load_wire_state(state["wire"])
 
 
-def _rerun_forward(st: Stage, i: int, xin: Any, target: Any, pin: Any, t_f: int, scale: float) -> None:
-    """Re-run F(i) of a resumed micro-batch on the weight buffer it pinned (restored with the
-    store; the live weights when it pinned none, where its stage recomputes in the backward)
-    and stash it as F(i) did (its output, if the next stage has not read it yet, was saved
-    with the mailboxes)."""
-    buf = st.store.resolve(pin) if pin is not None else LIVE_BUFFER
-    with st.store.use(buf):
-        out = st._call(xin, target)
-    st.stash.put(StashEntry(i, xin, st.kept(out, scale), pin, t_f, scale, buf=buf, target=target))
-
-
 def _rebuild(st: Stage, sd: dict[str, Any], moved: dict[int, int], n_base: int) -> None:
     """Re-run the stage's stashed forwards (``_rebuildable`` says which path) and restore
     its counters; module buffers a forward updates (BatchNorm statistics) are put back."""
@@ -324,7 +271,7 @@ def _rebuild(st: Stage, sd: dict[str, Any], moved: dict[int, int], n_base: int) 
                 continue
             xin = trees.with_grad_flags(e["x"], e["x_grad"])
             if pin is not None or st.recompute:
-                _rerun_forward(st, e["i"], xin, e["target"], pin, e["t_f"], e["scale"])
+                st.rerun_forward(e["i"], xin, e["target"], pin, e["t_f"], e["scale"])
             else:  # nothing overwrote the weights it read: the forward itself, as it ran
                 st.forward(e["i"], n_base + e["i"], xin, e["target"], e["scale"])
     st.settle()
@@ -342,4 +289,4 @@ def _rebuild(st: Stage, sd: dict[str, Any], moved: dict[int, int], n_base: int) 
     skip = st.bridge.skip if st.bridge is not None else None
     if skip is not None and sd.get("found_inf") is not None:
         skip.found_inf.copy_(sd["found_inf"])  # into the persistent accumulator itself
-    st._t_f = {int(n): int(t) for n, t in sd["t_f"]}
+    st.versions_read = {int(n): int(t) for n, t in sd["t_f"]}

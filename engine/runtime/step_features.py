@@ -126,7 +126,7 @@ def _attach_offload(stages: list[Any], spec: Any, device: torch.device) -> None:
     from engine.runtime.offload import ActivationOffload
 
     for st in stages:
-        if st._saved is not None:
+        if st.remaps_saved:
             raise PipelineConfigError(
                 f"offload_activations with {spec.describe()}: stage {st.index}'s backward "
                 "re-points the weights its forward saved at another buffer (weight prediction "
