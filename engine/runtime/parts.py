@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from engine.runtime.stage import Stage
     from engine.runtime.step_features import StepFeatures
     from engine.runtime.streams import StageStreams
-    from engine.runtime.transport.layout import RankLayout
     from engine.schedule.spec import ScheduleSpec
 
 __all__ = ["BuildRequest", "PipelineParts"]
@@ -88,9 +87,11 @@ class PipelineParts:
     ties: list[Any] = field(default_factory=list)
     #: cuda_graphs="program": whole steps replayed from graphs (engine/runtime/capture.py)
     capture: ProgramCapture | None = None
-    #: gloo/NCCL: the replica x stage layout and this rank's communication
-    #: (engine.runtime.distributed.RankRuntime, or virtual.VirtualRankRuntime)
-    layout: RankLayout | None = None
+    #: gloo/NCCL: the replica x stage layout (a transport.layout.Layout: rank, stage, replica,
+    #: groups) and this rank's communication (distributed.RankRuntime or
+    #: virtual.VirtualRankRuntime). Typed loosely on purpose: the parts sit below the
+    #: multi-process wing that builds them, so they do not import it.
+    layout: Any = None
     replicas: int = 1
     rank: Any = None
     #: gloo/NCCL evaluation: this replica's process group, created at the first evaluate()
