@@ -220,6 +220,7 @@ class Pipeline:
         self._checked: set[Any] = set()  # input shapes the dry run has checked
 
     # ------------------------------------------------------------------ the parts
+    # (read-only views of what the builder returned: ``pipe.parts``, engine/runtime/parts.py)
 
     @property
     def spec(self) -> ScheduleSpec:
@@ -269,6 +270,8 @@ class Pipeline:
     @property
     def discrepancy_correction(self) -> bool:
         return self.parts.discrepancy_correction
+
+    # the names tests and tools used before the parts existed (engine code reads pipe.parts)
 
     @property
     def _executor(self) -> Executor:
