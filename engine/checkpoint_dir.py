@@ -191,19 +191,19 @@ def _read_own(pipe: Pipeline, path: str) -> dict[str, Any]:
 
 def load_dir(pipe: Pipeline, path: str | os.PathLike[str], override_hyperparameters: bool = False) -> None:
     """Collective: every rank loads its file from directory ``path``, or none does."""
-    from engine.runtime.state import _check, load_pipeline_state_dict
+    from engine.runtime.state import check_state, load_pipeline_state_dict
 
     path = os.fspath(path)
     state: dict[str, Any] | None = None
     error = ""
     try:
         state = _read_own(pipe, path)
-        _check(pipe, state, override_hyperparameters)
+        check_state(pipe.parts, state, override_hyperparameters)
     except Exception as exc:  # reported to every rank below
         error = f"{type(exc).__name__}: {exc}"
     _raise_first(_exchange(pipe, "", error), f"loading checkpoint {path!r}")
     assert state is not None
-    load_pipeline_state_dict(pipe, state, override_hyperparameters)
+    load_pipeline_state_dict(pipe.parts, state, override_hyperparameters)
 
 
 def save(pipe: Any, path: str | os.PathLike[str]) -> None:

@@ -9,7 +9,8 @@ stream's adds. :class:`StreamTwin` reports ``cuda`` and ``separate`` True so the
 takes the CUDA paths, runs everything in program order on the CPU, and records which stage
 stream is current, so a test can assert that every op on a stage's state ran on that stage's stream.
 
-Use: ``monkeypatch.setattr(Pipeline, "_make_streams", twin_factory(box))``; the twin of the
+Use: ``monkeypatch.setattr(assemble, "make_streams", twin_factory(box))`` (``assemble``:
+``engine.runtime.assemble``, where a local build makes its streams); the twin of the
 next pipeline built lands in ``box[0]``.
 """
 
@@ -73,4 +74,4 @@ def twin_factory(box: list[StreamTwin]) -> Callable[..., StreamTwin]:
         box.append(twin)
         return twin
 
-    return staticmethod(make)  # type: ignore[return-value]
+    return make

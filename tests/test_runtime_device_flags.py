@@ -327,7 +327,7 @@ def test_failed_backward_discards_the_flags_with_the_gradients(streams: str, mon
     zeroing of its gradients, must run on that stage's stream."""
     box: list[StreamTwin] = []
     if streams == "cuda_twin":
-        monkeypatch.setattr(Pipeline, "_make_streams", twin_factory(box))
+        monkeypatch.setattr("engine.runtime.assemble.make_streams", twin_factory(box))
     stages = [m.to(DEVICE) for m in _stages()]
     stages[0] = _FailOnMarked(stages[0])
     pipe = Pipeline(stages, schedule="2bw", chunks=4, loss_fn=mse, optimizer=sgd,

@@ -10,7 +10,9 @@ optimizer), ``stash`` (activations between F and B), ``streams`` (CUDA streams a
 CPU stand-in), ``inputs`` (micro-batch split and the dry-run check), ``clock`` (bubble
 fractions), ``labels`` (profiler labels, the current action), ``state`` (state dicts),
 ``distributed`` (handshake, loss sharing, data-parallel all-reduce), ``transport/`` (local
-hand-offs, gloo/NCCL point-to-point, the replica x stage layout), ``pipeline`` (the facade).
+hand-offs, gloo/NCCL point-to-point, the replica x stage layout), ``parts`` (what a builder
+returns and the facade holds), ``assemble`` (``build_local``), ``rank_build`` (``build_rank``),
+``rank`` (a rank's executor), ``pipeline`` (the facade: nothing in runtime/ imports it).
 """
 
 from __future__ import annotations

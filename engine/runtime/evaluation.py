@@ -23,7 +23,7 @@ from engine.runtime import trees
 from engine.runtime.placement import RankPlacement
 
 if TYPE_CHECKING:
-    from engine.runtime.pipeline import Pipeline
+    from engine.runtime.parts import PipelineParts
 
 __all__ = ["evaluate"]
 
@@ -56,16 +56,16 @@ def _chunks(inputs: Any, chunks: int) -> list[Tensor]:
     return list(inputs.chunk(min(chunks, int(inputs.shape[0]))))
 
 
-def evaluate(pipe: Pipeline, inputs: Any, chunks: int | None = None) -> Any:
+def evaluate(parts: PipelineParts, inputs: Any, chunks: int | None = None) -> Any:
     """The last stage's module outputs for ``inputs`` (module docstring), concatenated on
     dim 0 (a list with one output per micro-batch when the last stage returns a tree);
     ``chunks`` micro-batches (default: the pipeline's). ``inputs`` may be a tree locally."""
-    M = pipe.spec.chunks if chunks is None else chunks
+    M = parts.spec.chunks if chunks is None else chunks
     if not isinstance(M, int) or M < 1:
         raise PipelineInputError(f"chunks={chunks!r} is invalid: evaluate in >= 1 micro-batches")
-    if pipe.config.distributed:
-        return _evaluate_rank(pipe, inputs, M)
-    modules = [st.module for st in pipe.stages]
+    if parts.config.distributed:
+        return _evaluate_rank(parts, inputs, M)
+    modules = [st.module for st in parts.stages]
     if isinstance(inputs, Tensor):
         pieces: list[Any] = _chunks(inputs, M)
     else:  # a tree (engine.runtime.trees): every tensor leaf split on dim 0
@@ -91,18 +91,18 @@ def evaluate(pipe: Pipeline, inputs: Any, chunks: int | None = None) -> Any:
 # ----------------------------------------------------------------------------- gloo / NCCL
 
 
-def _group(pipe: Pipeline) -> Any:
+def _group(parts: PipelineParts) -> Any:
     """The evaluation process group of this rank's replica (created once, collectively:
     every rank creates every replica's group in the same order)."""
-    group = getattr(pipe, "_eval_group", None)
+    group = parts.eval_group
     if group is None:
-        lay = pipe.layout
+        lay = parts.layout
         S = lay.stages
         for r in range(lay.replicas):
             g = torch.distributed.new_group([r * S + s for s in range(S)])
             if r == lay.replica:
                 group = g
-        pipe._eval_group = group
+        parts.eval_group = group
     return group
 
 
@@ -130,26 +130,26 @@ def _recv(src: int, group: Any, device: torch.device) -> Tensor:
     return buf
 
 
-def _evaluate_rank(pipe: Pipeline, inputs: Any, M: int) -> Tensor:
+def _evaluate_rank(parts: PipelineParts, inputs: Any, M: int) -> Tensor:
     """Every rank calls it with the same arguments (stage 0 reads ``inputs``); every rank
     returns the last stage's outputs. With virtual stages a rank runs each of its stages in
     turn, receiving from the previous stage's rank and sending to the next one's (or, where
     it holds both, as under the V placement, passing the output on in the process); a
     micro-batch passes the stages one at a time, so the blocking messages between two ranks
     arrive in the order they are sent."""
-    lay = pipe.layout
-    place = RankPlacement.of(pipe.spec)  # round-robin, the V, or any map
+    lay = parts.layout
+    place = RankPlacement.of(parts.spec)  # round-robin, the V, or any map
     first, last = lay.stage == place.first, lay.stage == place.last
     if not isinstance(inputs, Tensor) and first:
         raise PipelineInputError(
             "evaluate() under gloo/NCCL takes a tensor of inputs, and stages that pass tensors; "
             "for tree-valued stages evaluate on a local pipeline"
         )
-    S = pipe.spec.stages
+    S = parts.spec.stages
     ranks = lay.pipeline_ranks
-    group = _group(pipe)
-    device = pipe.device
-    held = [(st.index, st.module) for st in pipe.stages]
+    group = _group(parts)
+    device = parts.device
+    held = [(st.index, st.module) for st in parts.stages]
     outs = []
     with _eval_mode([m for _, m in held]):
         n = len(_chunks(inputs, M)) if first else 0

@@ -40,17 +40,16 @@ from engine.runtime import trees
 from engine.runtime.executor import _Input
 from engine.runtime.stage import DROPPED, Stage
 from engine.runtime.stash import StashEntry
-from engine.runtime.weight_store import LIVE as LIVE_BUFFER
 
 if TYPE_CHECKING:
-    from engine.runtime.pipeline import Pipeline
+    from engine.runtime.parts import PipelineParts
 
 __all__ = ["capture", "check", "restore"]
 
 
-def _refuse(pipe: Pipeline, why: str) -> NotFlushedError:
+def _refuse(parts: PipelineParts, why: str) -> NotFlushedError:
     return NotFlushedError(
-        f"state_dict() of an unflushed {pipe.spec.describe()} pipeline: {why}; call "
+        f"state_dict() of an unflushed {parts.spec.describe()} pipeline: {why}; call "
         "pipe.flush() first"
     )
 
@@ -71,49 +70,30 @@ def _unmail(d: dict[str, Any]) -> Any:
     return trees.with_grad_flags(d["value"], d["grad"])  # an output's flags: a gradient comes back
 
 
-def _rebuildable(pipe: Pipeline, st: Stage, e: StashEntry) -> None:
+def _rebuildable(parts: PipelineParts, st: Stage, e: StashEntry) -> None:
     """A forward can be re-run when it pinned its weights, when its stage recomputes (the
     backward re-runs it on the backward's weights, whatever the forward read), or when no
     update has overwritten the weights it read since."""
     if e.dropped or e.pin is not None or st.recompute or e.t_f == st.updates:
         return
     raise _refuse(
-        pipe,
-        f"stage {st.index}'s forward of micro-batch {pipe._executor.n_base + e.i} read weight "
+        parts,
+        f"stage {st.index}'s forward of micro-batch {parts.executor.n_base + e.i} read weight "
         f"version {e.t_f}, which updates have overwritten since (policy {st.policy.name!r} "
         "keeps no old versions to re-run it on); build the pipeline with "
         "checkpoint='always' to save it unflushed",
     )
 
 
-def _slots(store: Any) -> list[dict[str, Any]]:
-    """Kept versions, pinned transients (SpecTrain's reuse) and the transient's content."""
-    out = [
-        {
-            "slot": slot,
-            "version": entry["version"],
-            "flats": [f.clone() for f in store.flats(slot)],
-            "pins": sorted(entry["pins"]),
-            "held": bool(entry["held"]),
-        }
-        for slot, entry in sorted(store._slots.items())
-    ]
-    t = store._transient
-    if t is not None and t not in store._slots and store._transient_key is not None:
-        out.append({"slot": t, "version": None, "flats": [f.clone() for f in store.flats(t)],
-                    "pins": None, "held": False, "key": store._transient_key})
-    return out
-
-
-def _stage_state(pipe: Pipeline, st: Stage) -> dict[str, Any]:
+def _stage_state(parts: PipelineParts, st: Stage) -> dict[str, Any]:
     for name, m in st.module.named_modules():
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0:
-            raise _refuse(pipe, f"stage {st.index}'s {name or 'module'} is an active dropout")
+            raise _refuse(parts, f"stage {st.index}'s {name or 'module'} is an active dropout")
     store = st.store
     skip = st.bridge.skip if st.bridge is not None else None
     stash = []
     for e in sorted(st.stash.entries(), key=lambda e: e.i):
-        _rebuildable(pipe, st, e)
+        _rebuildable(parts, st, e)
         x, flags = (None, []) if e.dropped else trees.detached_copy(e.x)
         stash.append({
             "i": e.i,
@@ -134,30 +114,26 @@ def _stage_state(pipe: Pipeline, st: Stage) -> dict[str, Any]:
         "pending": st.pending,
         "pending_weight": st.pending_weight,
         "pending_mbs": list(st.pending_mbs),
-        "t_f": [[n, t] for n, t in st._t_f.items()],
+        "t_f": [[n, t] for n, t in st.versions_read.items()],
         "grads": [g.clone() for g in store.grad_flats()],
-        "used": list(store._used),
-        "slots": _slots(store),
-        "transient": store._transient,
-        "live_pins": sorted(store._live_pins),
-        "held": store._held,
+        **store.kept_state(),  # used, slots, transient, live_pins, held
         "stash": stash,
         "found_inf": skip.found_inf.clone() if skip is not None else None,
     }
 
 
-def capture(pipe: Pipeline) -> dict[str, Any] | None:
-    """The in-flight state of ``pipe`` (None when flushed); changes nothing. Raises
+def capture(parts: PipelineParts) -> dict[str, Any] | None:
+    """The in-flight state of ``parts`` (None when flushed); changes nothing. Raises
     NotFlushedError naming why when it cannot be rebuilt on load (module docstring)."""
-    ex = pipe._executor
-    if ex.in_flight() == 0 and not (pipe.config.distributed and ex.active):
+    ex = parts.executor
+    if ex.in_flight() == 0 and not (parts.config.distributed and ex.active):
         return None  # (a rank with nothing in flight may still have messages on the wire)
     if ex.tail is not None:
-        raise _refuse(pipe, "a step was interrupted and the rest of its program is pending")
+        raise _refuse(parts, "a step was interrupted and the rest of its program is pending")
     # messages between ranks first: a gradient received now brings its "skip_update" flag
     # into the stash entry that the stage's state holds
-    wire = ex.wire_state() if pipe.config.distributed else None
-    stages = [_stage_state(pipe, st) for st in pipe.stages]
+    wire = ex.wire_state() if parts.config.distributed else None
+    stages = [_stage_state(parts, st) for st in parts.stages]
     return {
         "wire": wire,
         "n_base": ex.n_base,
@@ -197,21 +173,21 @@ def _same(theirs: list[Any], ours: list[Tensor], what: str) -> None:
         raise _fail(f"{what} do not match the pipeline's buffers")
 
 
-def check(pipe: Pipeline, state: Any) -> None:
-    """Validate in-flight ``state`` against ``pipe`` before anything changes."""
+def check(parts: PipelineParts, state: Any) -> None:
+    """Validate in-flight ``state`` against ``parts`` before anything changes."""
     if not isinstance(state, dict) or not isinstance(state.get("stages"), list):
         raise _fail("not an in-flight state dict")
-    if (state.get("wire") is not None) != pipe.config.distributed:
+    if (state.get("wire") is not None) != parts.config.distributed:
         raise _fail("saved by a pipeline of another transport (messages between ranks)")
     if state.get("wire") is not None and not _shapes_ok(state["wire"].get("shapes", {})):
         raise _fail("the shapes of the activations in flight are malformed")
     stages = state["stages"]
-    if [sd.get("index") for sd in stages] != [st.index for st in pipe.stages]:
+    if [sd.get("index") for sd in stages] != [st.index for st in parts.stages]:
         raise _fail(
             f"saved for stages {[sd.get('index') for sd in stages]}, this pipeline holds "
-            f"{[st.index for st in pipe.stages]}"
+            f"{[st.index for st in parts.stages]}"
         )
-    for st, sd in zip(pipe.stages, stages, strict=True):
+    for st, sd in zip(parts.stages, stages, strict=True):
         where = f"stage {st.index}"
         if sd.get("policy") != st.policy.name:
             raise _fail(f"{where}: weight policy {sd.get('policy')!r} saved, {st.policy.name!r} here")
@@ -251,39 +227,21 @@ def _shapes_ok(shapes: Any) -> bool:
 
 
 def _restore_store(st: Stage, sd: dict[str, Any]) -> dict[int, int]:
-    """Kept buffers into fresh arena slots; returns saved slot id -> new slot id."""
-    store = st.store
-    moved: dict[int, int] = {}
+    """Pending gradients and kept buffers (into fresh arena slots); returns saved slot id ->
+    new slot id."""
     with torch.no_grad():
-        for g, saved in zip(store.grad_flats(), sd["grads"], strict=True):
+        for g, saved in zip(st.store.grad_flats(), sd["grads"], strict=True):
             g.copy_(saved)
-        store._used[:] = bytes(sd["used"])
-        for v in sd["slots"]:
-            slot = store.arena.new_slot()
-            moved[v["slot"]] = slot
-            for dst, src in zip(store.flats(slot), v["flats"], strict=True):
-                dst.copy_(src)
-            if v["pins"] is None:  # the transient, holding a prediction or correction
-                store._transient_key = v["key"]
-                continue
-            store._slots[slot] = {"version": v["version"], "pins": set(v["pins"]), "held": v["held"]}
-            if v["version"] is not None:
-                store._by_version[v["version"]] = slot
-    if sd["transient"] is not None and sd["transient"] in moved:
-        store._transient = moved[sd["transient"]]
-    store._live_pins = set(sd["live_pins"])
-    store._held = sd["held"]
-    store._count()
-    return moved
+    return st.store.load_kept_state(sd)
 
 
-def restore(pipe: Pipeline, state: dict[str, Any]) -> None:
-    """Rebuild the in-flight state (``check``-ed) into ``pipe``, whose flushed state was just
+def restore(parts: PipelineParts, state: dict[str, Any]) -> None:
+    """Rebuild the in-flight state (``check``-ed) into ``parts``, whose flushed state was just
     loaded: kept versions and pending gradients, then every stashed forward re-run on its
     pinned version, then the executor's mailboxes and counters. Module buffers a forward
     updates (BatchNorm statistics) are put back afterwards; the caller restores the RNG."""
-    ex = pipe._executor
-    for st, sd in zip(pipe.stages, state["stages"], strict=True):
+    ex = parts.executor
+    for st, sd in zip(parts.stages, state["stages"], strict=True):
         moved = _restore_store(st, sd)
         _rebuild(st, sd, moved, int(state["n_base"]))
     ex.n_base = int(state["n_base"])
@@ -296,17 +254,6 @@ def restore(pipe: Pipeline, state: dict[str, Any]) -> None:
     ex.grads = {(d["s"], d["i"]): (_unmail(d), None) for d in state["grads"]}
     if state.get("wire") is not None:
         ex.load_wire_state(state["wire"])
-
-
-def _rerun_forward(st: Stage, i: int, xin: Any, target: Any, pin: Any, t_f: int, scale: float) -> None:
-    """Re-run F(i) of a resumed micro-batch on the weight buffer it pinned (restored with the
-    store; the live weights when it pinned none, where its stage recomputes in the backward)
-    and stash it as F(i) did (its output, if the next stage has not read it yet, was saved
-    with the mailboxes)."""
-    buf = st.store.resolve(pin) if pin is not None else LIVE_BUFFER
-    with st.store.use(buf):
-        out = st._call(xin, target)
-    st.stash.put(StashEntry(i, xin, st.kept(out, scale), pin, t_f, scale, buf=buf, target=target))
 
 
 def _rebuild(st: Stage, sd: dict[str, Any], moved: dict[int, int], n_base: int) -> None:
@@ -324,7 +271,7 @@ def _rebuild(st: Stage, sd: dict[str, Any], moved: dict[int, int], n_base: int) 
                 continue
             xin = trees.with_grad_flags(e["x"], e["x_grad"])
             if pin is not None or st.recompute:
-                _rerun_forward(st, e["i"], xin, e["target"], pin, e["t_f"], e["scale"])
+                st.rerun_forward(e["i"], xin, e["target"], pin, e["t_f"], e["scale"])
             else:  # nothing overwrote the weights it read: the forward itself, as it ran
                 st.forward(e["i"], n_base + e["i"], xin, e["target"], e["scale"])
     st.settle()
@@ -342,4 +289,4 @@ def _rebuild(st: Stage, sd: dict[str, Any], moved: dict[int, int], n_base: int) 
     skip = st.bridge.skip if st.bridge is not None else None
     if skip is not None and sd.get("found_inf") is not None:
         skip.found_inf.copy_(sd["found_inf"])  # into the persistent accumulator itself
-    st._t_f = {int(n): int(t) for n, t in sd["t_f"]}
+    st.versions_read = {int(n): int(t) for n, t in sd["t_f"]}

@@ -95,7 +95,7 @@ def _split_trees(
                     f"{path} has {n} samples on dim 0, {ref[0]} has {ref[1]}; every tensor leaf "
                     "of inputs and targets needs the same batch size on dim 0"
                 )
-        elif trees._unknown_container(leaf):
+        elif trees.unknown_container(leaf):
             raise PipelineInputError(
                 f"{path} is a {type(leaf).__name__}; use a tuple, list or dict (or a namedtuple "
                 "or OrderedDict) so that its tensors are split into micro-batches"

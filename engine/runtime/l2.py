@@ -15,6 +15,8 @@ is set and :attr:`L2State.reason` says why: the option is reported unsupported, 
 
 from __future__ import annotations
 
+import inspect
+import os
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -77,12 +79,28 @@ class L2State:
         }
 
 
+def _user_level() -> int:
+    """The ``stacklevel`` of the first caller outside ``engine/runtime``, for a warning raised
+    by this helper's caller: it points at the ``Pipeline(...)`` line however many builder
+    frames lie between (a fixed count breaks whenever the build is reshaped)."""
+    import engine.runtime
+
+    root = os.path.dirname(os.path.abspath(engine.runtime.__file__)) + os.sep
+    here = inspect.currentframe()
+    frame = here.f_back if here is not None else None  # the warning's caller: level 1
+    level = 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
 def _unsupported(state: L2State, reason: str, *, warn: bool) -> L2State:
     state.granted = [0] * len(state.granted)
     state.reason = reason
     if warn:
         # A warning, not an error: the same training script runs in CPU CI and on a GPU.
-        warnings.warn(f"l2_persistence is unsupported here: {reason}", stacklevel=5)
+        warnings.warn(f"l2_persistence is unsupported here: {reason}", stacklevel=_user_level())
     return state
 
 
@@ -159,7 +177,7 @@ def apply_l2(stages: Sequence[Any], streams: Any, fraction: float, owner: object
             state.set_aside = 0
     state.reason = "; ".join(reasons)
     if reasons:
-        warnings.warn(f"l2_persistence: {state.reason}", stacklevel=4)
+        warnings.warn(f"l2_persistence: {state.reason}", stacklevel=_user_level())
     if state.set_aside:
         held = [streams.streams[stages[i].index] for i in state.windows]
         weakref.finalize(owner, _give_back, device, held)

@@ -1,11 +1,15 @@
 """``engine.Pipeline``: train a model split into stages with any schedule of ALGORITHMS.md.
 
 This is the facade users meet. It validates the configuration (every invalid combination
-fails here, before any weight exists in a pipeline; :mod:`config`), resolves the schedule once
-(a built-in family or a user's program; :mod:`engine.schedule.spec`), builds one Stage per
-module with its own optimizer over a flat weight arena (:mod:`build`), derives each stage's
-delay D_s by simulating the schedule and writes it into the optimizer's param groups, and
-hands the step protocol to the :class:`~engine.runtime.executor.Executor`.
+fails here, before any weight exists in a pipeline; :mod:`config`) and calls one builder --
+:func:`~engine.runtime.assemble.build_local` or, under gloo/NCCL,
+:func:`~engine.runtime.rank_build.build_rank` -- which resolves the schedule once (a built-in
+family or a user's program; :mod:`engine.schedule.spec`), builds one Stage per module with its
+own optimizer over a flat weight arena (:mod:`build`), derives each stage's delay D_s by
+simulating the schedule and writes it into the optimizer's param groups, and returns the
+:class:`~engine.runtime.parts.PipelineParts` (stages, executor, streams, ...) the facade holds;
+``step``/``flush``/``stats``/``state_dict`` delegate to them. Nothing in ``engine/runtime/``
+imports this module: it is the leaf at the top of the import graph.
 
 With ``transport="local"`` every stage runs in this process, and that run is the exact
 simulator of each method's staleness; with ``transport="gloo"``/``"nccl"`` (under torchrun)
@@ -19,33 +23,26 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from engine.errors import NotFlushedError, PipelineConfigError, ScheduleError
 from engine.runtime import inputs as _inputs
-from engine.runtime.amp import autocast_context, check_scaler_state
-from engine.runtime.build import build_module, build_store, resolve_stage_specs
-from engine.runtime.capture import ProgramCapture, refuse_program
+from engine.runtime.amp import check_scaler_state
 from engine.runtime.config import DEFAULT_CHECKPOINT, PipelineConfig, check_options
-from engine.runtime.config import resolve_mitigations
-from engine.runtime.device_flags import check_skip_update
-from engine.runtime.executor import Executor
-from engine.runtime.graphs import attach_step_graphs
-from engine.runtime.host_memory import keep_freed_host_memory
-from engine.runtime.l2 import apply_l2
-from engine.runtime.policy import SpecTrain, make_policy
-from engine.runtime.stage import Stage
+from engine.runtime.parts import BuildRequest, PipelineParts
 from engine.runtime.step_features import StepFeatures, check_async_fp16, check_step_features
-from engine.runtime.step_features import attach as attach_features
-from engine.runtime.streams import StageStreams
 from engine.runtime.throughput import StepMeter, batch_size
-from engine.runtime.ties import TiedGradients, tie_stages, with_declared
-from engine.schedule.analysis import analyze, schedule_delays
 from engine.schedule.catalog import FAMILIES
-from engine.schedule.spec import ScheduleSpec, resolve_schedule
+from engine.schedule.spec import ScheduleSpec
+
+if TYPE_CHECKING:
+    from engine.runtime.capture import ProgramCapture
+    from engine.runtime.executor import Executor
+    from engine.runtime.l2 import L2State
+    from engine.runtime.stage import Stage
+    from engine.runtime.streams import StageStreams
 
 __all__ = ["Pipeline"]
 
@@ -189,13 +186,12 @@ class Pipeline:
     ) -> None:
         fam = FAMILIES.get(schedule) if isinstance(schedule, str) else None
         self._meter = StepMeter()  # stats()["throughput"]
-        self.features: StepFeatures = check_step_features(
+        features: StepFeatures = check_step_features(
             clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type, autocast=autocast,
             grad_scaler=grad_scaler, offload_activations=offload_activations,
         )
         check_async_fp16(autocast, None if fam is None else fam.synchronous, schedule, grad_scaler)
-        self._virtual_stages = virtual_stages
-        self.config: PipelineConfig = check_options(
+        config: PipelineConfig = check_options(
             transport=transport, checkpoint=checkpoint, on_nonfinite=on_nonfinite,
             data_parallel=data_parallel, timeout=timeout, cuda_streams=cuda_streams,
             trace=trace, correction_decay=correction_decay, loss_fn=loss_fn,
@@ -204,147 +200,98 @@ class Pipeline:
             schedule_name=schedule if isinstance(schedule, str) else "",
             l2_persistence=l2_persistence, cuda_graphs=cuda_graphs,
         )
-        if self.config.distributed:
-            from engine.runtime.rank import build_distributed
-
-            build_distributed(
-                self, stages, schedule, chunks, loss_fn, optimizer, update_size, order,
-                balance, weight_prediction, discrepancy_correction, lr_scheduler,
-                num_stages, sample, memory_cap_bytes, deferred_batch_norm=deferred_batch_norm,
-                balance_repeats=balance_repeats, balance_profile=balance_profile, tied=ties,
-            )
-            return
-        if isinstance(balance, str):
-            from engine.runtime.balance import auto_balance
-
-            balance = auto_balance(
-                stages, balance, schedule, chunks, order, num_stages, sample, memory_cap_bytes,
-                repeats=balance_repeats, profile=balance_profile,
-            )
-        specs = resolve_stage_specs(stages, balance)
-        self.balance = list(balance) if balance is not None else None
-        spec = self._resolve(schedule, len(specs), chunks, update_size, order)
-        refuse_program(spec, self.config, self.features)
-        modules = [build_module(m, s) for s, m in enumerate(specs)]
-        if deferred_batch_norm:
-            from engine.runtime.batch_norm import convert_deferred_batch_norm
-
-            modules = [convert_deferred_batch_norm(m, spec.chunks) for m in modules]
-        found = tie_stages(modules, spec)
-        ties = with_declared(found, ties, spec, dict(enumerate(modules)))[0]
-        built = [build_store(m, s, optimizer, self.config.cuda_graphs) for s, m in enumerate(modules)]
-        self._finish(
-            spec, modules, built, list(range(spec.stages)), loss_fn, weight_prediction,
-            discrepancy_correction, lr_scheduler,
+        request = BuildRequest(
+            stages=stages, schedule=schedule, chunks=chunks, loss_fn=loss_fn,
+            optimizer=optimizer, config=config, features=features, update_size=update_size,
+            order=order, balance=balance, weight_prediction=weight_prediction,
+            discrepancy_correction=discrepancy_correction, lr_scheduler=lr_scheduler,
+            num_stages=num_stages, sample=sample, memory_cap_bytes=memory_cap_bytes,
+            balance_repeats=balance_repeats, balance_profile=balance_profile,
+            deferred_batch_norm=deferred_batch_norm, virtual_stages=virtual_stages, ties=ties,
         )
-        self.ties = ties
-        self._executor.ties = TiedGradients(ties, self.stages) if ties else None
-        attach_features(self)
+        if config.distributed:
+            from engine.runtime.rank_build import build_rank
 
-    # ------------------------------------------------------------------ construction
-
-    def _resolve(
-        self, schedule: Any, S: int, chunks: int | None, update_size: int | None, order: str | None
-    ) -> ScheduleSpec:
-        try:
-            return resolve_schedule(
-                schedule, stages=S, chunks=chunks, update_size=update_size, order=order,
-                virtual_stages=self._virtual_stages,
-            )
-        except ScheduleError:
-            raise  # a broken program: the error names the stage, the action and the rule
-        except (ValueError, TypeError) as exc:
-            raise PipelineConfigError(str(exc)) from None
-
-    def _finish(
-        self,
-        spec: ScheduleSpec,
-        modules: list[nn.Module],
-        built: list[Any],
-        indices: list[int],
-        loss_fn: Callable[[Tensor, Any], Tensor],
-        weight_prediction: str | None,
-        discrepancy_correction: bool | None,
-        lr_scheduler: Any,
-        streams: StageStreams | None = None,
-    ) -> None:
-        """Policies, stages, delays and the executor, once modules and stores exist."""
-        cfg = self.config
-        self.spec = spec
-        bridges = [b for _, b in built]
-        prediction, correction = resolve_mitigations(
-            spec, bridges, weight_prediction, discrepancy_correction
-        )
-        self.weight_prediction = prediction
-        self.discrepancy_correction = correction
-        device_flags = cfg.on_nonfinite == "skip_update" and check_skip_update(spec, bridges)
-        if spec.program is not None:
-            self.delays = list(analyze(spec.program).delays)
+            self.parts: PipelineParts = build_rank(request)
         else:
-            self.delays = list(
-                schedule_delays(spec.name, spec.stages, spec.chunks, spec.update_size, spec.order)
-            )
-        stages: list[Stage] = []
-        for (store, bridge), module, s in zip(built, modules, indices, strict=True):
-            policy = make_policy(
-                spec.weights, spec.synchronous, spec.chunks, spec.stages, s, prediction, correction
-            )
-            if bridge is not None:
-                bridge.set_delay(self.delays[s])
-                if isinstance(policy, SpecTrain) and bridge.is_engine:
-                    bridge.set_group_option("prediction_horizon", float(policy.s_f))
-                if correction and not bridge.keeps_delta:
-                    bridge.enable_fallback_correction(cfg.correction_decay)
-                if device_flags:
-                    bridge.enable_skip_flags()
-            st = Stage(
-                s, spec.stages, module, store, bridge, policy, cfg.recompute(s, spec.stages),
-                loss_fn if s == spec.stages - 1 else None, trace=cfg.trace,
-            )
-            if lr_scheduler is not None and bridge is not None:
-                st.scheduler = lr_scheduler(bridge.opt)
-            stages.append(st)
-        self.stages = stages
-        devices = {p.device for st in stages for p in st.store.params}
-        if not hasattr(self, "device"):
-            self.device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
-        if not hasattr(self, "layout"):
-            self.layout = None
-            self.replicas = 1
-        if any(d.type == "cpu" for d in devices) or not devices:
-            keep_freed_host_memory()
-        if streams is None:
-            streams = self._make_streams(stages, cfg.cuda_streams, l2=bool(cfg.l2_persistence))
-        self._streams = streams
-        if cfg.cuda_graphs == "optimizer":
-            attach_step_graphs(stages)
-        self._l2 = apply_l2(stages, streams, cfg.l2_persistence, owner=self)
-        self._executor = Executor(
-            spec, stages, on_nonfinite=cfg.on_nonfinite, streams=streams, device_flags=device_flags
-        )
-        self._checked: set[Any] = set()
-        self._capture = ProgramCapture(self._executor) if cfg.cuda_graphs == "program" else None
+            from engine.runtime.assemble import build_local
 
-    @staticmethod
-    def _make_streams(stages: list[Stage], want: bool | None, l2: bool = False) -> StageStreams:
-        """One CUDA stream per stage when every stage lives on one CUDA device."""
-        devices = {p.device for st in stages for p in st.store.params}
-        on_cuda = len(devices) == 1 and next(iter(devices)).type == "cuda"
-        if l2 and not on_cuda and any(d.type == "cuda" for d in devices):
-            raise PipelineConfigError(
-                "l2_persistence sets each stage's window on its stage stream, and stage streams "
-                f"need every stage on one CUDA device, found {sorted(map(str, devices))}; put "
-                "the stages on one GPU or drop l2_persistence"
-            )
-        if want is None:
-            want = on_cuda and (len(stages) > 1 or l2)
-        if want and not on_cuda:
-            raise PipelineConfigError(
-                "cuda_streams=True needs every stage's parameters on one CUDA device, found "
-                f"{sorted(map(str, devices))}; move the stages with .cuda() or pass cuda_streams=False"
-            )
-        device = next(iter(devices)) if (want and devices) else None
-        return StageStreams([st.index for st in stages], device)
+            self.parts = build_local(request)
+        self._checked: set[Any] = set()  # input shapes the dry run has checked
+
+    # ------------------------------------------------------------------ the parts
+    # (read-only views of what the builder returned: ``pipe.parts``, engine/runtime/parts.py)
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        return self.parts.spec
+
+    @property
+    def config(self) -> PipelineConfig:
+        return self.parts.config
+
+    @property
+    def features(self) -> StepFeatures:
+        return self.parts.features
+
+    @property
+    def stages(self) -> list[Stage]:
+        return self.parts.stages
+
+    @property
+    def delays(self) -> list[int]:
+        return self.parts.delays
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts.device
+
+    @property
+    def layout(self) -> Any:
+        """gloo/NCCL: this rank's place in the replica x stage layout; None locally."""
+        return self.parts.layout
+
+    @property
+    def replicas(self) -> int:
+        return self.parts.replicas
+
+    @property
+    def balance(self) -> list[int] | None:
+        return self.parts.balance
+
+    @property
+    def ties(self) -> list[Any]:
+        return self.parts.ties
+
+    @property
+    def weight_prediction(self) -> str | None:
+        return self.parts.weight_prediction
+
+    @property
+    def discrepancy_correction(self) -> bool:
+        return self.parts.discrepancy_correction
+
+    # the names tests and tools used before the parts existed (engine code reads pipe.parts)
+
+    @property
+    def _executor(self) -> Executor:
+        return self.parts.executor
+
+    @property
+    def _rank(self) -> Any:
+        return self.parts.rank
+
+    @property
+    def _streams(self) -> StageStreams:
+        return self.parts.streams
+
+    @property
+    def _capture(self) -> ProgramCapture | None:
+        return self.parts.capture
+
+    @property
+    def _l2(self) -> L2State:
+        return self.parts.l2
 
     # ------------------------------------------------------------------ facts in words
 
@@ -434,16 +381,16 @@ class Pipeline:
         if self.config.distributed:
             from engine.runtime.rank_step import rank_step
 
-            return rank_step(self, inputs, targets)
+            return rank_step(self.parts, inputs, targets)
         xs, ts, sizes = _inputs.split(inputs, targets, self.spec.chunks)
         key = _inputs.input_key(xs[0], ts[0])
         if key not in self._checked:
-            with self._autocast():  # the shapes autocast gives
+            with self.parts.autocast():  # the shapes autocast gives
                 _inputs.dry_run(
                     [st.module for st in self.stages], xs[0], ts[0], self.stages[-1].loss_fn  # type: ignore[arg-type]
                 )
             self._checked.add(key)
-        result = (self._capture or self._executor).run_step(xs, ts, sizes)
+        result = self.parts.runner.run_step(xs, ts, sizes)
         if result.loss is None:
             return torch.tensor(float("nan"))
         return result.loss
@@ -454,11 +401,9 @@ class Pipeline:
         gloo/NCCL every rank enters the block; rank 0 writes one file for all ranks."""
         from engine.runtime.trace import trace
 
-        return trace(self, path)
-
-    def _autocast(self) -> Any:
-        a = self.stages[0].autocast if self.stages else None
-        return autocast_context(*a) if a is not None else contextlib.nullcontext()
+        p = self.parts
+        rank = p.layout.rank if p.layout is not None else None
+        return trace(path, p.stages, p.executor, rank)
 
     def evaluate(self, inputs: Tensor, chunks: int | None = None) -> Tensor:
         """Forward only: the last stage's module outputs for ``inputs`` (before ``loss_fn``),
@@ -473,7 +418,7 @@ class Pipeline:
         reads ``inputs``) and every rank gets the outputs."""
         from engine.runtime.evaluation import evaluate
 
-        return evaluate(self, inputs, chunks)
+        return evaluate(self.parts, inputs, chunks)
 
     def flush(self) -> Tensor | None:
         """Drain an asynchronous pipeline: finish every backward and apply every pending
@@ -485,14 +430,11 @@ class Pipeline:
     @property
     def flushed(self) -> bool:
         """True when no micro-batch is in flight and no gradient is pending."""
-        return self._executor.in_flight() == 0
+        return self.parts.flushed
 
     def require_flushed(self, what: str) -> None:
-        if not self.flushed:
-            raise NotFlushedError(
-                f"{what} needs a flushed pipeline, but micro-batches of {self.spec.describe()} "
-                "are in flight; call pipe.flush() first"
-            )
+        """Raise NotFlushedError naming ``what`` unless :attr:`flushed`."""
+        self.parts.require_flushed(what)
 
     # ------------------------------------------------------------------ facts
 
@@ -501,7 +443,7 @@ class Pipeline:
         described in :func:`engine.runtime.pipeline_stats.pipeline_stats`."""
         from engine.runtime.pipeline_stats import pipeline_stats
 
-        return pipeline_stats(self)
+        return pipeline_stats(self.parts, self._meter)
 
     def reset_stats(self) -> None:
         """Restart the clock and peak counters (e.g. after warm-up)."""
@@ -520,7 +462,7 @@ class Pipeline:
         rebuilt on load (engine.runtime.inflight says when that is possible)."""
         from engine.runtime.state import pipeline_state_dict
 
-        state = pipeline_state_dict(self)
+        state = pipeline_state_dict(self.parts)
         if self._executor.loss_scaler is not None:  # float16: the scale and its growth tracker
             state["loss_scaler"] = self._executor.loss_scaler.state_dict()
         return state
@@ -533,7 +475,7 @@ class Pipeline:
 
         scaler = self._executor.loss_scaler
         check_scaler_state(scaler, state)  # (float16's scale: before anything changes)
-        load_pipeline_state_dict(self, {k: v for k, v in state.items() if k != "loss_scaler"},
+        load_pipeline_state_dict(self.parts, {k: v for k, v in state.items() if k != "loss_scaler"},
                                  override_hyperparameters)
         if scaler is not None:
             scaler.load_state_dict(state["loss_scaler"])

@@ -10,12 +10,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.runtime.pipeline import Pipeline
+    from engine.runtime.parts import PipelineParts
+    from engine.runtime.throughput import StepMeter
 
 __all__ = ["pipeline_stats"]
 
 
-def pipeline_stats(pipe: Pipeline) -> dict[str, Any]:
+def pipeline_stats(parts: PipelineParts, meter: StepMeter) -> dict[str, Any]:
     """Per-stage facts measured by the engine's own clock and counters.
 
     ``delays``: D_s set on the optimizers (derived by simulating the schedule);
@@ -47,61 +48,61 @@ def pipeline_stats(pipe: Pipeline) -> dict[str, Any]:
     ``last_step_time_s``, ``samples_per_s``, ``tokens_per_s``, ``bubble_modelled`` and
     ``bubble_measured`` (engine/runtime/throughput.py says how each is measured).
     """
-    ex = pipe._executor
+    ex = parts.executor
     ex.fold_flags()  # "skip_update" counts on the device: one host read
-    if pipe._capture is not None:
-        pipe._capture.fold()
+    if parts.capture is not None:
+        parts.capture.fold()
     unit, wall = ex.clock.bubble()
     clipper = ex.clipper
     return {
-        "schedule": pipe.spec.name,
-        "stages": pipe.spec.stages,
-        "chunks": pipe.spec.chunks,
-        "update_size": pipe.spec.update_size,
+        "schedule": parts.spec.name,
+        "stages": parts.spec.stages,
+        "chunks": parts.spec.chunks,
+        "update_size": parts.spec.update_size,
         "steps": ex.steps,
         "skipped_steps": ex.skipped_steps,
         "dropped_microbatches": ex.dropped,
-        "updates": [st.updates for st in pipe.stages],
-        "skipped_updates": [st.skipped_updates for st in pipe.stages],
-        "delays": list(pipe.delays),
-        "measured_delays": [dict(sorted(st.delay_counts.items())) for st in pipe.stages],
-        "weight_versions": [st.store.peak_versions for st in pipe.stages],
-        "weight_buffers": [st.store.peak_buffers for st in pipe.stages],
-        "weight_bytes": [st.store.bytes() for st in pipe.stages],
-        "activation_peak": [st.stash.peak for st in pipe.stages],
+        "updates": [st.updates for st in parts.stages],
+        "skipped_updates": [st.skipped_updates for st in parts.stages],
+        "delays": list(parts.delays),
+        "measured_delays": [dict(sorted(st.delay_counts.items())) for st in parts.stages],
+        "weight_versions": [st.store.peak_versions for st in parts.stages],
+        "weight_buffers": [st.store.peak_buffers for st in parts.stages],
+        "weight_bytes": [st.store.bytes() for st in parts.stages],
+        "activation_peak": [st.stash.peak for st in parts.stages],
         "bubble_fraction": unit,
         "bubble_fraction_wall": wall,
         "compiled_programs": ex.compiler.compiled,
-        "transport": pipe.config.transport,
-        "stage_indices": [st.index for st in pipe.stages],
-        "l2_persisting_bytes": list(pipe._l2.granted),
-        "l2_persistence": pipe._l2.stats(),
-        "capture": (pipe._capture.stats() if pipe._capture is not None
-                    else {"mode": pipe.config.cuda_graphs or "off"}),
+        "transport": parts.config.transport,
+        "stage_indices": [st.index for st in parts.stages],
+        "l2_persisting_bytes": list(parts.l2.granted),
+        "l2_persistence": parts.l2.stats(),
+        "capture": (parts.capture.stats() if parts.capture is not None
+                    else {"mode": parts.config.cuda_graphs or "off"}),
         "cuda_graphs": [
             st.bridge.graphs.stats()
             if st.bridge is not None and st.bridge.graphs is not None else None
-            for st in pipe.stages
+            for st in parts.stages
         ],
-        "grad_norm": clipper.stats() if clipper is not None else [None] * len(pipe.stages),
-        **_amp_stats(pipe, ex.loss_scaler),
-        "throughput": pipe._meter.stats(
-            sum(st.busy_ns for st in pipe.stages) / 1e9, unit, wall, pipe.config.distributed
+        "grad_norm": clipper.stats() if clipper is not None else [None] * len(parts.stages),
+        **_amp_stats(parts, ex.loss_scaler),
+        "throughput": meter.stats(
+            sum(st.busy_ns for st in parts.stages) / 1e9, unit, wall, parts.config.distributed
         ),
         "activation_bytes": [
             st.offload.stats() if st.offload is not None else None
-            for st in pipe.stages
+            for st in parts.stages
         ],
     }
 
 
-def _amp_stats(pipe: Pipeline, scaler: Any) -> dict[str, Any]:
+def _amp_stats(parts: PipelineParts, scaler: Any) -> dict[str, Any]:
     """float16 loss scaling: the current scale (a device tensor) and the steps found_inf
     skipped so far (one host read)."""
     if scaler is None:
         return {"loss_scale": None, "amp_skipped_steps": 0, "amp_skipped_updates": None}
     if not scaler.synchronous:  # per stage: update groups whose found_inf was set
-        skips = [scaler.group_skips.get(st.index) for st in pipe.stages]
+        skips = [scaler.group_skips.get(st.index) for st in parts.stages]
         return {"loss_scale": scaler.scale, "amp_skipped_steps": 0,
                 "amp_skipped_updates": [0 if t is None else int(t.item()) for t in skips]}
     return {"loss_scale": scaler.scale, "amp_skipped_steps": int(scaler.skipped.item()),

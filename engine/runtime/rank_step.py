@@ -20,21 +20,21 @@ from engine.runtime import trees
 from engine.runtime.first_failure import as_peer_error, begin, report
 
 if TYPE_CHECKING:
-    from engine.runtime.pipeline import Pipeline
+    from engine.runtime.parts import PipelineParts
 
 __all__ = ["rank_step"]
 
 
-def rank_step(pipe: Pipeline, inputs: Any, targets: Any) -> Tensor:
+def rank_step(parts: PipelineParts, inputs: Any, targets: Any) -> Tensor:
     """``Pipeline.step`` on one rank: split what this rank reads, handshake once, run."""
     begin()  # first thing: every rank counts every step call, even one that fails early
-    lay = pipe.layout
-    M = pipe.spec.chunks
-    held = pipe._executor.by_index  # (under a V placement one rank holds the first and the last)
-    first, last = 0 in held, pipe.spec.stages - 1 in held
-    if pipe.device.type == "cuda":  # NCCL: the data a rank reads goes to its GPU
-        inputs = trees.map_tensors(lambda t: t.to(pipe.device, non_blocking=True), inputs)
-        targets = trees.map_tensors(lambda t: t.to(pipe.device, non_blocking=True), targets)
+    lay = parts.layout
+    M = parts.spec.chunks
+    held = parts.executor.by_index  # (under a V placement one rank holds the first and the last)
+    first, last = 0 in held, parts.spec.stages - 1 in held
+    if parts.device.type == "cuda":  # NCCL: the data a rank reads goes to its GPU
+        inputs = trees.map_tensors(lambda t: t.to(parts.device, non_blocking=True), inputs)
+        targets = trees.map_tensors(lambda t: t.to(parts.device, non_blocking=True), targets)
     if first and not trees.tensors(inputs):
         raise PipelineInputError(
             f"rank {lay.rank} runs stage 0 and needs the inputs: pass a tensor (or a tuple/list/"
@@ -57,15 +57,15 @@ def rank_step(pipe: Pipeline, inputs: Any, targets: Any) -> Tensor:
         xs = [None] * M
     else:
         xs, ts, sizes = [None] * M, [None] * M, [1] * M
-    rk = pipe._rank
+    rk = parts.rank
     try:
-        with pipe._autocast():  # the dry runs see the dtypes autocast gives
+        with parts.autocast():  # the dry runs see the dtypes autocast gives
             if not rk.handshaken:
-                st = pipe.stages[0]
+                st = parts.stages[0]
                 rk.handshake(st.module, xs[0], ts[0], st.loss_fn)
             elif first:  # new shapes: a clear error before the step instead of one inside it
-                rk.check_inputs(pipe.stages[0].module, xs, pipe._executor.j * M)
-        result = pipe._executor.run_step(xs, ts, sizes)
+                rk.check_inputs(parts.stages[0].module, xs, parts.executor.j * M)
+        result = parts.executor.run_step(xs, ts, sizes)
     except BaseException as exc:  # the first rank to fail is named in its peers' errors
         report(lay.rank, exc)
         mine = sorted(held)

@@ -129,7 +129,9 @@ class Stage(StageUpdates):
         self.skipped_updates = 0
         self.trace = trace
         self.records: dict[int, dict[str, Any]] = {}
-        self._t_f: dict[int, int] = {}
+        #: micro-batch id -> the weight version its forward read, until its update counts it
+        #: (measured delays; saved with an unflushed pipeline's state, engine.runtime.inflight)
+        self.versions_read: dict[int, int] = {}
         #: chained (synchronous steps in one process): stage inputs keep the previous stage's
         #: graph and the last stage's backward runs every stage's (set by the executor)
         self.chain = False
@@ -210,7 +212,7 @@ class Stage(StageUpdates):
                 self.busy_ns += perf_counter_ns() - t0
                 if tl is not None:
                     tl.add(self.index, f"stage{self.index}/F{n}", "forward", t0, {
-                        "micro_batch": n, "version_read": self._t_f.get(n), "live_version": self.updates})
+                        "micro_batch": n, "version_read": self.versions_read.get(n), "live_version": self.updates})
 
     def _forward(
         self, i: int, n: int, x: Any, target: Any, scale: float
@@ -221,7 +223,7 @@ class Stage(StageUpdates):
         if x is DROPPED:
             self.stash.put(StashEntry(i, None, None, None, t_f, scale, dropped=True))
             self.forwards += 1
-            self._t_f[n] = t_f
+            self.versions_read[n] = t_f
             return DROPPED, None
         want = policy.forward(self)
         pin: Any = None
@@ -263,7 +265,7 @@ class Stage(StageUpdates):
                 store.release(pin, i)
         self.stash.put(StashEntry(i, xin, keep, pin, t_f, scale, buf=buf, target=target))
         self.forwards += 1
-        self._t_f[n] = t_f
+        self.versions_read[n] = t_f
         if self.trace:
             self.records[n] = {"t_F": t_f}
         assert loss is None or isinstance(loss, Tensor)
@@ -280,6 +282,19 @@ class Stage(StageUpdates):
                 self._recomputable(), xin, target, use_reentrant=False, preserve_rng_state=True
             )
         return self._run(xin, target)
+
+    def rerun_forward(self, i: int, xin: Any, target: Any, pin: Any, t_f: int, scale: float) -> None:
+        """Re-run F(i) of a resumed micro-batch (engine.runtime.inflight) on the buffer it
+        pinned (live when none: its stage recomputes in the backward); stash it as F(i) did."""
+        buf = self.store.resolve(pin) if pin is not None else LIVE_BUFFER
+        with self.store.use(buf):
+            out = self._call(xin, target)
+        self.stash.put(StashEntry(i, xin, self.kept(out, scale), pin, t_f, scale, buf=buf, target=target))
+
+    @property
+    def remaps_saved(self) -> bool:
+        """Whether the backward re-points the weights the forward saved (saved-tensor hooks)."""
+        return self._saved is not None
 
     def kept(self, out: Any, scale: float) -> Any:
         """What the stash keeps of a forward's output for its backward: the scaled loss on
@@ -360,7 +375,7 @@ class Stage(StageUpdates):
                 self.busy_ns += perf_counter_ns() - t0
                 if tl is not None:
                     tl.add(self.index, f"stage{self.index}/B{n}", "backward", t0, {
-                        "micro_batch": n, "forward_version": self._t_f.get(n),
+                        "micro_batch": n, "forward_version": self.versions_read.get(n),
                         "live_version": self.updates})
 
     def _backward(self, i: int, n: int, grad: Any) -> Any:
@@ -527,5 +542,5 @@ class Stage(StageUpdates):
         """Drop stashed activations and kept weight versions (rollback, end of a segment)."""
         self.stash.clear()
         self._deferred.clear()
-        self._t_f.clear()
+        self.versions_read.clear()
         self.store.release_all()

@@ -46,7 +46,7 @@ class StageUpdates:
     scheduler: Any
     _prepared: bool
     busy_ns: int
-    _t_f: dict[int, int]
+    versions_read: dict[int, int]
     _trivial: Any  # Stage._trivial
 
     # ------------------------------------------------------------------ update
@@ -114,7 +114,7 @@ class StageUpdates:
 
     def _account(self, mbs: list[int]) -> None:
         for n in mbs:
-            d = self.updates - self._t_f.pop(n, self.updates)
+            d = self.updates - self.versions_read.pop(n, self.updates)
             self.delay_counts[d] = self.delay_counts.get(d, 0) + 1
             if self.trace:
                 self.records.setdefault(n, {})["update"] = self.updates
@@ -134,6 +134,6 @@ class StageUpdates:
         """Forget the pending group entirely (a rolled-back synchronous step)."""
         self.discard_gradients()
         for n in self.pending_mbs:
-            self._t_f.pop(n, None)
+            self.versions_read.pop(n, None)
         self.pending = 0
         self.pending_mbs = []

@@ -25,31 +25,31 @@ from engine.errors import CheckpointError
 from engine.runtime import inflight
 
 if TYPE_CHECKING:
-    from engine.runtime.pipeline import Pipeline
+    from engine.runtime.parts import PipelineParts
 
-__all__ = ["FORMAT", "pipeline_state_dict", "load_pipeline_state_dict"]
+__all__ = ["FORMAT", "pipeline_state_dict", "check_state", "load_pipeline_state_dict"]
 
 FORMAT = "engine.pipeline/1"
 
 
-def _config(pipe: Pipeline) -> dict[str, Any]:
+def _config(parts: PipelineParts) -> dict[str, Any]:
     return {
-        "schedule": pipe.spec.name,
-        "stages": pipe.spec.stages,
-        "chunks": pipe.spec.chunks,
-        "update_size": pipe.spec.update_size,
-        "order": pipe.spec.order,
-        "prediction": pipe.weight_prediction,
-        "discrepancy_correction": pipe.discrepancy_correction,
+        "schedule": parts.spec.name,
+        "stages": parts.spec.stages,
+        "chunks": parts.spec.chunks,
+        "update_size": parts.spec.update_size,
+        "order": parts.spec.order,
+        "prediction": parts.weight_prediction,
+        "discrepancy_correction": parts.discrepancy_correction,
     }
 
 
-def pipeline_state_dict(pipe: Pipeline) -> dict[str, Any]:
+def pipeline_state_dict(parts: PipelineParts) -> dict[str, Any]:
     """Everything needed to resume: per stage the module's tensors, optimizer and scheduler
     state, update count and runtime-owned state; plus counters and the torch RNG state."""
-    in_flight = inflight.capture(pipe)  # None when flushed; raises when it cannot be rebuilt
+    in_flight = inflight.capture(parts)  # None when flushed; raises when it cannot be rebuilt
     stages = []
-    for st in pipe.stages:
+    for st in parts.stages:
         stages.append(
             {
                 "module": {k: v.detach().clone() for k, v in st.module.state_dict().items()},
@@ -60,7 +60,7 @@ def pipeline_state_dict(pipe: Pipeline) -> dict[str, Any]:
                 "scheduler": st.scheduler.state_dict() if st.scheduler is not None else None,
                 "index": st.index,
                 "updates": st.updates,
-                "delay": pipe.delays[st.index],
+                "delay": parts.delays[st.index],
                 "extra": (
                     {k: v.clone() for k, v in st.bridge.extra_state().items()}
                     if st.bridge is not None
@@ -68,13 +68,13 @@ def pipeline_state_dict(pipe: Pipeline) -> dict[str, Any]:
                 ),
             }
         )
-    ex = pipe._executor
+    ex = parts.executor
     state = {
         "format": FORMAT,
-        "config": _config(pipe),
+        "config": _config(parts),
         "steps": ex.steps,
         "skipped_steps": ex.skipped_steps,
-        "microbatches": ex.n_base + ex.j * pipe.spec.chunks,
+        "microbatches": ex.n_base + ex.j * parts.spec.chunks,
         "stages": stages,
         "rng": torch.get_rng_state(),
     }
@@ -138,13 +138,13 @@ def _fail(msg: str) -> CheckpointError:
     return CheckpointError(msg + " -- nothing was loaded")
 
 
-def _check(pipe: Pipeline, state: Any, override_hyperparameters: bool = False) -> None:
-    """Validate ``state`` against ``pipe`` completely, so that loading changes nothing on error."""
+def check_state(parts: PipelineParts, state: Any, override_hyperparameters: bool = False) -> None:
+    """Validate ``state`` against ``parts`` completely, so that loading changes nothing on error."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         got = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise _fail(f"not a pipeline state (format {got!r}, expected {FORMAT!r})")
     cfg = state.get("config", {})
-    mine = _config(pipe)
+    mine = _config(parts)
     diff = [
         f"{k}: checkpoint {cfg.get(k)!r} vs pipeline {v!r}" for k, v in mine.items() if cfg.get(k) != v
     ]
@@ -153,10 +153,10 @@ def _check(pipe: Pipeline, state: Any, override_hyperparameters: bool = False) -
             "checkpoint was written by a differently configured pipeline (" + "; ".join(diff) + ")"
         )
     stages = state.get("stages")
-    if not isinstance(stages, list) or len(stages) != len(pipe.stages):
+    if not isinstance(stages, list) or len(stages) != len(parts.stages):
         n = len(stages) if isinstance(stages, list) else "?"
-        raise _fail(f"checkpoint has {n} stages, this process {len(pipe.stages)}")
-    for st, sd in zip(pipe.stages, stages, strict=True):
+        raise _fail(f"checkpoint has {n} stages, this process {len(parts.stages)}")
+    for st, sd in zip(parts.stages, stages, strict=True):
         where = f"stage {st.index}"
         if sd.get("index", st.index) != st.index:
             raise _fail(f"{where}: the checkpoint holds stage {sd.get('index')} here")
@@ -189,9 +189,9 @@ def _check(pipe: Pipeline, state: Any, override_hyperparameters: bool = False) -
             has = "has" if sd.get("scheduler") is not None else "has no"
             mine_has = "has" if st.scheduler is not None else "has no"
             raise _fail(f"{where}: checkpoint {has} LR scheduler state, the pipeline {mine_has} scheduler")
-        if sd.get("delay") != pipe.delays[st.index]:
+        if sd.get("delay") != parts.delays[st.index]:
             raise _fail(
-                f"{where}: delay {sd.get('delay')} in the checkpoint, {pipe.delays[st.index]} "
+                f"{where}: delay {sd.get('delay')} in the checkpoint, {parts.delays[st.index]} "
                 "derived by the pipeline"
             )
         if not _count(sd.get("updates")):
@@ -200,7 +200,7 @@ def _check(pipe: Pipeline, state: Any, override_hyperparameters: bool = False) -
         if not _count(state.get(key, 0 if key == "skipped_steps" else None)):
             raise _fail(f"{key}={state.get(key)!r} must be an int >= 0")
     if "in_flight" in state:
-        inflight.check(pipe, state["in_flight"])
+        inflight.check(parts, state["in_flight"])
     rng = state.get("rng")
     if rng is not None and (not isinstance(rng, Tensor) or rng.dtype != torch.uint8):
         raise _fail("rng state must be a uint8 tensor")
@@ -211,13 +211,13 @@ def _count(v: Any) -> bool:
 
 
 def load_pipeline_state_dict(
-    pipe: Pipeline, state: dict[str, Any], override_hyperparameters: bool = False
+    parts: PipelineParts, state: dict[str, Any], override_hyperparameters: bool = False
 ) -> None:
     """Load ``pipeline_state_dict`` output into a flushed pipeline of the same configuration
     (with ``override_hyperparameters``, optimizers whose hyper-parameters differ too)."""
-    pipe.require_flushed("load_state_dict()")
-    _check(pipe, state, override_hyperparameters)
-    for st, sd in zip(pipe.stages, state["stages"], strict=True):
+    parts.require_flushed("load_state_dict()")
+    check_state(parts, state, override_hyperparameters)
+    for st, sd in zip(parts.stages, state["stages"], strict=True):
         with torch.no_grad():
             st.module.load_state_dict(sd["module"])  # copies into the live buffer in place
         if st.bridge is not None:
@@ -230,13 +230,13 @@ def load_pipeline_state_dict(
         st.segment_updates = st.updates
         st.reset_in_flight()
         st.store.invalidate_transient()
-    ex = pipe._executor
+    ex = parts.executor
     ex.steps = int(state["steps"])
     ex.skipped_steps = int(state.get("skipped_steps", 0))
     ex.n_base = int(state.get("microbatches", 0))
     ex.j = 0
     ex.active = False
     if "in_flight" in state:
-        inflight.restore(pipe, state["in_flight"])
+        inflight.restore(parts, state["in_flight"])
     if state.get("rng") is not None:
         torch.set_rng_state(state["rng"])

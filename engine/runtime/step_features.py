@@ -11,16 +11,13 @@ The concepts live in their own modules: :mod:`~engine.runtime.clipping`,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from engine.errors import PipelineConfigError
 from engine.runtime.amp import LossScaler, check_grad_scaler
 from engine.runtime.clipping import GradClipper, check_clip_options
-
-if TYPE_CHECKING:
-    from engine.runtime.pipeline import Pipeline
 
 __all__ = ["StepFeatures", "check_step_features", "attach", "check_async_fp16"]
 
@@ -70,36 +67,36 @@ def check_step_features(
     return StepFeatures(max_norm, norm_type, autocast, scaler, offload_activations)  # type: ignore[arg-type]
 
 
-def attach(pipe: Pipeline, group: Any = None) -> None:
-    """Attach the features to ``pipe``'s stages and executor (at the end of the build; under
-    gloo/NCCL with the pipeline's process ``group``, after the rank executor exists)."""
-    feats: StepFeatures = pipe.features
-    ex = pipe._executor
-    stages = pipe.stages
+def attach(
+    feats: StepFeatures, ex: Any, stages: list[Any], spec: Any, device: torch.device,
+    ties: Any = None, group: Any = None,
+) -> None:
+    """Attach the features to the built ``stages`` and their executor ``ex`` (at the end of
+    the build; under gloo/NCCL with the pipeline's process ``group``, after the rank executor
+    exists). ``device``: the pipeline's; ``ties``: its tie groups (clipping counts a tie once)."""
     clipper = None
     if feats.clip_grad_norm is not None:
         clipper = GradClipper(
-            feats.clip_grad_norm, feats.clip_norm_type, stages, pipe.spec.synchronous,
-            getattr(pipe, "ties", None),
+            feats.clip_grad_norm, feats.clip_norm_type, stages, spec.synchronous, ties,
         )
         if group is not None:
-            clipper.connect(group, pipe.spec.stages, pipe.device)
+            clipper.connect(group, spec.stages, device)
     ex.clipper = clipper
     for st in stages:
         st.clipper = clipper
     if feats.offload_activations:
-        _attach_offload(pipe)
+        _attach_offload(stages, spec, device)
     if feats.autocast is None:
         return
     for st in stages:  # each stage's own device (a local pipeline may span devices)
-        dev = st.store.params[0].device if st.store.params else pipe.device
+        dev = st.store.params[0].device if st.store.params else device
         st.autocast = (feats.autocast, dev.type)
     if feats.autocast is not torch.float16:
         return
-    sync = pipe.spec.synchronous
+    sync = spec.synchronous
     if not sync:
-        _check_async_optimizers(pipe)
-    scaler = LossScaler(feats.grad_scaler, pipe.device, synchronous=sync)
+        _check_async_optimizers(stages, spec)
+    scaler = LossScaler(feats.grad_scaler, device, synchronous=sync)
     scaler.group = group
     ex.loss_scaler = scaler
     for st in stages:
@@ -107,38 +104,38 @@ def attach(pipe: Pipeline, group: Any = None) -> None:
         if st.bridge is None or not st.bridge.is_engine:
             continue
         if sync:  # GradScaler's protocol: the optimizer skips its whole update on the device
-            dev = st.store.params[0].device if st.store.params else pipe.device
+            dev = st.store.params[0].device if st.store.params else device
             st.bridge.opt.found_inf = scaler.found_inf_on(dev)
         elif st.bridge.skip is None:  # the device flags take each update group's found_inf
             st.bridge.enable_skip_flags()
 
 
-def _check_async_optimizers(pipe: Pipeline) -> None:
-    for st in pipe.stages:
+def _check_async_optimizers(stages: list[Any], spec: Any) -> None:
+    for st in stages:
         b = st.bridge
         if b is not None and b.opt is not None and not b.is_engine:
             raise PipelineConfigError(
-                f"autocast=torch.float16 with {pipe.spec.describe()}: stage {st.index}'s "
+                f"autocast=torch.float16 with {spec.describe()}: stage {st.index}'s "
                 f"optimizer is a {type(b.opt).__module__}.{type(b.opt).__qualname__}, which takes "
                 "no found_inf to skip an overflowing update group on the device; use an "
                 "engine.optim optimizer, autocast=torch.bfloat16, or a synchronous schedule"
             )
 
 
-def _attach_offload(pipe: Pipeline) -> None:
+def _attach_offload(stages: list[Any], spec: Any, device: torch.device) -> None:
     from engine.runtime.offload import ActivationOffload
 
-    for st in pipe.stages:
-        if st._saved is not None:
+    for st in stages:
+        if st.remaps_saved:
             raise PipelineConfigError(
-                f"offload_activations with {pipe.spec.describe()}: stage {st.index}'s backward "
+                f"offload_activations with {spec.describe()}: stage {st.index}'s backward "
                 "re-points the weights its forward saved at another buffer (weight prediction "
                 "or PipeMare T2 without recomputation), through saved-tensor hooks that "
                 "offload would replace. Use checkpoint='always' for those stages (nothing to "
                 "offload then) or drop offload_activations."
             )
-    for st in pipe.stages:
-        st.offload = ActivationOffload(st.module, pin=pipe.device.type == "cuda")
+    for st in stages:
+        st.offload = ActivationOffload(st.module, pin=device.type == "cuda")
 
 
 _STATIC_ONLY = ("growth_factor", "backoff_factor", "growth_interval")

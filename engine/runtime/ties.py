@@ -114,9 +114,9 @@ def untie(modules: list[nn.Module], groups: list[TieGroup], stages: list[int] | 
                 continue
             copy = nn.Parameter(original.detach().clone(), requires_grad=original.requires_grad)
             for sub in modules[s].modules():
-                for key, value in list(sub._parameters.items()):
+                for key, value in list(sub.named_parameters(recurse=False, remove_duplicate=False)):
                     if value is original:
-                        sub._parameters[key] = copy
+                        setattr(sub, key, copy)  # (re-registers the parameter under its name)
 
 
 def declared_ties(ties: Any, S: int) -> list[TieGroup]:

@@ -33,10 +33,8 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from engine.runtime.pipeline import Pipeline
 
 __all__ = ["Timeline", "ACTIVE", "trace", "validate_trace_events"]
 
@@ -84,10 +82,9 @@ def _timed(tl: Timeline, fn: Any, stage: int, name: str, args_of: Any) -> Any:
     return run
 
 
-def _wrap_rank(pipe: Pipeline, tl: Timeline) -> list[tuple[Any, str, Any]]:
+def _wrap_rank(stages: list[Any], ex: Any, tl: Timeline) -> list[tuple[Any, str, Any]]:
     """Time the rank's communication (instance attributes, put back afterwards)."""
     saved: list[tuple[Any, str, Any]] = []
-    ex = pipe._executor
     for s, tp in getattr(ex, "transports", {}).items():
         for name, args_of in (
             ("send", lambda ch, st, mb, *a: {"channel": ch, "micro_batch": mb}),
@@ -96,7 +93,7 @@ def _wrap_rank(pipe: Pipeline, tl: Timeline) -> list[tuple[Any, str, Any]]:
         ):
             saved.append((tp, name, tp.__dict__.get(name)))
             setattr(tp, name, _timed(tl, getattr(tp, name), s, name, args_of))
-    for st in pipe.stages:
+    for st in stages:
         if st.grad_hook is not None:
             saved.append((st, "grad_hook", st.grad_hook))
             st.grad_hook = _timed(tl, st.grad_hook, st.index, "allreduce", lambda *a: {})
@@ -104,20 +101,23 @@ def _wrap_rank(pipe: Pipeline, tl: Timeline) -> list[tuple[Any, str, Any]]:
 
 
 @contextlib.contextmanager
-def trace(pipe: Pipeline, path: str | os.PathLike[str]) -> Iterator[Timeline]:
+def trace(
+    path: str | os.PathLike[str], stages: list[Any], executor: Any, rank: int | None = None
+) -> Iterator[Timeline]:
     """Record the actions run inside the block; write ``path`` at its end (module docstring).
-    Under gloo/NCCL every rank must enter and leave the block (a barrier and a gather)."""
+    Under gloo/NCCL (``rank``: this process's global rank) every rank must enter and leave the
+    block (a barrier and a gather); ``stages`` and ``executor`` are the ones this process runs."""
     global ACTIVE
     if ACTIVE is not None:
         raise RuntimeError("a pipeline trace is already being recorded in this process")
-    distributed = pipe.config.distributed
-    rank = pipe.layout.rank if distributed else 0
+    distributed = rank is not None
+    rank = rank if rank is not None else 0
     if distributed:
         import torch.distributed as dist
 
         dist.barrier()  # the common origin of every rank's clock
     tl = Timeline(rank)
-    saved = _wrap_rank(pipe, tl) if distributed else []
+    saved = _wrap_rank(stages, executor, tl) if distributed else []
     ACTIVE = tl
     try:
         yield tl

@@ -45,6 +45,7 @@ __all__ = [
     "stage_input",
     "tensors",
     "unflatten",
+    "unknown_container",
     "with_paths",
 ]
 
@@ -65,7 +66,7 @@ def _container(x: Any) -> bool:
     return t is tuple or t is list or t is dict or t is OrderedDict or _is_namedtuple(x)
 
 
-def _unknown_container(x: Any) -> bool:
+def unknown_container(x: Any) -> bool:
     """A tuple/list/dict subclass the runtime cannot rebuild (it would hide tensors)."""
     return isinstance(x, (tuple, list, dict)) and not _container(x) and not isinstance(x, torch.Size)
 
@@ -176,7 +177,7 @@ def check_output(out: Any, who: str) -> str:
     for path, leaf in with_paths(out, "output"):
         if isinstance(leaf, Tensor):
             found = True
-        elif not isinstance(leaf, CONSTANTS) or _unknown_container(leaf):
+        elif not isinstance(leaf, CONSTANTS) or unknown_container(leaf):
             return f"{who}'s {path} is a {type(leaf).__name__}{hint}"
     if not found:
         return f"{who} returned {describe(out)}, which holds no tensor{hint}"

@@ -49,7 +49,7 @@ from engine.errors import PipelineConfigError, PipelineInputError
 from engine.runtime.distributed import RankRuntime
 from engine.runtime.placement import RankPlacement
 from engine.runtime.transport.layout import Layout
-from engine.runtime.transport.local_link import LocalEnd, LocalLink
+from engine.runtime.transport.local_link import LocalLink
 from engine.runtime.transport.p2p import P2PTransport
 from engine.schedule.spec import ScheduleSpec
 
@@ -184,11 +184,7 @@ class VirtualStageTransport:
 
     def held(self) -> int:
         """Works and bookkeeping both sides still hold (0 after a synchronous step)."""
-        return sum(
-            t.held() if isinstance(t, LocalEnd)
-            else len(t._sends) + len(t._posted) + len(t._heads) + len(t._sent_sigs) + len(t._recv_sigs)
-            for t in self.sides
-        )
+        return sum(t.held() for t in self.sides)  # a LocalEnd or a P2PTransport
 
 
 def virtual_transports(

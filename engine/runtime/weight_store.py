@@ -396,6 +396,48 @@ class WeightStore:
             else:
                 self._maybe_free(slot)
 
+    def kept_state(self) -> dict[str, Any]:
+        """What an unflushed pipeline's state saves of this store (engine.runtime.inflight):
+        which parameters got a gradient, the kept versions and pinned transients with their
+        content (and the transient's, with the key it was filled for), the transient's slot,
+        the micro-batches pinning live and the version 2BW holds."""
+        slots = [
+            {"slot": slot, "version": entry["version"],
+             "flats": [f.clone() for f in self.flats(slot)],
+             "pins": sorted(entry["pins"]), "held": bool(entry["held"])}
+            for slot, entry in sorted(self._slots.items())
+        ]
+        t = self._transient
+        if t is not None and t not in self._slots and self._transient_key is not None:
+            slots.append({"slot": t, "version": None, "flats": [f.clone() for f in self.flats(t)],
+                          "pins": None, "held": False, "key": self._transient_key})
+        return {"used": list(self._used), "slots": slots, "transient": t,
+                "live_pins": sorted(self._live_pins), "held": self._held}
+
+    def load_kept_state(self, sd: dict[str, Any]) -> dict[int, int]:
+        """Undo :meth:`kept_state` in a flushed store: the kept buffers go into fresh arena
+        slots. Returns saved slot id -> new slot id (the stash's pins name saved ids)."""
+        moved: dict[int, int] = {}
+        with torch.no_grad():
+            self._used[:] = bytes(sd["used"])
+            for v in sd["slots"]:
+                slot = self.arena.new_slot()
+                moved[v["slot"]] = slot
+                for dst, src in zip(self.flats(slot), v["flats"], strict=True):
+                    dst.copy_(src)
+                if v["pins"] is None:  # the transient, holding a prediction or correction
+                    self._transient_key = v["key"]
+                    continue
+                self._slots[slot] = {"version": v["version"], "pins": set(v["pins"]), "held": v["held"]}
+                if v["version"] is not None:
+                    self._by_version[v["version"]] = slot
+        if sd["transient"] is not None and sd["transient"] in moved:
+            self._transient = moved[sd["transient"]]
+        self._live_pins = set(sd["live_pins"])
+        self._held = sd["held"]
+        self._count()
+        return moved
+
     @property
     def buffers_held(self) -> int:
         """Weight buffers held now: live, kept versions, the transient."""

@@ -54,11 +54,11 @@ class FaultInjector:
             raise exc
 
     def __enter__(self) -> FaultInjector:
-        ex = self.pipe._executor
+        ex = self.pipe.parts.executor
         if ex.action_hook is not None:
             raise RuntimeError("a FaultInjector is already installed on this pipeline")
         ex.action_hook = self._hook
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        self.pipe._executor.action_hook = None
+        self.pipe.parts.executor.action_hook = None

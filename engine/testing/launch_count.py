@@ -50,7 +50,7 @@ def count_pipeline_step(pipe: Any, x: Any, y: Any) -> dict[str, Counter[str]]:
     belongs to the action that ran last before it (an action's bookkeeping included)."""
     from engine.optim import cpu_loop
 
-    ex = pipe._executor
+    ex = pipe.parts.executor
     old = ex.action_hook
     native = cpu_loop._native()
     fused: Counter[str] = Counter()

@@ -122,6 +122,6 @@ def recording_streams(pipe: Any) -> RecordingBackend:
     stage's stream, one backward per autograd call, an event per hand-off."""
     backend = RecordingBackend()
     streams = StageStreams([st.index for st in pipe.stages], torch.device("cpu"), backend=backend)
-    pipe._streams = streams
-    pipe._executor.streams = streams
+    pipe.parts.streams = streams
+    pipe.parts.executor.streams = streams
     return backend

@@ -517,6 +517,11 @@ class P2PTransport(Handshake, Transport):
         else:
             self._reap()
 
+    def held(self) -> int:
+        """Works and bookkeeping this transport still holds (0 after a synchronous step)."""
+        return (len(self._sends) + len(self._posted) + len(self._heads) + len(self._sent_sigs)
+                + len(self._recv_sigs))
+
     def settle_for_exit(self) -> None:
         """At interpreter exit (transport/teardown.py): sends waited for briefly, then the
         transport forgets everything (receives posted ahead end with the group)."""
