@@ -96,10 +96,10 @@ def test_shared_module_and_declared_tie_train_as_the_shared_parameter(name: str)
     for p in (base, mod, dec):
         _train(p, None, 4)
     for s in range(S):
-        a = [t for t in base.stages[s].module.parameters()]
+        a = dict(base.stages[s].module.named_parameters())
         for other in (mod, dec):
-            b = [t for t in other.stages[s].module.parameters()]
-            assert len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b, strict=True)), (name, s)
+            b = dict(other.stages[s].module.named_parameters())
+            assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a), (name, s)
 
 
 def test_tied_async_differs_from_the_untied_model() -> None:
@@ -144,18 +144,21 @@ def test_skip_update_skips_the_tied_group_with_the_head_contribution(name: str) 
     _compare(pipe, ref)
 
 
-def test_tied_async_saves_and_loads_mid_run(tmp_path) -> None:
-    case, S = CASES["pipedream"], 3
-    pipe = _pipe(tied_stages(S), case, S)
-    whole = _pipe(tied_stages(S), case, S)
+@pytest.mark.parametrize("name,checkpoint", [("pipedream", "never"), ("2bw", "never"), ("pb", "always"), ("pb-sc", "always")])
+def test_tied_async_saves_and_loads_mid_run_without_a_flush(name: str, checkpoint: str) -> None:
+    """state_dict() with micro-batches in flight (their carried values are leaves of the
+    saved trees), loaded into a fresh pipeline: the rest of the run is bit for bit the
+    uninterrupted one's."""
+    case, S = CASES[name], 3
+    pipe = _pipe(tied_stages(S), case, S, checkpoint)
+    whole = _pipe(tied_stages(S), case, S, checkpoint)
     for t in range(3):
         x, y = token_batch(t)
         pipe.step(x, y)
         whole.step(x, y)
-    pipe.flush()
-    whole.flush()
+    assert not pipe.flushed
     state = copy.deepcopy(pipe.state_dict())
-    resumed = _pipe(tied_stages(S), case, S)
+    resumed = _pipe(tied_stages(S), case, S, checkpoint)
     resumed.load_state_dict(state)
     for t in range(3, 6):
         x, y = token_batch(t)
@@ -174,4 +177,4 @@ def test_gloo_tied_async_equals_local() -> None:
         for name, r in res["ties_support.ties_async"].items():
             assert "error" not in r, (rank, name, r.get("error"))
             assert r["weights_equal"] and r["losses_equal"], (rank, name)
-            assert r["carried"] == [True], (rank, name)
+            assert r["carried"] == [name not in ("module-gpipe", "module-1f1b")], (rank, name)

@@ -111,12 +111,15 @@ ASYNC_GLOO = {
     "2bw": dict(schedule="2bw"),
     "module-pb": dict(schedule="pb", module=True),
     "declared-pipedream": dict(schedule="pipedream", declared=True),
+    "module-gpipe": dict(schedule="gpipe", module=True),  # (synchronous: copies, ties.py)
+    "module-1f1b": dict(schedule="1f1b", module=True),
 }
 
 
 def ties_async(rank: int, S: int, steps: int = 4) -> dict[str, Any]:
-    """Tied weights on asynchronous schedules under gloo (owner and head on different ranks)
-    vs the local run with the same tie: weights and losses bit for bit."""
+    """Tied weights on asynchronous schedules, and a shared module on synchronous ones, under
+    gloo (owner and head on different ranks) vs the local run with the same tie: weights and
+    losses bit for bit."""
     import engine.optim as eo
     from engine import Pipeline
 
