@@ -34,6 +34,9 @@ CASES: dict[str, dict[str, Any]] = {
                          kw=dict(weight_prediction="spectrain")),
     "pb-t2": dict(schedule="pb", opt=dict(discrepancy_correction=True), mitigation="t2"),
     "pb-k2": dict(schedule="pb", opt={}, kw=dict(update_size=2)),
+    "pipedream-dc": dict(schedule="pipedream", opt=dict(delay_compensation=0.5), mitigation="dc"),
+    "pb-t2-dc": dict(schedule="pb", opt=dict(discrepancy_correction=True, delay_compensation=0.5),
+                     mitigation="t2dc"),
 }
 
 
@@ -49,7 +52,8 @@ def _pipe(stages: Any, case: dict[str, Any], S: int, checkpoint: str = "always",
 def _reference(stages: list[nn.Module], case: dict[str, Any], pipe: Pipeline, head: str) -> TiedReference:
     S = len(stages)
     return TiedReference(stages, ((0, "embed.weight"), [(S - 1, head)]), case["schedule"], M,
-                         pipe.update_size, pipe.delays, LR, MOM, WD, case.get("mitigation", ""))
+                         pipe.update_size, pipe.delays, LR, MOM, WD, case.get("mitigation", ""),
+                         dc=case["opt"].get("delay_compensation", 0.0))
 
 
 def _train(pipe: Pipeline, ref: TiedReference | None, steps: int) -> None:

@@ -9,7 +9,8 @@ Micro-batch n at stage s (n counted from 0, k the update size, w = S - 1 - s):
 * pipedream: F and B read version max(n - w, 0) // k; 2bw: max(n // M - 1, 0);
   pb (dataflow): F reads max(n - 2w, 0) // k, B the live version n // k.
 * LWP: F reads w_t - lr * D_s * v_t; SpecTrain: F w_t - s_F lr v_t, B w_t - s_B lr v_t;
-  PipeMare T2: B reads w_t - D_s * delta_t; spike compensation: w -= lr (a v + b g').
+  PipeMare T2: B reads w_t - D_s * delta_t; spike compensation: w -= lr (a v + b g');
+  delay compensation: g + lambda g^2 (D_s delta_t) before the weight decay.
 * B recomputes the stage's forward at the weights B reads (``checkpoint="always"`` in the
   pipeline), from the input the forward received; a later holder of the tied weight reads the
   owner's F value in its F and its B.
@@ -60,12 +61,13 @@ class TiedReference:
         weight_decay: float = 0.0,
         mitigation: str = "",
         decay: float = 0.1,
+        dc: float = 0.0,
     ) -> None:
         self.mods = [copy.deepcopy(m).double() for m in modules]
         self.owner, self.later = tie
         self.S, self.schedule, self.M, self.k = len(modules), schedule, M, k
         self.D, self.lr, self.m, self.wd = delays, lr, momentum, weight_decay
-        self.mitigation, self.decay = mitigation, decay
+        self.mitigation, self.decay, self.dc = mitigation, decay, dc
         later = {(s, n) for s, n in self.later}
         #: per stage: the history of its weights (dict name -> tensor) after t updates, the
         #: momentum buffer and the PipeMare delta after t updates
@@ -103,7 +105,7 @@ class TiedReference:
     def _b_weights(self, s: int, t: int) -> dict[str, Tensor]:
         if self.mitigation == "spectrain":
             return self._read(s, t, _spectrain(s, self.S)[1], False)
-        if self.mitigation == "t2":
+        if self.mitigation in ("t2", "t2dc"):
             return self._read(s, t, 0, True)
         return self.w[s][t]
 
@@ -165,8 +167,12 @@ class TiedReference:
             return
         new_w, new_v = {}, {}
         D = self.D[s]
+        dc = self.mitigation.endswith("dc") and D > 0 and self.delta[s][-1] is not None
         for name, p in w.items():
-            g = self.grads[s][name] / self.k + self.wd * p
+            g = self.grads[s][name] / self.k
+            if dc:  # delay compensation: g + lambda g^2 (D_s delta_t), before the decay
+                g = g + self.dc * g * g * (D * self.delta[s][-1][name])
+            g = g + self.wd * p
             v = g.clone() if v_old is None else self.m * v_old[name] + g
             if self.mitigation == "sc":
                 a, b = self.m ** D, (1 - self.m ** D) / (1 - self.m)
@@ -176,7 +182,7 @@ class TiedReference:
             new_w[name], new_v[name] = p - self.lr * step, v
         self.w[s].append(new_w)
         self.v[s].append(new_v)
-        if self.mitigation == "t2" and D > 0:
+        if self.mitigation in ("t2", "dc", "t2dc") and D > 0:
             gamma = self.decay ** (1.0 / D)
             old = self.delta[s][-1]
             self.delta[s].append({
