@@ -182,3 +182,27 @@ def test_gloo_tied_async_equals_local() -> None:
             assert "error" not in r, (rank, name, r.get("error"))
             assert r["weights_equal"] and r["losses_equal"], (rank, name)
             assert r["carried"] == [name not in ("module-gpipe", "module-1f1b")], (rank, name)
+
+
+@pytest.mark.parametrize("name", ["pipedream", "pb-lwp"])
+def test_stage_streams_carry_the_tie_as_the_plain_run(name: str, monkeypatch) -> None:
+    """The executor's CUDA-stream paths (tests/stream_twin.py: each stage's work inside its
+    stream, batched backwards one stage at a time) hand the carried value over like any
+    activation leaf: bit for bit the plain run, owner and head running on their streams."""
+    from stream_twin import StreamTwin, twin_factory
+
+    case, S = CASES[name], 3
+    plain = _pipe(tied_stages(S), case, S, "never")
+    box: list[StreamTwin] = []
+    monkeypatch.setattr(Pipeline, "_make_streams", twin_factory(box))
+    twin_pipe = _pipe(tied_stages(S), case, S, "never")
+    twin = box[0]
+    for s in (0, S - 1):  # (training forwards; the first step's dry run is the caller's)
+        twin_pipe.stages[s].module.register_forward_hook(
+            lambda m, *a, s=s: twin.note(f"F{s}") if m.training else None)
+    _train(plain, None, 4)
+    _train(twin_pipe, None, 4)
+    assert {w for what, w in twin.log if what == "F0"} == {0}
+    assert {w for what, w in twin.log if what == f"F{S - 1}"} == {S - 1}
+    for a, b in zip(plain.stages, twin_pipe.stages, strict=True):
+        assert all(torch.equal(u, v) for u, v in zip(a.module.parameters(), b.module.parameters(), strict=True))
