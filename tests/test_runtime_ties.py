@@ -85,6 +85,24 @@ def test_a_shared_module_is_the_same_tie(schedule: str) -> None:
     torch.testing.assert_close(pipe.stages[2].module.emb.weight, ref[0].embed.weight, rtol=1e-6, atol=1e-6)
 
 
+def test_a_shared_module_without_parameters_is_no_tie() -> None:
+    """One activation module object used by two stages (a common way to write a model):
+    each stage gets its own, nothing is tied, training is the unshared model's."""
+    torch.manual_seed(0)
+    act = nn.Tanh()
+    a = [nn.Sequential(nn.Linear(4, 4), act), nn.Sequential(nn.Linear(4, 4), act, nn.Linear(4, 1))]
+    b = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))]
+    for m, n in zip(a, b, strict=True):
+        n.load_state_dict(m.state_dict())
+    kw = dict(schedule="pipedream", chunks=2, loss_fn=nn.functional.mse_loss, optimizer=_optimizer)
+    pa, pb_ = Pipeline(a, **kw), Pipeline(b, **kw)
+    assert pa.ties == []
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g)
+        assert torch.equal(pa.step(x, y), pb_.step(x, y))
+
+
 def test_shared_modules_that_cannot_be_one_tie_are_refused() -> None:
     kw = dict(schedule="gpipe", chunks=2, loss_fn=nn.functional.mse_loss, optimizer=_optimizer)
     lin = nn.Linear(4, 4)
