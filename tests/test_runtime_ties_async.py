@@ -174,8 +174,11 @@ def test_tied_async_saves_and_loads_mid_run_without_a_flush(name: str, checkpoin
 
 
 @pytest.mark.distributed
-def test_gloo_tied_async_equals_local() -> None:
-    results = spawn(2, [("ties_support.ties_async", dict(S=2))], timeout=300)
+@pytest.mark.parametrize("S,only", [(2, None), (3, ["pipedream", "pb-lwp", "module-pb"])])
+def test_gloo_tied_async_equals_local(S: int, only: list[str] | None) -> None:
+    """Owner and head on different ranks (S = 3: the value passes a rank that holds no
+    holder): weights, losses and evaluate() bit for bit as the local run."""
+    results = spawn(S, [("ties_support.ties_async", dict(S=S, only=only))], timeout=300)
     for rank, res in enumerate(results):
         assert "fatal" not in res, res.get("fatal")
         for name, r in res["ties_support.ties_async"].items():
