@@ -209,3 +209,14 @@ def test_stage_streams_carry_the_tie_as_the_plain_run(name: str, monkeypatch) ->
     assert {w for what, w in twin.log if what == f"F{S - 1}"} == {S - 1}
     for a, b in zip(plain.stages, twin_pipe.stages, strict=True):
         assert all(torch.equal(u, v) for u, v in zip(a.module.parameters(), b.module.parameters(), strict=True))
+
+
+@pytest.mark.distributed
+def test_gloo_tied_async_with_data_parallel_replicas() -> None:
+    """2 stages x 2 replicas: equal to one replica with the twice larger batch."""
+    results = spawn(4, [("ties_support.ties_replicas", dict(S=2, R=2))], timeout=300)
+    for rank, res in enumerate(results):
+        assert "fatal" not in res, res.get("fatal")
+        for name, r in res["ties_support.ties_replicas"].items():
+            assert "error" not in r, (rank, name, r.get("error"))
+            assert r["count"][0] == r["count"][1] and r["max_diff"] < 1e-5, (rank, name, r)

@@ -161,3 +161,39 @@ def ties_async(rank: int, S: int, steps: int = 4, only: list[str] | None = None)
         except Exception:
             out[name] = {"error": traceback.format_exc()}
     return out
+
+
+def ties_replicas(rank: int, S: int, R: int, steps: int = 4) -> dict[str, Any]:
+    """Asynchronous ties with R data-parallel replicas of S stages: each replica's owner
+    averages the tied gradient (head contribution included) with its other gradients, so the
+    run equals one replica on the R-times larger batch (within the rounding of the mean)."""
+    from distributed_support import replica_rows
+
+    import engine.optim as eo
+    from engine import Pipeline
+
+    out: dict[str, Any] = {}
+    B = 8
+    for schedule in ("pipedream", "pb"):
+        kw = dict(schedule=schedule, chunks=4, loss_fn=nn.functional.cross_entropy,
+                  optimizer=lambda p: eo.SGD(p, lr=0.2, momentum=0.9))
+        try:
+            pipe = Pipeline(tied_stages(S), transport="gloo", data_parallel=R, timeout=30, **kw)
+            ref = Pipeline(tied_stages(S), **kw)
+            shard = replica_rows(pipe.layout.replica, R, B // 4)
+            for t in range(steps):
+                x, y = token_batch(t, R * B)
+                pipe.step(shard(x), shard(y))
+                ref.step(x, y)
+            pipe.flush()
+            ref.flush()
+            s = pipe.layout.stage
+            mine = [p.detach() for p in pipe.stages[0].module.parameters()]
+            theirs = [p.detach() for p in ref.stages[s].module.parameters()]
+            out[schedule] = {
+                "count": (len(mine), len(theirs)),
+                "max_diff": max(float((a - b).abs().max()) for a, b in zip(mine, theirs, strict=True)),
+            }
+        except Exception:
+            out[schedule] = {"error": traceback.format_exc()}
+    return out
