@@ -1,8 +1,8 @@
 """Ties between stages built by factories (issue 21): factories cannot share a parameter
 object, so a tie is declared (``Pipeline(ties=[["0:embed.weight", "3:weight"]])``), checked at
-build time (the parameter exists, one shape and dtype on every rank, synchronous schedules
-only), started from the owner's values and trained as the object-tied model: locally and
-under gloo bit for bit. Wrong declarations are refused naming the holder."""
+build time (the parameter exists, one shape and dtype on every rank), started from the
+owner's values and trained as the object-tied model (pipedream too, tie_carry.py): locally
+and under gloo bit for bit. Wrong declarations are refused naming the holder."""
 
 from __future__ import annotations
 

@@ -32,11 +32,10 @@ parameters").
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-import copy
 
 import torch
 from torch import Tensor, nn
