@@ -18,8 +18,8 @@ argument. :func:`split_causal_lm` returns stages that do the wiring:
   time), so ``torch.nn.functional.cross_entropy(logits, labels)`` is the loss (labels -100
   are ignored: :func:`next_token_labels` makes them);
 * the model's own modules are used, not copies, so a tied ``lm_head.weight`` is the
-  embedding's ``Parameter`` and ``engine.Pipeline`` keeps the two tied (synchronous
-  schedules; see the README on ties).
+  embedding's ``Parameter`` and ``engine.Pipeline`` keeps the two tied (on every schedule;
+  see the README on ties).
 
 Supported layouts (duck-typed, transformers is not imported here): GPT-2 style
 (``model.transformer.{wte, wpe, drop, h, ln_f}``, e.g. ``GPT2LMHeadModel``) and Llama style

@@ -165,7 +165,7 @@ BALANCE: list[tuple[str, Any, dict[str, Any], tuple[str, ...]]] = [
     ("balance-of-a-list", stages, dict(balance=[1, 1, 1]), ("balance is only used with an nn.Sequential",)),
     ("stages-empty", lambda: _other_stages("empty"), {}, ("stages is empty",)),
     ("stage-not-a-module", lambda: _other_stages("not-a-module"), {}, ("stage 1 is a str",)),
-    ("stages-share-a-module", lambda: _other_stages("shared"), {}, ("stage 1 and stage 0 share the module object",)),
+    ("stages-share-a-module", lambda: _other_stages("shared"), {}, ("stage 1 is the module of stage 0",)),
 ]
 
 

@@ -269,11 +269,11 @@ def test_nonfinite_async_drops_microbatch_everywhere(schedule: str, mode: str) -
                 torch.testing.assert_close(pa, pb_, rtol=1e-6, atol=1e-7)
 
 
-def test_stages_must_not_share_a_module_object() -> None:
-    """Tied *parameters* are supported (tests/test_runtime_ties.py); one module object in
-    two stages is refused, with how to tie instead."""
+def test_stages_must_not_be_one_module_object() -> None:
+    """Tied parameters and shared submodules are ties (tests/test_runtime_ties.py); one
+    module object as two whole stages is refused, with how to tie instead."""
     lin = nn.Linear(4, 4)
-    with pytest.raises(PipelineConfigError, match="stage 1 and stage 0 share the module object Linear.*share the nn.Parameter"):
+    with pytest.raises(PipelineConfigError, match=r"stage 1 is the module of stage 0 \(Linear\).*uses the shared one"):
         Pipeline([lin, lin], schedule="gpipe", chunks=2, loss_fn=mse, optimizer=sgd)
 
 

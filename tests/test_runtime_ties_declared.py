@@ -1,8 +1,8 @@
 """Ties between stages built by factories (issue 21): factories cannot share a parameter
 object, so a tie is declared (``Pipeline(ties=[["0:embed.weight", "3:weight"]])``), checked at
-build time (the parameter exists, one shape and dtype on every rank, synchronous schedules
-only), started from the owner's values and trained as the object-tied model: locally and
-under gloo bit for bit. Wrong declarations are refused naming the holder."""
+build time (the parameter exists, one shape and dtype on every rank), started from the
+owner's values and trained as the object-tied model (pipedream too, tie_carry.py): locally
+and under gloo bit for bit. Wrong declarations are refused naming the holder."""
 
 from __future__ import annotations
 
@@ -58,9 +58,14 @@ def test_bad_declarations_are_refused(ties: Any, match: str) -> None:
         Pipeline(tied_factories(3), ties=ties, **_kw("gpipe"))
 
 
-def test_declared_tie_on_an_asynchronous_schedule_is_refused() -> None:
-    with pytest.raises(PipelineConfigError, match="synchronous schedules .*zbh1, interleaved"):
-        Pipeline(tied_factories(3), ties=declaration(3), **_kw("pipedream"))
+def test_declared_tie_on_an_asynchronous_schedule_carries_the_owner_value() -> None:
+    """pipedream: the declared head leaves its module and reads the owner's value, so the
+    run equals the object-tied one bit for bit (tests/test_runtime_ties_async.py)."""
+    pipe = Pipeline(tied_factories(3, head_seed=5), ties=declaration(3), **_kw("pipedream"))
+    ref = Pipeline(tied_stages(3), **_kw("pipedream"))
+    assert pipe.ties[0].carried and "weight" not in dict(pipe.stages[2].module.named_parameters())
+    for t in range(3):
+        assert torch.equal(pipe.step(*token_batch(t)), ref.step(*token_batch(t)))
 
 
 @pytest.mark.distributed
@@ -70,11 +75,10 @@ def test_declared_tie_under_gloo() -> None:
     for rank, res in enumerate(results):
         assert "fatal" not in res, res.get("fatal")
         r = res["ties_support.declared"]
-        for schedule in ("gpipe", "1f1b"):
+        for schedule in ("gpipe", "1f1b", "pipedream"):
             got = r[schedule]
             assert "error" not in got, f"rank {rank}: {got['error']}"
             assert got["weights_equal"] and got["losses_equal"], (rank, schedule)
             assert got["ties"] == [[(0, "embed.weight"), (RANKS - 1, "weight")]]
         assert r["shape"]["type"] == "PipelineConfigError", (rank, r["shape"])
         assert "the shape and dtype of tied" in r["shape"]["message"], r["shape"]["message"]
-        assert r["async"]["type"] == "PipelineConfigError", (rank, r["async"])

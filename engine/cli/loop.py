@@ -139,9 +139,8 @@ def build_pipeline(
     from engine.schedule.catalog import family
 
     torch.manual_seed(cfg.seed)
-    if cfg.task == "lm":  # asynchronous schedules refuse ties: their head gets its own copy
-        tie = family(cfg.schedule).synchronous
-        seq = gpt(num_classes, num_features, cfg.layers, cfg.width, tie=tie).to(cfg.device)
+    if cfg.task == "lm":  # tied head on every schedule (asynchronous ones: runtime/tie_carry.py)
+        seq = gpt(num_classes, num_features, cfg.layers, cfg.width, tie=True).to(cfg.device)
     else:
         seq = residual_mlp(num_features, num_classes, cfg.layers, cfg.width).to(cfg.device)
     modules = split_layers(seq, even_balance(cfg.layers, cfg.stages))

@@ -30,6 +30,7 @@ __all__ = ["evaluate"]
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
 _HEADER = 10  # ndim, dtype code, up to 8 dims
+_TREE = -1  # a header of -1s: a tree of tensors follows (_send)
 
 
 @contextlib.contextmanager
@@ -106,7 +107,21 @@ def _group(parts: PipelineParts) -> Any:
     return group
 
 
-def _send(t: Tensor, dst: int, group: Any, device: torch.device) -> None:
+def _send(t: Any, dst: int, group: Any, device: torch.device) -> None:
+    """A tensor (a header, then the data), or a tree of them (a header saying so, the tree's
+    structure and constants as one object message, then each tensor leaf): what stages pass,
+    e.g. the value of a tied weight an asynchronous schedule carries (tie_carry.py)."""
+    if not isinstance(t, Tensor):
+        leaves, spec = trees.flatten(t)
+        header = torch.full((_HEADER,), _TREE, dtype=torch.int64)
+        torch.distributed.send(header.to(device), dst, group=group)
+        meta = [spec, [None if isinstance(x, Tensor) else x for x in leaves],
+                [isinstance(x, Tensor) for x in leaves]]
+        torch.distributed.send_object_list([meta], dst, group=group, device=device)
+        for x in leaves:
+            if isinstance(x, Tensor):
+                _send(x, dst, group, device)
+        return
     if t.dim() > _HEADER - 2 or t.dtype not in _DTYPES:
         raise PipelineInputError(
             f"evaluate() under gloo/NCCL sends tensors of at most {_HEADER - 2} dims and a "
@@ -119,10 +134,16 @@ def _send(t: Tensor, dst: int, group: Any, device: torch.device) -> None:
     torch.distributed.send(t.contiguous().to(device), dst, group=group)
 
 
-def _recv(src: int, group: Any, device: torch.device) -> Tensor:
+def _recv(src: int, group: Any, device: torch.device) -> Any:
     header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
     torch.distributed.recv(header, src, group=group)
     header = header.cpu()
+    if int(header[0]) == _TREE:
+        got: list[Any] = [None]
+        torch.distributed.recv_object_list(got, src, group=group, device=device)
+        spec, consts, is_tensor = got[0]
+        leaves = [_recv(src, group, device) if t else c for c, t in zip(consts, is_tensor, strict=True)]
+        return trees.unflatten(leaves, spec)
     n = int(header[0])
     shape = [int(v) for v in header[2 : 2 + n]]
     buf = torch.empty(shape, dtype=_DTYPES[int(header[1])], device=device)
@@ -142,8 +163,8 @@ def _evaluate_rank(parts: PipelineParts, inputs: Any, M: int) -> Tensor:
     first, last = lay.stage == place.first, lay.stage == place.last
     if not isinstance(inputs, Tensor) and first:
         raise PipelineInputError(
-            "evaluate() under gloo/NCCL takes a tensor of inputs, and stages that pass tensors; "
-            "for tree-valued stages evaluate on a local pipeline"
+            "evaluate() under gloo/NCCL takes a tensor of inputs (stages may pass trees); "
+            "for tree-valued inputs evaluate on a local pipeline"
         )
     S = parts.spec.stages
     ranks = lay.pipeline_ranks
@@ -162,7 +183,7 @@ def _evaluate_rank(parts: PipelineParts, inputs: Any, M: int) -> Tensor:
                     x = x.to(device)
                 elif not place.same_rank(s - 1):
                     x = _recv(ranks[place.rank_of(s - 1)], group, device)
-                x = module(x)
+                x = module(x) if isinstance(x, Tensor) else trees.call(module, x)
                 if s == S - 1:
                     outs.append(x)
                 elif not place.same_rank(s):

@@ -54,9 +54,10 @@ class Pipeline:
         stages: list of ``nn.Module`` (stage 0 first), a list of factories ``() -> nn.Module``
             (one per stage: under gloo/NCCL a rank calls only its own, so no process ever
             materialises the whole model), or an ``nn.Sequential`` with ``balance``. A
-            parameter shared by several stages (tied weights) is supported on synchronous
-            schedules: later holders get a copy, kept equal by summing the holders' gradients
-            before each update (``pipe.ties`` lists them; engine/runtime/ties.py).
+            parameter (or module) shared by several stages is a tie (``pipe.ties``):
+            synchronous schedules give later holders a copy, kept equal by summing the
+            holders' gradients before each update (engine/runtime/ties.py); asynchronous
+            ones carry the owner's value to the later holders (runtime/tie_carry.py).
 
             What passes between stages: a stage returns a tensor or a tree -- tuples, lists
             and dicts of tensors, nested, with constant leaves (None, numbers, strings) allowed
@@ -143,7 +144,7 @@ class Pipeline:
         offload_activations: saved activations wait in host memory (runtime/offload.py).
         ties: ties between factory-built stages (which cannot share a parameter object), e.g.
             ``[["0:tok.weight", "3:head.weight"]]``: checked at build, trained as an object tie
-            (synchronous schedules; runtime/ties.py).
+            (runtime/ties.py).
     """
 
     def __init__(

@@ -19,13 +19,20 @@ shape and dtype on every rank (checked at build time, on every rank), and every 
 from the owner's (the first holder's) values, so the pipeline trains the tied model. An
 undeclared tie cannot be seen across factories; the README says to declare it.
 
-Asynchronous schedules are refused with ties: their holders update at different times (and
-under stashing read different versions), so "one parameter" has no single meaning there
-without a policy of its own (docs/ALGORITHMS.md, "Tied parameters").
+A module handed to several stages (a head that calls ``F.linear(h, emb.weight)`` on the
+embedding module the first stage also holds) is the same tie: every later stage gets its own
+copy of that module's structure holding the *same* parameters (:func:`separate_modules`), so
+the tie becomes a shared parameter and is trained as one.
+
+Asynchronous schedules keep no copies: the tied parameter lives at its owner only, and the
+value the owner's forward read travels with the micro-batch to the other holders, whose
+gradient travels back to the owner (engine/runtime/tie_carry.py; docs/ALGORITHMS.md, "Tied
+parameters").
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +44,7 @@ from engine.errors import PipelineConfigError
 
 __all__ = [
     "TieGroup", "find_ties", "untie", "tie_stages", "connect_ties", "TiedGradients",
-    "declared_ties", "start_tied", "with_declared", "broadcast_owner",
+    "declared_ties", "start_tied", "with_declared", "broadcast_owner", "separate_modules",
 ]
 
 
@@ -48,6 +55,8 @@ class TieGroup:
 
     holders: list[tuple[int, str]]
     process_group: Any = field(default=None, repr=False)
+    #: asynchronous schedules: the owner's value travels with each micro-batch (tie_carry.py)
+    carried: bool = field(default=False, repr=False)
 
     @property
     def stages(self) -> list[int]:
@@ -65,10 +74,8 @@ def find_ties(modules: list[nn.Module]) -> list[TieGroup]:
         for sub in m.modules():
             first = owner_of.setdefault(id(sub), s)
             if first != s:
-                raise PipelineConfigError(
-                    f"stage {s} and stage {first} share the module object {type(sub).__name__}: "
-                    "a module runs in one stage. To tie weights, give each stage its own module "
-                    "and share the nn.Parameter (e.g. head.weight = embedding.weight)"
+                raise PipelineConfigError(  # separate_modules ran first: a guard
+                    f"stage {s} and stage {first} share the module object {type(sub).__name__}"
                 )
     where: dict[int, list[tuple[int, str]]] = {}
     params: dict[int, nn.Parameter] = {}
@@ -107,6 +114,8 @@ def untie(modules: list[nn.Module], groups: list[TieGroup], stages: list[int] | 
     requires_grad), in place of every reference to it inside that stage's module; only the
     stages in ``stages`` when given (a rank builds only its own)."""
     for g in groups:
+        if g.carried:  # asynchronous: no copies (tie_carry.py)
+            continue
         owner_stage, owner_name = g.holders[0]
         original = dict(modules[owner_stage].named_parameters())[owner_name]
         for s, _ in g.holders[1:]:
@@ -177,12 +186,10 @@ def start_tied(
     groups: list[TieGroup], modules: dict[int, nn.Module], spec: Any
 ) -> dict[int, tuple[list[int], str]]:
     """Check declared ties against the stages built here (stage -> module): every holder has
-    the parameter with one shape and dtype, asynchronous schedules refuse ties (module
-    docstring), and holders here start from the owner's values when the owner is here too.
+    the parameter with one shape and dtype, and holders here start from the owner's values when the owner is here too.
     Returns, per group index, the (shape, dtype) of its holders here: under gloo/NCCL every
     rank compares it with the other holders' ranks (agreement.py), then the owner's values
     are broadcast to them (:func:`broadcast_owner`)."""
-    _refuse_async(groups, spec)
     shapes: dict[int, tuple[list[int], str]] = {}
     for k, g in enumerate(groups):
         names = dict(g.holders)
@@ -213,7 +220,12 @@ def with_declared(
     added = [g for g in declared_ties(ties, spec.stages) if set(g.holders) not in known]
     shapes = start_tied(added, modules, spec)
     agree = {f"the shape and dtype of tied {added[k].describe()}": v for k, v in shapes.items()}
-    return found + added, added, agree
+    groups = found + added
+    if groups and not spec.synchronous:  # the owner's value travels with the micro-batch
+        from engine.runtime.tie_carry import carry_ties
+
+        carry_ties(groups, modules, spec)
+    return groups, added, agree
 
 
 def broadcast_owner(groups: list[TieGroup], modules: dict[int, nn.Module], owner_rank: Any) -> None:
@@ -221,6 +233,8 @@ def broadcast_owner(groups: list[TieGroup], modules: dict[int, nn.Module], owner
     broadcast per group over the holders' process group); ``owner_rank(stage)`` is the
     global rank of this replica's ``stage``."""
     for g in groups:
+        if g.carried:  # asynchronous: only the owner holds it (tie_carry.py)
+            continue
         here = [_holder(modules, s, n) for s, n in g.holders if s in modules]
         if g.process_group is None or not here:
             continue
@@ -231,23 +245,54 @@ def broadcast_owner(groups: list[TieGroup], modules: dict[int, nn.Module], owner
                 p.copy_(buf)
 
 
-def _refuse_async(groups: list[TieGroup], spec: Any) -> None:
-    if groups and not spec.synchronous:
-        raise PipelineConfigError(
-            f"tied parameters across stages ({groups[0].describe()}) are supported on the "
-            "synchronous schedules (naive, gpipe, 1f1b, zbh1, interleaved 1F1B), not on "
-            f"{spec.describe()}: its stages "
-            "update at different times, so the copies would drift apart (docs/ALGORITHMS.md, "
-            "'Tied parameters'). Untie them (give each stage its own parameter) or use a "
-            "synchronous schedule"
-        )
+def separate_modules(modules: list[nn.Module]) -> None:
+    """A submodule handed to several stages (a head that reads the embedding module's weight)
+    runs in one stage only: every later stage gets its own copy of its structure holding the
+    *same* parameters and buffers, so that :func:`find_ties` sees an ordinary shared
+    parameter (the tie it means). Refused: a whole stage that is another stage's module, and
+    a shared module whose forward updates its buffers (BatchNorm's running statistics would
+    be updated once per holding stage, not once as in the unpipelined model)."""
+    seen: dict[int, int] = {}
+    for s, m in enumerate(modules):
+        if id(m) in seen:
+            raise PipelineConfigError(
+                f"stage {s} is the module of stage {seen[id(m)]} ({type(m).__name__}): a stage "
+                "runs its own module; to tie weights, let the later stage hold a module that "
+                "uses the shared one (or its parameter)"
+            )
+        _separate(m, seen, s, type(m).__name__)
+        for sub in m.modules():
+            seen.setdefault(id(sub), s)
+
+
+def _separate(parent: nn.Module, seen: dict[int, int], s: int, path: str) -> None:
+    for name, child in list(parent._modules.items()):
+        if child is None:
+            continue
+        if id(child) not in seen:
+            _separate(child, seen, s, f"{path}.{name}")
+            continue
+        for sub in child.modules():
+            if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.track_running_stats:
+                raise PipelineConfigError(
+                    f"stage {s} ({path}.{name}) and stage {seen[id(child)]} share the module "
+                    f"{type(child).__name__}, which holds {type(sub).__name__} running "
+                    "statistics: each stage would update them. Share only the parameters "
+                    "(e.g. head.weight = embedding.weight)"
+                )
+        keep = {id(t): t for t in [*child.parameters(), *child.buffers()]}
+        parent._modules[name] = copy.deepcopy(child, memo=keep)  # same tensors, own structure
 
 
 def tie_stages(modules: list[nn.Module], spec: Any, stages: list[int] | None = None) -> list[TieGroup]:
-    """Find parameters shared across stages and give every holder but the first its own copy
-    (only in ``stages`` when given); asynchronous schedules refuse them (module docstring)."""
+    """Find parameters shared across stages (also through a shared module:
+    :func:`separate_modules`) and, on synchronous schedules, give every holder but the
+    first its own copy (only in ``stages`` when given); asynchronous schedules carry the
+    owner's value instead (marked here, set up by :func:`with_declared`)."""
+    separate_modules(modules)
     groups = find_ties(modules)
-    _refuse_async(groups, spec)
+    for g in groups:
+        g.carried = not spec.synchronous
     untie(modules, groups, stages)
     return groups
 
@@ -270,6 +315,8 @@ def connect_ties(
     of a stage under another placement (the V puts stages 0 and 2R-1 on rank 0)."""
     where = rank_of or (lambda s: s % stages)
     for g in groups:
+        if g.carried:  # the value travels between stages: no group (tie_carry.py)
+            continue
         ranks = sorted({where(s) for s in g.stages})
         if len(ranks) < 2:
             continue
@@ -289,6 +336,9 @@ class TiedGradients:
         self._local: list[list[tuple[Any, nn.Parameter, int]]] = []
         for g in groups:
             present = []
+            if g.carried:  # asynchronous: the owner's update applies the sum (tie_carry.py)
+                self._local.append(present)
+                continue
             for s, name in g.holders:
                 st = by_index.get(s)
                 if st is not None:
