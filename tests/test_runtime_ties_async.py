@@ -197,7 +197,7 @@ def test_stage_streams_carry_the_tie_as_the_plain_run(name: str, monkeypatch) ->
     case, S = CASES[name], 3
     plain = _pipe(tied_stages(S), case, S, "never")
     box: list[StreamTwin] = []
-    monkeypatch.setattr(Pipeline, "_make_streams", twin_factory(box))
+    monkeypatch.setattr("engine.runtime.assemble.make_streams", twin_factory(box))
     twin_pipe = _pipe(tied_stages(S), case, S, "never")
     twin = box[0]
     for s in (0, S - 1):  # (training forwards; the first step's dry run is the caller's)

@@ -24,7 +24,7 @@ leaf of the activation tree between the owner and the last holder (under gloo/NC
 message of the weight's size per micro-batch per boundary, each way), and the owner keeps
 one copy per micro-batch in flight between its forward and its backward.
 
-The later holders' parameters leave their modules (``None`` in ``_parameters``, so no arena,
+The later holders' parameters leave their modules (a plain ``None`` attribute, so no arena,
 optimizer or state_dict entry holds them); hooks on the stage modules split the carried
 values off the input, install them for the call, and append the carried values to the
 output, so every path that calls a stage module (training, recomputation, dry runs,
@@ -80,10 +80,12 @@ def carry_ties(groups: list[Any], modules: dict[int, nn.Module], spec: Any) -> N
                 continue
             slots = [
                 (sub, key) for sub in module.modules()
-                for key, value in sub._parameters.items() if value is param
+                for key, value in sub.named_parameters(recurse=False, remove_duplicate=False)
+                if value is param
             ]
             for sub, key in slots:
-                sub._parameters[key] = None  # read from the carried value (_Carrier.before)
+                delattr(sub, key)  # no longer a parameter here: read from the carried value
+                setattr(sub, key, None)  # (_Carrier.before installs it for each call)
             reads[k] = slots
         _Carrier(s, module, ins, outs, owned, reads)
 
@@ -125,7 +127,7 @@ class _Carrier:
         self._values = dict(zip(self.ins, values, strict=True))
         for k, slots in self.reads.items():
             for sub, key in slots:
-                sub._parameters[key] = self._values[k]  # (a plain tensor, for this call only)
+                setattr(sub, key, self._values[k])  # a plain attribute, for this call only
         if isinstance(x, tuple) and not isinstance(x, torch.Size):  # trees.call's rule
             return x, {}
         if isinstance(x, dict):
@@ -136,7 +138,7 @@ class _Carrier:
         values, self._values = self._values, {}
         for slots in self.reads.values():
             for sub, key in slots:
-                sub._parameters[key] = None
+                setattr(sub, key, None)
         if not self.outs:
             return None
         sent = tuple(

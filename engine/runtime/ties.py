@@ -266,9 +266,8 @@ def separate_modules(modules: list[nn.Module]) -> None:
 
 
 def _separate(parent: nn.Module, seen: dict[int, int], s: int, path: str) -> None:
-    for name, child in list(parent._modules.items()):
-        if child is None:
-            continue
+    children = [(n, c) for n, c in parent.named_modules(remove_duplicate=False) if n and "." not in n]
+    for name, child in children:
         if id(child) not in seen:
             _separate(child, seen, s, f"{path}.{name}")
             continue
@@ -281,7 +280,7 @@ def _separate(parent: nn.Module, seen: dict[int, int], s: int, path: str) -> Non
                     "(e.g. head.weight = embedding.weight)"
                 )
         keep = {id(t): t for t in [*child.parameters(), *child.buffers()]}
-        parent._modules[name] = copy.deepcopy(child, memo=keep)  # same tensors, own structure
+        setattr(parent, name, copy.deepcopy(child, memo=keep))  # same tensors, own structure
 
 
 def tie_stages(modules: list[nn.Module], spec: Any, stages: list[int] | None = None) -> list[TieGroup]:
