@@ -210,6 +210,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 import engine.triton_kernels.adam as adam_mod
+import engine.triton_kernels.adaptive as adaptive_mod
 import engine.triton_kernels.nadam as nadam_mod
 import engine.triton_kernels.sgd as sgd_mod
 from engine.triton_kernels.multi import SegmentTable
@@ -236,14 +237,13 @@ class Capture:
         return launch
 
 
-sgd_mod.sgd_kernel = Capture(sgd_mod.sgd_kernel)
-adam_mod.adam_kernel = Capture(adam_mod.adam_kernel)
-adam_mod._advance_steps = lambda steps, found_inf: None  # a device op beside the kernel
-nadam_mod.nadam_kernel = Capture(nadam_mod.nadam_kernel)
-nadam_mod._advance_steps = lambda steps, found_inf: None
-nadam_mod._advance_on_device = lambda *args: None
-for mod, name in ((sgd_mod, "sgd"), (adam_mod, "adam"), (nadam_mod, "nadam")):
-    setattr(mod, f"{name}_multi_kernel", Capture(getattr(mod, f"{name}_multi_kernel")))
+# the kernels where their launchers read them (Adam and NAdam: one launcher module)
+adaptive_mod._advance_steps = lambda steps, found_inf: None  # a device op beside the kernel
+adaptive_mod._advance_mu = lambda *args: None
+for mod, name in ((sgd_mod, "_sgd_kernel"), (sgd_mod, "_sgd_multi_kernel"),
+                  (adaptive_mod, "_adam_kernel"), (adaptive_mod, "_adam_multi_kernel"),
+                  (adaptive_mod, "_nadam_kernel"), (adaptive_mod, "_nadam_multi_kernel")):
+    setattr(mod, name, Capture(getattr(mod, name)))
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -270,8 +270,8 @@ def launch_multi(case):
     if case["family"] == "sgd":
         rows["buf"] = t("buf", ms, o["momentum"])
         table = SegmentTable(sgd_mod.SGD_ROLES, rows)
-        sgd_mod.fused_sgd_multi(
-            table, lr=0.1, momentum=0.9 if o["momentum"] else 0.0, dampening=0.0,
+        sgd_mod.launch_sgd(
+            table, None, None, lr=0.1, momentum=0.9 if o["momentum"] else 0.0, dampening=0.0,
             weight_decay=0.01 if o["wd"] else 0.0, nesterov=o["nesterov"],
             maximize=o["maximize"], init_momentum=o["init"], sc_delay=2 if o["sc"] else 0,
             predict_coeff=0.2, delta_gamma=0.5, **common)
@@ -284,12 +284,12 @@ def launch_multi(case):
     if case["family"] == "nadam":
         rows["prod"] = scalars(0.5)
         table = SegmentTable(nadam_mod.NADAM_ROLES, rows, scalar_roles=("step", "prod"))
-        nadam_mod.fused_nadam_multi(table, momentum_decay=4e-3, **kw)
+        adaptive_mod.launch_nadam(table, None, None, None, None, momentum_decay=4e-3, **kw)
     else:
         rows["vmax"] = t("vmax", ms, o["amsgrad"])
         table = SegmentTable(adam_mod.ADAM_ROLES, rows, scalar_roles=("step",))
-        adam_mod.fused_adam_multi(table, amsgrad=o["amsgrad"], sc_delay=2 if o["sc"] else 0,
-                                  **kw)
+        adaptive_mod.launch_adam(table, None, None, None, None, amsgrad=o["amsgrad"],
+                                 sc_delay=2 if o["sc"] else 0, **kw)
 
 
 def launch(case):
@@ -313,7 +313,7 @@ def launch(case):
         # step and mu_product beside the params: the kernel derives the coefficients; on the
         # CPU: the host (a real CPU tensor, it is read)
         dev = "meta" if o["device_step"] else "cpu"
-        nadam_mod.launch_nadam(
+        adaptive_mod.launch_nadam(
             t("param", p), t("grad", DT[case["grad"]]), t("m", st), t("v", st),
             torch.full((), 0.5, device=dev), step=torch.ones((), device=dev), lr=1e-3,
             beta1=0.9 if o["lerp_small"] else 0.3, beta2=0.999, eps=1e-8,
@@ -325,7 +325,7 @@ def launch(case):
     else:
         # step beside the params: the kernel derives the bias corrections; on the CPU: the host
         step = torch.ones(1, device="meta" if o["device_step"] else "cpu")
-        adam_mod.launch_adam(
+        adaptive_mod.launch_adam(
             t("param", p), t("grad", DT[case["grad"]]), t("m", ms), t("v", ms),
             t("vmax", ms, o["amsgrad"]), step=step, lr=1e-3,
             beta1=0.9 if o["lerp_small"] else 0.3, beta2=0.999, eps=1e-8,
@@ -478,7 +478,7 @@ def test_multi_tensor_variants_specialized_as_a_gpu_launch(compiled):
             continue
         v = _variant(compiled, name)
         c = v["constexprs"]
-        assert v["kernel"] == f"{spec['family']}_multi_kernel", name
+        assert v["kernel"] == f"_{spec['family']}_multi_kernel", name
         assert c["ALIGNED"] == (not spec["odd"] and spec["n"] % 16 == 0), (name, c["ALIGNED"])
         tl_name = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
         assert (c["PARAM_T"], c["GRAD_T"]) == (tl_name[spec["dtype"]], tl_name[spec["grad"]]), c

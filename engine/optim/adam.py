@@ -163,7 +163,7 @@ class _AdamBase(DelayOptimizer):
         grad_scale: Tensor | None,
         found_inf: Tensor | None,
     ) -> None:
-        reference = fn is self._kernel_pair[0]
+        reference = fn is self._paths.reference
         # the reference path takes Tensor lr/betas as torch does (its rounding follows them);
         # the kernels read Python numbers
         beta1, beta2 = group["betas"] if reference else (scalar(b) for b in group["betas"])

@@ -164,7 +164,7 @@ class NAdam(_AdamBase):
         grad_scale: Tensor | None,
         found_inf: Tensor | None,
     ) -> None:
-        reference = fn is self._kernel_pair[0]
+        reference = fn is self._paths.reference
         gamma = self._delta_gamma(group)
         # the reference path takes a Tensor lr as torch does (its rounding follows it)
         lr = group["lr"]

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.optim import cpu_loop
 from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _functional, _is_real_number
 from engine.optim.options import scalar
 
@@ -184,9 +183,7 @@ class SGD(DelayOptimizer):
         if predicted is not None:
             coeff = _functional().prediction_coeff(group["prediction"], lr, group["momentum"], self._horizon(group))
         sc_delay = group["delay"] if group["spike_compensation"] else 0
-        ref = self._kernel_pair[0]
-        if fn is ref and (sc_delay or predicted is not None or gamma is not None) and cpu_loop.enabled():
-            fn = cpu_loop.sgd_update  # runs the reference itself where the loop does not apply
+        ref = self._paths.reference
         weight_decay = scalar(group["weight_decay"])
         if fn is ref and group["differentiable"]:
             # autograd through the step reaches Tensor hyperparameters, as in torch: pass them

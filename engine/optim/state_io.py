@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from engine.optim import functional
-from engine.optim.dispatch import kernels
+from engine.optim.dispatch import paths
 from engine.optim.options import DELAY_DEFAULTS
 
 __all__ = ["StateDictIO"]
@@ -86,7 +86,7 @@ class StateDictIO:
         self.__dict__.setdefault("_auto", {})
         self.__dict__.setdefault("_checked", {})
         self.__dict__.setdefault("last_step_predicted", False)
-        self.__dict__.setdefault("_kernel_pair", kernels(self._family))
+        self.__dict__.setdefault("_paths", paths(self._family))
         self.__dict__.setdefault("_fuse_cache", {})
         # a state_dict from torch.optim (or an older engine version) lacks some options
         # (the delay options; torch's flags in older checkpoints): this optimizer's defaults

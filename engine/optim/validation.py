@@ -16,7 +16,7 @@ from typing import Any
 from torch import Tensor
 
 from engine.optim.dispatch import FUSED_DTYPES
-from engine.optim.functional import _PARAM_DTYPES
+from engine.update_rules import PARAM_DTYPES as _PARAM_DTYPES
 from engine.optim.options import check_delay_options
 
 __all__ = ["OptionChecks", "PARAM_DTYPES"]
