@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,6 +23,8 @@ __all__ = [
     "PARAM_DTYPES",
     "check_betas",
     "check_dc",
+    "decay_factor",
+    "lr_product",
     "moment_dtypes",
     "nadam_mu",
     "spike_coeffs",
@@ -93,6 +96,21 @@ def _spike_coeffs(momentum: float, delay: int) -> tuple[float, float]:
     return a, (1.0 - a) / (1.0 - momentum)
 
 
+def lr_product(lr: Tensor, c: float) -> Tensor:
+    """``lr * c`` for a Tensor lr, as the host computes it for a float lr: in fp64 from lr's
+    float32 value, rounded once to float32 (as a Python float is when it becomes a kernel
+    argument). So a launch scalar derived from a Tensor lr has the very bits the float path
+    gives it, and the kernels can load it from the device (no host read, nothing a CUDA graph
+    would freeze)."""
+    return (lr.detach().double() * c).float()
+
+
+def decay_factor(lr: Tensor, weight_decay: float) -> Tensor:
+    """``1 - lr * weight_decay`` (AdamW's decoupled decay) for a Tensor lr, with the host's
+    fp64 arithmetic and one rounding to float32 (see :func:`lr_product`)."""
+    return (1 - lr.detach().double() * weight_decay).float()
+
+
 def nadam_mu(beta1: float, momentum_decay: float, t: float) -> float:
     """Dozat's momentum schedule as torch.optim.NAdam: ``beta1 * (1 - 0.5 * 0.96**(t * psi))``."""
     return beta1 * (1.0 - 0.5 * (0.96 ** (t * momentum_decay)))
@@ -101,8 +119,9 @@ def nadam_mu(beta1: float, momentum_decay: float, t: float) -> float:
 # --------------------------------------------------------------------------- validation
 
 
-def check_sc_delay(delay: object) -> None:
-    if isinstance(delay, bool) or int(delay) != delay or delay < 0:  # type: ignore[call-overload, operator]
+def check_sc_delay(delay: Any) -> None:
+    """Spike compensation's delay D: a whole number >= 0."""
+    if isinstance(delay, bool) or int(delay) != delay or delay < 0:
         raise ValueError(f"spike compensation delay must be an integer >= 0, got {delay!r}")
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.triton_kernels._launch import block_offsets, cast_rne, load_and_decay
+from engine.triton_kernels._launch import block_offsets, cast_rne, load_and_decay, load_lr
 from engine.triton_kernels.multi import segment_offsets, segment_ptr
 
 __all__ = ["adam_moments", "store_step", "ADAM_ROLES", "ADAM_DTYPES"]
@@ -93,7 +93,7 @@ def _adam_body(
 @triton.jit
 def _adam_kernel(
     param_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, last_ptr, pred_ptr, delta_ptr,
-    scale_ptr, inf_ptr, step_ptr,
+    scale_ptr, inf_ptr, step_ptr, lr_ptr, aux_ptr,
     n, lr, w1, beta2, keep2, eps, weight_decay, decay, log_beta1, log_beta2,
     host_step_size, host_bc2_sqrt, host_sc_coef, sc_keep, sc_a, horizon, gamma, keep_gamma,
     dc_coef,
@@ -111,8 +111,10 @@ def _adam_kernel(
     CHECK_INF: tl.constexpr,
     DEVICE_STEP: tl.constexpr,
     LERP_SMALL: tl.constexpr,
+    LR_PTR: tl.constexpr,
 ):
     offs, mask = block_offsets(n, inf_ptr, BLOCK, CHECK_INF)
+    lr, decay = load_lr(lr, decay, lr_ptr, aux_ptr, LR_PTR, DECOUPLED)
     _adam_body(param_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, last_ptr, pred_ptr, delta_ptr,
               scale_ptr, step_ptr, offs, mask, lr, w1, beta2, keep2, eps, weight_decay, decay,
               log_beta1, log_beta2, host_step_size, host_bc2_sqrt, host_sc_coef, sc_keep, sc_a,
@@ -129,7 +131,7 @@ ADAM_DTYPES = {"param": "PARAM_T", "grad": "GRAD_T", "m": "M_T", "v": "V_T", "vm
 
 @triton.jit
 def _adam_multi_kernel(
-    meta_ptr, chunk_ptr, nseg, scale_ptr, inf_ptr,
+    meta_ptr, chunk_ptr, nseg, scale_ptr, inf_ptr, lr_ptr, aux_ptr,
     lr, w1, beta2, keep2, eps, weight_decay, decay, log_beta1, log_beta2,
     host_step_size, host_bc2_sqrt, host_sc_coef, sc_keep, sc_a, horizon, gamma, keep_gamma,
     dc_coef,
@@ -151,9 +153,11 @@ def _adam_multi_kernel(
     CHECK_INF: tl.constexpr,
     DEVICE_STEP: tl.constexpr,
     LERP_SMALL: tl.constexpr,
+    LR_PTR: tl.constexpr,
 ):
     seg, offs, mask = segment_offsets(meta_ptr, chunk_ptr, nseg, inf_ptr, 9, BLOCK, ALIGNED,
                                       CHECK_INF)
+    lr, decay = load_lr(lr, decay, lr_ptr, aux_ptr, LR_PTR, DECOUPLED)
     _adam_body(segment_ptr(meta_ptr, nseg, seg, 0, PARAM_T, ALIGNED),
               segment_ptr(meta_ptr, nseg, seg, 1, GRAD_T, ALIGNED),
               segment_ptr(meta_ptr, nseg, seg, 2, M_T, ALIGNED),

@@ -24,6 +24,7 @@ from torch import Tensor
 from engine.triton_kernels._launch import (
     GPU_WARPS,
     check_launchable,
+    check_lr_tensor,
     default_block,
     grid_for,
     interpreting,
@@ -40,6 +41,7 @@ from engine.triton_kernels.nadam import (
 from engine.update_rules import (
     check_betas,
     check_dc,
+    decay_factor,
     nadam_mu,
     validate_adam_args,
     validate_nadam_args,
@@ -82,7 +84,7 @@ def _advance_mu(step: Tensor, mu_product: Tensor, found_inf: Tensor | None, beta
 
 def _flags(*, weight_decay: float, decoupled: bool, maximize: bool, last: bool, predict: bool,
            delta: bool, dc_coeff: float, scale: bool, check_inf: bool, device_step: bool,
-           beta1: float) -> dict[str, Any]:
+           beta1: float, lr_ptr: bool) -> dict[str, Any]:
     """The constexpr flags both kernels take (flags that change no code are canonicalised,
     so that no launch compiles a duplicate variant)."""
     return dict(
@@ -97,8 +99,24 @@ def _flags(*, weight_decay: float, decoupled: bool, maximize: bool, last: bool, 
         CHECK_INF=check_inf,
         DEVICE_STEP=bool(device_step),
         LERP_SMALL=abs(1 - beta1) < 0.5,
+        LR_PTR=lr_ptr,
         num_warps=1 if interpreting() else GPU_WARPS,
     )
+
+
+def _lr_operands(lr: float | Tensor, weight_decay: float, decoupled: bool, device: object,
+                 host_path: bool = False) -> tuple[float, Tensor | None, Tensor | None]:
+    """``lr`` as a launch argument, and, for a Tensor lr, the device tensors the kernel loads
+    in its place: lr itself and AdamW's decay 1 - lr * wd (``decay_factor``: the bits the
+    float path computes on the host). The host path (a CPU step count: the host forms the
+    coefficients, reading the step) reads a Tensor lr on the host too."""
+    if not isinstance(lr, Tensor):
+        return lr, None, None
+    check_lr_tensor("lr", lr, device)
+    if host_path:
+        return float(lr.detach()), None, None
+    aux = decay_factor(lr, weight_decay) if weight_decay != 0 and decoupled else None
+    return 0.0, lr.detach(), aux
 
 
 def _tail(predict_horizon: float, delta_gamma: float, dc_coeff: float) -> tuple[float, ...]:
@@ -112,7 +130,8 @@ def _adam_args(*, lr: float, beta1: float, beta2: float, eps: float, weight_deca
                decoupled: bool, amsgrad: bool, maximize: bool, sc_delay: int,
                host: tuple[float, float, float], predict_horizon: float, delta_gamma: float,
                dc_coeff: float, last: bool, predict: bool, delta: bool, scale: bool,
-               check_inf: bool, device_step: bool) -> tuple[tuple[float, ...], dict]:
+               check_inf: bool, device_step: bool,
+               lr_ptr: bool = False) -> tuple[tuple[float, ...], dict]:
     """Adam's float arguments and constexpr flags; ``host``: the host-computed step size,
     sqrt(bc2) and SC coefficient (unused with ``device_step``)."""
     sc_a = beta1 ** int(sc_delay) if sc_delay > 0 else 0.0
@@ -122,7 +141,7 @@ def _adam_args(*, lr: float, beta1: float, beta2: float, eps: float, weight_deca
                *_tail(predict_horizon, delta_gamma, dc_coeff))
     flags = _flags(weight_decay=weight_decay, decoupled=decoupled, maximize=maximize, last=last,
                    predict=predict, delta=delta, dc_coeff=dc_coeff, scale=scale,
-                   check_inf=check_inf, device_step=device_step, beta1=beta1)
+                   check_inf=check_inf, device_step=device_step, beta1=beta1, lr_ptr=lr_ptr)
     flags.update(AMSGRAD=bool(amsgrad), SC=sc_delay > 0)
     return scalars, flags
 
@@ -131,7 +150,8 @@ def _nadam_args(*, lr: float, beta1: float, beta2: float, eps: float, weight_dec
                 momentum_decay: float, decoupled: bool, maximize: bool,
                 host: tuple[float, float, float], predict_horizon: float, delta_gamma: float,
                 dc_coeff: float, last: bool, predict: bool, delta: bool, scale: bool,
-                check_inf: bool, device_step: bool) -> tuple[tuple[float, ...], dict]:
+                check_inf: bool, device_step: bool,
+                lr_ptr: bool = False) -> tuple[tuple[float, ...], dict]:
     """NAdam's float arguments and constexpr flags; ``host``: the host-computed bc2 and the
     two coefficients (unused with ``device_step``)."""
     scalars = (float(lr), float(beta1), momentum_decay * math.log(0.96), _log(beta2),
@@ -140,7 +160,7 @@ def _nadam_args(*, lr: float, beta1: float, beta2: float, eps: float, weight_dec
                *_tail(predict_horizon, delta_gamma, dc_coeff))
     flags = _flags(weight_decay=weight_decay, decoupled=decoupled, maximize=maximize, last=last,
                    predict=predict, delta=delta, dc_coeff=dc_coeff, scale=scale,
-                   check_inf=check_inf, device_step=device_step, beta1=beta1)
+                   check_inf=check_inf, device_step=device_step, beta1=beta1, lr_ptr=lr_ptr)
     return scalars, flags
 
 
@@ -173,7 +193,7 @@ def launch_adam(
     max_exp_avg_sq: object,
     *,
     step: object,
-    lr: float,
+    lr: float | Tensor,
     beta1: float,
     beta2: float,
     eps: float,
@@ -202,7 +222,11 @@ def launch_adam(
     :class:`SegmentTable` with the roles ``ADAM_ROLES``, whose tensor arguments only say
     which operands the caller means (they must agree with the table's rows; its step counts
     must be on its device). ``block``: elements per program of a single-tensor launch (a
-    table fixes its own); ``device_step``: see :func:`_device_step`.
+    table fixes its own); ``device_step``: see :func:`_device_step`. ``lr`` may be a
+    one-element float32 tensor on the launch's device: the kernel loads it (and AdamW's decay
+    1 - lr * wd, derived from it on the device with the host's arithmetic), so an LR schedule
+    that writes it in place changes no launch argument; bitwise the result of
+    ``lr=float(lr)``. (The host path, a CPU step, reads it on the host.)
     """
     check_betas("Adam", beta1, beta2)
     if isinstance(param, SegmentTable):
@@ -220,6 +244,7 @@ def launch_adam(
                                    grad_scale=grad_scale, found_inf=found_inf)
         check_dc(dc_coeff, table.first("delta"), table.tensors("param")[0])
         steps = [row[0] for row in _table_counts(table, ("step",))]
+        lr, lr_t, aux = _lr_operands(lr, weight_decay, decoupled, table.device)
         _advance_steps(steps, found_inf)
         scalars, flags = _adam_args(
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
@@ -227,9 +252,9 @@ def launch_adam(
             host=(0.0, 0.0, 0.0), predict_horizon=predict_horizon, delta_gamma=delta_gamma,
             dc_coeff=dc_coeff, last=table.has("last"), predict=table.has("pred"),
             delta=table.has("delta"), scale=grad_scale is not None,
-            check_inf=found_inf is not None, device_step=True)
+            check_inf=found_inf is not None, device_step=True, lr_ptr=lr_t is not None)
         launch_segments(_adam_multi_kernel, table, ADAM_DTYPES, scalars, flags, grad_scale,
-                        found_inf)
+                        found_inf, lr_t, aux)
         return
     if validate:  # the optimizers validate once per layout and pass validate=False
         validate_adam_args(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step,
@@ -246,6 +271,7 @@ def launch_adam(
                       "max_exp_avg_sq": max_exp_avg_sq if amsgrad else None,
                       "last_update": last_update, "predicted": predicted, "delta": delta})
     device_step = _device_step(device_step, step.device == param.device, "step")
+    lr, lr_t, aux = _lr_operands(lr, weight_decay, decoupled, param.device, not device_step)
 
     _advance_steps([step], found_inf)
 
@@ -265,7 +291,8 @@ def launch_adam(
         decoupled=decoupled, amsgrad=amsgrad, maximize=maximize, sc_delay=sc_delay, host=host,
         predict_horizon=predict_horizon, delta_gamma=delta_gamma, dc_coeff=dc_coeff,
         last=last_update is not None, predict=predicted is not None, delta=delta is not None,
-        scale=grad_scale is not None, check_inf=found_inf is not None, device_step=device_step)
+        scale=grad_scale is not None, check_inf=found_inf is not None, device_step=device_step,
+        lr_ptr=lr_t is not None)
     # the moments share exp_avg's dtype; last_update and delta stay fp32 under a bf16
     # state_dtype (engine.update_rules.moment_dtypes)
     block = block or default_block(param, grad, exp_avg, last_update, delta)
@@ -275,6 +302,7 @@ def launch_adam(
         placeholder(last_update, param), placeholder(predicted, param),
         placeholder(delta, param), placeholder(grad_scale, param),
         placeholder(found_inf, param), step if device_step else param,
+        placeholder(lr_t, param), placeholder(aux, param),
         n, *scalars, BLOCK=block, **flags)
 
 
@@ -286,7 +314,7 @@ def launch_nadam(
     mu_product: object,
     *,
     step: object,
-    lr: float,
+    lr: float | Tensor,
     beta1: float,
     beta2: float,
     eps: float,
@@ -311,7 +339,8 @@ def launch_nadam(
 
     ``param``: one tensor (``step`` and ``mu_product`` may live on the CPU: then the host
     forms the coefficients from them exactly as torch does, one host read), or a
-    :class:`SegmentTable` with the roles ``NADAM_ROLES`` (as :func:`launch_adam`).
+    :class:`SegmentTable` with the roles ``NADAM_ROLES`` (as :func:`launch_adam`); ``lr`` a
+    number or a device tensor, as for :func:`launch_adam`.
     """
     check_betas("NAdam", beta1, beta2)
     if isinstance(param, SegmentTable):
@@ -327,7 +356,9 @@ def launch_nadam(
                 validate_nadam_args(p, g, m, v, prod, st, last_update=last, predicted=pred,
                                     delta=d, grad_scale=grad_scale, found_inf=found_inf)
         check_dc(dc_coeff, table.first("delta"), table.tensors("param")[0])
-        for s, prod in _table_counts(table, ("step", "prod")):
+        counts = _table_counts(table, ("step", "prod"))
+        lr, lr_t, aux = _lr_operands(lr, weight_decay, decoupled, table.device)
+        for s, prod in counts:
             _advance_mu(s, prod, found_inf, beta1, momentum_decay)
         scalars, flags = _nadam_args(
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
@@ -335,9 +366,9 @@ def launch_nadam(
             host=(0.0, 0.0, 0.0), predict_horizon=predict_horizon, delta_gamma=delta_gamma,
             dc_coeff=dc_coeff, last=table.has("last"), predict=table.has("pred"),
             delta=table.has("delta"), scale=grad_scale is not None,
-            check_inf=found_inf is not None, device_step=True)
+            check_inf=found_inf is not None, device_step=True, lr_ptr=lr_t is not None)
         launch_segments(_nadam_multi_kernel, table, NADAM_DTYPES, scalars, flags, grad_scale,
-                        found_inf)
+                        found_inf, lr_t, aux)
         return
     if validate:
         validate_nadam_args(param, grad, exp_avg, exp_avg_sq, mu_product, step,
@@ -351,6 +382,7 @@ def launch_nadam(
     device_step = _device_step(
         device_step, step.device == param.device and mu_product.device == param.device,
         "step and mu_product")
+    lr, lr_t, aux = _lr_operands(lr, weight_decay, decoupled, param.device, not device_step)
     bc2 = coef_g = coef_m = 0.0
     if device_step:
         _advance_mu(step, mu_product, found_inf, beta1, momentum_decay)
@@ -377,7 +409,8 @@ def launch_nadam(
         host=(bc2, coef_g, coef_m), predict_horizon=predict_horizon, delta_gamma=delta_gamma,
         dc_coeff=dc_coeff, last=last_update is not None, predict=predicted is not None,
         delta=delta is not None, scale=grad_scale is not None,
-        check_inf=bool(device_step) and found_inf is not None, device_step=device_step)
+        check_inf=bool(device_step) and found_inf is not None, device_step=device_step,
+        lr_ptr=lr_t is not None)
     block = block or default_block(param, grad, exp_avg)
     _nadam_kernel[grid_for(n, block)](
         param, grad, exp_avg, exp_avg_sq,
@@ -385,4 +418,5 @@ def launch_nadam(
         placeholder(delta, param), placeholder(grad_scale, param),
         placeholder(found_inf if device_step else None, param),
         step if device_step else param, mu_product if device_step else param,
+        placeholder(lr_t, param), placeholder(aux, param),
         n, *scalars, BLOCK=block, **flags)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.triton_kernels._launch import block_offsets, load_and_decay
+from engine.triton_kernels._launch import block_offsets, load_and_decay, load_lr
 from engine.triton_kernels.adam import adam_moments, store_step
 from engine.triton_kernels.multi import segment_offsets, segment_ptr
 
@@ -77,7 +77,7 @@ def _nadam_body(
 @triton.jit
 def _nadam_kernel(
     param_ptr, grad_ptr, m_ptr, v_ptr, last_ptr, pred_ptr, delta_ptr, scale_ptr, inf_ptr,
-    step_ptr, prod_ptr,
+    step_ptr, prod_ptr, lr_ptr, aux_ptr,
     n, lr, beta1, psi_log96, log_beta2, w1, beta2, keep2, eps, weight_decay, decay,
     host_bc2, host_coef_g, host_coef_m, horizon, gamma, keep_gamma, dc_coef,
     BLOCK: tl.constexpr,
@@ -92,8 +92,10 @@ def _nadam_kernel(
     CHECK_INF: tl.constexpr,
     DEVICE_STEP: tl.constexpr,
     LERP_SMALL: tl.constexpr,
+    LR_PTR: tl.constexpr,
 ):
     offs, mask = block_offsets(n, inf_ptr, BLOCK, CHECK_INF)
+    lr, decay = load_lr(lr, decay, lr_ptr, aux_ptr, LR_PTR, DECOUPLED)
     _nadam_body(param_ptr, grad_ptr, m_ptr, v_ptr, last_ptr, pred_ptr, delta_ptr, scale_ptr,
                step_ptr, prod_ptr, offs, mask, lr, beta1, psi_log96, log_beta2, w1, beta2,
                keep2, eps, weight_decay, decay, host_bc2, host_coef_g, host_coef_m, horizon,
@@ -111,7 +113,7 @@ NADAM_DTYPES = {"param": "PARAM_T", "grad": "GRAD_T", "m": "M_T", "v": "V_T",
 
 @triton.jit
 def _nadam_multi_kernel(
-    meta_ptr, chunk_ptr, nseg, scale_ptr, inf_ptr,
+    meta_ptr, chunk_ptr, nseg, scale_ptr, inf_ptr, lr_ptr, aux_ptr,
     lr, beta1, psi_log96, log_beta2, w1, beta2, keep2, eps, weight_decay, decay,
     host_bc2, host_coef_g, host_coef_m, horizon, gamma, keep_gamma, dc_coef,
     BLOCK: tl.constexpr,
@@ -130,9 +132,11 @@ def _nadam_multi_kernel(
     CHECK_INF: tl.constexpr,
     DEVICE_STEP: tl.constexpr,
     LERP_SMALL: tl.constexpr,
+    LR_PTR: tl.constexpr,
 ):
     seg, offs, mask = segment_offsets(meta_ptr, chunk_ptr, nseg, inf_ptr, 9, BLOCK, ALIGNED,
                                       CHECK_INF)
+    lr, decay = load_lr(lr, decay, lr_ptr, aux_ptr, LR_PTR, DECOUPLED)
     _nadam_body(segment_ptr(meta_ptr, nseg, seg, 0, PARAM_T, ALIGNED),
                segment_ptr(meta_ptr, nseg, seg, 1, GRAD_T, ALIGNED),
                segment_ptr(meta_ptr, nseg, seg, 2, M_T, ALIGNED),

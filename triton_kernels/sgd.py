@@ -35,8 +35,10 @@ from engine.triton_kernels._launch import (
     check_launchable,
     default_block,
     grid_for,
+    check_lr_tensor,
     interpreting,
     load_and_decay,
+    load_lr,
     placeholder,
 )
 from engine.triton_kernels.multi import (
@@ -110,7 +112,7 @@ def _sgd_body(
 
 @triton.jit
 def _sgd_kernel(
-    param_ptr, grad_ptr, buf_ptr, pred_ptr, delta_ptr, scale_ptr, inf_ptr,
+    param_ptr, grad_ptr, buf_ptr, pred_ptr, delta_ptr, scale_ptr, inf_ptr, lr_ptr, aux_ptr,
     n, lr, momentum, keep, weight_decay, sc_a, sc_b, pred_coeff, gamma, keep_gamma, dc_coef,
     BLOCK: tl.constexpr,
     WEIGHT_DECAY: tl.constexpr,
@@ -124,8 +126,10 @@ def _sgd_kernel(
     DC: tl.constexpr,
     SCALE: tl.constexpr,
     CHECK_INF: tl.constexpr,
+    LR_PTR: tl.constexpr,
 ):
     offs, mask = block_offsets(n, inf_ptr, BLOCK, CHECK_INF)
+    lr, pred_coeff = load_lr(lr, pred_coeff, lr_ptr, aux_ptr, LR_PTR, PREDICT)
     _sgd_body(param_ptr, grad_ptr, buf_ptr, pred_ptr, delta_ptr, scale_ptr, offs, mask,
              lr, momentum, keep, weight_decay, sc_a, sc_b, pred_coeff, gamma, keep_gamma,
              dc_coef, WEIGHT_DECAY, MOMENTUM, INIT, NESTEROV, SC, MAXIMIZE, PREDICT, DELTA, DC,
@@ -140,7 +144,7 @@ _SGD_DTYPES = {"param": "PARAM_T", "grad": "GRAD_T", "buf": "BUF_T", "pred": "PR
 
 @triton.jit
 def _sgd_multi_kernel(
-    meta_ptr, chunk_ptr, nseg, scale_ptr, inf_ptr,
+    meta_ptr, chunk_ptr, nseg, scale_ptr, inf_ptr, lr_ptr, aux_ptr,
     lr, momentum, keep, weight_decay, sc_a, sc_b, pred_coeff, gamma, keep_gamma, dc_coef,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
@@ -160,9 +164,11 @@ def _sgd_multi_kernel(
     DC: tl.constexpr,
     SCALE: tl.constexpr,
     CHECK_INF: tl.constexpr,
+    LR_PTR: tl.constexpr,
 ):
     seg, offs, mask = segment_offsets(meta_ptr, chunk_ptr, nseg, inf_ptr, 5, BLOCK, ALIGNED,
                                       CHECK_INF)
+    lr, pred_coeff = load_lr(lr, pred_coeff, lr_ptr, aux_ptr, LR_PTR, PREDICT)
     _sgd_body(segment_ptr(meta_ptr, nseg, seg, 0, PARAM_T, ALIGNED),
              segment_ptr(meta_ptr, nseg, seg, 1, GRAD_T, ALIGNED),
              segment_ptr(meta_ptr, nseg, seg, 2, BUF_T, ALIGNED),
@@ -178,8 +184,10 @@ def _sgd_multi_kernel(
 def _sgd_args(*, lr: float, momentum: float, dampening: float, weight_decay: float,
               nesterov: bool, maximize: bool, init_momentum: bool, sc_delay: int,
               predict: bool, predict_coeff: float, delta: bool, delta_gamma: float,
-              dc_coeff: float, scale: bool, check_inf: bool) -> tuple[tuple[float, ...], dict]:
-    """The kernels' float arguments and constexpr flags (shared by both launchers)."""
+              dc_coeff: float, scale: bool, check_inf: bool,
+              lr_ptr: bool = False) -> tuple[tuple[float, ...], dict]:
+    """The kernels' float arguments and constexpr flags (shared by both launches); with
+    ``lr_ptr`` the kernel loads lr and the prediction coefficient from device tensors."""
     use_momentum = momentum != 0
     sc = use_momentum and sc_delay > 0
     sc_a, sc_b = spike_coeffs(momentum, sc_delay) if sc else (0.0, 0.0)
@@ -201,9 +209,32 @@ def _sgd_args(*, lr: float, momentum: float, dampening: float, weight_decay: flo
         DC=dc_coeff != 0,
         SCALE=scale,
         CHECK_INF=check_inf,
+        LR_PTR=lr_ptr,
         num_warps=1 if interpreting() else GPU_WARPS,
     )
     return scalars, flags
+
+
+def _lr_operands(lr: float | Tensor, predict_coeff: float | Tensor, predict: bool,
+                 device: object) -> tuple[float, float, Tensor | None, Tensor | None]:
+    """(lr, predict_coeff) as launch arguments, and the device tensors the kernel loads in
+    their place when ``lr`` is a Tensor (None, None for a number)."""
+    if not isinstance(lr, Tensor):
+        if isinstance(predict_coeff, Tensor):
+            raise ValueError("predict_coeff is a Tensor but lr is a number: pass both as "
+                             "numbers, or lr as a Tensor and predict_coeff derived from it")
+        return lr, predict_coeff, None, None
+    check_lr_tensor("lr", lr, device)
+    aux = None
+    if predict:
+        if not isinstance(predict_coeff, Tensor):
+            raise ValueError(
+                "with a Tensor lr, predict_coeff must be a Tensor too: the coefficient is lr "
+                "times a constant (engine.update_rules.lr_product(lr, c)), so that a new lr "
+                "changes no launch argument")
+        check_lr_tensor("predict_coeff", predict_coeff, device)
+        aux = predict_coeff.detach()
+    return 0.0, 0.0, lr.detach(), aux
 
 
 def launch_sgd(
@@ -211,7 +242,7 @@ def launch_sgd(
     grad: object,
     momentum_buffer: object,
     *,
-    lr: float,
+    lr: float | Tensor,
     momentum: float,
     dampening: float,
     weight_decay: float,
@@ -220,7 +251,7 @@ def launch_sgd(
     init_momentum: bool,
     sc_delay: int = 0,
     predicted: object = None,
-    predict_coeff: float = 0.0,
+    predict_coeff: float | Tensor = 0.0,
     delta: object = None,
     delta_gamma: float = 0.0,
     dc_coeff: float = 0.0,
@@ -240,6 +271,12 @@ def launch_sgd(
     validate once per layout). ``block``: the elements per program of a single-tensor launch
     (tests use small blocks to run several programs under the interpreter); a table fixes
     its block when it is built.
+
+    ``lr`` may be a one-element float32 tensor on the launch's device (then
+    ``predict_coeff``, when a prediction is written, a tensor derived from it): the kernel
+    loads it, so an LR schedule that writes it in place changes no launch argument (a
+    captured CUDA graph keeps reading the current value). The result is bitwise that of
+    ``lr=float(lr)`` (and ``predict_coeff`` computed from that float on the host).
     """
     if isinstance(param, SegmentTable):
         if block is not None:
@@ -261,6 +298,8 @@ def launch_sgd(
     check_launchable({"param": param, "grad": grad,
                       "momentum_buffer": momentum_buffer if use_momentum else None,
                       "predicted": predicted, "delta": delta})
+    lr, predict_coeff, lr_t, aux = _lr_operands(lr, predict_coeff, predicted is not None,
+                                                param.device)
     n = param.numel()
     if n == 0:
         return
@@ -269,19 +308,21 @@ def launch_sgd(
         nesterov=nesterov, maximize=maximize, init_momentum=init_momentum, sc_delay=sc_delay,
         predict=predicted is not None, predict_coeff=predict_coeff, delta=delta is not None,
         delta_gamma=delta_gamma, dc_coeff=dc_coeff, scale=grad_scale is not None,
-        check_inf=found_inf is not None)
+        check_inf=found_inf is not None, lr_ptr=lr_t is not None)
     buf = momentum_buffer if use_momentum else None
     block = block or default_block(param, grad, buf, delta)
     _sgd_kernel[grid_for(n, block)](
         param, grad, placeholder(buf, param),
         placeholder(predicted, param), placeholder(delta, param),
         placeholder(grad_scale, param), placeholder(found_inf, param),
+        placeholder(lr_t, param), placeholder(aux, param),
         n, *scalars, BLOCK=block, **flags)
 
 
-def _launch_table(table: SegmentTable, *, lr: float, momentum: float,
+def _launch_table(table: SegmentTable, *, lr: float | Tensor, momentum: float,
                   dampening: float, weight_decay: float, nesterov: bool, maximize: bool,
-                  init_momentum: bool, sc_delay: int, predicted: object, predict_coeff: float,
+                  init_momentum: bool, sc_delay: int, predicted: object,
+                  predict_coeff: float | Tensor,
                   delta: object, delta_gamma: float, dc_coeff: float,
                   grad_scale: Tensor | None, found_inf: Tensor | None, validate: bool) -> None:
     """:func:`launch_sgd` over every segment of ``table``."""
@@ -294,10 +335,13 @@ def _launch_table(table: SegmentTable, *, lr: float, momentum: float,
                               sc_delay=sc_delay, predicted=pr, delta=d,
                               grad_scale=grad_scale, found_inf=found_inf)
     check_dc(dc_coeff, table.first("delta"), table.tensors("param")[0])
+    lr, predict_coeff, lr_t, aux = _lr_operands(lr, predict_coeff, table.has("pred"),
+                                                table.device)
     scalars, flags = _sgd_args(
         lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
         nesterov=nesterov, maximize=maximize, init_momentum=init_momentum, sc_delay=sc_delay,
         predict=table.has("pred"), predict_coeff=predict_coeff, delta=table.has("delta"),
         delta_gamma=delta_gamma, dc_coeff=dc_coeff, scale=grad_scale is not None,
-        check_inf=found_inf is not None)
-    launch_segments(_sgd_multi_kernel, table, _SGD_DTYPES, scalars, flags, grad_scale, found_inf)
+        check_inf=found_inf is not None, lr_ptr=lr_t is not None)
+    launch_segments(_sgd_multi_kernel, table, _SGD_DTYPES, scalars, flags, grad_scale, found_inf,
+                    lr_t, aux)

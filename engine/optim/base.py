@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from engine.optim import functional
+from engine.optim import functional, lr_values
 from engine.optim.computed import ComputedWeights
 from engine.optim.dispatch import FUSED_DTYPES, paths, use_fused
 from engine.optim.flat import FlatBinding, arena_binding
@@ -123,15 +123,11 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorStep
 
     @staticmethod
     def effective_lr(group: dict[str, Any]) -> float:
-        """The learning rate this group's next update uses: ``lr`` (times a legacy
-        ``lr_scale`` where an old checkpoint carries one; module docstring). Without it the lr
-        is used untouched (no multiplication at all: bit-identical to torch.optim).
-        """
-        lr = group["lr"]
-        lr = float(lr.detach()) if isinstance(lr, Tensor) else lr  # (no autograd warning)
-        if "lr_scale" in group:
-            return lr * group["lr_scale"]
-        return lr
+        """The learning rate this group's next update uses, as a number (lr_values.number)."""
+        return lr_values.number(group)
+
+    #: the group's lr as the fused kernels load it on a device, or None (lr_values.on_device)
+    device_lr = staticmethod(lr_values.on_device)
 
     def effective_lrs(self) -> list[float]:
         """``effective_lr`` of every param group, in order."""
@@ -313,12 +309,12 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorStep
             params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return all(b.predicted is None for b in bindings)
+        fuse = self._fused_choice(index, group, params)
         if group["prediction"] is not None:
             # Predictions extrapolate with the lr of the step that produced their direction, also
             # when recomputed later (other horizon, after load_state_dict): a group key, so it
             # is saved with the state_dict and a resumed run predicts exactly as before.
-            group["prediction_lr"] = self.effective_lr(group)
-        fuse = self._fused_choice(index, group, params)
+            lr_values.record_for_prediction(group, params[0].device if fuse else None)
         done: set[int] = set()
         wrote = True
         # several fused buckets: one multi-tensor launch per dtype signature, after the loop
