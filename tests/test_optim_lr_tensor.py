@@ -85,3 +85,16 @@ def test_the_reference_path_reads_a_tensor_lr_as_a_number():
         _steps(m, o, torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.5), torch.float32)
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_load_state_dict_keeps_the_device_lr_tensor():
+    """Loading a state_dict copies a saved lr into the Tensor lr the group holds: its address
+    (what a captured step and the kernels read) survives a resume."""
+    m = _model(torch.float32)
+    lr = torch.tensor(LR, device=DEVICE)
+    opt = eo.SGD(m.parameters(), lr=lr, momentum=0.9, fused=True)
+    _steps(m, opt, torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5), torch.float32, n=2)
+    saved = opt.state_dict()
+    saved["param_groups"][0]["lr"] = torch.tensor(0.5)  # as loaded from a file: on the CPU
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"] is lr and lr.item() == 0.5
