@@ -210,6 +210,14 @@ def test_rejects_bad_arguments():
         launch_sgd(w, torch.randn(16), torch.zeros(16), delta=torch.zeros(15), **kw)
     with pytest.raises(TypeError, match="momentum_buffer must be torch.float32"):
         launch_sgd(w, torch.randn(16), torch.zeros(16, dtype=torch.bfloat16), **kw)
+    with pytest.raises(TypeError, match="grad must be a Tensor"):
+        launch_sgd(w, None, torch.zeros(16), **kw)
+    with pytest.raises(ValueError, match="block is fixed when a SegmentTable is built"):
+        from engine.triton_kernels import SegmentTable
+
+        table = SegmentTable(("param", "grad", "buf", "pred", "delta"),
+                             {"param": [w], "grad": [torch.randn(16)], "buf": [torch.zeros(16)]})
+        launch_sgd(table, None, None, block=256, **kw)
     with pytest.raises(ValueError, match="found_inf must be a one-element"):
         launch_sgd(w, torch.randn(16), torch.zeros(16), found_inf=torch.zeros(2), **kw)
 

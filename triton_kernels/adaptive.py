@@ -262,7 +262,8 @@ def launch_adam(
                            predicted=predicted, delta=delta, grad_scale=grad_scale,
                            found_inf=found_inf)
     check_dc(dc_coeff, delta, param)  # also unvalidated: DC reads the delta pointer
-    assert isinstance(step, Tensor)
+    if not isinstance(step, Tensor):  # (validate=False skipped the check)
+        raise TypeError(f"step must be a one-element float32 tensor, got {step!r}")
     if step.device != param.device and step.device.type != "cpu":
         raise ValueError(f"step is on {step.device}; it must be on the CPU or on the param's "
                          f"device {param.device}")
@@ -375,7 +376,9 @@ def launch_nadam(
                             last_update=last_update, predicted=predicted, delta=delta,
                             grad_scale=grad_scale, found_inf=found_inf)
     check_dc(dc_coeff, delta, param)  # also unvalidated: DC reads the delta pointer
-    assert isinstance(step, Tensor) and isinstance(mu_product, Tensor)
+    if not isinstance(step, Tensor) or not isinstance(mu_product, Tensor):
+        raise TypeError("step and mu_product must be one-element float32 tensors, got "
+                        f"{step!r} and {mu_product!r}")
     check_launchable({"param": param, "grad": grad, "exp_avg": exp_avg,
                       "exp_avg_sq": exp_avg_sq, "last_update": last_update,
                       "predicted": predicted, "delta": delta})

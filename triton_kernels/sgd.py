@@ -288,7 +288,8 @@ def launch_sgd(
                       dc_coeff=dc_coeff, grad_scale=grad_scale, found_inf=found_inf,
                       validate=validate)
         return
-    assert isinstance(grad, Tensor)
+    if not isinstance(grad, Tensor):
+        raise TypeError(f"grad must be a Tensor for a one-tensor launch, got {type(grad).__name__}")
     if validate:
         validate_sgd_args(param, grad, momentum_buffer, momentum=momentum,
                           dampening=dampening, sc_delay=sc_delay, predicted=predicted,
