@@ -52,7 +52,16 @@ from engine.triton_kernels import adam as _adam  # noqa: E402
 from engine.triton_kernels import nadam as _nadam  # noqa: E402
 from engine.triton_kernels import sgd as _sgd  # noqa: E402
 
-KERNELS = ((_sgd, "sgd_kernel"), (_sgd, "sgd_multi_kernel"), (_adam, "adam_kernel"),
+try:  # the launcher module of Adam and NAdam (engines before it launched from adam/nadam.py)
+    from engine.triton_kernels import adaptive as _adaptive  # noqa: E402
+except ImportError:
+    _adaptive = _adam
+
+# (module whose launcher reads the kernel, its name there), current names then older ones
+KERNELS = ((_sgd, "_sgd_kernel"), (_sgd, "_sgd_multi_kernel"), (_adaptive, "_adam_kernel"),
+           (_adaptive, "_adam_multi_kernel"), (_adaptive, "_nadam_kernel"),
+           (_adaptive, "_nadam_multi_kernel"),
+           (_sgd, "sgd_kernel"), (_sgd, "sgd_multi_kernel"), (_adam, "adam_kernel"),
            (_adam, "adam_multi_kernel"), (_nadam, "nadam_kernel"), (_nadam, "nadam_multi_kernel"))
 
 

@@ -19,7 +19,7 @@ from kernel_support import DEVICE, _on_device, assert_kernel_close  # noqa: F401
 from kernel_support import randn as _randn
 
 from engine.optim.functional import adam_update
-from engine.triton_kernels.adam import fused_adam_update, launch_adam
+from engine.triton_kernels import launch_adam
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SIZES = [1, 127, 1023]
@@ -160,10 +160,10 @@ def test_found_inf_writes_nothing_and_keeps_step(dtype, host):
 
 def test_found_inf_zero_advances_step():
     step = torch.tensor(3.0)
-    fused_adam_update(torch.randn(8), torch.randn(8), torch.zeros(8), torch.zeros(8), None,
-                      step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                      decoupled=False, amsgrad=False, maximize=False,
-                      grad_scale=torch.tensor(1.0), found_inf=torch.tensor(0.0))
+    launch_adam(torch.randn(8), torch.randn(8), torch.zeros(8), torch.zeros(8), None,
+                step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                decoupled=False, amsgrad=False, maximize=False,
+                grad_scale=torch.tensor(1.0), found_inf=torch.tensor(0.0))
     assert step.item() == 4.0
 
 
@@ -176,16 +176,16 @@ def test_rejects_bad_arguments():
     kw = dict(step=torch.tensor(0.0), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
               weight_decay=0.0, decoupled=False, amsgrad=False, maximize=False)
     with pytest.raises(ValueError, match="exp_avg must be contiguous"):
-        fused_adam_update(torch.randn(4, 4), torch.randn(4, 4), torch.zeros(4, 4).t(),
-                          torch.zeros(4, 4), None, **kw)
+        launch_adam(torch.randn(4, 4), torch.randn(4, 4), torch.zeros(4, 4).t(),
+                    torch.zeros(4, 4), None, **kw)
     with pytest.raises(ValueError, match="exp_avg_sq has shape"):
-        fused_adam_update(w, torch.randn(16), torch.zeros(16), torch.zeros(17), None, **kw)
+        launch_adam(w, torch.randn(16), torch.zeros(16), torch.zeros(17), None, **kw)
     with pytest.raises(TypeError, match="last_update must be torch.float32"):
-        fused_adam_update(w, torch.randn(16), torch.zeros(16), torch.zeros(16), None,
-                          last_update=torch.zeros(16).half(), **kw)
+        launch_adam(w, torch.randn(16), torch.zeros(16), torch.zeros(16), None,
+                    last_update=torch.zeros(16).half(), **kw)
     with pytest.raises(ValueError, match="0 <= beta < 1"):
-        fused_adam_update(w, torch.randn(16), torch.zeros(16), torch.zeros(16), None,
-                          **{**kw, "beta2": 1.0})
+        launch_adam(w, torch.randn(16), torch.zeros(16), torch.zeros(16), None,
+                    **{**kw, "beta2": 1.0})
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -14,7 +14,7 @@ from kernel_support import DEVICE, _on_device, assert_kernel_close  # noqa: F401
 from kernel_support import randn as _randn
 
 from engine.optim.functional_nadam import nadam_update
-from engine.triton_kernels.nadam import launch_nadam
+from engine.triton_kernels import launch_nadam
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SIZES = [1, 127]

@@ -18,7 +18,7 @@ from kernel_support import DEVICE, _on_device, assert_kernel_close  # noqa: F401
 from kernel_support import randn as _randn
 
 from engine.optim.functional import prediction_coeff, sgd_update
-from engine.triton_kernels.sgd import fused_sgd_update, launch_sgd
+from engine.triton_kernels import launch_sgd
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SIZES = [1, 127, 1023]
@@ -83,6 +83,9 @@ def _run_case(n, dtype, case, block=None, steps=3, grad_dtype=None):
             g = (g.float() * scale).to(grad_dtype or dtype)
         kw = _kwargs(case, step, ref, scale)
         before = ref["param"].clone()  # w_new = w - lr*u may cancel: compare at w's scale
+        # v = m*v + (1-d)*g' cancels too (hypothesis: lr 0.625, wd 0.1, maximize, dampening
+        # 0.1 left a buf 1e-4 of its terms): compare it at the scale of the old buffer
+        buf_before = ref["buf"].clone()
         sgd_update(ref["param"], g, ref["buf"], predicted=ref["predicted"], delta=ref["delta"],
                    **kw)
         launch_sgd(fused["param"], g, fused["buf"], predicted=fused["predicted"],
@@ -90,7 +93,8 @@ def _run_case(n, dtype, case, block=None, steps=3, grad_dtype=None):
         for name, r in ref.items():
             if r is None:
                 continue
-            w = ref["param"] if name in ("predicted", "delta") else before if name == "param" else None
+            w = {"predicted": ref["param"], "delta": ref["param"], "param": before,
+                 "buf": buf_before}.get(name)
             assert_kernel_close(name, fused[name], r, torch.float32 if name == "buf" else dtype, w)
             fused[name].copy_(r)
 
@@ -149,8 +153,8 @@ def test_sc1_equals_nesterov_in_kernel(dtype):
     outs = []
     for kw in (dict(nesterov=True), dict(sc_delay=1)):
         w, buf = w0.clone(), buf0.clone()
-        fused_sgd_update(w, g, buf, lr=0.1, momentum=0.9, dampening=0.0, weight_decay=1e-2,
-                         maximize=False, init_momentum=False, **{"nesterov": False, **kw})
+        launch_sgd(w, g, buf, lr=0.1, momentum=0.9, dampening=0.0, weight_decay=1e-2,
+                   maximize=False, init_momentum=False, **{"nesterov": False, **kw})
         outs.append((w, buf))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
@@ -162,7 +166,7 @@ def test_sgd_kernel_writes_its_multiply_adds_as_explicit_fma():
 
     from engine.triton_kernels import sgd as ksgd
 
-    src = inspect.getsource(ksgd.sgd_body.fn)
+    src = inspect.getsource(ksgd._sgd_body.fn)
     assert "upd = tl.fma(sc_a, v, g * sc_b)" in src
     assert "upd = tl.fma(momentum, v, g)" in src
 
@@ -175,8 +179,8 @@ def test_bf16_rounding_is_nearest_even():
     w0 = torch.cat([base, base, base])
     w = w0.to(torch.bfloat16)
     # plain SGD with lr = -1: w + upd in fp32, then one rounding
-    fused_sgd_update(w, upd, None, lr=-1.0, momentum=0.0, dampening=0.0, weight_decay=0.0,
-                     nesterov=False, maximize=False, init_momentum=True)
+    launch_sgd(w, upd, None, lr=-1.0, momentum=0.0, dampening=0.0, weight_decay=0.0,
+               nesterov=False, maximize=False, init_momentum=True)
     assert torch.equal(w, (w0 + upd).to(torch.bfloat16))
 
 
@@ -186,8 +190,8 @@ def test_bf16_rounding_keeps_specials():
     # 0.75 ulp past bf16's largest finite value: finite in fp32, rounds to inf in bf16
     upd = torch.tensor([0.0, 0.0, 0.0, 0.75 * 2.0**120, -0.75 * 2.0**120, -0.0])
     w = w0.to(torch.bfloat16)
-    fused_sgd_update(w, upd, None, lr=-1.0, momentum=0.0, dampening=0.0, weight_decay=0.0,
-                     nesterov=False, maximize=False, init_momentum=True)
+    launch_sgd(w, upd, None, lr=-1.0, momentum=0.0, dampening=0.0, weight_decay=0.0,
+               nesterov=False, maximize=False, init_momentum=True)
     expected = (w0 + upd).to(torch.bfloat16)
     assert torch.equal(w.isnan(), expected.isnan())
     assert torch.equal(w[~w.isnan()], expected[~expected.isnan()])
@@ -199,20 +203,28 @@ def test_rejects_bad_arguments():
     kw = dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False,
               maximize=False, init_momentum=False)
     with pytest.raises(ValueError, match="param must be contiguous"):
-        fused_sgd_update(torch.randn(4, 4).t(), torch.randn(4, 4), torch.zeros(4, 4), **kw)
+        launch_sgd(torch.randn(4, 4).t(), torch.randn(4, 4), torch.zeros(4, 4), **kw)
     with pytest.raises(ValueError, match="momentum_buffer must be contiguous"):
-        fused_sgd_update(torch.randn(4, 4), torch.randn(4, 4), torch.zeros(4, 4).t(), **kw)
+        launch_sgd(torch.randn(4, 4), torch.randn(4, 4), torch.zeros(4, 4).t(), **kw)
     with pytest.raises(ValueError, match="delta has shape"):
-        fused_sgd_update(w, torch.randn(16), torch.zeros(16), delta=torch.zeros(15), **kw)
+        launch_sgd(w, torch.randn(16), torch.zeros(16), delta=torch.zeros(15), **kw)
     with pytest.raises(TypeError, match="momentum_buffer must be torch.float32"):
-        fused_sgd_update(w, torch.randn(16), torch.zeros(16, dtype=torch.bfloat16), **kw)
+        launch_sgd(w, torch.randn(16), torch.zeros(16, dtype=torch.bfloat16), **kw)
+    with pytest.raises(TypeError, match="grad must be a Tensor"):
+        launch_sgd(w, None, torch.zeros(16), **kw)
+    with pytest.raises(ValueError, match="block is fixed when a SegmentTable is built"):
+        from engine.triton_kernels import SegmentTable
+
+        table = SegmentTable(("param", "grad", "buf", "pred", "delta"),
+                             {"param": [w], "grad": [torch.randn(16)], "buf": [torch.zeros(16)]})
+        launch_sgd(table, None, None, block=256, **kw)
     with pytest.raises(ValueError, match="found_inf must be a one-element"):
-        fused_sgd_update(w, torch.randn(16), torch.zeros(16), found_inf=torch.zeros(2), **kw)
+        launch_sgd(w, torch.randn(16), torch.zeros(16), found_inf=torch.zeros(2), **kw)
 
 
 def test_empty_tensor_is_a_no_op():
     w = torch.empty(0)
-    fused_sgd_update(w, torch.empty(0), torch.empty(0), **BASE, init_momentum=True)
+    launch_sgd(w, torch.empty(0), torch.empty(0), **BASE, init_momentum=True)
     assert w.numel() == 0
 
 
@@ -239,3 +251,21 @@ def test_fused_sgd_property(n, dtype, lr, momentum, dampening, weight_decay, nes
     if pred is not None:
         case["pred"] = pred
     _run_case(n, dtype, case, block=1024, steps=2)
+
+
+@pytest.mark.parametrize("old", ["fused_sgd_update", "fused_sgd_multi"])
+def test_deprecated_entry_points_warn_and_launch(old):
+    """The entry points before launch_sgd took tables keep working until 0.4, with a
+    DeprecationWarning; the same bits as the launcher."""
+    import engine.triton_kernels as tk
+
+    w0, g = torch.randn(37), torch.randn(37)
+    kw = dict(BASE, init_momentum=True)
+    want, buf = w0.clone(), torch.zeros(37)
+    launch_sgd(want, g, buf, **kw)
+    w, buf2 = w0.clone(), torch.zeros(37)
+    target = w if old == "fused_sgd_update" else tk.SegmentTable(
+        ("param", "grad", "buf", "pred", "delta"), {"param": [w], "grad": [g], "buf": [buf2]})
+    with pytest.warns(DeprecationWarning, match=f"{old} is deprecated.*launch_sgd"):
+        getattr(tk, old)(target, g, buf2, **kw)
+    assert torch.equal(w, want) and torch.equal(buf2, buf)

@@ -18,10 +18,12 @@ from kernel_support import DEVICE, _on_device  # noqa: F401 (autouse fixture)
 from torch import nn
 
 import engine.optim as eo
-from engine.triton_kernels import adam as kadam
-from engine.triton_kernels import nadam as knadam
+from engine.triton_kernels import SegmentTable, launch_adam, launch_nadam, launch_sgd
+from engine.triton_kernels import adaptive as kadaptive
 from engine.triton_kernels import sgd as ksgd
-from engine.triton_kernels.multi import SegmentTable
+from engine.triton_kernels.adam import ADAM_ROLES
+from engine.triton_kernels.nadam import NADAM_ROLES
+from engine.triton_kernels.sgd import SGD_ROLES
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SIZES = [1, 127, 65537, 16, 300]
@@ -87,14 +89,14 @@ def test_sgd_multi_equals_single(case: str, dtype: torch.dtype) -> None:
     gs = torch.tensor([4.0], device=DEVICE) if scale else None
 
     def single(s, found_inf):
-        ksgd.fused_sgd_update(s["param"], s["grad"], s.get("buf"), predicted=s.get("pred"),
-                              delta=s.get("delta"), grad_scale=gs, found_inf=found_inf, **kw)
+        launch_sgd(s["param"], s["grad"], s.get("buf"), predicted=s.get("pred"),
+                   delta=s.get("delta"), grad_scale=gs, found_inf=found_inf, **kw)
 
     def multi(table, rows, found_inf):
-        ksgd.fused_sgd_multi(table, rows["grad"], rows.get("buf"), predicted=rows.get("pred"),
-                             delta=rows.get("delta"), grad_scale=gs, found_inf=found_inf, **kw)
+        launch_sgd(table, rows["grad"], rows.get("buf"), predicted=rows.get("pred"),
+                   delta=rows.get("delta"), grad_scale=gs, found_inf=found_inf, **kw)
 
-    _compare(single, multi, roles, ksgd.SGD_ROLES, (), dtype, kw,
+    _compare(single, multi, roles, SGD_ROLES, (), dtype, kw,
              offset=1 if case == "plain" else 3, found_inf=found_inf)
 
 
@@ -137,20 +139,19 @@ def test_adam_multi_equals_single(case: str, dtype: torch.dtype) -> None:
     gs = torch.tensor([4.0], device=DEVICE) if scale else None
 
     def single(s, found_inf):
-        kadam.fused_adam_update(s["param"], s["grad"], s["m"], s["v"], s.get("vmax"),
-                                step=s["step"], last_update=s.get("last"),
-                                predicted=s.get("pred"), delta=s.get("delta"), grad_scale=gs,
-                                found_inf=found_inf, **kw)
+        launch_adam(s["param"], s["grad"], s["m"], s["v"], s.get("vmax"), step=s["step"],
+                    last_update=s.get("last"), predicted=s.get("pred"), delta=s.get("delta"),
+                    grad_scale=gs, found_inf=found_inf, **kw)
 
     def multi(table, rows, found_inf):
-        kadam.fused_adam_multi(table, step=rows["step"], last_update=rows.get("last"),
-                               predicted=rows.get("pred"), delta=rows.get("delta"),
-                               grad_scale=gs, found_inf=found_inf, **kw)
+        launch_adam(table, rows["grad"], rows["m"], rows["v"], rows.get("vmax"),
+                    step=rows["step"], last_update=rows.get("last"), predicted=rows.get("pred"),
+                    delta=rows.get("delta"), grad_scale=gs, found_inf=found_inf, **kw)
 
-    _compare(single, multi, roles, kadam.ADAM_ROLES, ("step",), dtype, kw, offset=2,
+    _compare(single, multi, roles, ADAM_ROLES, ("step",), dtype, kw, offset=2,
              found_inf=found_inf)
     if case == "sc_pred_delta_dc_amp":  # ALIGNED=True (the GPU's vectorized variant)
-        _compare(single, multi, roles, kadam.ADAM_ROLES, ("step",), dtype, kw,
+        _compare(single, multi, roles, ADAM_ROLES, ("step",), dtype, kw,
                  sizes=[16, 4096, 65536 + 16])
 
 
@@ -165,15 +166,16 @@ def test_nadam_multi_equals_single(dtype: torch.dtype, found: float) -> None:
     found_inf = torch.tensor([found], device=DEVICE)
 
     def single(s, fi):
-        knadam.fused_nadam_update(s["param"], s["grad"], s["m"], s["v"], s["prod"],
-                                  step=s["step"], last_update=s["last"], predicted=s["pred"],
-                                  delta=s["delta"], found_inf=fi, **kw)
+        launch_nadam(s["param"], s["grad"], s["m"], s["v"], s["prod"], step=s["step"],
+                     last_update=s["last"], predicted=s["pred"], delta=s["delta"],
+                     found_inf=fi, **kw)
 
     def multi(table, rows, fi):
-        knadam.fused_nadam_multi(table, step=rows["step"], last_update=rows["last"],
-                                 predicted=rows["pred"], delta=rows["delta"], found_inf=fi, **kw)
+        launch_nadam(table, rows["grad"], rows["m"], rows["v"], rows["prod"], step=rows["step"],
+                     last_update=rows["last"], predicted=rows["pred"], delta=rows["delta"],
+                     found_inf=fi, **kw)
 
-    _compare(single, multi, roles, knadam.NADAM_ROLES, ("step", "prod"), dtype, kw, offset=1,
+    _compare(single, multi, roles, NADAM_ROLES, ("step", "prod"), dtype, kw, offset=1,
              found_inf=found_inf)
 
 
@@ -181,19 +183,19 @@ def test_table_refuses_bad_segments_and_mismatched_arguments() -> None:
     p = [torch.randn(4, device=DEVICE), torch.randn(5, device=DEVICE)]
     g = [torch.randn(4, device=DEVICE), torch.randn(6, device=DEVICE)]
     with pytest.raises(ValueError, match="segment 1 grad has 6 elements, its param 5"):
-        SegmentTable(ksgd.SGD_ROLES, {"param": p, "grad": g})
+        SegmentTable(SGD_ROLES, {"param": p, "grad": g})
     with pytest.raises(ValueError, match="segment 1 grad must be contiguous"):
-        SegmentTable(ksgd.SGD_ROLES, {"param": [p[0], torch.randn(2, 2, device=DEVICE)],
+        SegmentTable(SGD_ROLES, {"param": [p[0], torch.randn(2, 2, device=DEVICE)],
                                       "grad": [g[0], torch.randn(2, 2, device=DEVICE).t()]})
-    table = SegmentTable(ksgd.SGD_ROLES, {"param": p, "grad": [g[0], torch.randn(5, device=DEVICE)]})
+    table = SegmentTable(SGD_ROLES, {"param": p, "grad": [g[0], torch.randn(5, device=DEVICE)]})
     before = [t.clone() for t in p]
     kw = dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False,
               maximize=False, init_momentum=True)
     with pytest.raises(ValueError, match="uses buf, the segment table has no buf row"):
-        ksgd.fused_sgd_multi(table, **kw)
+        launch_sgd(table, None, None, **kw)
     table.release("grad")
     with pytest.raises(ValueError, match="released role"):
-        ksgd.fused_sgd_multi(table, **dict(kw, momentum=0.0))
+        launch_sgd(table, None, None, **dict(kw, momentum=0.0))
     assert all(torch.equal(a, b) for a, b in zip(p, before, strict=True))  # nothing written
 
 
@@ -245,7 +247,9 @@ def test_optimizer_multi_equals_single_tensor_launches(name: str, set_to_none: b
     opt_a = cls(_groups(a, **second), fused=True, **cfg)
     opt_b = cls(_groups(b, **second), fused=True, **cfg)
     launches = []
-    kernel = getattr({"sgd": ksgd, "adam": kadam, "nadam": knadam}[name], f"{name}_multi_kernel")
+    # the module whose launcher reads the multi-tensor kernel (Adam and NAdam: one launcher module)
+    where = {"sgd": ksgd, "adam": kadaptive, "nadam": kadaptive}[name]
+    kernel = getattr(where, f"_{name}_multi_kernel")
 
     class Spy:
         def __getitem__(self, grid):
@@ -255,7 +259,7 @@ def test_optimizer_multi_equals_single_tensor_launches(name: str, set_to_none: b
     monkeypatch.setattr(opt_b, "_multi_tensors", lambda group, params, *rest: params)
     _train(b, opt_b, 3, set_to_none)
     with monkeypatch.context() as mp:
-        mp.setattr({"sgd": ksgd, "adam": kadam, "nadam": knadam}[name], f"{name}_multi_kernel", Spy())
+        mp.setattr(where, f"_{name}_multi_kernel", Spy())
         _train(a, opt_a, 3, set_to_none)
     # group 0: fp32 and bf16 params (two signatures), group 1: one; 3 steps
     assert len(launches) == 3 * 3

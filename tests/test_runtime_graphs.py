@@ -113,6 +113,39 @@ def test_lr_change_recaptures_and_per_step_changes_stay_eager():
 
 
 @needs_kernels
+@pytest.mark.parametrize("make_opt", [
+    lambda ps, lr: eo.SGD(ps, **dict(SGD_SC_LWP, lr=lr)),
+    lambda ps, lr: eo.AdamW(ps, lr=lr, delay=1, prediction="linear", weight_decay=0.1,
+                            fused=True),
+], ids=["sgd-sc-lwp", "adamw-pred"])
+def test_a_device_lr_changing_every_step_is_captured_once(make_opt):
+    """lr as a float32 tensor on the params' device (issue 23): the key holds its address,
+    not its value, so an LR schedule writing it in place every step never recaptures; the
+    steps equal plain steps given the same values as floats, bit for bit."""
+    lr = torch.tensor(0.05, device=DEVICE)
+    a, b, oa, ob, graphs, rec = _pair(lambda ps: make_opt(ps, 0.05))
+    oa.param_groups[0]["lr"] = lr
+
+    def every_step(k, opt):  # float32 values, so the float path sees the tensor's value
+        value = float(torch.tensor(0.05 / (k + 1)))
+        if opt is oa:
+            lr.fill_(value)  # what torch's schedulers do to a Tensor lr
+        else:
+            opt.param_groups[0]["lr"] = value
+
+    _steps(a, b, oa, ob, graphs, 0, 2, every_step)
+    key = launch_key(oa)
+    assert isinstance(key, tuple)
+    _steps(a, b, oa, ob, graphs, 2, 8, every_step)
+    assert rec.captured == 1 and graphs.replays == 6 and graphs.eager == 2, graphs.reason
+    assert oa.param_groups[0]["lr"] is lr and launch_key(oa) == key
+    assert _same(a, b)
+    for p, q in zip(oa.param_groups[0]["params"], ob.param_groups[0]["params"], strict=True):
+        for name, t in ob.state[q].items():
+            assert torch.equal(oa.state[p][name], t), name
+
+
+@needs_kernels
 def test_tensor_option_hooks_and_missing_grads_run_eagerly():
     a, b, oa, ob, graphs, rec = _pair(lambda ps: eo.SGD(ps, **SGD_SC_LWP))
     _steps(a, b, oa, ob, graphs, 0, 3)
@@ -121,8 +154,9 @@ def test_tensor_option_hooks_and_missing_grads_run_eagerly():
     _steps(a, b, oa, ob, graphs, 3, 4)
     assert "hooks" in graphs.reason and graphs.replays == 1
     handle.remove()
-    oa.param_groups[0]["lr"] = torch.tensor(0.05)
-    assert "is a Tensor" in launch_key(oa)
+    # a Tensor lr the kernels cannot load on the device (float64) is read on the host
+    oa.param_groups[0]["lr"] = torch.tensor(0.05, dtype=torch.float64, device=DEVICE)
+    assert "is a Tensor the fused kernels cannot read" in launch_key(oa)
     oa.param_groups[0]["lr"] = 0.05
     saved = a[0].bias.grad
     a[0].bias.grad = None  # a parameter without a gradient: not the flat steady state
@@ -208,6 +242,20 @@ def test_gpu_graph_replays_equal_eager_steps(make_opt):
     graphed, stats = _gpu_run(True, make_opt)
     assert all(torch.equal(x, y) for x, y in zip(eager, graphed, strict=True))
     assert all(s["replays"] > 0 and s["captures"] >= 1 for s in stats["cuda_graphs"])
+
+
+@pytest.mark.cuda
+def test_gpu_per_step_schedule_of_a_device_lr_replays():
+    """The same schedule with lr a float32 tensor on the stage's device: captured once per
+    stage, replayed every later step, bitwise the eager run (the kernels load the lr the
+    scheduler wrote after each replay)."""
+    make = lambda ps: eo.SGD(ps, lr=torch.tensor(0.05, device="cuda"), momentum=0.9)  # noqa: E731
+    sched = lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.9)  # noqa: E731
+    eager, _ = _gpu_run(False, make, scheduler=sched)
+    graphed, stats = _gpu_run(True, make, scheduler=sched)
+    assert all(torch.equal(x, y) for x, y in zip(eager, graphed, strict=True))
+    # (the float-lr schedule below never replays; a weight store may keep a graph per buffer)
+    assert all(1 <= s["captures"] <= 2 and s["replays"] > 0 for s in stats["cuda_graphs"]), stats
 
 
 @pytest.mark.cuda

@@ -51,13 +51,13 @@ N_I64 = 2**31 + 64  # a flat buffer past 2**31 elements: n is an i64
 SCALAR_FLAGS = ("scale", "inf", "device_step")  # one-element loads beside the block accesses
 
 SGD_OFF = dict(momentum=False, init=False, nesterov=False, sc=False, wd=False, maximize=False,
-               predict=False, delta=False, scale=False, inf=False, dc=False)
+               predict=False, delta=False, scale=False, inf=False, dc=False, lr_tensor=False)
 SGD_MODES = [dict()] + [dict(momentum=True, init=i, **m) for i in (False, True)
                         for m in (dict(), dict(nesterov=True), dict(sc=True))]
 SGD_ON = dict({k: True for k in SGD_OFF}, init=False, nesterov=False)
 ADAM_OFF = dict(wd=False, decoupled=False, amsgrad=False, maximize=False, sc=False, last=False,
                 predict=False, delta=False, scale=False, inf=False, device_step=False,
-                lerp_small=True, dc=False)
+                lerp_small=True, dc=False, lr_tensor=False)
 ADAM_ON = {k: True for k in ADAM_OFF}
 # NAdam: Adam's kernel shape without AMSGrad and spike compensation; device_step also loads
 # mu_product
@@ -121,12 +121,14 @@ def _singles(family):
     if family == "sgd":
         return {("mom_init" if m.get("init") else "mom") + ("_nesterov" if m.get("nesterov")
                 else "_sc" if m.get("sc") else ""): m for m in SGD_MODES[1:]} | {
-            k: {k: True} for k in ("wd", "maximize", "predict", "delta", "scale", "inf")} | {
+            k: {k: True} for k in ("wd", "maximize", "predict", "delta", "scale", "inf",
+                                   "lr_tensor")} | {
             "dc": dict(dc=True, delta=True)}  # delay compensation reads delta
     singles = {k: {k: True} for k in ADAM_OFF if k not in ("decoupled", "lerp_small", "dc")}
     singles["dc"] = dict(dc=True, delta=True)
     singles["adamw"] = dict(wd=True, decoupled=True)
     singles["lerp_large"] = dict(lerp_small=False)
+    singles["lr_tensor"] = dict(lr_tensor=True, device_step=True)  # (the host path reads it)
     return singles
 
 
@@ -210,6 +212,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 import engine.triton_kernels.adam as adam_mod
+import engine.triton_kernels.adaptive as adaptive_mod
 import engine.triton_kernels.nadam as nadam_mod
 import engine.triton_kernels.sgd as sgd_mod
 from engine.triton_kernels.multi import SegmentTable
@@ -236,14 +239,13 @@ class Capture:
         return launch
 
 
-sgd_mod.sgd_kernel = Capture(sgd_mod.sgd_kernel)
-adam_mod.adam_kernel = Capture(adam_mod.adam_kernel)
-adam_mod._advance_steps = lambda steps, found_inf: None  # a device op beside the kernel
-nadam_mod.nadam_kernel = Capture(nadam_mod.nadam_kernel)
-nadam_mod._advance_steps = lambda steps, found_inf: None
-nadam_mod._advance_on_device = lambda *args: None
-for mod, name in ((sgd_mod, "sgd"), (adam_mod, "adam"), (nadam_mod, "nadam")):
-    setattr(mod, f"{name}_multi_kernel", Capture(getattr(mod, f"{name}_multi_kernel")))
+# the kernels where their launchers read them (Adam and NAdam: one launcher module)
+adaptive_mod._advance_steps = lambda steps, found_inf: None  # a device op beside the kernel
+adaptive_mod._advance_mu = lambda *args: None
+for mod, name in ((sgd_mod, "_sgd_kernel"), (sgd_mod, "_sgd_multi_kernel"),
+                  (adaptive_mod, "_adam_kernel"), (adaptive_mod, "_adam_multi_kernel"),
+                  (adaptive_mod, "_nadam_kernel"), (adaptive_mod, "_nadam_multi_kernel")):
+    setattr(mod, name, Capture(getattr(mod, name)))
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -267,29 +269,30 @@ def launch_multi(case):
                 delta=t("delta", st, o["delta"]))
     common = dict(predicted=rows["pred"], delta=rows["delta"], dc_coeff=0.5 if o["dc"] else 0.0,
                   grad_scale=one(o["scale"]), found_inf=one(o["inf"]), validate=False)
+    lr = lambda v: torch.full((), v, device="meta") if o["lr_tensor"] else v
     if case["family"] == "sgd":
         rows["buf"] = t("buf", ms, o["momentum"])
         table = SegmentTable(sgd_mod.SGD_ROLES, rows)
-        sgd_mod.fused_sgd_multi(
-            table, lr=0.1, momentum=0.9 if o["momentum"] else 0.0, dampening=0.0,
+        sgd_mod.launch_sgd(
+            table, None, None, lr=lr(0.1), momentum=0.9 if o["momentum"] else 0.0, dampening=0.0,
             weight_decay=0.01 if o["wd"] else 0.0, nesterov=o["nesterov"],
             maximize=o["maximize"], init_momentum=o["init"], sc_delay=2 if o["sc"] else 0,
-            predict_coeff=0.2, delta_gamma=0.5, **common)
+            predict_coeff=lr(0.2), delta_gamma=0.5, **common)
         return
     rows.update(m=t("m", ms), v=t("v", ms), last=t("last", st, o["last"]), step=scalars(1.0))
-    kw = dict(lr=1e-3, beta1=0.9 if o["lerp_small"] else 0.3, beta2=0.999, eps=1e-8,
+    kw = dict(lr=lr(1e-3), beta1=0.9 if o["lerp_small"] else 0.3, beta2=0.999, eps=1e-8,
               weight_decay=0.01 if o["wd"] else 0.0, decoupled=o["decoupled"],
               maximize=o["maximize"], last_update=rows["last"], predict_horizon=2.0,
               delta_gamma=0.5, step=rows["step"], **common)
     if case["family"] == "nadam":
         rows["prod"] = scalars(0.5)
         table = SegmentTable(nadam_mod.NADAM_ROLES, rows, scalar_roles=("step", "prod"))
-        nadam_mod.fused_nadam_multi(table, momentum_decay=4e-3, **kw)
+        adaptive_mod.launch_nadam(table, None, None, None, None, momentum_decay=4e-3, **kw)
     else:
         rows["vmax"] = t("vmax", ms, o["amsgrad"])
         table = SegmentTable(adam_mod.ADAM_ROLES, rows, scalar_roles=("step",))
-        adam_mod.fused_adam_multi(table, amsgrad=o["amsgrad"], sc_delay=2 if o["sc"] else 0,
-                                  **kw)
+        adaptive_mod.launch_adam(table, None, None, None, None, amsgrad=o["amsgrad"],
+                                 sc_delay=2 if o["sc"] else 0, **kw)
 
 
 def launch(case):
@@ -302,20 +305,23 @@ def launch(case):
     one = lambda on: torch.ones(1, device="meta") if on else None
     common = dict(predicted=t("pred", p, o["predict"]), delta=t("delta", st, o["delta"]),
                   dc_coeff=0.5 if o["dc"] else 0.0, grad_scale=one(o["scale"]), found_inf=one(o["inf"]), block=case["block"])
+    # a device lr (meta: its pointer); the host path (a CPU step) would read it: a number there
+    lr = lambda v: (torch.full((), v, device="meta")
+                    if o["lr_tensor"] and (case["family"] == "sgd" or o["device_step"]) else v)
     if case["family"] == "sgd":
         sgd_mod.launch_sgd(
             t("param", p), t("grad", DT[case["grad"]]), t("buf", ms, o["momentum"]),
-            lr=0.1, momentum=0.9 if o["momentum"] else 0.0, dampening=0.0,
+            lr=lr(0.1), momentum=0.9 if o["momentum"] else 0.0, dampening=0.0,
             weight_decay=0.01 if o["wd"] else 0.0, nesterov=o["nesterov"],
             maximize=o["maximize"], init_momentum=o["init"], sc_delay=2 if o["sc"] else 0,
-            predict_coeff=0.2, delta_gamma=0.5, **common)
+            predict_coeff=lr(0.2), delta_gamma=0.5, **common)
     elif case["family"] == "nadam":
         # step and mu_product beside the params: the kernel derives the coefficients; on the
         # CPU: the host (a real CPU tensor, it is read)
         dev = "meta" if o["device_step"] else "cpu"
-        nadam_mod.launch_nadam(
+        adaptive_mod.launch_nadam(
             t("param", p), t("grad", DT[case["grad"]]), t("m", st), t("v", st),
-            torch.full((), 0.5, device=dev), step=torch.ones((), device=dev), lr=1e-3,
+            torch.full((), 0.5, device=dev), step=torch.ones((), device=dev), lr=lr(1e-3),
             beta1=0.9 if o["lerp_small"] else 0.3, beta2=0.999, eps=1e-8,
             weight_decay=0.01 if o["wd"] else 0.0, momentum_decay=4e-3,
             decoupled=o["decoupled"], maximize=o["maximize"],
@@ -325,9 +331,9 @@ def launch(case):
     else:
         # step beside the params: the kernel derives the bias corrections; on the CPU: the host
         step = torch.ones(1, device="meta" if o["device_step"] else "cpu")
-        adam_mod.launch_adam(
+        adaptive_mod.launch_adam(
             t("param", p), t("grad", DT[case["grad"]]), t("m", ms), t("v", ms),
-            t("vmax", ms, o["amsgrad"]), step=step, lr=1e-3,
+            t("vmax", ms, o["amsgrad"]), step=step, lr=lr(1e-3),
             beta1=0.9 if o["lerp_small"] else 0.3, beta2=0.999, eps=1e-8,
             weight_decay=0.01 if o["wd"] else 0.0, decoupled=o["decoupled"],
             amsgrad=o["amsgrad"], maximize=o["maximize"], sc_delay=2 if o["sc"] else 0,
@@ -478,7 +484,7 @@ def test_multi_tensor_variants_specialized_as_a_gpu_launch(compiled):
             continue
         v = _variant(compiled, name)
         c = v["constexprs"]
-        assert v["kernel"] == f"{spec['family']}_multi_kernel", name
+        assert v["kernel"] == f"_{spec['family']}_multi_kernel", name
         assert c["ALIGNED"] == (not spec["odd"] and spec["n"] % 16 == 0), (name, c["ALIGNED"])
         tl_name = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
         assert (c["PARAM_T"], c["GRAD_T"]) == (tl_name[spec["dtype"]], tl_name[spec["grad"]]), c
@@ -509,6 +515,8 @@ def test_specialized_as_a_gpu_launch(compiled):
         else:
             opt_ptrs |= {"vmax_ptr": o["amsgrad"], "last_ptr": o["last"],
                          "step_ptr": o["device_step"]}
+        lr_on, derived = _device_lr(spec)
+        opt_ptrs |= {"lr_ptr": lr_on, "aux_ptr": derived}
         for ptr, on in opt_ptrs.items():
             moment = ptr in ("buf_ptr", "vmax_ptr") and spec.get("low_state")
             want = p if not on or ptr == "pred_ptr" or moment else "*fp32"
@@ -524,7 +532,8 @@ def test_specialized_as_a_gpu_launch(compiled):
         elif spec["odd"] == ["all"]:
             # placeholders are the (unaligned) param; the one-element tensors stay aligned
             scalars = {"scale_ptr", "inf_ptr"} | (
-                {"step_ptr", "prod_ptr"} if o.get("device_step") else set())
+                {"step_ptr", "prod_ptr"} if o.get("device_step") else set()) | (
+                {"lr_ptr"} if lr_on else set()) | ({"aux_ptr"} if derived else set())
             assert not hinted & (ptrs - scalars), (name, hinted)
         else:
             assert not hinted & {f"{r}_ptr" for r in spec["odd"]}, (name, hinted)
@@ -542,6 +551,16 @@ def test_ieee_division_and_square_root_only(compiled):
         assert v["approx"] == 0, (name, "approximate div/sqrt/rcp in the PTX")
         if spec["family"] in ("adam", "nadam"):
             assert v["rn_div"] > 0 and v["rn_sqrt"] > 0, name
+
+
+def _device_lr(spec) -> tuple[bool, bool]:
+    """Whether the kernel loads a device lr, and the scalar derived from it (SGD: the
+    prediction coefficient; Adam/NAdam: the decoupled decay); the host path (a CPU step)
+    takes a number."""
+    o = spec["opts"]
+    on = bool(o.get("lr_tensor")) and (spec["family"] == "sgd" or bool(o["device_step"]))
+    derived = o["predict"] if spec["family"] == "sgd" else o["wd"] and o["decoupled"]
+    return on, on and bool(derived)
 
 
 def _expected_accesses(spec) -> tuple[Counter, Counter]:
@@ -574,7 +593,7 @@ def _expected_accesses(spec) -> tuple[Counter, Counter]:
             out[min(bits, 128)] += max(1, bits // 128)
         return out
 
-    scalars = sum(bool(o.get(k)) for k in SCALAR_FLAGS)
+    scalars = sum(bool(o.get(k)) for k in SCALAR_FLAGS) + sum(_device_lr(spec))
     if spec["family"] == "nadam" and o["device_step"]:
         scalars += 1  # mu_product beside the step
     if spec["family"] == "nadam" and o["inf"] and not o["device_step"]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -65,6 +66,15 @@ def check_launchable(tensors: dict[str, Tensor | None]) -> None:
         if not _INTERPRETING and t.device.type == "cpu":
             raise RuntimeError(f"{name} is a CPU tensor but TRITON_INTERPRET is not set: the "
                                "fused kernels run on CUDA tensors, or on CPU under the interpreter")
+
+
+def check_lr_tensor(name: str, t: Tensor, device: object) -> None:
+    """A Tensor ``lr`` (or a scalar derived from it) the kernels load: one float32 element on
+    the launch's device."""
+    if t.numel() != 1 or t.dtype != torch.float32 or t.device != device:
+        raise ValueError(f"{name} is a Tensor the fused kernels load on the device: it must be "
+                         f"one float32 element on {device}, got shape {tuple(t.shape)}, "
+                         f"{t.dtype} on {t.device}")
 
 
 def grid_for(n: int, block: int) -> tuple[int]:
@@ -123,6 +133,21 @@ def load_and_decay(param_ptr, grad_ptr, scale_ptr, delta_ptr, offs, mask, weight
         else:
             g = g + weight_decay * w
     return w, g, w_old, d
+
+
+@triton.jit
+def load_lr(lr, aux, lr_ptr, aux_ptr, LR_PTR: tl.constexpr, AUX: tl.constexpr):
+    """The learning rate and the one launch scalar derived from it (SGD: the prediction
+    coefficient; Adam/NAdam: the decoupled decay 1 - lr * wd): the launch arguments, or, with
+    LR_PTR, loaded from one-element fp32 device tensors, so that a new lr value changes no
+    launch argument and a CUDA graph that replays the launch reads the current one. The
+    launcher derives ``aux`` from the lr tensor with the host's fp64 arithmetic (see
+    engine.update_rules.lr_product), so both forms give the kernel the same bits."""
+    if LR_PTR:
+        lr = tl.load(lr_ptr)
+        if AUX:
+            aux = tl.load(aux_ptr)
+    return lr, aux
 
 
 @triton.jit

@@ -254,9 +254,12 @@ def check_roles(table: SegmentTable, wanted: Mapping[str, bool]) -> None:
 
 def launch_segments(kernel: Any, table: SegmentTable, dtype_names: Mapping[str, str],
                     scalars: Sequence[float], flags: Mapping[str, Any],
-                    grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
-    """One launch of a ``*_multi_kernel`` over ``table`` (the argument order they share)."""
+                    grad_scale: Tensor | None, found_inf: Tensor | None,
+                    lr: Tensor | None = None, aux: Tensor | None = None) -> None:
+    """One launch of a ``*_multi_kernel`` over ``table`` (the argument order they share);
+    ``lr``/``aux``: the device learning rate and its derived scalar (``load_lr``)."""
     param = table.tensors("param")[0]
     kernel[table.grid()](table.meta, table.chunks, table.nseg, placeholder(grad_scale, param),
-                         placeholder(found_inf, param), *scalars, BLOCK=table.block,
+                         placeholder(found_inf, param), placeholder(lr, param),
+                         placeholder(aux, param), *scalars, BLOCK=table.block,
                          ALIGNED=table.aligned, **table.dtype_args(dtype_names), **flags)

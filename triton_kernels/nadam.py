@@ -1,9 +1,10 @@
 """Fused NAdam / NAdamW step: one pass over a flat buffer (or one tensor) per call.
 
-The update itself is a ``@triton.jit`` body (``nadam_body``) that two kernels call:
-``nadam_kernel`` over one tensor, and ``nadam_multi_kernel`` over the segments of a
+The update itself is a ``@triton.jit`` body (``_nadam_body``) that two private kernels call:
+``_nadam_kernel`` over one tensor, and ``_nadam_multi_kernel`` over the segments of a
 ``SegmentTable`` (many tensors or flat buckets of one param group, one launch; see
-triton_kernels/multi.py), so both compute the same bits.
+triton_kernels/multi.py), so both compute the same bits. Their launcher, ``launch_nadam``,
+lives in triton_kernels/adaptive.py beside Adam's.
 
 Reads w, g, exp_avg, exp_avg_sq once and writes the new weights and moments, plus, when
 asked, the applied update (``last_update``), the predicted weights and PipeMare's ``delta``
@@ -24,40 +25,18 @@ read per call.
 
 from __future__ import annotations
 
-import math
-
-import torch
 import triton
 import triton.language as tl
-from torch import Tensor
 
-from engine.optim.functional_dc import check_dc
-from engine.optim.functional_nadam import nadam_mu, validate_nadam_args
-from engine.triton_kernels._launch import (
-    GPU_WARPS,
-    block_offsets,
-    check_launchable,
-    default_block,
-    grid_for,
-    interpreting,
-    load_and_decay,
-    placeholder,
-)
-from engine.triton_kernels.adam import _advance_steps, _log, adam_moments, store_step
-from engine.triton_kernels.multi import (
-    SegmentTable,
-    check_roles,
-    launch_segments,
-    segment_offsets,
-    segment_ptr,
-)
+from engine.triton_kernels._launch import block_offsets, load_and_decay, load_lr
+from engine.triton_kernels.adam import adam_moments, store_step
+from engine.triton_kernels.multi import segment_offsets, segment_ptr
 
-__all__ = ["fused_nadam_update", "fused_nadam_multi", "nadam_kernel", "nadam_multi_kernel",
-           "launch_nadam", "NADAM_ROLES"]
+__all__ = ["NADAM_ROLES", "NADAM_DTYPES"]
 
 
 @triton.jit
-def nadam_body(
+def _nadam_body(
     param_ptr, grad_ptr, m_ptr, v_ptr, last_ptr, pred_ptr, delta_ptr, scale_ptr, step_ptr,
     prod_ptr, offs, mask,
     lr, beta1, psi_log96, log_beta2, w1, beta2, keep2, eps, weight_decay, decay,
@@ -96,9 +75,9 @@ def nadam_body(
 
 
 @triton.jit
-def nadam_kernel(
+def _nadam_kernel(
     param_ptr, grad_ptr, m_ptr, v_ptr, last_ptr, pred_ptr, delta_ptr, scale_ptr, inf_ptr,
-    step_ptr, prod_ptr,
+    step_ptr, prod_ptr, lr_ptr, aux_ptr,
     n, lr, beta1, psi_log96, log_beta2, w1, beta2, keep2, eps, weight_decay, decay,
     host_bc2, host_coef_g, host_coef_m, horizon, gamma, keep_gamma, dc_coef,
     BLOCK: tl.constexpr,
@@ -113,9 +92,11 @@ def nadam_kernel(
     CHECK_INF: tl.constexpr,
     DEVICE_STEP: tl.constexpr,
     LERP_SMALL: tl.constexpr,
+    LR_PTR: tl.constexpr,
 ):
     offs, mask = block_offsets(n, inf_ptr, BLOCK, CHECK_INF)
-    nadam_body(param_ptr, grad_ptr, m_ptr, v_ptr, last_ptr, pred_ptr, delta_ptr, scale_ptr,
+    lr, decay = load_lr(lr, decay, lr_ptr, aux_ptr, LR_PTR, DECOUPLED)
+    _nadam_body(param_ptr, grad_ptr, m_ptr, v_ptr, last_ptr, pred_ptr, delta_ptr, scale_ptr,
                step_ptr, prod_ptr, offs, mask, lr, beta1, psi_log96, log_beta2, w1, beta2,
                keep2, eps, weight_decay, decay, host_bc2, host_coef_g, host_coef_m, horizon,
                gamma, keep_gamma, dc_coef, WEIGHT_DECAY, DECOUPLED, MAXIMIZE, LAST, PREDICT,
@@ -125,14 +106,14 @@ def nadam_kernel(
 #: operand rows of the multi-tensor table (triton_kernels/multi.py), in order; ``step`` and
 #: ``prod`` (mu_product) are one-element rows
 NADAM_ROLES = ("param", "grad", "m", "v", "last", "pred", "delta", "step", "prod")
-_NADAM_DTYPES = {"param": "PARAM_T", "grad": "GRAD_T", "m": "M_T", "v": "V_T",
+NADAM_DTYPES = {"param": "PARAM_T", "grad": "GRAD_T", "m": "M_T", "v": "V_T",
                  "last": "LAST_T", "pred": "PRED_T", "delta": "DELTA_T", "step": "STEP_T",
                  "prod": "PROD_T"}
 
 
 @triton.jit
-def nadam_multi_kernel(
-    meta_ptr, chunk_ptr, nseg, scale_ptr, inf_ptr,
+def _nadam_multi_kernel(
+    meta_ptr, chunk_ptr, nseg, scale_ptr, inf_ptr, lr_ptr, aux_ptr,
     lr, beta1, psi_log96, log_beta2, w1, beta2, keep2, eps, weight_decay, decay,
     host_bc2, host_coef_g, host_coef_m, horizon, gamma, keep_gamma, dc_coef,
     BLOCK: tl.constexpr,
@@ -151,10 +132,12 @@ def nadam_multi_kernel(
     CHECK_INF: tl.constexpr,
     DEVICE_STEP: tl.constexpr,
     LERP_SMALL: tl.constexpr,
+    LR_PTR: tl.constexpr,
 ):
     seg, offs, mask = segment_offsets(meta_ptr, chunk_ptr, nseg, inf_ptr, 9, BLOCK, ALIGNED,
                                       CHECK_INF)
-    nadam_body(segment_ptr(meta_ptr, nseg, seg, 0, PARAM_T, ALIGNED),
+    lr, decay = load_lr(lr, decay, lr_ptr, aux_ptr, LR_PTR, DECOUPLED)
+    _nadam_body(segment_ptr(meta_ptr, nseg, seg, 0, PARAM_T, ALIGNED),
                segment_ptr(meta_ptr, nseg, seg, 1, GRAD_T, ALIGNED),
                segment_ptr(meta_ptr, nseg, seg, 2, M_T, ALIGNED),
                segment_ptr(meta_ptr, nseg, seg, 3, V_T, ALIGNED),
@@ -167,223 +150,3 @@ def nadam_multi_kernel(
                host_bc2, host_coef_g, host_coef_m, horizon, gamma, keep_gamma, dc_coef,
                WEIGHT_DECAY, DECOUPLED, MAXIMIZE, LAST, PREDICT, DELTA, DC, SCALE, DEVICE_STEP,
                LERP_SMALL)
-
-
-def _advance_on_device(step: Tensor, mu_product: Tensor, found_inf: Tensor | None, beta1: float,
-                       momentum_decay: float) -> None:
-    """Device ops only: step += (no overflow); mu_product *= mu_t (1 on an overflow)."""
-    _advance_steps([step], found_inf)
-    mu_t = beta1 * (1.0 - 0.5 * torch.pow(0.96, step.double() * momentum_decay))
-    if found_inf is not None:
-        mu_t = torch.where(found_inf.reshape(()) == 0, mu_t, torch.ones_like(mu_t))
-    mu_product.mul_(mu_t.float())  # fp32 times fp32 mu, as the reference's mu_product *= mu
-
-
-def _nadam_args(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                momentum_decay: float, decoupled: bool, maximize: bool,
-                host: tuple[float, float, float], predict_horizon: float, delta_gamma: float,
-                dc_coeff: float, last: bool, predict: bool, delta: bool, scale: bool,
-                check_inf: bool, device_step: bool) -> tuple[tuple[float, ...], dict]:
-    """The kernels' float arguments and constexpr flags (shared by both launchers); ``host``:
-    the host-computed bc2 and the two coefficients (unused with ``device_step``)."""
-    scalars = (float(lr), float(beta1), momentum_decay * math.log(0.96), _log(beta2),
-               float(1 - beta1), float(beta2), float(1 - beta2), float(eps),
-               float(weight_decay), float(1 - lr * weight_decay), *map(float, host),
-               float(predict_horizon), float(delta_gamma), float(1 - delta_gamma),
-               float(dc_coeff))
-    flags = dict(
-        WEIGHT_DECAY=weight_decay != 0,
-        DECOUPLED=weight_decay != 0 and bool(decoupled),
-        MAXIMIZE=bool(maximize),
-        LAST=last,
-        PREDICT=predict,
-        DELTA=delta,
-        DC=dc_coeff != 0,
-        SCALE=scale,
-        CHECK_INF=check_inf,
-        DEVICE_STEP=bool(device_step),
-        LERP_SMALL=abs(1 - beta1) < 0.5,
-        num_warps=1 if interpreting() else GPU_WARPS,
-    )
-    return scalars, flags
-
-
-def launch_nadam(
-    param: Tensor,
-    grad: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    mu_product: Tensor,
-    *,
-    step: Tensor,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    momentum_decay: float,
-    decoupled: bool,
-    maximize: bool,
-    last_update: Tensor | None = None,
-    predicted: Tensor | None = None,
-    predict_horizon: float = 0.0,
-    delta: Tensor | None = None,
-    delta_gamma: float = 0.0,
-    dc_coeff: float = 0.0,
-    grad_scale: Tensor | None = None,
-    found_inf: Tensor | None = None,
-    validate: bool = True,
-    block: int | None = None,
-    device_step: bool | None = None,
-) -> None:
-    """:func:`fused_nadam_update` with an explicit block size and coefficient mode.
-
-    ``device_step=None`` computes the coefficients in the kernel when ``step`` and
-    ``mu_product`` live on the param's device (no host read); ``False`` forces the host
-    path (tests cover it on CPU)."""
-    if validate:
-        validate_nadam_args(param, grad, exp_avg, exp_avg_sq, mu_product, step,
-                            last_update=last_update, predicted=predicted, delta=delta,
-                            grad_scale=grad_scale, found_inf=found_inf)
-    check_dc(dc_coeff, delta, param)  # also unvalidated: DC reads the delta pointer
-    if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"NAdam needs 0 <= beta < 1, got beta1={beta1!r}, beta2={beta2!r}")
-    check_launchable({"param": param, "grad": grad, "exp_avg": exp_avg,
-                      "exp_avg_sq": exp_avg_sq, "last_update": last_update,
-                      "predicted": predicted, "delta": delta})
-    on_device = step.device == param.device and mu_product.device == param.device
-    if device_step is None:
-        device_step = on_device
-    elif device_step and not on_device:
-        raise ValueError("device_step=True needs step and mu_product on the param's device")
-    bc2 = coef_g = coef_m = 0.0
-    if device_step:
-        _advance_on_device(step, mu_product, found_inf, beta1, momentum_decay)
-    else:
-        if found_inf is not None and found_inf.item() != 0:
-            return  # an overflowed AMP step changes nothing, state included
-        # the scalar state advances with the reference's ops, so it stays bit-identical to it
-        step += 1
-        t = step.item()
-        mu = nadam_mu(beta1, momentum_decay, t)
-        mu_next = nadam_mu(beta1, momentum_decay, t + 1)
-        mu_product *= mu
-        prod = mu_product.item()
-        coef_g = -lr * (1.0 - mu) / (1.0 - prod)
-        coef_m = (-lr * mu_next) / (1.0 - prod * mu_next)
-        bc2 = 1 - beta2**t
-
-    n = param.numel()
-    if n == 0:
-        return
-    scalars, flags = _nadam_args(
-        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-        momentum_decay=momentum_decay, decoupled=decoupled, maximize=maximize,
-        host=(bc2, coef_g, coef_m), predict_horizon=predict_horizon, delta_gamma=delta_gamma,
-        dc_coeff=dc_coeff, last=last_update is not None, predict=predicted is not None,
-        delta=delta is not None, scale=grad_scale is not None,
-        check_inf=bool(device_step) and found_inf is not None, device_step=device_step)
-    block = block or default_block(param, grad, exp_avg)
-    nadam_kernel[grid_for(n, block)](
-        param, grad, exp_avg, exp_avg_sq,
-        placeholder(last_update, param), placeholder(predicted, param),
-        placeholder(delta, param), placeholder(grad_scale, param),
-        placeholder(found_inf if device_step else None, param),
-        step if device_step else param, mu_product if device_step else param,
-        n, *scalars, BLOCK=block, **flags)
-
-
-def fused_nadam_update(
-    param: Tensor,
-    grad: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    mu_product: Tensor,
-    *,
-    step: Tensor,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    momentum_decay: float,
-    decoupled: bool,
-    maximize: bool,
-    last_update: Tensor | None = None,
-    predicted: Tensor | None = None,
-    predict_horizon: float = 0.0,
-    delta: Tensor | None = None,
-    delta_gamma: float = 0.0,
-    dc_coeff: float = 0.0,
-    grad_scale: Tensor | None = None,
-    found_inf: Tensor | None = None,
-    validate: bool = True,
-) -> None:
-    """Fused equivalent of ``engine.optim.functional_nadam.nadam_update`` (same signature and
-    semantics); all tensors must be contiguous and on one device (``step`` and
-    ``mu_product`` may live on the CPU)."""
-    launch_nadam(param, grad, exp_avg, exp_avg_sq, mu_product, step=step, lr=lr, beta1=beta1,
-                 beta2=beta2, eps=eps, weight_decay=weight_decay,
-                 momentum_decay=momentum_decay, decoupled=decoupled, maximize=maximize,
-                 last_update=last_update, predicted=predicted,
-                 predict_horizon=predict_horizon, delta=delta, delta_gamma=delta_gamma,
-                 dc_coeff=dc_coeff, grad_scale=grad_scale, found_inf=found_inf, validate=validate)
-
-
-def fused_nadam_multi(
-    table: SegmentTable,
-    grads: object = None,
-    exp_avgs: object = None,
-    exp_avg_sqs: object = None,
-    mu_products: object = None,
-    *,
-    step: object = None,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    momentum_decay: float,
-    decoupled: bool,
-    maximize: bool,
-    last_update: object = None,
-    predicted: object = None,
-    predict_horizon: float = 0.0,
-    delta: object = None,
-    delta_gamma: float = 0.0,
-    dc_coeff: float = 0.0,
-    grad_scale: Tensor | None = None,
-    found_inf: Tensor | None = None,
-    validate: bool = True,
-) -> None:
-    """:func:`fused_nadam_update` over every segment of ``table`` (roles :data:`NADAM_ROLES`)
-    in one launch. Each distinct (step, mu_product) pair advances first with the single
-    launcher's device ops (a few tiny ops per pair: the momentum product is sequential
-    state, kept bit-identical to the single-tensor path). The tensor arguments only say which
-    operands the caller means and must agree with the table."""
-    check_roles(table, {"grad": True, "m": True, "v": True, "last": last_update is not None,
-                        "pred": predicted is not None, "delta": delta is not None,
-                        "step": True, "prod": True})
-    if validate:
-        for p, g, m, v, last, pred, d, st, prod in table.segments(NADAM_ROLES):
-            validate_nadam_args(p, g, m, v, prod, st, last_update=last, predicted=pred,
-                                delta=d, grad_scale=grad_scale, found_inf=found_inf)
-    param = table.tensors("param")[0]
-    check_dc(dc_coeff, table.first("delta"), param)
-    if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"NAdam needs 0 <= beta < 1, got beta1={beta1!r}, beta2={beta2!r}")
-    pairs = list({id(s): (s, p) for s, p in zip(table.tensors("step"), table.tensors("prod"),
-                                                strict=True)}.values())
-    if any(s.device != table.device or p.device != table.device for s, p in pairs):
-        raise ValueError(f"the multi-tensor launch needs step and mu_product on {table.device}; "
-                         "use fused_nadam_update for CPU ones")
-    for s, p in pairs:
-        _advance_on_device(s, p, found_inf, beta1, momentum_decay)
-    scalars, flags = _nadam_args(
-        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-        momentum_decay=momentum_decay, decoupled=decoupled, maximize=maximize,
-        host=(0.0, 0.0, 0.0), predict_horizon=predict_horizon, delta_gamma=delta_gamma,
-        dc_coeff=dc_coeff, last=table.has("last"), predict=table.has("pred"),
-        delta=table.has("delta"), scale=grad_scale is not None,
-        check_inf=found_inf is not None, device_step=True)
-    launch_segments(nadam_multi_kernel, table, _NADAM_DTYPES, scalars, flags, grad_scale, found_inf)

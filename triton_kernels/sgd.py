@@ -1,9 +1,10 @@
 """Fused momentum-SGD step: one pass over a flat buffer (or one tensor) per call.
 
-The update itself is a ``@triton.jit`` body (``sgd_body``) that two kernels call:
-``sgd_kernel`` over one tensor, and ``sgd_multi_kernel`` over the segments of a
+The update itself is a ``@triton.jit`` body (``_sgd_body``) that two private kernels call:
+``_sgd_kernel`` over one tensor, and ``_sgd_multi_kernel`` over the segments of a
 ``SegmentTable`` (many tensors or flat buckets of one param group, one launch; see
-triton_kernels/multi.py), so both compute the same bits.
+triton_kernels/multi.py), so both compute the same bits. :func:`launch_sgd` is the one public
+entry point: it takes a tensor or a ``SegmentTable``.
 
 Why a kernel: torch's single-tensor SGD with weight decay, momentum and the delay mitigations
 reads and writes the weights, gradient and buffers several times (one pass per torch op);
@@ -27,8 +28,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.optim.functional import spike_coeffs, validate_sgd_args
-from engine.optim.functional_dc import check_dc
 from engine.triton_kernels._launch import (
     GPU_WARPS,
     block_offsets,
@@ -36,8 +35,10 @@ from engine.triton_kernels._launch import (
     check_launchable,
     default_block,
     grid_for,
+    check_lr_tensor,
     interpreting,
     load_and_decay,
+    load_lr,
     placeholder,
 )
 from engine.triton_kernels.multi import (
@@ -47,13 +48,13 @@ from engine.triton_kernels.multi import (
     segment_offsets,
     segment_ptr,
 )
+from engine.update_rules import check_dc, spike_coeffs, validate_sgd_args
 
-__all__ = ["fused_sgd_update", "fused_sgd_multi", "sgd_kernel", "sgd_multi_kernel", "launch_sgd",
-           "SGD_ROLES"]
+__all__ = ["launch_sgd", "SGD_ROLES"]
 
 
 @triton.jit
-def sgd_body(
+def _sgd_body(
     param_ptr, grad_ptr, buf_ptr, pred_ptr, delta_ptr, scale_ptr, offs, mask,
     lr, momentum, keep, weight_decay, sc_a, sc_b, pred_coeff, gamma, keep_gamma, dc_coef,
     WEIGHT_DECAY: tl.constexpr, MOMENTUM: tl.constexpr, INIT: tl.constexpr,
@@ -110,8 +111,8 @@ def sgd_body(
 
 
 @triton.jit
-def sgd_kernel(
-    param_ptr, grad_ptr, buf_ptr, pred_ptr, delta_ptr, scale_ptr, inf_ptr,
+def _sgd_kernel(
+    param_ptr, grad_ptr, buf_ptr, pred_ptr, delta_ptr, scale_ptr, inf_ptr, lr_ptr, aux_ptr,
     n, lr, momentum, keep, weight_decay, sc_a, sc_b, pred_coeff, gamma, keep_gamma, dc_coef,
     BLOCK: tl.constexpr,
     WEIGHT_DECAY: tl.constexpr,
@@ -125,9 +126,11 @@ def sgd_kernel(
     DC: tl.constexpr,
     SCALE: tl.constexpr,
     CHECK_INF: tl.constexpr,
+    LR_PTR: tl.constexpr,
 ):
     offs, mask = block_offsets(n, inf_ptr, BLOCK, CHECK_INF)
-    sgd_body(param_ptr, grad_ptr, buf_ptr, pred_ptr, delta_ptr, scale_ptr, offs, mask,
+    lr, pred_coeff = load_lr(lr, pred_coeff, lr_ptr, aux_ptr, LR_PTR, PREDICT)
+    _sgd_body(param_ptr, grad_ptr, buf_ptr, pred_ptr, delta_ptr, scale_ptr, offs, mask,
              lr, momentum, keep, weight_decay, sc_a, sc_b, pred_coeff, gamma, keep_gamma,
              dc_coef, WEIGHT_DECAY, MOMENTUM, INIT, NESTEROV, SC, MAXIMIZE, PREDICT, DELTA, DC,
              SCALE)
@@ -140,8 +143,8 @@ _SGD_DTYPES = {"param": "PARAM_T", "grad": "GRAD_T", "buf": "BUF_T", "pred": "PR
 
 
 @triton.jit
-def sgd_multi_kernel(
-    meta_ptr, chunk_ptr, nseg, scale_ptr, inf_ptr,
+def _sgd_multi_kernel(
+    meta_ptr, chunk_ptr, nseg, scale_ptr, inf_ptr, lr_ptr, aux_ptr,
     lr, momentum, keep, weight_decay, sc_a, sc_b, pred_coeff, gamma, keep_gamma, dc_coef,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
@@ -161,10 +164,12 @@ def sgd_multi_kernel(
     DC: tl.constexpr,
     SCALE: tl.constexpr,
     CHECK_INF: tl.constexpr,
+    LR_PTR: tl.constexpr,
 ):
     seg, offs, mask = segment_offsets(meta_ptr, chunk_ptr, nseg, inf_ptr, 5, BLOCK, ALIGNED,
                                       CHECK_INF)
-    sgd_body(segment_ptr(meta_ptr, nseg, seg, 0, PARAM_T, ALIGNED),
+    lr, pred_coeff = load_lr(lr, pred_coeff, lr_ptr, aux_ptr, LR_PTR, PREDICT)
+    _sgd_body(segment_ptr(meta_ptr, nseg, seg, 0, PARAM_T, ALIGNED),
              segment_ptr(meta_ptr, nseg, seg, 1, GRAD_T, ALIGNED),
              segment_ptr(meta_ptr, nseg, seg, 2, BUF_T, ALIGNED),
              segment_ptr(meta_ptr, nseg, seg, 3, PRED_T, ALIGNED),
@@ -179,8 +184,10 @@ def sgd_multi_kernel(
 def _sgd_args(*, lr: float, momentum: float, dampening: float, weight_decay: float,
               nesterov: bool, maximize: bool, init_momentum: bool, sc_delay: int,
               predict: bool, predict_coeff: float, delta: bool, delta_gamma: float,
-              dc_coeff: float, scale: bool, check_inf: bool) -> tuple[tuple[float, ...], dict]:
-    """The kernels' float arguments and constexpr flags (shared by both launchers)."""
+              dc_coeff: float, scale: bool, check_inf: bool,
+              lr_ptr: bool = False) -> tuple[tuple[float, ...], dict]:
+    """The kernels' float arguments and constexpr flags (shared by both launches); with
+    ``lr_ptr`` the kernel loads lr and the prediction coefficient from device tensors."""
     use_momentum = momentum != 0
     sc = use_momentum and sc_delay > 0
     sc_a, sc_b = spike_coeffs(momentum, sc_delay) if sc else (0.0, 0.0)
@@ -202,100 +209,40 @@ def _sgd_args(*, lr: float, momentum: float, dampening: float, weight_decay: flo
         DC=dc_coeff != 0,
         SCALE=scale,
         CHECK_INF=check_inf,
+        LR_PTR=lr_ptr,
         num_warps=1 if interpreting() else GPU_WARPS,
     )
     return scalars, flags
 
 
+def _lr_operands(lr: float | Tensor, predict_coeff: float | Tensor, predict: bool,
+                 device: object) -> tuple[float, float, Tensor | None, Tensor | None]:
+    """(lr, predict_coeff) as launch arguments, and the device tensors the kernel loads in
+    their place when ``lr`` is a Tensor (None, None for a number)."""
+    if not isinstance(lr, Tensor):
+        if isinstance(predict_coeff, Tensor):
+            raise ValueError("predict_coeff is a Tensor but lr is a number: pass both as "
+                             "numbers, or lr as a Tensor and predict_coeff derived from it")
+        return lr, predict_coeff, None, None
+    check_lr_tensor("lr", lr, device)
+    aux = None
+    if predict:
+        if not isinstance(predict_coeff, Tensor):
+            raise ValueError(
+                "with a Tensor lr, predict_coeff must be a Tensor too: the coefficient is lr "
+                "times a constant (engine.update_rules.lr_product(lr, c)), so that a new lr "
+                "changes no launch argument")
+        check_lr_tensor("predict_coeff", predict_coeff, device)
+        aux = predict_coeff.detach()
+    return 0.0, 0.0, lr.detach(), aux
+
+
 def launch_sgd(
-    param: Tensor,
-    grad: Tensor,
-    momentum_buffer: Tensor | None,
+    param: Tensor | SegmentTable,
+    grad: object,
+    momentum_buffer: object,
     *,
-    lr: float,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    maximize: bool,
-    init_momentum: bool,
-    sc_delay: int = 0,
-    predicted: Tensor | None = None,
-    predict_coeff: float = 0.0,
-    delta: Tensor | None = None,
-    delta_gamma: float = 0.0,
-    dc_coeff: float = 0.0,
-    grad_scale: Tensor | None = None,
-    found_inf: Tensor | None = None,
-    validate: bool = True,
-    block: int | None = None,
-) -> None:
-    """:func:`fused_sgd_update` with an explicit block size (tests use small blocks to run
-    several program instances under the interpreter)."""
-    if validate:  # the optimizers validate once per layout and pass validate=False
-        validate_sgd_args(param, grad, momentum_buffer, momentum=momentum,
-                          dampening=dampening, sc_delay=sc_delay, predicted=predicted,
-                          delta=delta, grad_scale=grad_scale, found_inf=found_inf)
-    check_dc(dc_coeff, delta, param)  # also unvalidated: DC reads the delta pointer
-    use_momentum = momentum != 0
-    check_launchable({"param": param, "grad": grad,
-                      "momentum_buffer": momentum_buffer if use_momentum else None,
-                      "predicted": predicted, "delta": delta})
-    n = param.numel()
-    if n == 0:
-        return
-    scalars, flags = _sgd_args(
-        lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-        nesterov=nesterov, maximize=maximize, init_momentum=init_momentum, sc_delay=sc_delay,
-        predict=predicted is not None, predict_coeff=predict_coeff, delta=delta is not None,
-        delta_gamma=delta_gamma, dc_coeff=dc_coeff, scale=grad_scale is not None,
-        check_inf=found_inf is not None)
-    block = block or default_block(param, grad, momentum_buffer if use_momentum else None,
-                                   delta)
-    sgd_kernel[grid_for(n, block)](
-        param, grad, placeholder(momentum_buffer if use_momentum else None, param),
-        placeholder(predicted, param), placeholder(delta, param),
-        placeholder(grad_scale, param), placeholder(found_inf, param),
-        n, *scalars, BLOCK=block, **flags)
-
-
-def fused_sgd_update(
-    param: Tensor,
-    grad: Tensor,
-    momentum_buffer: Tensor | None,
-    *,
-    lr: float,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    maximize: bool,
-    init_momentum: bool,
-    sc_delay: int = 0,
-    predicted: Tensor | None = None,
-    predict_coeff: float = 0.0,
-    delta: Tensor | None = None,
-    delta_gamma: float = 0.0,
-    dc_coeff: float = 0.0,
-    grad_scale: Tensor | None = None,
-    found_inf: Tensor | None = None,
-    validate: bool = True,
-) -> None:
-    """Fused equivalent of ``engine.optim.functional.sgd_update`` (same signature and
-    semantics); all tensors must be contiguous and on one device."""
-    launch_sgd(param, grad, momentum_buffer, lr=lr, momentum=momentum, dampening=dampening,
-               weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
-               init_momentum=init_momentum, sc_delay=sc_delay, predicted=predicted,
-               predict_coeff=predict_coeff, delta=delta, delta_gamma=delta_gamma,
-               dc_coeff=dc_coeff, grad_scale=grad_scale, found_inf=found_inf, validate=validate)
-
-
-def fused_sgd_multi(
-    table: SegmentTable,
-    grads: object = None,
-    momentum_buffers: object = None,
-    *,
-    lr: float,
+    lr: float | Tensor,
     momentum: float,
     dampening: float,
     weight_decay: float,
@@ -304,18 +251,82 @@ def fused_sgd_multi(
     init_momentum: bool,
     sc_delay: int = 0,
     predicted: object = None,
-    predict_coeff: float = 0.0,
+    predict_coeff: float | Tensor = 0.0,
     delta: object = None,
     delta_gamma: float = 0.0,
     dc_coeff: float = 0.0,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
     validate: bool = True,
+    block: int | None = None,
 ) -> None:
-    """:func:`fused_sgd_update` over every segment of ``table`` (roles :data:`SGD_ROLES`) in
-    one launch. The tensor arguments only say which operands the caller means (None: not
-    used) and must agree with the table; ``validate`` checks every segment as the
-    single-tensor launcher does (the optimizers validate once per layout)."""
+    """The fused form of ``engine.optim.functional.sgd_update`` (same arguments and
+    semantics), in one launch.
+
+    ``param`` is one tensor (every operand contiguous, on one device), or a
+    :class:`SegmentTable` with the roles :data:`SGD_ROLES`: then every segment is updated in
+    one launch, and the tensor arguments (``grad``, ``momentum_buffer``, ``predicted``,
+    ``delta``) only say which operands the caller means (None: not used): they must agree
+    with the table's rows. ``validate=False`` skips the per-tensor checks (the optimizers
+    validate once per layout). ``block``: the elements per program of a single-tensor launch
+    (tests use small blocks to run several programs under the interpreter); a table fixes
+    its block when it is built.
+
+    ``lr`` may be a one-element float32 tensor on the launch's device (then
+    ``predict_coeff``, when a prediction is written, a tensor derived from it): the kernel
+    loads it, so an LR schedule that writes it in place changes no launch argument (a
+    captured CUDA graph keeps reading the current value). The result is bitwise that of
+    ``lr=float(lr)`` (and ``predict_coeff`` computed from that float on the host).
+    """
+    if isinstance(param, SegmentTable):
+        if block is not None:
+            raise ValueError("block is fixed when a SegmentTable is built; pass it there")
+        _launch_table(param, lr=lr, momentum=momentum, dampening=dampening,
+                      weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
+                      init_momentum=init_momentum, sc_delay=sc_delay, predicted=predicted,
+                      predict_coeff=predict_coeff, delta=delta, delta_gamma=delta_gamma,
+                      dc_coeff=dc_coeff, grad_scale=grad_scale, found_inf=found_inf,
+                      validate=validate)
+        return
+    if not isinstance(grad, Tensor):
+        raise TypeError(f"grad must be a Tensor for a one-tensor launch, got {type(grad).__name__}")
+    if validate:
+        validate_sgd_args(param, grad, momentum_buffer, momentum=momentum,
+                          dampening=dampening, sc_delay=sc_delay, predicted=predicted,
+                          delta=delta, grad_scale=grad_scale, found_inf=found_inf)
+    check_dc(dc_coeff, delta, param)  # also unvalidated: DC reads the delta pointer
+    use_momentum = momentum != 0
+    check_launchable({"param": param, "grad": grad,
+                      "momentum_buffer": momentum_buffer if use_momentum else None,
+                      "predicted": predicted, "delta": delta})
+    lr, predict_coeff, lr_t, aux = _lr_operands(lr, predict_coeff, predicted is not None,
+                                                param.device)
+    n = param.numel()
+    if n == 0:
+        return
+    scalars, flags = _sgd_args(
+        lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+        nesterov=nesterov, maximize=maximize, init_momentum=init_momentum, sc_delay=sc_delay,
+        predict=predicted is not None, predict_coeff=predict_coeff, delta=delta is not None,
+        delta_gamma=delta_gamma, dc_coeff=dc_coeff, scale=grad_scale is not None,
+        check_inf=found_inf is not None, lr_ptr=lr_t is not None)
+    buf = momentum_buffer if use_momentum else None
+    block = block or default_block(param, grad, buf, delta)
+    _sgd_kernel[grid_for(n, block)](
+        param, grad, placeholder(buf, param),
+        placeholder(predicted, param), placeholder(delta, param),
+        placeholder(grad_scale, param), placeholder(found_inf, param),
+        placeholder(lr_t, param), placeholder(aux, param),
+        n, *scalars, BLOCK=block, **flags)
+
+
+def _launch_table(table: SegmentTable, *, lr: float | Tensor, momentum: float,
+                  dampening: float, weight_decay: float, nesterov: bool, maximize: bool,
+                  init_momentum: bool, sc_delay: int, predicted: object,
+                  predict_coeff: float | Tensor,
+                  delta: object, delta_gamma: float, dc_coeff: float,
+                  grad_scale: Tensor | None, found_inf: Tensor | None, validate: bool) -> None:
+    """:func:`launch_sgd` over every segment of ``table``."""
     use_momentum = momentum != 0
     check_roles(table, {"grad": True, "buf": use_momentum, "pred": predicted is not None,
                         "delta": delta is not None})
@@ -324,12 +335,14 @@ def fused_sgd_multi(
             validate_sgd_args(p, g, b, momentum=momentum, dampening=dampening,
                               sc_delay=sc_delay, predicted=pr, delta=d,
                               grad_scale=grad_scale, found_inf=found_inf)
-    check_dc(dc_coeff, table.first("delta"),
-             table.tensors("param")[0])
+    check_dc(dc_coeff, table.first("delta"), table.tensors("param")[0])
+    lr, predict_coeff, lr_t, aux = _lr_operands(lr, predict_coeff, table.has("pred"),
+                                                table.device)
     scalars, flags = _sgd_args(
         lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
         nesterov=nesterov, maximize=maximize, init_momentum=init_momentum, sc_delay=sc_delay,
         predict=table.has("pred"), predict_coeff=predict_coeff, delta=table.has("delta"),
         delta_gamma=delta_gamma, dc_coeff=dc_coeff, scale=grad_scale is not None,
-        check_inf=found_inf is not None)
-    launch_segments(sgd_multi_kernel, table, _SGD_DTYPES, scalars, flags, grad_scale, found_inf)
+        check_inf=found_inf is not None, lr_ptr=lr_t is not None)
+    launch_segments(_sgd_multi_kernel, table, _SGD_DTYPES, scalars, flags, grad_scale, found_inf,
+                    lr_t, aux)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from engine.optim import lr_values
 from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _functional, _is_real_number
 from engine.optim.options import scalar
 
@@ -163,12 +164,14 @@ class _AdamBase(DelayOptimizer):
         grad_scale: Tensor | None,
         found_inf: Tensor | None,
     ) -> None:
-        reference = fn is self._kernel_pair[0]
+        reference = fn is self._paths.reference
         # the reference path takes Tensor lr/betas as torch does (its rounding follows them);
-        # the kernels read Python numbers
+        # the kernels read Python numbers (lr: a device tensor where they can load it)
         beta1, beta2 = group["betas"] if reference else (scalar(b) for b in group["betas"])
         lr = group["lr"]
-        if not (reference and isinstance(lr, Tensor) and "lr_scale" not in group):
+        if not reference:  # a device lr where the kernels can load it (lr_values.on_device)
+            lr = lr_values.for_launch(group, param.device)
+        elif not (isinstance(lr, Tensor) and "lr_scale" not in group):
             lr = self.effective_lr(group)
         gamma = self._delta_gamma(group)
         horizon = 0.0

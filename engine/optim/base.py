@@ -33,9 +33,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from engine.optim import functional
+from engine.optim import functional, lr_values
 from engine.optim.computed import ComputedWeights
-from engine.optim.dispatch import FUSED_DTYPES, kernels, use_fused
+from engine.optim.dispatch import FUSED_DTYPES, paths, use_fused
 from engine.optim.flat import FlatBinding, arena_binding
 from engine.optim.multi import MultiTensorSteps
 from engine.optim.options import (
@@ -112,7 +112,7 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorStep
         self._auto: dict[int, tuple[tuple[int, ...], list[FlatBinding]]] = {}
         self._checked: dict[int, tuple[int, ...]] = {}  # group -> param ids validated
         self.last_step_predicted = False
-        self._kernel_pair = kernels(self._family)
+        self._paths = paths(self._family)
         self._fuse_cache: dict[int, tuple[Any, ...]] = {}
         self._layouts = {}  # multi-tensor launches per group (engine.optim.multi)
         self._state_version = 0
@@ -123,15 +123,11 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorStep
 
     @staticmethod
     def effective_lr(group: dict[str, Any]) -> float:
-        """The learning rate this group's next update uses: ``lr`` (times a legacy
-        ``lr_scale`` where an old checkpoint carries one; module docstring). Without it the lr
-        is used untouched (no multiplication at all: bit-identical to torch.optim).
-        """
-        lr = group["lr"]
-        lr = float(lr.detach()) if isinstance(lr, Tensor) else lr  # (no autograd warning)
-        if "lr_scale" in group:
-            return lr * group["lr_scale"]
-        return lr
+        """The learning rate this group's next update uses, as a number (lr_values.number)."""
+        return lr_values.number(group)
+
+    #: the group's lr as the fused kernels load it on a device, or None (lr_values.on_device)
+    device_lr = staticmethod(lr_values.on_device)
 
     def effective_lrs(self) -> list[float]:
         """``effective_lr`` of every param group, in order."""
@@ -313,19 +309,18 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorStep
             params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return all(b.predicted is None for b in bindings)
+        fuse = self._fused_choice(index, group, params)
         if group["prediction"] is not None:
             # Predictions extrapolate with the lr of the step that produced their direction, also
             # when recomputed later (other horizon, after load_state_dict): a group key, so it
             # is saved with the state_dict and a resumed run predicts exactly as before.
-            group["prediction_lr"] = self.effective_lr(group)
-        ref, fused = self._kernel_pair
-        fuse = self._fused_choice(index, group, params)
+            lr_values.record_for_prediction(group, params[0].device if fuse else None)
         done: set[int] = set()
         wrote = True
         # several fused buckets: one multi-tensor launch per dtype signature, after the loop
         batch: list[tuple[Any, ...]] | None = [] if fuse and len(bindings) > 1 else None
         for b in bindings:
-            if self._flat_step(group, b, ref, fused, fuse, grad_scale, found_inf, batch):
+            if self._flat_step(group, b, fuse, grad_scale, found_inf, batch):
                 if len(bindings) == 1 and params is group["params"]:
                     return wrote  # covered whole (checked above)
                 done.update(map(id, b.params))
@@ -348,7 +343,6 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorStep
         (:mod:`engine.optim.multi`); what the kernels cannot take, one update call per tensor."""
         if fuse and params:
             params = self._multi_tensors(group, params, grad_scale, found_inf)
-        ref, fused = self._kernel_pair
         keys = self._state_keys(group)
         for p in params:
             if p.grad.is_sparse:
@@ -372,7 +366,7 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorStep
             contiguous = param.is_contiguous() and grad.is_contiguous() and all(
                 t.is_contiguous() for k, t in tensors.items() if k != "step"
             )
-            fn = fused if (fuse and p.numel() > 0 and contiguous) else ref
+            fn = self._paths.choose(fuse and p.numel() > 0 and contiguous, group, predicted)
             self._call_update(fn, group, param, grad, tensors, init, predicted, grad_scale, found_inf)
 
     def _sparse_update(self, group: dict[str, Any], p: Tensor) -> None:
@@ -436,8 +430,6 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorStep
         self,
         group: dict[str, Any],
         b: FlatBinding,
-        ref: Callable[..., Any],
-        fused: Callable[..., Any],
         fuse: bool,
         grad_scale: Tensor | None,
         found_inf: Tensor | None,
@@ -488,11 +480,11 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorStep
                     self._predicted[p] = predicted[off : off + n].view_as(p)
                     self._predicted_setting[p] = setting
                 b.state["_pred_target"] = predicted
-        fn = fused if fuse and view.param.numel() > 0 else ref
+        fn = self._paths.choose(fuse and view.param.numel() > 0, group, predicted)
         tensors = {k: flat[k] for k in self._state_keys(group)}
         for key, _ in self._shared_scalars:
             tensors[key] = flat[key]
-        if batch is not None and fn is fused:
+        if batch is not None and fn is self._paths.fused:
             batch.append((view.param, view.grad, tensors, init, predicted))
         else:
             self._call_update(fn, group, view.param, view.grad, tensors, init, predicted, grad_scale, found_inf)

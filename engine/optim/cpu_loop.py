@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from engine.optim import functional
-from engine.optim.functional_dc import check_dc
+from engine.update_rules import check_dc
 
 __all__ = ["ENV", "available", "enabled", "eligible", "sgd_update", "variant"]
 

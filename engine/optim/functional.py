@@ -29,15 +29,27 @@ the "Update rules" of docs/ALGORITHMS.md. Conventions this module fixes:
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from engine.optim.functional_dc import check_dc, delay_compensate
+from engine.optim.functional_dc import delay_compensate
 from engine.optim.hyperparams import decay_grad as _decay_grad
 from engine.optim.hyperparams import to_scalar
+from engine.update_rules import (  # noqa: F401 (re-exported: the rules the kernels share)
+    _NATIVE,
+    LOW_PRECISION,
+    check_dc,
+    check_like,
+    moment_dtypes,
+    spike_coeffs,
+    state_dtype,
+    validate_adam_args,
+    validate_sgd_args,
+)
+from engine.update_rules import PARAM_DTYPES as _PARAM_DTYPES  # noqa: F401
+from engine.update_rules import as_compute as _as_f32
 
 __all__ = [
     "spike_coeffs",
@@ -53,41 +65,9 @@ __all__ = [
 ]
 
 from engine.optim.functional_sparse import sgd_sparse_update  # noqa: F401 (re-exported)
-from engine.optim.state_dtypes import (  # noqa: F401 (re-exported: the math's dtypes)
-    _NATIVE,
-    _PARAM_DTYPES,
-    LOW_PRECISION,
-    _as_f32,
-    moment_dtypes,
-    state_dtype,
-)
 
 
 # --------------------------------------------------------------------------- coefficients
-
-
-def spike_coeffs(momentum: float, delay: int) -> tuple[float, float]:
-    """Spike-compensation coefficients (a, b) of Kosson et al. for delay ``D``.
-
-    The applied update is ``a * v + b * g'`` with ``a = m**D`` and
-    ``b = (1 - m**D) / (1 - m)`` (``b = D`` for ``m == 1``): the gradient's first ``D``
-    momentum contributions, which a delayed stage would otherwise apply too late, are applied
-    at once. ``D = 0`` gives (1, 0), plain momentum; ``D = 1`` gives (m, 1), Nesterov.
-    """
-    if isinstance(delay, bool) or int(delay) != delay or delay < 0:
-        raise ValueError(f"spike compensation delay must be an integer >= 0, got {delay!r}")
-    if not 0.0 <= momentum <= 1.0:
-        raise ValueError(f"spike compensation needs 0 <= momentum <= 1, got {momentum!r}")
-    return _spike_coeffs(float(momentum), int(delay))
-
-
-@functools.lru_cache(maxsize=256)  # every update asks again for the same few (m, D)
-def _spike_coeffs(momentum: float, delay: int) -> tuple[float, float]:
-    a = momentum**delay
-    if momentum == 1.0:
-        return a, float(delay)
-    # for D = 1 the numerator and denominator are the same float, so b == 1.0 exactly
-    return a, (1.0 - a) / (1.0 - momentum)
 
 
 def prediction_coeff(mode: str, lr: float, momentum: float, horizon: float) -> float:
@@ -110,86 +90,6 @@ def prediction_coeff(mode: str, lr: float, momentum: float, horizon: float) -> f
             total += power
         return lr * total
     raise ValueError(f"prediction mode must be 'linear' or 'momentum', got {mode!r}")
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def _check_like(name: str, t: Tensor | None, param: Tensor,
-                dtype: torch.dtype | tuple[torch.dtype, ...] | None) -> None:
-    if t is None:
-        return
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
-    if t.shape != param.shape:
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, param has {tuple(param.shape)}")
-    if t.device != param.device:
-        raise ValueError(f"{name} is on {t.device}, param is on {param.device}")
-    if isinstance(dtype, tuple):
-        if t.dtype not in dtype:
-            raise TypeError(f"{name} must be {' or '.join(map(str, dtype))}, got {t.dtype}")
-    elif dtype is not None and t.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-
-
-def _check_scalar_tensor(name: str, t: Tensor | None, param: Tensor) -> None:
-    if t is None:
-        return
-    if not isinstance(t, Tensor) or t.numel() != 1:
-        raise ValueError(f"{name} must be a one-element tensor, got {t!r}")
-    if not t.dtype.is_floating_point:
-        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if t.device != param.device:
-        raise ValueError(f"{name} is on {t.device}, param is on {param.device}")
-
-
-def _check_common(param: Tensor, grad: Tensor, predicted, delta, grad_scale, found_inf) -> None:
-    if not isinstance(param, Tensor):
-        raise TypeError(f"param must be a Tensor, got {type(param).__name__}")
-    if param.dtype not in _PARAM_DTYPES:
-        raise TypeError(f"param must be float32, float64, bfloat16, float16 or complex, got {param.dtype}")
-    _check_like("grad", grad, param, None)
-    if grad.dtype not in _PARAM_DTYPES:
-        raise TypeError(f"grad must be float32, float64, bfloat16, float16 or complex, got {grad.dtype}")
-    _check_like("predicted", predicted, param, param.dtype)
-    _check_like("delta", delta, param, state_dtype(param.dtype))
-    _check_scalar_tensor("grad_scale", grad_scale, param)
-    _check_scalar_tensor("found_inf", found_inf, param)
-
-
-def validate_sgd_args(param, grad, momentum_buffer, *, momentum, dampening, sc_delay,
-                      predicted, delta, grad_scale, found_inf) -> None:
-    """Raise a clear error (naming the tensor) before anything is written."""
-    _check_common(param, grad, predicted, delta, grad_scale, found_inf)
-    if momentum < 0:
-        raise ValueError(f"momentum must be >= 0, got {momentum!r}")
-    if momentum != 0:
-        if momentum_buffer is None:
-            raise ValueError("momentum_buffer is required when momentum != 0")
-        _check_like("momentum_buffer", momentum_buffer, param, moment_dtypes(param.dtype))
-    if sc_delay:
-        spike_coeffs(momentum, sc_delay)  # validates delay and momentum range
-
-
-def validate_adam_args(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, *, amsgrad,
-                       sc_delay, last_update, predicted, delta, grad_scale, found_inf) -> None:
-    """Raise a clear error (naming the tensor) before anything is written."""
-    _check_common(param, grad, predicted, delta, grad_scale, found_inf)
-    sd = state_dtype(param.dtype)
-    md = moment_dtypes(param.dtype)
-    _check_like("exp_avg", exp_avg, param, md)
-    _check_like("exp_avg_sq", exp_avg_sq, param, md)
-    if exp_avg is None or exp_avg_sq is None:
-        raise ValueError("exp_avg and exp_avg_sq are required")
-    if amsgrad:
-        if max_exp_avg_sq is None:
-            raise ValueError("max_exp_avg_sq is required when amsgrad=True")
-        _check_like("max_exp_avg_sq", max_exp_avg_sq, param, md)
-    _check_like("last_update", last_update, param, sd)
-    if not isinstance(step, Tensor) or step.numel() != 1 or step.dtype != torch.float32:
-        raise TypeError(f"step must be a one-element float32 tensor, got {step!r}")
-    if isinstance(sc_delay, bool) or int(sc_delay) != sc_delay or sc_delay < 0:
-        raise ValueError(f"spike compensation delay must be an integer >= 0, got {sc_delay!r}")
 
 
 def _skip(found_inf: Tensor | None) -> bool:
@@ -221,7 +121,7 @@ def _workspace(like: Tensor) -> Tensor:
 
 def predict(param: Tensor, direction: Tensor, coeff: float) -> Tensor:
     """``w - coeff * direction`` as a new tensor in the param's dtype (fp32 math)."""
-    _check_like("direction", direction, param, None)
+    check_like("direction", direction, param, None)
     out = torch.add(_as_f32(param), _as_f32(direction), alpha=-coeff)
     return out if out.dtype == param.dtype else out.to(param.dtype)
 

@@ -17,25 +17,12 @@ combination of two published pieces (docs/ALGORITHMS.md, "Delay-compensated grad
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-__all__ = ["check_dc", "delay_compensate"]
-
-
-def check_dc(coeff: float, delta: Tensor | None, param: Tensor) -> None:
-    """Delay compensation needs a finite coefficient, the delta buffer and real params."""
-    if coeff == 0:
-        return
-    if not math.isfinite(coeff):
-        raise ValueError(f"dc_coeff must be finite, got {coeff!r}")
-    if delta is None:
-        raise ValueError(f"dc_coeff={coeff!r} needs delta (the estimate of w_t - w_(t-tau))")
-    if param.is_complex():
-        raise TypeError(f"delay compensation takes real params, got {param.dtype}")
+__all__ = ["delay_compensate"]
 
 
 def delay_compensate(g: Tensor, delta: Tensor | None, coeff: float,

@@ -16,24 +16,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.optim.functional import (
-    _as_f32,
-    _check_common,
-    _check_like,
-    _skip,
-    _workspace,
-    state_dtype,
-    store_and_derive,
-)
-from engine.optim.functional_dc import check_dc, delay_compensate
+from engine.optim.functional import _skip, _workspace, store_and_derive
+from engine.optim.functional_dc import delay_compensate
 from engine.optim.hyperparams import to_scalar
+from engine.update_rules import as_compute as _as_f32
+from engine.update_rules import check_dc, nadam_mu, validate_nadam_args
 
 __all__ = ["nadam_update", "validate_nadam_args", "stage_beta1", "nadam_mu"]
-
-
-def nadam_mu(beta1: float, momentum_decay: float, t: float) -> float:
-    """Dozat's momentum schedule as torch.optim.NAdam: ``beta1 * (1 - 0.5 * 0.96**(t * psi))``."""
-    return beta1 * (1.0 - 0.5 * (0.96 ** (t * momentum_decay)))
 
 
 def stage_beta1(beta1: float, beta1_max: float, num_stages: int, delay: int) -> float:
@@ -42,23 +31,6 @@ def stage_beta1(beta1: float, beta1_max: float, num_stages: int, delay: int) -> 
     keeps. Under PipeDream weight stashing V_s - 1 is the stage's delay D_s, which is what
     the engine knows per group, so this takes ``delay`` for V_s - 1."""
     return beta1 + delay * (beta1_max - beta1) / num_stages
-
-
-def validate_nadam_args(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
-                        mu_product: Tensor, step: Tensor, *, last_update: Tensor | None,
-                        predicted: Tensor | None, delta: Tensor | None,
-                        grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
-    """Raise a clear error (naming the tensor) before anything is written."""
-    _check_common(param, grad, predicted, delta, grad_scale, found_inf)
-    if exp_avg is None or exp_avg_sq is None:
-        raise ValueError("exp_avg and exp_avg_sq are required")
-    sd = state_dtype(param.dtype)
-    _check_like("exp_avg", exp_avg, param, sd)
-    _check_like("exp_avg_sq", exp_avg_sq, param, sd)
-    _check_like("last_update", last_update, param, sd)
-    for name, t in (("step", step), ("mu_product", mu_product)):
-        if not isinstance(t, Tensor) or t.numel() != 1 or t.dtype != torch.float32:
-            raise TypeError(f"{name} must be a one-element float32 tensor, got {t!r}")
 
 
 def nadam_update(

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.optim.dispatch import FUSED_DTYPES, multi_kernel
+from engine.optim.dispatch import FUSED_DTYPES
 
 __all__ = ["MultiTensorSteps", "STATE_ROLES"]
 
@@ -93,6 +93,7 @@ class MultiTensorSteps:
     """The multi-tensor path of :class:`~engine.optim.base.DelayOptimizer` (a mixin)."""
 
     _family: str
+    _paths: Any  # engine.optim.dispatch.UpdatePaths
     _shared_scalars: tuple[tuple[str, float], ...]
     state: Any
     #: group id -> (group, its layout); the group is kept so that its id stays its own
@@ -114,7 +115,7 @@ class MultiTensorSteps:
             layout = self._build_layout(group, params, key)
             self._forget_dead_groups(layouts)
             layouts[id(group)] = (group, layout)
-        fn = multi_kernel(self._family)
+        fn = self._paths.fused
         for launch in layout.launches:
             self._call_update(fn, group, launch.table, None, launch.state, launch.init,
                               launch.predicted, grad_scale, found_inf)
@@ -179,7 +180,7 @@ class MultiTensorSteps:
             predicted = self._predicted_buffer(group, p, p)
             sig = _signature(p, g, tensors, predicted, init)
             by_sig.setdefault(sig, []).append((p, tensors, predicted))
-        kernel = multi_kernel(self._family)
+        kernel = self._paths.fused
         start = 0
         for sig, items in by_sig.items():
             ps = [p for p, _, _ in items]
@@ -204,7 +205,7 @@ class MultiTensorSteps:
         for item in batch:
             param, grad, tensors, init, predicted = item
             by_sig.setdefault(_signature(param, grad, tensors, predicted, init), []).append(item)
-        fn = multi_kernel(self._family)
+        fn = self._paths.fused
         entry = self._bucket_tables.get(id(group))
         if entry is None or entry[0] is not group:
             entry = self._bucket_tables[id(group)] = (group, {})

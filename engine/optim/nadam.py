@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from engine.optim.adam import _AdamBase
+from engine.optim import lr_values
 from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _is_real_number
 from engine.optim.functional_nadam import stage_beta1
 from engine.optim.options import scalar
@@ -164,11 +165,13 @@ class NAdam(_AdamBase):
         grad_scale: Tensor | None,
         found_inf: Tensor | None,
     ) -> None:
-        reference = fn is self._kernel_pair[0]
+        reference = fn is self._paths.reference
         gamma = self._delta_gamma(group)
         # the reference path takes a Tensor lr as torch does (its rounding follows it)
         lr = group["lr"]
-        if not (reference and isinstance(lr, Tensor) and "lr_scale" not in group):
+        if not reference:  # a device lr where the kernels can load it (lr_values.on_device)
+            lr = lr_values.for_launch(group, param.device)
+        elif not (isinstance(lr, Tensor) and "lr_scale" not in group):
             lr = self.effective_lr(group)
         fn(
             param,

@@ -8,9 +8,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.optim import cpu_loop
+from engine.optim import lr_values
 from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _functional, _is_real_number
 from engine.optim.options import scalar
+from engine.update_rules import lr_product
 
 __all__ = ["SGD"]
 
@@ -178,15 +179,22 @@ class SGD(DelayOptimizer):
         grad_scale: Tensor | None,
         found_inf: Tensor | None,
     ) -> None:
-        lr = self.effective_lr(group)
+        lr: float | Tensor
+        if fn is self._paths.fused:
+            lr = lr_values.for_launch(group, param.device)  # (param: a tensor or a segment table)
+        else:
+            lr = self.effective_lr(group)
         gamma = self._delta_gamma(group)
-        coeff = 0.0
+        coeff: float | Tensor = 0.0
         if predicted is not None:
-            coeff = _functional().prediction_coeff(group["prediction"], lr, group["momentum"], self._horizon(group))
+            rule = _functional().prediction_coeff
+            if isinstance(lr, Tensor):  # lr * c on the device, the bits the float path has
+                coeff = lr_product(lr, rule(group["prediction"], 1.0, group["momentum"],
+                                            self._horizon(group)))
+            else:
+                coeff = rule(group["prediction"], lr, group["momentum"], self._horizon(group))
         sc_delay = group["delay"] if group["spike_compensation"] else 0
-        ref = self._kernel_pair[0]
-        if fn is ref and (sc_delay or predicted is not None or gamma is not None) and cpu_loop.enabled():
-            fn = cpu_loop.sgd_update  # runs the reference itself where the loop does not apply
+        ref = self._paths.reference
         weight_decay = scalar(group["weight_decay"])
         if fn is ref and group["differentiable"]:
             # autograd through the step reaches Tensor hyperparameters, as in torch: pass them
@@ -232,9 +240,9 @@ class SGD(DelayOptimizer):
     _direction_key = "momentum_buffer"
 
     def _prediction_coeff(self, group: dict[str, Any], horizon: float) -> float:
-        return _functional().prediction_coeff(
-            group["prediction"],
-            group.get("prediction_lr", self.effective_lr(group)),
-            group["momentum"],
-            horizon,
-        )
+        lr = group.get("prediction_lr")
+        if lr is None:
+            lr = self.effective_lr(group)
+        elif isinstance(lr, Tensor):  # kept on the device by a step with a device lr
+            lr = float(lr)
+        return _functional().prediction_coeff(group["prediction"], lr, group["momentum"], horizon)

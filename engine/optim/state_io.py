@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from engine.optim import functional
-from engine.optim.dispatch import kernels
+from engine.optim.dispatch import paths
 from engine.optim.options import DELAY_DEFAULTS
 
 __all__ = ["StateDictIO"]
@@ -46,8 +46,17 @@ class StateDictIO:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load_state_dict; also forgets flat buffers and cached predictions, which
-        point at the replaced state (the next step re-creates them from the loaded values)."""
+        point at the replaced state (the next step re-creates them from the loaded values).
+        A Tensor lr the groups held keeps its object and address, the loaded value copied in
+        (a device lr read by the kernels, a captured step, a scheduler hold that tensor)."""
+        held = [g.get("lr") for g in self.param_groups]
         super().load_state_dict(state_dict)  # calls __setstate__: missing keys are filled
+        for group, lr in zip(self.param_groups, held, strict=True):
+            new = group.get("lr")
+            if isinstance(lr, Tensor) and isinstance(new, Tensor) and new is not lr \
+                    and new.numel() == lr.numel():
+                lr.copy_(new.detach().reshape(lr.shape))
+                group["lr"] = lr
         self._restore_state_dtypes(state_dict)
         self._forget_flat_state()
 
@@ -86,7 +95,7 @@ class StateDictIO:
         self.__dict__.setdefault("_auto", {})
         self.__dict__.setdefault("_checked", {})
         self.__dict__.setdefault("last_step_predicted", False)
-        self.__dict__.setdefault("_kernel_pair", kernels(self._family))
+        self.__dict__.setdefault("_paths", paths(self._family))
         self.__dict__.setdefault("_fuse_cache", {})
         # a state_dict from torch.optim (or an older engine version) lacks some options
         # (the delay options; torch's flags in older checkpoints): this optimizer's defaults

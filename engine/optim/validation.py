@@ -16,7 +16,7 @@ from typing import Any
 from torch import Tensor
 
 from engine.optim.dispatch import FUSED_DTYPES
-from engine.optim.functional import _PARAM_DTYPES
+from engine.update_rules import PARAM_DTYPES as _PARAM_DTYPES
 from engine.optim.options import check_delay_options
 
 __all__ = ["OptionChecks", "PARAM_DTYPES"]
@@ -30,11 +30,18 @@ _NOT_NONE = functools.partial(operator.is_not, None)
 PARAM_DTYPES = _PARAM_DTYPES
 
 
+#: group entries that are records, not options: no check reads them (a step adds
+#: ``prediction_lr``, a device tensor with a device lr: re-checking the options then would
+#: read that lr on the host, in the step a capture's warm-up watches)
+_RECORDS = ("prediction_lr", "initial_lr")
+
+
 def _option_key(group: dict[str, Any]) -> tuple[Any, ...]:
     """The group's option values, comparable with ==, to tell whether they changed (tensors
     by identity: comparing their values would need a host read; the params list by identity,
     it is checked separately). Runs every step: a list comprehension, no generator."""
-    return tuple([id(v) if isinstance(v, (Tensor, list)) else v for v in group.values()])
+    return tuple([id(v) if isinstance(v, (Tensor, list)) else v for k, v in group.items()
+                  if k not in _RECORDS])
 
 
 class OptionChecks:

@@ -10,10 +10,14 @@ Why replays are exact: a fused kernel's launch depends on nothing but its argume
 option (lr, momentum, the delay options, ...), the address of every buffer the step reads or
 writes (weights, gradients, state, predicted weights, AMP's ``grad_scale``/``found_inf``).
 A step whose key was recorded replays its graph; a key first seen runs eagerly; a key seen
-before (in an eager step) is captured, then replayed. So an LR schedule that changes ``lr``
-at every update never captures (every step runs eagerly, as without graphs), a schedule that
-changes it every few hundred updates recaptures once per change, and a weight store that
+before (in an eager step) is captured, then replayed. So a float ``lr`` that an LR schedule
+changes at every update never captures (every step runs eagerly, as without graphs), one that
+changes every few hundred updates recaptures once per change, and a weight store that
 alternates between two buffers (PipeDream-2BW's double buffer) keeps one graph per buffer.
+An ``lr`` given as a one-element float32 tensor on the stage's device (torch's convention for
+capturable optimizers; its schedulers write it in place) is loaded by the kernels on the
+device: the key holds its address, not its value, so a schedule never forces a recapture
+(engine/optim/lr_values.py).
 
 What is captured: ``optimizer.step()`` only. Forwards, backwards, the weight store's version
 bookkeeping and snapshots, gradient rescaling of partial groups, data-parallel all-reduces and
@@ -23,8 +27,8 @@ A step that is not in the steady state of a bound stage -- the first step (it cr
 state), a param group spread over several flat buckets (mixed dtypes: one multi-tensor launch
 whose device pointer table is rebuilt when a buffer changes, which a graph would not see), a
 step in which some parameter got no gradient (its ``.grad`` is hidden, so the
-gradients are not all in the flat buffer), a Tensor-valued option (the kernels read it on the
-host), optimizer step hooks (they would run at capture only), a profiler recording (labels)
+gradients are not all in the flat buffer), a Tensor-valued option other than a device lr (the
+kernels read it on the host), optimizer step hooks (they would run at capture only), a profiler recording (labels)
 -- runs eagerly; ``Pipeline.stats()["cuda_graphs"]`` counts the steps of each kind per stage
 and says why the last eager step was not replayed.
 
@@ -48,9 +52,10 @@ from engine.runtime import labels
 
 __all__ = ["CudaGraphBackend", "StepGraphs", "attach_step_graphs", "graph_refusal", "launch_key"]
 
-#: group entries that are not options: the params, and the lr the step itself records for
-#: later predictions (set from lr and lr_scale before the launch, so it lags a step behind)
-_DERIVED = ("params", "prediction_lr")
+#: group entries that are not options: the params, the lr the step itself records for later
+#: predictions (set from lr and lr_scale before the launch, so it lags a step behind), and
+#: the first lr an LR scheduler keeps (a Tensor clone for a Tensor lr; no step reads it)
+_DERIVED = ("params", "prediction_lr", "initial_lr")
 #: engine.optim families whose step is the fused kernels (and nothing that reads the host)
 CAPTURABLE_FAMILIES = ("sgd", "adam", "nadam")
 
@@ -128,8 +133,14 @@ def launch_key(opt: Any, extra: tuple[Hashable, ...] = (), *, reference_ok: bool
             if k in _DERIVED:
                 continue
             if isinstance(v, Tensor):
-                return (f"param group {i}'s {k!r} is a Tensor: the fused kernels read its value "
-                        "on the host at every step; pass a float")
+                if k == "lr" and params and opt.device_lr(group, params[0].device) is v:
+                    # read by the kernels on the device: its address is the launch argument,
+                    # its value (written in place by an LR schedule) is not
+                    options.append((k, ("device tensor", v.data_ptr())))
+                    continue
+                return (f"param group {i}'s {k!r} is a Tensor the fused kernels cannot read on "
+                        "the device (only lr, as one float32 element on the params' device, "
+                        "without a legacy lr_scale): pass a float, or lr as such a tensor")
             options.append((k, _hashable(v)))
         parts.append((tuple(options), tuple(buffers)))
     return tuple(parts)

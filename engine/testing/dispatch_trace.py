@@ -170,6 +170,11 @@ class Recorder(TorchDispatchMode):
             else:
                 continue
             tensors = _tensors(value)
+            if isinstance(value, torch.UntypedStorage):
+                # by address, not by its repr (which lists its contents): Triton's CPU
+                # interpreter re-points tensors at their storages (set_) around each launch
+                constants.append(f"{arg.name}=storage@{value.data_ptr()}")
+                continue
             if not tensors:
                 constants.append(f"{arg.name}={value!r}")
                 continue
