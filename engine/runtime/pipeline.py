@@ -147,6 +147,11 @@ class Pipeline:
         ties: ties between factory-built stages (which cannot share a parameter object), e.g.
             ``[["0:tok.weight", "3:head.weight"]]``: checked at build, trained as an object tie
             (synchronous schedules; runtime/ties.py).
+        mesh: a ``DeviceMesh`` (``init_device_mesh``) with dimensions named ``pp`` (required),
+            ``dp`` and ``tp``: the pipeline, data-parallel and tensor-parallel ranks (gloo/NCCL).
+            A stage factory accepting ``tp_mesh=`` receives its tp sub-mesh and shards the
+            stage with torch's ``parallelize_module``; the engine keeps each rank's local
+            shards (runtime/mesh.py, runtime/tensor_parallel.py).
     """
 
     def __init__(
@@ -186,6 +191,7 @@ class Pipeline:
         grad_scaler: dict[str, Any] | None = None,
         offload_activations: bool = False,
         ties: Sequence[Sequence[Any]] | None = None,
+        mesh: Any = None,
     ) -> None:
         fam = FAMILIES.get(schedule) if isinstance(schedule, str) else None
         self._meter = StepMeter()  # stats()["throughput"]
@@ -204,6 +210,10 @@ class Pipeline:
             schedule_name=schedule if isinstance(schedule, str) else "",
             l2_persistence=l2_persistence, cuda_graphs=cuda_graphs,
         )
+        if mesh is not None:  # tensor parallelism: one pp x dp x tp mesh (runtime/mesh.py)
+            from engine.runtime.mesh import configure
+
+            self.config = configure(self.config, mesh)
         if self.config.distributed:
             from engine.runtime.rank import build_distributed
 
@@ -212,6 +222,7 @@ class Pipeline:
                 balance, weight_prediction, discrepancy_correction, lr_scheduler,
                 num_stages, sample, memory_cap_bytes, deferred_batch_norm=deferred_batch_norm,
                 balance_repeats=balance_repeats, balance_profile=balance_profile, tied=ties,
+                mesh=mesh,
             )
             return
         if isinstance(balance, str):

@@ -62,8 +62,10 @@ def build_distributed(
     balance_repeats: int = 3,
     balance_profile: Any = None,
     tied: Any = None,
+    mesh: Any = None,
 ) -> None:
-    """The distributed half of ``Pipeline.__init__`` (``tied``: its ``ties`` argument)."""
+    """The distributed half of ``Pipeline.__init__`` (``tied``: its ``ties`` argument;
+    ``mesh``: its DeviceMesh, engine/runtime/mesh.py)."""
     from engine.runtime.distributed import RankRuntime, broadcast_balance
     from engine.runtime.transport.layout import init_distributed, make_layout
     from engine.runtime.transport.p2p import P2PTransport
@@ -92,14 +94,24 @@ def build_distributed(
 
         ranks = check_virtual(spec, cfg.data_parallel)
     try:
-        layout = make_layout(ranks, cfg.data_parallel)
+        if mesh is not None:  # tensor parallelism (runtime/mesh.py)
+            from engine.runtime.mesh import mesh_layout, refuse_with_mesh
+
+            refuse_with_mesh(virtual, tied, stages)
+            layout = mesh_layout(mesh, ranks)
+        else:
+            layout = make_layout(ranks, cfg.data_parallel)
     except ValueError as exc:
         per = f" (interleaved: the {spec.stages} virtual stages run on {ranks} ranks)" if virtual else ""
         raise PipelineConfigError(f"{exc}{per}") from None
     place = RankPlacement.of(spec)  # round-robin, the V, or any map (engine/runtime/placement.py)
     layout = dataclasses.replace(layout, last_index=place.last)
     mine = place.held(layout.stage)
-    modules = [build_module(specs[s], s) for s in mine]
+    from engine.runtime.mesh import with_tp_mesh  # (a tp_mesh= factory gets its sub-mesh)
+    from engine.runtime.tensor_parallel import finish_stages, localize_stages
+
+    modules = [build_module(with_tp_mesh(specs[s], layout), s) for s in mine]
+    tp_stages = localize_stages(modules, mine, layout)  # DTensor weights -> local shards
     if deferred_batch_norm:
         from engine.runtime.batch_norm import convert_deferred_batch_norm
 
@@ -135,10 +147,11 @@ def build_distributed(
         deferred_batch_norm=deferred_batch_norm,
         **pipe.features.describe(),
         **tie_shapes,  # compared among the ranks holding each declared tie
+        **({"tensor_parallel": layout.tp} if mesh is not None else {}),
     )
     held = modules[0] if not virtual else nn.ModuleList(modules)
     fp = fingerprint(spec, cfg, options, ties, bridge.opt if bridge is not None else None, held)
-    agree(fp, layout.rank, ranks, device)
+    agree(fp, layout.rank, ranks, device, stage_of=getattr(layout, "place_of", None))
     broadcast_owner(declared, here, lambda s: layout.replica * ranks + place.rank_of(s))
     pipe.device = device
     pipe.layout = layout
@@ -187,6 +200,7 @@ def build_distributed(
     from engine.runtime.step_features import attach
 
     attach(pipe, layout.pipeline_group)  # clipping, mixed precision, offload
+    finish_stages(pipe, tp_stages, layout)  # tensor parallelism: optimizers, clipping norms
 
 
 def _with_flag(reduce: Callable[[list[Tensor]], None], found_inf: Tensor) -> Callable[[list[Tensor]], None]:
