@@ -92,6 +92,23 @@ def test_mesh_pp_size_must_equal_the_stage_count(four: list[dict[str, Any]]) -> 
         assert "4 stage ranks" in msg
 
 
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("dim_name", "mesh dimension(s) ['cp'] are not pipeline dimensions"),
+        ("data_parallel", "data_parallel=2 disagrees with the mesh's dp dimension of size 1"),
+        ("local", "use transport='gloo' or 'nccl'"),
+        ("not_a_mesh", "mesh must be a torch.distributed.device_mesh.DeviceMesh"),
+    ],
+)
+def test_a_mesh_that_disagrees_is_refused_on_every_rank(
+    four: list[dict[str, Any]], case: str, words: str
+) -> None:
+    for res in four:
+        msg = res["tp_support.phase_tp_refusals"][case]
+        assert msg.startswith("PipelineConfigError") and words in msg, msg
+
+
 def test_checkpoint_loads_into_the_same_layout_bit_for_bit(four: list[dict[str, Any]]) -> None:
     for rank, res in enumerate(four):
         got = res["tp_support.phase_tp_checkpoint"]

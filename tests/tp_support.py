@@ -235,14 +235,20 @@ def phase_tp_refusals(rank: int) -> dict[str, Any]:
     from engine import Pipeline
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    odd = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))
     out: dict[str, Any] = {}
-    for name, stages, opt in (
-        ("muon", factories(2), lambda p: eo.Muon(p, lr=0.02)),
-        ("pp_size", factories(4), sgd()),
+    for name, stages, opt, extra in (
+        ("muon", factories(2), lambda p: eo.Muon(p, lr=0.02), {}),
+        ("pp_size", factories(4), sgd(), {}),
+        ("dim_name", factories(2), sgd(), dict(mesh=odd)),
+        ("data_parallel", factories(2), sgd(), dict(data_parallel=2)),
+        ("local", factories(2), sgd(), dict(transport="local")),
+        ("not_a_mesh", factories(2), sgd(), dict(mesh=[[0, 1], [2, 3]])),
     ):
         try:
+            kw: dict[str, Any] = {**dict(transport="gloo", mesh=mesh, timeout=30), **extra}
             Pipeline(stages, schedule="gpipe", chunks=2, loss_fn=nn.functional.mse_loss,
-                     optimizer=opt, transport="gloo", mesh=mesh, timeout=30)
+                     optimizer=opt, **kw)
             out[name] = "built"
         except Exception as exc:
             out[name] = f"{type(exc).__name__}: {exc}"
@@ -284,7 +290,7 @@ def phase_tp_checkpoint(rank: int, root: str) -> dict[str, Any]:
 
         with open(os.path.join(path, "manifest.json")) as f:
             out["manifest"] = json.load(f)
-    except Exception as exc:
+    except Exception:
         import traceback
 
         out["error"] = traceback.format_exc()

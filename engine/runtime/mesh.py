@@ -174,13 +174,6 @@ def with_tp_mesh(spec: Any, layout: Layout) -> Any:
     return call
 
 
-def configure(config: Any, mesh: Any) -> Any:
-    """``Pipeline.__init__``'s check of ``mesh=``: the config with ``data_parallel`` set to the
-    mesh's dp size (so the rest of the build reads one number)."""
-    sizes = check_mesh(mesh, config.transport, config.data_parallel)
-    return dataclasses.replace(config, data_parallel=sizes["dp"])
-
-
 def refuse_with_mesh(virtual: bool, tied: Any, stages: Any) -> None:
     """What the mesh layout does not carry yet, refused before any group exists."""
     if virtual:

@@ -147,11 +147,7 @@ class Pipeline:
         ties: ties between factory-built stages (which cannot share a parameter object), e.g.
             ``[["0:tok.weight", "3:head.weight"]]``: checked at build, trained as an object tie
             (synchronous schedules; runtime/ties.py).
-        mesh: a ``DeviceMesh`` (``init_device_mesh``) with dimensions named ``pp`` (required),
-            ``dp`` and ``tp``: the pipeline, data-parallel and tensor-parallel ranks (gloo/NCCL).
-            A stage factory accepting ``tp_mesh=`` receives its tp sub-mesh and shards the
-            stage with torch's ``parallelize_module``; the engine keeps each rank's local
-            shards (runtime/mesh.py, runtime/tensor_parallel.py).
+        mesh: a DeviceMesh with dims pp, dp, tp (gloo/NCCL; tensor parallelism: runtime/mesh.py).
     """
 
     def __init__(
@@ -208,12 +204,8 @@ class Pipeline:
             optimizer=optimizer, lr_scheduler=lr_scheduler,
             synchronous_hint=None if fam is None else fam.synchronous,
             schedule_name=schedule if isinstance(schedule, str) else "",
-            l2_persistence=l2_persistence, cuda_graphs=cuda_graphs,
+            l2_persistence=l2_persistence, cuda_graphs=cuda_graphs, mesh=mesh,
         )
-        if mesh is not None:  # tensor parallelism: one pp x dp x tp mesh (runtime/mesh.py)
-            from engine.runtime.mesh import configure
-
-            self.config = configure(self.config, mesh)
         if self.config.distributed:
             from engine.runtime.rank import build_distributed
 
@@ -222,7 +214,7 @@ class Pipeline:
                 balance, weight_prediction, discrepancy_correction, lr_scheduler,
                 num_stages, sample, memory_cap_bytes, deferred_batch_norm=deferred_batch_norm,
                 balance_repeats=balance_repeats, balance_profile=balance_profile, tied=ties,
-                mesh=mesh,
+                mesh=mesh,  # tensor parallelism (runtime/mesh.py)
             )
             return
         if isinstance(balance, str):
