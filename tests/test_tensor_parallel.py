@@ -2,7 +2,8 @@
 
 A small transformer (attention + MLP blocks sharded column/row-wise by torch's
 ``parallelize_module`` in the stage factory, which receives its ``tp_mesh``) trains with
-gpipe and 1f1b (SGD, Adam, gradient clipping): every rank's local shards equal the same
+gpipe and 1f1b (SGD, Adam, gradient clipping; and a model whose activation between the
+stages is a DTensor sharded across tp): every rank's local shards equal the same
 shards of the unpipelined, unsharded model trained by torch within TOL; the asynchronous pb
 with linear weight prediction (and pipedream's stashing) equals the same schedule without
 tensor parallelism (the local pipeline of the unsharded stages) within TOL. Muon on sharded
@@ -30,8 +31,8 @@ pytestmark = [
 #: float32, 6 steps: sharded matmuls sum in another order than the whole ones (measured max
 #: difference 1.2e-7 for Adam, 6e-8 for SGD); moved weights change by > 1e-2
 TOL = 1e-6
-SYNC = ["gpipe", "1f1b", "1f1b-adam", "gpipe-clip"]
-ASYNC = ["pb-lwp", "pipedream"]
+SYNC = ["gpipe", "1f1b", "1f1b-adam", "gpipe-clip", "split-1f1b"]
+ASYNC = ["pb-lwp", "pipedream", "split-pb-lwp"]
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +78,19 @@ def test_each_rank_holds_half_of_every_sharded_matrix(four: list[dict[str, Any]]
     # stage 0: inp (8x8 + 8), ln1, q (4x8 + 4), k (4x8), v (4x8 + 4), o (8x4 + 8), ln2, fc1 (8x8 + 8), fc2 (8x8 + 8)
     assert (4, 8) in shapes and (8, 4) in shapes
     assert shapes == four[1]["tp_support.phase_tp_train"]["gpipe"]["shapes"]
+
+
+def test_a_sharded_activation_travels_as_local_parts_and_arrives_as_a_dtensor(
+    four: list[dict[str, Any]],
+) -> None:
+    """split-*: stage 0 ends column-parallel (its output a DTensor sharded on the last dim),
+    stage 1 starts row-parallel; stage 1 agreed those placements at the handshake."""
+    for rank, res in enumerate(four):
+        got = res["tp_support.phase_tp_train"]["split-1f1b"]
+        if rank >= 2:  # stage 1's ranks
+            assert got["inputs"] in ("[(Shard(dim=2),)]", "[(Shard(dim=-1),)]"), got["inputs"]
+        else:
+            assert got["inputs"] == "None", got["inputs"]
 
 
 def test_muon_on_sharded_matrices_is_refused(four: list[dict[str, Any]]) -> None:

@@ -94,6 +94,34 @@ def factories(S: int) -> list[Callable[..., nn.Module]]:
     return [make(s) for s in range(S)]
 
 
+def split_factories(S: int = 2) -> list[Callable[..., nn.Module]]:
+    """A column-parallel layer at the end of stage 0 and its row-parallel partner at the start
+    of stage 1: the activation between them is a DTensor sharded on its last dimension, and
+    each tp rank sends only its half to the next stage."""
+
+    def make(s: int) -> Callable[..., nn.Module]:
+        def build(tp_mesh: Any = None) -> nn.Module:
+            torch.manual_seed(700 + s)
+            if s == 0:
+                m = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, HIDDEN), nn.GELU())
+            else:
+                m = nn.Sequential(nn.Linear(HIDDEN, D), nn.Tanh(), nn.Linear(D, OUT))
+            if tp_mesh is not None and tp_mesh.size() > 1:
+                from torch.distributed.tensor.parallel import (
+                    ColwiseParallel,
+                    RowwiseParallel,
+                    parallelize_module,
+                )
+
+                style = ColwiseParallel(use_local_output=False) if s == 0 else RowwiseParallel()
+                parallelize_module(m, tp_mesh, {"2" if s == 0 else "0": style})
+            return m
+
+        return build
+
+    return [make(s) for s in range(S)]
+
+
 def batch(step: int, B: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(500 + step)
     return torch.randn(B, T, D, generator=g), torch.randn(B, T, OUT, generator=g)
@@ -115,18 +143,24 @@ def configs() -> dict[str, dict[str, Any]]:
         "gpipe-clip": dict(schedule="gpipe", optimizer=sgd(), clip_grad_norm=0.05),
         "pb-lwp": dict(schedule="pb", optimizer=sgd(prediction="linear"), checkpoint="never"),
         "pipedream": dict(schedule="pipedream", optimizer=sgd()),
+        "split-1f1b": dict(schedule="1f1b", optimizer=sgd()),
+        "split-pb-lwp": dict(schedule="pb", optimizer=sgd(prediction="linear"), checkpoint="never"),
     }
 
 
 #: the synchronous configurations (compared with the unpipelined, unsharded model)
-SYNC = ("gpipe", "1f1b", "1f1b-adam", "gpipe-clip")
+SYNC = ("gpipe", "1f1b", "1f1b-adam", "gpipe-clip", "split-1f1b")
+
+
+def model(name: str) -> Callable[[int], list[Callable[..., nn.Module]]]:
+    return split_factories if name.startswith("split-") else factories
 
 
 def reference(name: str, S: int, steps: int, B: int, M: int) -> list[torch.Tensor]:
     """The unpipelined, unsharded model trained with torch's optimizer on whole batches
     (equal micro-batches: the mean of their mean losses is the batch's mean loss)."""
-    model = nn.Sequential(*[f() for f in factories(S)])
-    params = list(model.parameters())
+    net = nn.Sequential(*[f() for f in model(name)(S)])
+    params = list(net.parameters())
     if name.endswith("-adam"):
         opt: torch.optim.Optimizer = torch.optim.Adam(params, lr=1e-2)
     else:
@@ -134,7 +168,7 @@ def reference(name: str, S: int, steps: int, B: int, M: int) -> list[torch.Tenso
     for t in range(steps):
         x, y = batch(t, B)
         opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
+        nn.functional.mse_loss(net(x), y).backward()
         if name == "gpipe-clip":
             torch.nn.utils.clip_grad_norm_(params, 0.05)
         opt.step()
@@ -165,8 +199,8 @@ def my_shards(pipe: Any, full_by_stage: dict[int, list[torch.Tensor]], S: int) -
     return out
 
 
-def split_reference(params: list[torch.Tensor], S: int) -> dict[int, list[torch.Tensor]]:
-    counts = [sum(1 for _ in f().parameters()) for f in factories(S)]
+def split_reference(params: list[torch.Tensor], S: int, name: str) -> dict[int, list[torch.Tensor]]:
+    counts = [sum(1 for _ in f().parameters()) for f in model(name)(S)]
     out, k = {}, 0
     for s, n in enumerate(counts):
         out[s] = params[k : k + n]
@@ -190,7 +224,8 @@ def phase_tp_train(rank: int, shape: tuple[int, ...], names: list[str], B: int =
     for name in names:
         kw = dict(configs()[name], chunks=M)
         try:
-            pipe = Pipeline(factories(S), loss_fn=nn.functional.mse_loss, transport="gloo",
+            make = model(name)
+            pipe = Pipeline(make(S), loss_fn=nn.functional.mse_loss, transport="gloo",
                             mesh=mesh, timeout=60, **kw)
             shard = replica_rows(pipe.layout.replica, dp, B // M) if dp > 1 else None
             losses = []
@@ -201,15 +236,15 @@ def phase_tp_train(rank: int, shape: tuple[int, ...], names: list[str], B: int =
                 losses.append(float(pipe.step(x, y)))
             pipe.flush()
             if name in SYNC:
-                ref = split_reference(reference(name, S, STEPS, B * dp, M), S)
+                ref = split_reference(reference(name, S, STEPS, B * dp, M), S, name)
             else:
-                local = Pipeline([f() for f in factories(S)], loss_fn=nn.functional.mse_loss, **kw)
+                local = Pipeline([f() for f in make(S)], loss_fn=nn.functional.mse_loss, **kw)
                 for t in range(STEPS):
                     local.step(*batch(t, B * dp))
                 local.flush()
                 ref = {st.index: [p.detach() for p in st.module.parameters()] for st in local.stages}
             pairs = my_shards(pipe, ref, S)
-            init = my_shards(pipe, {s: [p.detach() for p in f().parameters()] for s, f in enumerate(factories(S))}, S)
+            init = my_shards(pipe, {s: [p.detach() for p in f().parameters()] for s, f in enumerate(make(S))}, S)
             diffs = [float((a - b).abs().max()) for a, b in pairs]
             pnames = [n for st in pipe.stages for n, _ in st.module.named_parameters()]
             out[name] = {
@@ -219,6 +254,8 @@ def phase_tp_train(rank: int, shape: tuple[int, ...], names: list[str], B: int =
                 "shapes": [tuple(a.shape) for a, _ in pairs],
                 "losses": losses,
                 "tp": getattr(pipe, "tensor_parallel", 1),
+                "inputs": repr(getattr(pipe.stages[0].module, "_engine_tp_inputs", None) and
+                               pipe.stages[0].module._engine_tp_inputs.placements),
             }
         except Exception as exc:
             import traceback

@@ -111,7 +111,7 @@ def build_distributed(
     from engine.runtime.tensor_parallel import finish_stages, localize_stages
 
     modules = [build_module(with_tp_mesh(specs[s], layout), s) for s in mine]
-    tp_stages = localize_stages(modules, mine, layout)  # DTensor weights -> local shards
+    tp_stages = localize_stages(modules, mine, layout, spec.stages)  # DTensor weights -> shards
     if deferred_batch_norm:
         from engine.runtime.batch_norm import convert_deferred_batch_norm
 

@@ -19,15 +19,19 @@ clipping sums |g|^p of sharded parameters over the ``tp`` group and counts repli
 once (:func:`reduce_norms`); Muon's orthogonalisation and BasisRotation's eigenbasis need the
 whole matrix and are refused for sharded parameters (:func:`check_optimizer`).
 
-Between stages: a stage output leaf that is a DTensor with replicated placements travels as
-its local part (the full value) and arrives as a plain tensor; an ``AsyncCollectiveTensor``
-(``use_local_output=True`` outputs) is waited for. Sharded or partial outputs are refused
-with the leaf's name (redistribute to ``Replicate()`` or use ``use_local_output=True`` on a
-row-wise last layer).
+Between stages (:func:`connect_transport`): each output leaf that is a DTensor travels as
+this rank's local part to the same tp rank of the next stage, which receives a DTensor again
+(``DTensor.from_local`` with the same placements; shards split evenly, as ``from_local``
+assumes); plain leaves stay plain (an ``AsyncCollectiveTensor`` is waited for). The
+placements are agreed at the handshake: stage s's dry run fixes its output leaves'
+placements and sends them right after its Signature; a later output with other placements
+is refused naming the leaf and both placements. Partial sums cannot travel (reduce first),
+and the last stage's output must be replicated (``loss_fn`` sees the whole value).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -47,10 +51,14 @@ def _dtensor_types() -> tuple[type, ...]:
 
 class TensorParallelStage:
     """What :func:`localize` recorded about one stage module: per local parameter, the mesh,
-    placements, global shape and stride of its DTensor."""
+    placements, global shape and stride of its DTensor; and the placements of its output."""
 
-    def __init__(self, stage: int) -> None:
+    def __init__(self, stage: int, last: bool = False) -> None:
         self.stage = stage
+        self.last = last  # the last stage: its output meets loss_fn, which needs whole values
+        #: per output leaf (flatten order): its placements, fixed by the first forward (the
+        #: handshake's dry run); None for a plain tensor
+        self.out_placements: list[tuple[Any, ...] | None] | None = None
         #: (owner module, attribute name, local parameter, mesh, placements, shape, stride)
         self.entries: list[tuple[nn.Module, str, nn.Parameter, Any, tuple[Any, ...], Any, Any]] = []
         #: ids of local parameters whose placements shard them (not all Replicate)
@@ -73,33 +81,66 @@ class TensorParallelStage:
         return self.plain_output(output)
 
     def plain_output(self, output: Any) -> Any:
+        """The output with each DTensor leaf replaced by its local part (module docstring);
+        the placements must be those of the first forward, leaf by leaf."""
         from engine.runtime import trees
 
-        return trees.map_tensors(lambda t: _plain(t, self.stage), output) if not isinstance(
-            output, Tensor
-        ) else _plain(output, self.stage)
-
-
-def _plain(t: Tensor, stage: int, path: str = "output") -> Tensor:
-    """A stage output leaf as a plain tensor (module docstring)."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    from torch.distributed.tensor import DTensor, Replicate
-
-    if isinstance(t, DTensor):
-        if not all(isinstance(p, Replicate) for p in t.placements):
+        leaves = trees.with_paths(output, "output")
+        seen = [tuple(t.placements) if _is_dtensor(t) else None for _, t in leaves]
+        if self.out_placements is None:
+            self.out_placements = seen
+        elif seen != self.out_placements:
+            k = next(i for i, (a, b) in enumerate(zip(seen, self.out_placements, strict=False)) if a != b)
             raise PipelineInputError(
-                f"stage {stage}'s {path} is a DTensor with placements {tuple(t.placements)}; "
-                "only replicated DTensors travel between stages for now. Redistribute it to "
-                "Replicate() (or use RowwiseParallel(use_local_output=True) / "
-                "ColwiseParallel(output_layouts=Replicate())) before the stage returns"
+                f"stage {self.stage}'s {leaves[k][0]} has placements {seen[k]} but the pipeline "
+                f"agreed {self.out_placements[k]} at its first step; a stage output keeps its "
+                "placements (the next stage reads the local part with the agreed layout)"
             )
-        t = t.to_local()
+        for (path, t), pl in zip(leaves, seen, strict=True):
+            if pl is not None:
+                _check_placements(self.stage, path, pl, self.last)
+        if isinstance(output, Tensor):
+            return _plain(output)
+        return trees.map_tensors(_plain, output)
+
+
+def _is_dtensor(t: Any) -> bool:
+    (DTensor,) = _dtensor_types()
+    return isinstance(t, DTensor)
+
+
+def _check_placements(stage: int, path: str, placements: tuple[Any, ...], last: bool) -> None:
+    from torch.distributed.tensor import Partial, Replicate
+
+    if any(isinstance(p, Partial) for p in placements):
+        raise PipelineInputError(
+            f"stage {stage}'s {path} is a DTensor with placements {placements}: a partial sum "
+            "cannot travel as a local part. Reduce it first (RowwiseParallel's output_layouts="
+            "Replicate() or Shard(d)) before the stage returns"
+        )
+    if last and not all(isinstance(p, Replicate) for p in placements):
+        raise PipelineInputError(
+            f"the last stage's {path} is a DTensor with placements {placements}; loss_fn "
+            "needs the whole output on every tensor-parallel rank: redistribute it to "
+            "Replicate() (RowwiseParallel's default output) before the stage returns"
+        )
+
+
+def _plain(t: Any) -> Any:
+    """A stage output leaf as a plain tensor: a DTensor's local part (its gradient comes back
+    with the same placements), an AsyncCollectiveTensor waited for."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if not isinstance(t, Tensor):
+        return t
+    if _is_dtensor(t):
+        t = t.to_local()  # type: ignore[attr-defined]
     if isinstance(t, AsyncCollectiveTensor):
         t = t * 1  # waits; differentiable (the transport needs a plain tensor)
     return t
 
 
-def localize(module: nn.Module, stage: int) -> TensorParallelStage | None:
+def localize(module: nn.Module, stage: int, last: bool = False) -> TensorParallelStage | None:
     """Replace ``module``'s DTensor parameters by plain local-shard parameters (module
     docstring); None when it has none. Refuses DTensor buffers (nothing in the engine would
     keep them sharded consistently)."""
@@ -118,7 +159,7 @@ def localize(module: nn.Module, stage: int) -> TensorParallelStage | None:
     ]
     if not found:
         return None
-    tp = TensorParallelStage(stage)
+    tp = TensorParallelStage(stage, last)
     done: dict[int, nn.Parameter] = {}  # a DTensor shared by two owners keeps one local
     for owner, name, p in found:
         local = done.get(id(p))
@@ -212,12 +253,14 @@ def check_optimizer(stage: int, opt: Any, tp: TensorParallelStage) -> None:
 # ---------------------------------------------------------------------- build hooks (rank.py)
 
 
-def localize_stages(modules: list[nn.Module], mine: list[int], layout: Any) -> list[TensorParallelStage | None]:
+def localize_stages(
+    modules: list[nn.Module], mine: list[int], layout: Any, num_stages: int
+) -> list[TensorParallelStage | None]:
     """:func:`localize` every module this rank built; DTensor weights need a mesh with a
     ``tp`` dimension whose sub-mesh they live on."""
     tps = []
     for s, m in zip(mine, modules, strict=True):
-        tp = localize(m, s)
+        tp = localize(m, s, last=s == num_stages - 1)
         if tp is not None:
             want = getattr(layout, "tp_mesh", None)
             if want is None:
@@ -243,7 +286,111 @@ def finish_stages(pipe: Any, tps: list[TensorParallelStage | None], layout: Any)
     for st, tp in zip(pipe.stages, tps, strict=True):
         if tp is not None and st.bridge is not None:
             check_optimizer(st.index, st.bridge.opt, tp)
+    if getattr(layout, "tp", 1) > 1:  # activations: placements agreed at the handshake
+        st = pipe.stages[0]
+        connect_transport(pipe._rank.transport, tps[0], st.module, layout.tp_mesh, st.index)
     clipper = getattr(pipe._executor, "clipper", None)
     if clipper is not None and getattr(layout, "tp", 1) > 1:
         clipper.tp_group = layout.tp_group
     pipe.tensor_parallel = getattr(layout, "tp", 1)
+
+
+# ---------------------------------------------------------------------- between stages
+
+
+def _encode(placements: list[tuple[Any, ...] | None] | None) -> bytes:
+    from torch.distributed.tensor import Replicate, Shard
+
+    def one(p: Any) -> list[Any]:
+        if isinstance(p, Shard):
+            return ["shard", int(p.dim)]
+        if isinstance(p, Replicate):
+            return ["replicate"]
+        return ["other", repr(p)]
+
+    body = None if placements is None else [None if pl is None else [one(p) for p in pl] for pl in placements]
+    return json.dumps(body).encode()
+
+
+def _decode(data: bytes) -> list[tuple[Any, ...] | None] | None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    body = json.loads(data.decode())
+    if body is None:
+        return None
+    return [
+        None if pl is None else tuple(Shard(p[1]) if p[0] == "shard" else Replicate() for p in pl)
+        for pl in body
+    ]
+
+
+def connect_transport(transport: Any, tp: TensorParallelStage | None, module: nn.Module,
+                      mesh: Any, stage: int) -> None:
+    """The placement agreement on one rank's transport (module docstring): its ``send_meta``
+    of activations sends stage s's output placements after the Signature, its ``recv_meta``
+    receives them, and the receiving stage's module gets a pre-hook that wraps the agreed
+    leaves of its input into DTensors."""
+    import torch.distributed as dist
+
+    send_meta, recv_meta = transport.send_meta, transport.recv_meta
+    dev = torch.device("cpu") if transport.backend != "nccl" else transport.device
+    receiver = _InputPlacements(stage, mesh)
+    module.register_forward_pre_hook(receiver, with_kwargs=True)
+    module._engine_tp_inputs = receiver  # type: ignore[assignment]  # (what was agreed)
+
+    def send(channel: str, tree: Any | None) -> None:
+        send_meta(channel, tree)
+        if channel != "act":
+            return
+        peer = transport.peer_stage(channel, "send")
+        data = _encode(tp.out_placements if tp is not None and tree is not None else None)
+        head = torch.tensor([len(data)], dtype=torch.int64)
+        body = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        for t in (head, body):
+            transport.wait(dist.isend(t.to(dev), transport.ranks[peer], group=transport.group),
+                           "sending the output placements", peer)
+
+    def recv(channel: str) -> Any:
+        sig = recv_meta(channel)
+        if channel != "act":
+            return sig
+        peer = transport.peer_stage(channel, "recv")
+        head = torch.zeros(1, dtype=torch.int64, device=dev)
+        what = "receiving the input placements"
+        transport.wait(dist.irecv(head, transport.ranks[peer], group=transport.group), what, peer)
+        body = torch.empty(int(head.cpu()[0]), dtype=torch.uint8, device=dev)
+        transport.wait(dist.irecv(body, transport.ranks[peer], group=transport.group), what, peer)
+        receiver.placements = _decode(body.cpu().numpy().tobytes())
+        return sig
+
+    transport.send_meta, transport.recv_meta = send, recv
+
+
+class _InputPlacements:
+    """Forward pre-hook of a receiving stage: input leaves agreed as DTensors become
+    DTensors again (``from_local``, differentiable: the gradient of the local part travels
+    back)."""
+
+    def __init__(self, stage: int, mesh: Any) -> None:
+        self.stage = stage
+        self.mesh = mesh
+        self.placements: list[tuple[Any, ...] | None] | None = None
+
+    def __call__(self, _module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if not self.placements or all(p is None for p in self.placements):
+            return None
+        from torch.distributed.tensor import DTensor
+
+        from engine.runtime import trees
+
+        tree = kwargs if kwargs else args
+        leaves, spec = trees.flatten(tree)
+        if len(leaves) != len(self.placements):
+            return None  # not the agreed input (stage 0's own batch never is: no agreement)
+        out = [
+            DTensor.from_local(x, self.mesh, pl, run_check=False)
+            if pl is not None and isinstance(x, Tensor) and not _is_dtensor(x) else x
+            for x, pl in zip(leaves, self.placements, strict=True)
+        ]
+        new = trees.unflatten(out, spec)
+        return (args, new) if kwargs else (new, kwargs)
