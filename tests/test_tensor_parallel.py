@@ -32,7 +32,7 @@ pytestmark = [
 #: difference 1.2e-7 for Adam, 6e-8 for SGD); moved weights change by > 1e-2
 TOL = 1e-6
 SYNC = ["gpipe", "1f1b", "1f1b-adam", "gpipe-clip", "split-1f1b"]
-ASYNC = ["pb-lwp", "pipedream", "split-pb-lwp"]
+ASYNC = ["pb-lwp", "pipedream", "split-pb-lwp", "pb-clip"]
 
 
 @pytest.fixture(scope="module")

@@ -143,6 +143,7 @@ def configs() -> dict[str, dict[str, Any]]:
         "gpipe-clip": dict(schedule="gpipe", optimizer=sgd(), clip_grad_norm=0.05),
         "pb-lwp": dict(schedule="pb", optimizer=sgd(prediction="linear"), checkpoint="never"),
         "pipedream": dict(schedule="pipedream", optimizer=sgd()),
+        "pb-clip": dict(schedule="pb", optimizer=sgd(), clip_grad_norm=0.05),
         "split-1f1b": dict(schedule="1f1b", optimizer=sgd()),
         "split-pb-lwp": dict(schedule="pb", optimizer=sgd(prediction="linear"), checkpoint="never"),
     }
