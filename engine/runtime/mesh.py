@@ -149,7 +149,8 @@ def _indices(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 
 def takes_tp_mesh(factory: Any) -> bool:
-    """Whether a stage factory accepts a ``tp_mesh`` keyword (or any keyword)."""
+    """Whether a stage factory names a ``tp_mesh`` parameter (a ``**kwargs`` is not enough:
+    module classes such as ``nn.Tanh`` take those and refuse the keyword)."""
     if isinstance(factory, nn.Module) or not callable(factory):
         return False
     try:
@@ -157,18 +158,16 @@ def takes_tp_mesh(factory: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return any(
-        p.name == "tp_mesh" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-        or p.kind == p.VAR_KEYWORD
-        for p in params
+        p.name == "tp_mesh" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params
     )
 
 
 def with_tp_mesh(spec: Any, layout: Layout) -> Any:
     """The stage spec to build: a factory that accepts ``tp_mesh`` gets this rank's ``tp``
     sub-mesh (None without a ``tp`` dimension); anything else is built as it is."""
-    tp_mesh = getattr(layout, "tp_mesh", None)
-    if not takes_tp_mesh(spec):
-        return spec
+    if not isinstance(layout, MeshLayout) or not takes_tp_mesh(spec):
+        return spec  # (without a mesh every factory is called as before)
+    tp_mesh = layout.tp_mesh
     call: Callable[[], nn.Module] = lambda: spec(tp_mesh=tp_mesh)  # noqa: E731
     call.__name__ = getattr(spec, "__name__", type(spec).__name__)  # type: ignore[attr-defined]
     return call
