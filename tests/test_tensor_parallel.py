@@ -66,6 +66,12 @@ def test_synchronous_tp_pp_equals_the_unsharded_unpipelined_model(
     _check(four, name)
 
 
+def test_evaluate_equals_the_unsharded_model(four: list[dict[str, Any]]) -> None:
+    for res in four:
+        for name in ("gpipe", "1f1b", "split-1f1b"):
+            assert res["tp_support.phase_tp_train"][name]["evaluate_diff"] < TOL
+
+
 @pytest.mark.parametrize("name", ASYNC)
 def test_asynchronous_tp_pp_equals_the_same_schedule_without_tp(
     four: list[dict[str, Any]], name: str
@@ -121,6 +127,15 @@ def test_a_mesh_that_disagrees_is_refused_on_every_rank(
     for res in four:
         msg = res["tp_support.phase_tp_refusals"][case]
         assert msg.startswith("PipelineConfigError") and words in msg, msg
+
+
+def test_a_sharded_output_of_the_last_stage_stops_every_rank_at_the_handshake(
+    four: list[dict[str, Any]],
+) -> None:
+    for res in four:
+        msg = res["tp_support.phase_tp_refusals"]["sharded_last"]
+        assert msg.startswith("PipelineInputError") and "handshake failed" in msg, msg
+        assert "the last stage's output is a DTensor with placements (Shard(dim=" in msg, msg
 
 
 def test_checkpoint_loads_into_the_same_layout_bit_for_bit(four: list[dict[str, Any]]) -> None:

@@ -236,8 +236,16 @@ def phase_tp_train(rank: int, shape: tuple[int, ...], names: list[str], B: int =
                     x, y = shard(x), shard(y)
                 losses.append(float(pipe.step(x, y)))
             pipe.flush()
+            evaluated = None
             if name in SYNC:
-                ref = split_reference(reference(name, S, STEPS, B * dp, M), S, name)
+                whole = reference(name, S, STEPS, B * dp, M)
+                ref = split_reference(whole, S, name)
+                net = nn.Sequential(*[f() for f in make(S)])
+                with torch.no_grad():
+                    for p, w in zip(net.parameters(), whole, strict=True):
+                        p.copy_(w)
+                    x = batch(99, B)[0]
+                    evaluated = float((pipe.evaluate(x) - net.eval()(x)).abs().max())
             else:
                 local = Pipeline([f() for f in make(S)], loss_fn=nn.functional.mse_loss, **kw)
                 for t in range(STEPS):
@@ -255,6 +263,7 @@ def phase_tp_train(rank: int, shape: tuple[int, ...], names: list[str], B: int =
                 "shapes": [tuple(a.shape) for a, _ in pairs],
                 "losses": losses,
                 "tp": getattr(pipe, "tensor_parallel", 1),
+                "evaluate_diff": evaluated,
                 "inputs": repr(getattr(pipe.stages[0].module, "_engine_tp_inputs", None) and
                                pipe.stages[0].module._engine_tp_inputs.placements),
             }
@@ -290,7 +299,24 @@ def phase_tp_refusals(rank: int) -> dict[str, Any]:
             out[name] = "built"
         except Exception as exc:
             out[name] = f"{type(exc).__name__}: {exc}"
+    try:  # the last stage ends column-parallel with a DTensor output: loss_fn cannot take it
+        pipe = Pipeline([split_factories(2)[0], _sharded_last],
+                        schedule="gpipe", chunks=2, loss_fn=nn.functional.mse_loss,
+                        optimizer=sgd(), transport="gloo", mesh=mesh, timeout=30)
+        pipe.step(*batch(0))
+        out["sharded_last"] = "ran"
+    except Exception as exc:
+        out["sharded_last"] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def _sharded_last(tp_mesh: Any = None) -> nn.Module:
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    torch.manual_seed(9)
+    m = nn.Sequential(nn.Linear(HIDDEN, OUT))
+    parallelize_module(m, tp_mesh, {"0": ColwiseParallel(use_local_output=False)})
+    return m
 
 
 def phase_tp_checkpoint(rank: int, root: str) -> dict[str, Any]:

@@ -98,9 +98,12 @@ def _group(pipe: Pipeline) -> Any:
     if group is None:
         lay = pipe.layout
         S = lay.stages
-        for r in range(lay.replicas):
-            g = torch.distributed.new_group([r * S + s for s in range(S)])
-            if r == lay.replica:
+        lines = [[r * S + s for s in range(S)] for r in range(lay.replicas)]
+        if hasattr(lay, "pp_lines"):  # a mesh: one line per (replica, tp rank), runtime/mesh.py
+            lines = lay.pp_lines()
+        for ranks in lines:
+            g = torch.distributed.new_group(ranks)
+            if lay.rank in ranks:
                 group = g
         pipe._eval_group = group
     return group

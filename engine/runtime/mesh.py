@@ -50,6 +50,14 @@ class MeshLayout(Layout):
     def place_of(self, rank: int) -> tuple[int, int, int]:
         return self.places[rank]
 
+    def pp_lines(self) -> list[list[int]]:
+        """Every pipeline's global ranks (stage order), one list per (replica, tp rank), in
+        the same order on every rank: for groups that must be created collectively."""
+        lines: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for r, (stage, replica, tp_rank) in enumerate(self.places):
+            lines.setdefault((replica, tp_rank), []).append((stage, r))
+        return [[r for _, r in sorted(v)] for _, v in sorted(lines.items())]
+
 
 def _sizes(mesh: Any) -> dict[str, int]:
     names = getattr(mesh, "mesh_dim_names", None)
