@@ -81,7 +81,8 @@ def test_asynchronous_tp_pp_equals_the_same_schedule_without_tp(
 
 def test_each_rank_holds_half_of_every_sharded_matrix(four: list[dict[str, Any]]) -> None:
     shapes = four[0]["tp_support.phase_tp_train"]["gpipe"]["shapes"]
-    # stage 0: inp (8x8 + 8), ln1, q (4x8 + 4), k (4x8), v (4x8 + 4), o (8x4 + 8), ln2, fc1 (8x8 + 8), fc2 (8x8 + 8)
+    # stage 0: inp (8x8 + 8), ln1, q (4x8 + 4), k (4x8), v (4x8 + 4), o (8x4 + 8), ln2,
+    # fc1 (8x8 + 8), fc2 (8x8 + 8)
     assert (4, 8) in shapes and (8, 4) in shapes
     assert shapes == four[1]["tp_support.phase_tp_train"]["gpipe"]["shapes"]
 
@@ -152,14 +153,15 @@ def test_checkpoint_loads_into_the_same_layout_bit_for_bit(four: list[dict[str, 
 def test_checkpoint_refuses_another_tp_degree(four: list[dict[str, Any]]) -> None:
     for res in four:
         msg = res["tp_support.phase_tp_checkpoint"]["other_tp"]
-        assert msg.startswith("CheckpointError") and "tensor_parallel: checkpoint 2 vs this job 1" in msg, msg
+        assert msg.startswith("CheckpointError"), msg
+        assert "tensor_parallel: checkpoint 2 vs this job 1" in msg, msg
 
 
 @pytest.mark.slow
 def test_tp_pp_dp_eight_processes() -> None:
     """TP=2 x PP=2 x DP=2: gpipe equals the unsharded model with the whole batch, pb with
     weight prediction the local pipeline with the whole batch."""
-    res = spawn(8, [("tp_support.phase_tp_train", dict(shape=(2, 2, 2), names=["gpipe", "pb-lwp"]))],
-                timeout=400)
+    phase = ("tp_support.phase_tp_train", dict(shape=(2, 2, 2), names=["gpipe", "pb-lwp"]))
+    res = spawn(8, [phase], timeout=400)
     for name in ("gpipe", "pb-lwp"):
         _check(res, name)

@@ -85,7 +85,8 @@ def factories(S: int) -> list[Callable[..., nn.Module]]:
                     parallelize_module,
                 )
 
-                plan = {k: ColwiseParallel() if v == "col" else RowwiseParallel() for k, v in PLAN_NAMES.items()}
+                plan = {k: ColwiseParallel() if v == "col" else RowwiseParallel()
+                        for k, v in PLAN_NAMES.items()}
                 parallelize_module(m, tp_mesh, plan)
             return m
 
@@ -185,7 +186,9 @@ def shard_of(full: torch.Tensor, placements: Any, rank: int, size: int) -> torch
     return full
 
 
-def my_shards(pipe: Any, full_by_stage: dict[int, list[torch.Tensor]], S: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def my_shards(
+    pipe: Any, full_by_stage: dict[int, list[torch.Tensor]], S: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(this rank's trained parameter, the same shard of the reference) per parameter."""
     lay = pipe.layout
     out = []
@@ -195,7 +198,8 @@ def my_shards(pipe: Any, full_by_stage: dict[int, list[torch.Tensor]], S: int) -
         placement = {id(e[2]): e[4] for e in tp.entries} if tp is not None else {}
         full = full_by_stage[st.index]
         for p, f in zip(module.parameters(), full, strict=True):
-            ref = shard_of(f, placement.get(id(p), ()), getattr(lay, "tp_rank", 0), getattr(lay, "tp", 1))
+            where = (getattr(lay, "tp_rank", 0), getattr(lay, "tp", 1))
+            ref = shard_of(f, placement.get(id(p), ()), *where)
             out.append((p.detach(), ref))
     return out
 
@@ -209,7 +213,9 @@ def split_reference(params: list[torch.Tensor], S: int, name: str) -> dict[int, 
     return out
 
 
-def phase_tp_train(rank: int, shape: tuple[int, ...], names: list[str], B: int = 8, M: int = 2) -> dict[str, Any]:
+def phase_tp_train(
+    rank: int, shape: tuple[int, ...], names: list[str], B: int = 8, M: int = 2
+) -> dict[str, Any]:
     """Each configuration on the mesh ``shape`` = (pp, dp, tp): synchronous ones against the
     unpipelined unsharded model, asynchronous ones against the same schedule without TP (the
     local pipeline of the unsharded stages)."""
@@ -251,15 +257,18 @@ def phase_tp_train(rank: int, shape: tuple[int, ...], names: list[str], B: int =
                 for t in range(STEPS):
                     local.step(*batch(t, B * dp))
                 local.flush()
-                ref = {st.index: [p.detach() for p in st.module.parameters()] for st in local.stages}
+                ref = {st.index: [p.detach() for p in st.module.parameters()]
+                       for st in local.stages}
             pairs = my_shards(pipe, ref, S)
-            init = my_shards(pipe, {s: [p.detach() for p in f().parameters()] for s, f in enumerate(make(S))}, S)
+            fresh = {s: [p.detach() for p in f().parameters()] for s, f in enumerate(make(S))}
+            init = my_shards(pipe, fresh, S)
             diffs = [float((a - b).abs().max()) for a, b in pairs]
             pnames = [n for st in pipe.stages for n, _ in st.module.named_parameters()]
             out[name] = {
                 "max_diff": max(diffs),
                 "worst": pnames[diffs.index(max(diffs))],
-                "moved": max(float((a - b).abs().max()) for (a, _), (_, b) in zip(pairs, init, strict=True)),
+                "moved": max(float((a - b).abs().max())
+                             for (a, _), (_, b) in zip(pairs, init, strict=True)),
                 "shapes": [tuple(a.shape) for a, _ in pairs],
                 "losses": losses,
                 "tp": getattr(pipe, "tensor_parallel", 1),
@@ -335,7 +344,8 @@ def phase_tp_checkpoint(rank: int, root: str) -> dict[str, Any]:
         import engine.optim as eo
 
         return Pipeline(factories(2), schedule="1f1b", chunks=2, loss_fn=nn.functional.mse_loss,
-                        optimizer=lambda p: eo.Adam(p, lr=1e-2), transport="gloo", mesh=m, timeout=60)
+                        optimizer=lambda p: eo.Adam(p, lr=1e-2), transport="gloo", mesh=m,
+                        timeout=60)
 
     try:
         a = make()

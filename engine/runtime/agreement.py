@@ -104,8 +104,9 @@ def agree(
                 (f"{a[0]}: {a[1]} {a[2]} vs {b[1]} {b[2]}" for a, b in zip(theirs, other, strict=False) if a != b),
                 f"{len(theirs)} vs {len(other)} parameters",
             )
+            stage = first if stage_of is None else stage_of(r)[0]
             raise PipelineConfigError(
-                f"the replicas of stage {first} disagree on its parameters (rank {first} vs rank "
+                f"the replicas of stage {stage} disagree on its parameters (rank {first} vs rank "
                 f"{r}: {diff}); every replica must build the same stage module (this rank is "
                 f"{rank}; nothing was run)"
             )

@@ -76,7 +76,8 @@ def _sizes(mesh: Any) -> dict[str, int]:
         )
     if "pp" not in names:
         raise PipelineConfigError(
-            f"mesh dimensions {list(names)} have no 'pp' (the pipeline ranks); name one dimension 'pp'"
+            f"mesh dimensions {list(names)} have no 'pp' (the pipeline ranks); name one "
+            "dimension 'pp'"
         )
     return {n: int(shape[names.index(n)]) if n in names else 1 for n in MESH_DIMS}
 
@@ -186,7 +187,8 @@ def refuse_with_mesh(virtual: bool, tied: Any, stages: Any) -> None:
     if virtual:
         raise PipelineConfigError(
             "mesh= with virtual stages (interleaved) is not supported yet: the virtual "
-            "transports are wired for the 2-D layout; use data_parallel= or a non-interleaved schedule"
+            "transports are wired for the 2-D layout; use data_parallel= or a non-interleaved "
+            "schedule"
         )
     if tied or (not callable(stages) and isinstance(stages, (list, tuple))
                 and all(isinstance(m, nn.Module) for m in stages) and _shares(stages)):

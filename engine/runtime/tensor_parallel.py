@@ -70,7 +70,9 @@ class TensorParallelStage:
         from torch.distributed.tensor import DTensor
 
         for owner, name, local, mesh, placements, shape, stride in self.entries:
-            dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+            dt = DTensor.from_local(
+                local, mesh, placements, run_check=False, shape=shape, stride=stride
+            )
             owner.__dict__[name] = dt  # found before nn.Module.__getattr__'s _parameters
 
     def unwrap(self, _module: nn.Module, _args: Any, output: Any) -> Any:
@@ -90,7 +92,8 @@ class TensorParallelStage:
         if self.out_placements is None:
             self.out_placements = seen
         elif seen != self.out_placements:
-            k = next(i for i, (a, b) in enumerate(zip(seen, self.out_placements, strict=False)) if a != b)
+            pairs = zip(seen, self.out_placements, strict=False)
+            k = next(i for i, (a, b) in enumerate(pairs) if a != b)
             raise PipelineInputError(
                 f"stage {self.stage}'s {leaves[k][0]} has placements {seen[k]} but the pipeline "
                 f"agreed {self.out_placements[k]} at its first step; a stage output keeps its "
@@ -191,7 +194,9 @@ def is_sharded(placements: tuple[Any, ...]) -> bool:
     return not all(isinstance(p, Replicate) for p in placements)
 
 
-def reduce_norms(params: list[Tensor], norms: list[Tensor], norm_type: float, group: Any) -> list[Tensor]:
+def reduce_norms(
+    params: list[Tensor], norms: list[Tensor], norm_type: float, group: Any
+) -> list[Tensor]:
     """Per-parameter gradient norms of whole (unsharded) parameters from this rank's shard
     norms: for a sharded parameter (sum over the tp group of norm^p)^(1/p) (max for inf), a
     replicated one as it is. One all-reduce for the stage."""
@@ -308,7 +313,9 @@ def _encode(placements: list[tuple[Any, ...] | None] | None) -> bytes:
             return ["replicate"]
         return ["other", repr(p)]
 
-    body = None if placements is None else [None if pl is None else [one(p) for p in pl] for pl in placements]
+    body = None if placements is None else [
+        None if pl is None else [one(p) for p in pl] for pl in placements
+    ]
     return json.dumps(body).encode()
 
 
