@@ -120,6 +120,7 @@ def test_mesh_pp_size_must_equal_the_stage_count(four: list[dict[str, Any]]) -> 
         ("data_parallel", "data_parallel=2 disagrees with the mesh's dp dimension of size 1"),
         ("local", "use transport='gloo' or 'nccl'"),
         ("not_a_mesh", "mesh must be a torch.distributed.device_mesh.DeviceMesh"),
+        ("float16", "autocast=torch.float16 with tensor parallelism"),
     ],
 )
 def test_a_mesh_that_disagrees_is_refused_on_every_rank(

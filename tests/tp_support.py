@@ -300,6 +300,7 @@ def phase_tp_refusals(rank: int) -> dict[str, Any]:
         ("data_parallel", factories(2), sgd(), dict(data_parallel=2)),
         ("local", factories(2), sgd(), dict(transport="local")),
         ("not_a_mesh", factories(2), sgd(), dict(mesh=[[0, 1], [2, 3]])),
+        ("float16", factories(2), sgd(), dict(autocast=torch.float16)),
     ):
         try:
             kw: dict[str, Any] = {**dict(transport="gloo", mesh=mesh, timeout=30), **extra}

@@ -291,6 +291,13 @@ def finish_stages(pipe: Any, tps: list[TensorParallelStage | None], layout: Any)
     for st, tp in zip(pipe.stages, tps, strict=True):
         if tp is not None and st.bridge is not None:
             check_optimizer(st.index, st.bridge.opt, tp)
+    if getattr(layout, "tp", 1) > 1 and pipe.features.autocast is torch.float16:
+        raise PipelineConfigError(
+            "autocast=torch.float16 with tensor parallelism: the loss scaler's overflow check "
+            "reads each rank's gradient shards and is combined over the pipeline only, so the "
+            "tp ranks of a stage could disagree on skipping an update (their replicated "
+            "weights would drift apart). Use autocast=torch.bfloat16 (no loss scaling) with a mesh"
+        )
     if getattr(layout, "tp", 1) > 1:  # activations: placements agreed at the handshake
         st = pipe.stages[0]
         connect_transport(pipe._rank.transport, tps[0], st.module, layout.tp_mesh, st.index)
