@@ -23,6 +23,12 @@ stages), the same micro-batches and the same optimizer (SGD with momentum):
   to the theoretical time ratio M/(M+S-1) (``extra.theory_ratio``): GPipe's bubble per
   mini-batch when every stage takes the same time and communication is free. Async schedules
   run ``--steps`` mini-batches without flushing, then one flush (inside the timed block).
+* ``tp_cost`` (only with ``--cases tp``, 4 ranks): tensor parallelism's cost -- ``engine``
+  ``1f1b`` on a TP=2 x PP=2 mesh (each stage's MLP blocks sharded column/row-wise by torch's
+  ``parallelize_module``: two activation all-reduces per block and pass) vs TP=1 x PP=2 on the
+  same 4 processes (a pp x dp mesh whose two replicas each run the whole batch: the same
+  process count and per-replica work, plus one gradient all-reduce per update). Not a speed
+  goal: on a CPU the sharded matmuls are too small to gain; it says what the collectives cost.
 * ``flags_cost`` (only with ``--cases pb-skip-update``): ``engine`` ``pb`` with
   ``on_nonfinite="skip_update"`` (each gradient carries its micro-batch's non-finite flag, one
   more gloo message) vs the same run with ``"raise"`` (one loss check per step), both with
@@ -109,6 +115,54 @@ class EngineRunner:
         self.pipe.flush()
 
 
+def tp_stage(s: int, width: int, layers: int, tp_mesh: object = None) -> nn.Module:
+    """MLP blocks (width -> 4 width -> width) of stage s; sharded when ``tp_mesh`` has > 1 rank."""
+    torch.manual_seed(s)
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, 4 * width), nn.ReLU(), nn.Linear(4 * width, width)]
+    m = nn.Sequential(*mods)
+    if tp_mesh is not None and tp_mesh.size() > 1:  # type: ignore[attr-defined]
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        plan = {str(3 * k): ColwiseParallel() for k in range(layers)}
+        plan.update({str(3 * k + 2): RowwiseParallel() for k in range(layers)})
+        parallelize_module(m, tp_mesh, plan)  # type: ignore[arg-type]
+    return m
+
+
+class TPRunner:
+    """``engine`` 1f1b on a pp x tp mesh (tp > 1) or on a pp x dp mesh whose replicas each
+    run the whole batch (tp = 1): ``tp_cost`` above."""
+
+    def __init__(self, tp: int, M: int, width: int, layers: int, timeout: float) -> None:
+        import functools
+
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from engine import Pipeline
+
+        world = dist.get_world_size()
+        other = "tp" if tp > 1 else "dp"
+        S = world // 2
+        mesh = init_device_mesh("cpu", (S, 2), mesh_dim_names=("pp", other))
+        self.pipe = Pipeline(
+            [functools.partial(tp_stage, i, width, layers) for i in range(S)],
+            schedule="1f1b", chunks=M, loss_fn=nn.functional.mse_loss,
+            optimizer=lambda p: torch.optim.SGD(p, lr=1e-4, momentum=0.9),
+            checkpoint="never", transport="gloo", mesh=mesh, timeout=timeout,
+        )
+
+    def run(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for x, y in batches:
+            self.pipe.step(x, y)
+        self.pipe.flush()
+
+
 class TorchRunner:
     """torch.distributed.pipelining with the same stage modules (keyword arguments: they moved
     between torch 2.11 and 2.13, see docs/ENVIRONMENT.md); ``virtual`` stages per rank (rank
@@ -151,7 +205,7 @@ class TorchRunner:
 
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
-Runner = EngineRunner | TorchRunner
+Runner = EngineRunner | TorchRunner | TPRunner
 
 
 def block(runner: Runner, batches: Batches) -> Callable[[], None]:
@@ -279,6 +333,13 @@ def main() -> None:
         EngineRunner("pb", S, M, args.width, args.layers, args.timeout, 1, "skip_update"),
         "engine pb on_nonfinite=raise",
         EngineRunner("pb", S, M, args.width, args.layers, args.timeout, 1, "raise"))
+    makers["tp"] = lambda: (  # tensor parallelism's cost (4 ranks)
+        "tp_cost", "tp", "engine 1f1b TP=2 x PP=2",
+        TPRunner(2, M, args.width, args.layers, args.timeout),
+        "engine 1f1b TP=1 x PP=2 (x2 replicas, whole batch each)",
+        TPRunner(1, M, args.width, args.layers, args.timeout))
+    if "tp" in wanted and S != 4:
+        ap.error(f"--cases tp runs on 4 ranks (TP=2 x PP=2), not {S}")
     unknown = [c for c in wanted if c not in makers]
     if unknown:
         ap.error(f"unknown --cases {unknown}; choose from {sorted(makers)}")
@@ -297,10 +358,12 @@ def main() -> None:
                      warmup=args.warmup, inner=1, sync=dist.barrier, units_per_call=args.steps)
         theory = M / (M + S - 1) if bench == "async_vs_gpipe" else 1.0
         row = res.row(bench, case, cand_label, peer_label, label=args.label, note=note,
-                      extra={"theory_ratio": theory, "stages": S, "chunks": M,
+                      extra={"theory_ratio": theory, "chunks": M,
+                             "stages": S // 2 if case == "tp" else S,
                              "virtual": v if case.startswith(("interleaved", "looped"))
                              else 2 if case in ("zbv", "dualpipev") else 1,
-                             "micro_batch": b, "width": args.width, "steps": args.steps})
+                             "micro_batch": b, "width": args.width, "steps": args.steps,
+                             **({"tp": 2, "pp": 2} if case == "tp" else {})})
         rows.append(row)
         if rank == 0:
             print(summary_line(row), f"[{row.candidate_ms:.1f} vs {row.peer_ms:.1f} ms/step]"

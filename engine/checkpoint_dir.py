@@ -81,7 +81,10 @@ def _raise_first(statuses: list[tuple[str, str]], what: str) -> None:
 
 def _layout(pipe: Pipeline) -> dict[str, Any]:
     lay = pipe.layout
-    return {"world": lay.world, "stages": lay.stages, "replicas": lay.replicas, "schedule": pipe.spec.name}
+    out = {"world": lay.world, "stages": lay.stages, "replicas": lay.replicas, "schedule": pipe.spec.name}
+    if getattr(lay, "tp", 1) > 1:  # tensor parallelism: each file holds one tp shard (runtime/mesh.py)
+        out["tensor_parallel"] = lay.tp
+    return out
 
 
 def _body_sha256(body: dict[str, Any]) -> str:
@@ -124,8 +127,10 @@ def save_dir(pipe: Pipeline, path: str | os.PathLike[str]) -> None:
 def _commit(pipe: Pipeline, path: str, nonce_name: str, statuses: list[tuple[str, str]]) -> None:
     """Rank 0: write the manifest atomically, then delete rank files it does not name."""
     S = pipe.layout.stages
+    place = getattr(pipe.layout, "place_of", lambda r: (r % S, r // S, 0))  # (a mesh: runtime/mesh.py)
     ranks = [
-        {"rank": r, "stage": r % S, "replica": r // S, "file": f"rank{r:05d}-{nonce_name}", "sha256": h}
+        {"rank": r, "stage": place(r)[0], "replica": place(r)[1], "file": f"rank{r:05d}-{nonce_name}",
+         "sha256": h, **({"tp_rank": place(r)[2]} if getattr(pipe.layout, "tp", 1) > 1 else {})}
         for r, (h, _) in enumerate(statuses)
     ]
     body = {"format": DIR_FORMAT, "layout": _layout(pipe), "steps": pipe.steps, "ranks": ranks}
@@ -170,13 +175,15 @@ def _read_own(pipe: Pipeline, path: str) -> dict[str, Any]:
     mine = _layout(pipe)
     if man["layout"] != mine:
         diff = "; ".join(
-            f"{k}: checkpoint {man['layout'].get(k)!r} vs this job {v!r}"
-            for k, v in mine.items()
-            if man["layout"].get(k) != v
+            f"{k}: checkpoint {man['layout'].get(k, 1)!r} vs this job {mine.get(k, 1)!r}"
+            for k in [*mine, *(k for k in man["layout"] if k not in mine)]
+            if man["layout"].get(k, 1) != mine.get(k, 1)
         )
         raise CheckpointError(
             f"checkpoint {path!r} was written by a different world layout ({diff}); load it "
-            "with the same number of processes, stages and data_parallel replicas"
+            "with the same number of processes, stages, data_parallel replicas and tensor-"
+            "parallel degree (tensor_parallel: each file holds one shard of that degree; "
+            "resharding to another degree is not supported)"
         )
     r = pipe.layout.rank
     entry = man["ranks"][r]

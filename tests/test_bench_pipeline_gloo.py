@@ -40,3 +40,22 @@ def test_zbh1_vs_torch_zero_bubble_quick_run(tmp_path: Path) -> None:
     for r in (row, inter, zbv, dpv):
         assert r.rounds == 2 and r.ci_low <= r.median_ratio <= r.ci_high
     assert (tmp_path / "pipeline_gloo.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_tensor_parallel_cost_quick_run(tmp_path: Path) -> None:
+    """--cases tp: TP=2 x PP=2 against TP=1 x PP=2 on the same 4 processes, one paired row."""
+    harness = load_bench("harness")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, str(ROOT / "bench" / "pipeline_gloo.py"), "--ranks", "4",
+           "--cases", "tp", "--rounds", "2", "--steps", "1", "--warmup", "0", "--chunks", "2",
+           "--micro-batch", "2", "--width", "8", "--layers", "1", "--timeout", "60",
+           "--out", str(tmp_path)]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (row,) = harness.read_ratio_csv(tmp_path / "pipeline_gloo.csv")
+    assert (row.benchmark, row.case, row.candidate) == ("tp_cost", "tp", "engine 1f1b TP=2 x PP=2")
+    assert row.peer.startswith("engine 1f1b TP=1 x PP=2")
+    assert row.extra["tp"] == 2 and row.extra["stages"] == 2
+    assert row.rounds == 2 and row.ci_low <= row.median_ratio <= row.ci_high

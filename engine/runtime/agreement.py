@@ -72,8 +72,12 @@ def _all_gather_json(obj: Any, world: int, device: torch.device) -> list[Any]:
     return [json.loads(bytes(c[: int(n)].cpu().tolist()).decode()) for c, n in zip(chunks, sizes, strict=True)]
 
 
-def agree(mine: dict[str, Any], rank: int, stages: int, device: torch.device) -> None:
-    """Exchange fingerprints with every rank; raise on every rank at the first difference."""
+def agree(
+    mine: dict[str, Any], rank: int, stages: int, device: torch.device, stage_of: Any = None
+) -> None:
+    """Exchange fingerprints with every rank; raise on every rank at the first difference.
+    ``stage_of``: rank -> (stage, replica, tp rank) under a mesh (runtime/mesh.py); the ranks
+    that compare parameters are then those with the same stage and tp rank."""
     world = dist.get_world_size()
     prints = _all_gather_json(mine, world, device)
     keys: list[str] = []
@@ -92,14 +96,22 @@ def agree(mine: dict[str, Any], rank: int, stages: int, device: torch.device) ->
                 )
     for r, fp in enumerate(prints):
         first = r % stages  # replica 0's rank of this stage
+        if stage_of is not None:  # the first rank with this rank's stage and tp position
+            first = next(q for q in range(len(prints)) if _same(stage_of, q, r))
         if fp["stage"] != prints[first]["stage"]:
             theirs, other = prints[first]["stage"], fp["stage"]
             diff = next(
                 (f"{a[0]}: {a[1]} {a[2]} vs {b[1]} {b[2]}" for a, b in zip(theirs, other, strict=False) if a != b),
                 f"{len(theirs)} vs {len(other)} parameters",
             )
+            stage = first if stage_of is None else stage_of(r)[0]
             raise PipelineConfigError(
-                f"the replicas of stage {first} disagree on its parameters (rank {first} vs rank "
+                f"the replicas of stage {stage} disagree on its parameters (rank {first} vs rank "
                 f"{r}: {diff}); every replica must build the same stage module (this rank is "
                 f"{rank}; nothing was run)"
             )
+
+
+def _same(stage_of: Any, a: int, b: int) -> bool:
+    (sa, _, ta), (sb, _, tb) = stage_of(a), stage_of(b)
+    return bool(sa == sb and ta == tb)

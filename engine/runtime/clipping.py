@@ -97,6 +97,9 @@ class GradClipper:
         #: last norms, device tensors: per stage (the global norm for synchronous schedules)
         self.last: dict[int, Tensor] = {}
         self._coef: Tensor | None = None
+        #: tensor parallelism: the stage's tp group, over which shard norms are combined
+        #: (engine/runtime/tensor_parallel.py); None otherwise
+        self.tp_group: Any = None
 
     @staticmethod
     def _counted(st: Stage, ties: list[Any]) -> list[int]:
@@ -133,14 +136,22 @@ class GradClipper:
 
     def _norms(self, st: Stage, used_only: bool) -> list[Tensor]:
         store = st.store
-        grads = [store.params[i].grad for i in self.counted[st.index]]
+        params = [store.params[i] for i in self.counted[st.index]]
         if used_only:
             keep = [store.was_used(i) for i in self.counted[st.index]]
-            grads = [g for g, k in zip(grads, keep, strict=True) if k]
-        grads = [g for g in grads if g is not None]
-        if not grads:
+            params = [p for p, k in zip(params, keep, strict=True) if k]
+        params = [p for p in params if p.grad is not None]
+        if not params:
             return []
-        return list(torch._foreach_norm(grads, self.norm_type))
+        return self._whole(params, list(torch._foreach_norm([p.grad for p in params], self.norm_type)))
+
+    def _whole(self, params: list[Tensor], norms: list[Tensor]) -> list[Tensor]:
+        """Tensor parallelism: whole parameters' norms from the shards' (one all-reduce)."""
+        if self.tp_group is None:
+            return norms
+        from engine.runtime.tensor_parallel import reduce_norms
+
+        return reduce_norms(params, norms, self.norm_type, self.tp_group)
 
     def _coefficient(self, total: Tensor) -> Tensor:
         coef = self.max_norm / (total + 1e-6)
@@ -160,7 +171,10 @@ class GradClipper:
             grads = [store.params[i].grad for i in idx]
             used = [store.was_used(i) and g is not None for i, g in zip(idx, grads, strict=True)]
             live = [g for g, u in zip(grads, used, strict=True) if u]
-            norms = iter(torch._foreach_norm(live, self.norm_type)) if live else iter(())
+            norms = iter(self._whole(
+                [store.params[i] for i, u in zip(idx, used, strict=True) if u],
+                list(torch._foreach_norm(live, self.norm_type)),
+            )) if live else iter(())
             off = self.offsets[st.index]
             for k, u in enumerate(used):
                 if u:

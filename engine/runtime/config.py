@@ -93,6 +93,7 @@ def check_options(
     schedule_name: str = "",
     l2_persistence: object = False,
     cuda_graphs: object = False,
+    mesh: object = None,
 ) -> PipelineConfig:
     """Validate the stage-independent options (``synchronous_hint``: whether the schedule
     name is a synchronous family, None when not known yet)."""
@@ -107,6 +108,10 @@ def check_options(
     if not isinstance(data_parallel, int) or isinstance(data_parallel, bool) or data_parallel < 1:
         raise PipelineConfigError(f"data_parallel={data_parallel!r} must be an int >= 1")
     distributed = transport != "local"
+    if mesh is not None:  # tensor parallelism: the mesh says the replicas (runtime/mesh.py)
+        from engine.runtime.mesh import check_mesh
+
+        data_parallel = check_mesh(mesh, transport, data_parallel)["dp"]
     if data_parallel > 1 and not distributed:
         raise PipelineConfigError(
             f"data_parallel={data_parallel} needs one process per (replica, stage): use "

@@ -99,9 +99,12 @@ def _group(parts: PipelineParts) -> Any:
     if group is None:
         lay = parts.layout
         S = lay.stages
-        for r in range(lay.replicas):
-            g = torch.distributed.new_group([r * S + s for s in range(S)])
-            if r == lay.replica:
+        lines = [[r * S + s for s in range(S)] for r in range(lay.replicas)]
+        if hasattr(lay, "pp_lines"):  # a mesh: one line per (replica, tp rank), runtime/mesh.py
+            lines = lay.pp_lines()
+        for ranks in lines:
+            g = torch.distributed.new_group(ranks)
+            if lay.rank in ranks:
                 group = g
         parts.eval_group = group
     return group

@@ -62,6 +62,7 @@ class BuildRequest:
     deferred_batch_norm: bool = False
     virtual_stages: int | None = None
     ties: Any = None  #: the user's declared ties (``Pipeline(ties=...)``)
+    mesh: Any = None  #: a DeviceMesh with pp/dp/tp dimensions (engine/runtime/mesh.py)
 
 
 @dataclass(eq=False)

@@ -145,6 +145,7 @@ class Pipeline:
         ties: ties between factory-built stages (which cannot share a parameter object), e.g.
             ``[["0:tok.weight", "3:head.weight"]]``: checked at build, trained as an object tie
             (runtime/ties.py).
+        mesh: a DeviceMesh with dims pp, dp, tp (gloo/NCCL; tensor parallelism: runtime/mesh.py).
     """
 
     def __init__(
@@ -184,6 +185,7 @@ class Pipeline:
         grad_scaler: dict[str, Any] | None = None,
         offload_activations: bool = False,
         ties: Sequence[Sequence[Any]] | None = None,
+        mesh: Any = None,
     ) -> None:
         fam = FAMILIES.get(schedule) if isinstance(schedule, str) else None
         self._meter = StepMeter()  # stats()["throughput"]
@@ -199,7 +201,7 @@ class Pipeline:
             optimizer=optimizer, lr_scheduler=lr_scheduler,
             synchronous_hint=None if fam is None else fam.synchronous,
             schedule_name=schedule if isinstance(schedule, str) else "",
-            l2_persistence=l2_persistence, cuda_graphs=cuda_graphs,
+            l2_persistence=l2_persistence, cuda_graphs=cuda_graphs, mesh=mesh,
         )
         request = BuildRequest(
             stages=stages, schedule=schedule, chunks=chunks, loss_fn=loss_fn,
@@ -209,6 +211,7 @@ class Pipeline:
             num_stages=num_stages, sample=sample, memory_cap_bytes=memory_cap_bytes,
             balance_repeats=balance_repeats, balance_profile=balance_profile,
             deferred_batch_norm=deferred_batch_norm, virtual_stages=virtual_stages, ties=ties,
+            mesh=mesh,
         )
         if config.distributed:
             from engine.runtime.rank_build import build_rank
@@ -323,6 +326,11 @@ class Pipeline:
     @property
     def transport(self) -> str:
         return self.config.transport
+
+    @property
+    def tensor_parallel(self) -> int:
+        """The tensor-parallel degree of a ``mesh=`` pipeline (1 without a ``tp`` dimension)."""
+        return getattr(self.parts.layout, "tp", 1)
 
     @property
     def on_nonfinite(self) -> str:

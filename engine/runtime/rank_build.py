@@ -63,14 +63,24 @@ def build_rank(req: BuildRequest) -> PipelineParts:
 
         ranks = check_virtual(spec, cfg.data_parallel)
     try:
-        layout = make_layout(ranks, cfg.data_parallel)
+        if req.mesh is not None:  # tensor parallelism (runtime/mesh.py)
+            from engine.runtime.mesh import mesh_layout, refuse_with_mesh
+
+            refuse_with_mesh(virtual, req.ties, req.stages)
+            layout = mesh_layout(req.mesh, ranks)
+        else:
+            layout = make_layout(ranks, cfg.data_parallel)
     except ValueError as exc:
         per = f" (interleaved: the {spec.stages} virtual stages run on {ranks} ranks)" if virtual else ""
         raise PipelineConfigError(f"{exc}{per}") from None
     place = RankPlacement.of(spec)  # round-robin, the V, or any map (engine/runtime/placement.py)
     layout = dataclasses.replace(layout, last_index=place.last)
     mine = place.held(layout.stage)
-    modules = stage_modules(req, spec, specs, mine)
+    from engine.runtime.mesh import with_tp_mesh  # (a tp_mesh= factory gets its sub-mesh)
+    from engine.runtime.tensor_parallel import finish_stages, localize_stages
+
+    modules = stage_modules(req, spec, [with_tp_mesh(f, layout) for f in specs], mine)
+    tp_stages = localize_stages(modules, mine, layout, spec.stages)  # DTensor weights -> shards
     device = torch.device("cpu")
     for s, module in zip(mine, modules, strict=True):
         if cfg.transport == "nccl":
@@ -99,10 +109,11 @@ def build_rank(req: BuildRequest) -> PipelineParts:
         deferred_batch_norm=req.deferred_batch_norm,
         **req.features.describe(),
         **tie_shapes,  # compared among the ranks holding each declared tie
+        **({"tensor_parallel": layout.tp} if req.mesh is not None else {}),
     )
     held = modules[0] if not virtual else nn.ModuleList(modules)
     fp = fingerprint(spec, cfg, options, ties, bridge.opt if bridge is not None else None, held)
-    agree(fp, layout.rank, ranks, device)
+    agree(fp, layout.rank, ranks, device, stage_of=getattr(layout, "place_of", None))
     broadcast_owner(declared, here, lambda s: layout.replica * ranks + place.rank_of(s))
     rank: Any
     if virtual:
@@ -141,6 +152,7 @@ def build_rank(req: BuildRequest) -> PipelineParts:
     )
     attach_ties(executor, ties, stages)
     attach_features(req.features, executor, stages, spec, device, ties, layout.pipeline_group)
+    finish_stages(stages, tp_stages, layout, req.features, executor, rank)  # tensor parallelism
     return PipelineParts(
         spec=spec, config=cfg, features=req.features, stages=stages, executor=executor,
         streams=streams, l2=l2, delays=made.delays, weight_prediction=made.weight_prediction,
