@@ -150,3 +150,20 @@ def test_the_recording_backend_counts_what_cuda_does() -> None:
     assert waits == backend.counts["event_wait"], (records, waits, queries)
     assert backend.counts["event_record"] <= records
     assert records <= backend.counts["event_record"] + backend.counts["record_stream"]
+
+
+def test_stage_streams_are_off_by_default_on_one_gpu() -> None:
+    """The default follows the last measurement (H100, pb batch 1: streams off 1.9x faster;
+    engine.runtime.streams.default_stage_streams): off, except for l2_persistence, whose
+    windows live on stage streams."""
+    from engine.runtime.streams import default_stage_streams
+
+    assert default_stage_streams(on_cuda=True, l2=False) is False
+    assert default_stage_streams(on_cuda=True, l2=True) is True
+    assert default_stage_streams(on_cuda=False, l2=False) is False
+
+
+@pytest.mark.cuda
+def test_a_gpu_pipeline_runs_on_one_stream_unless_asked() -> None:
+    assert not make("pb", device="cuda")._executor.streams.separate
+    assert make("pb", device="cuda", cuda_streams=True)._executor.streams.separate
