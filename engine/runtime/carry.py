@@ -37,7 +37,7 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["Carried", "CarryPlan", "fingerprint", "host_affine", "plan_carry"]
+__all__ = ["Carried", "CarryPlan", "fingerprint", "host_affine", "plan_carry", "ring_depths"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +50,8 @@ class Carried:
     depth: int
     producer: int
     nbytes: int
+    #: which of the producer's outputs (its k-th tensor)
+    out: int = 0
 
 
 @dataclasses.dataclass
@@ -75,16 +77,16 @@ class CarryPlan:
 
     @property
     def slots(self) -> int:
-        """Distinct carried tensors, one slot per window of depth each."""
-        return len({(c.depth, c.producer) for c in self.carried})
+        """Distinct (depth, producer, output) carried reads."""
+        return len({(c.depth, c.producer, c.out) for c in self.carried})
 
     @property
     def slot_bytes(self) -> int:
         """Bytes of the ring: each carried producer's output, once per window of depth."""
-        seen: dict[int, tuple[int, int]] = {}
+        seen: dict[tuple[int, int], tuple[int, int]] = {}
         for c in self.carried:
-            d, n = seen.get(c.producer, (0, 0))
-            seen[c.producer] = (max(d, c.depth), max(n, c.nbytes))
+            d, n = seen.get((c.producer, c.out), (0, 0))
+            seen[(c.producer, c.out)] = (max(d, c.depth), max(n, c.nbytes))
         return sum(d * n for d, n in seen.values())
 
     @property
@@ -166,21 +168,22 @@ def plan_carry(
                 problems.append(f"op {b.index} {b.name} writes in place into a tensor made "
                                 f"{depth} window(s) back by op {producer} (a replay would write "
                                 "the slot, not the tensor the host holds)")
-            carried.append(Carried(b.index, y.role, depth, producer,
-                                   _nbytes(recorders[last - depth].ops[producer], y.storage)))
+            k, nbytes = _output(recorders[last - depth].ops[producer], y.storage)
+            carried.append(Carried(b.index, y.role, depth, producer, nbytes, k))
     reads = [f"{op.name} {op.sync}, called from {op.where}" for op in L
              if op.sync is not None and not (tolerated is not None and tolerated(op))]
     return CarryPlan(len(L), static, n_staged, carried, problems, reads, staged_depth, period)
 
 
-def _nbytes(op: Any, storage: int) -> int:
+def _output(op: Any, storage: int) -> tuple[int, int]:
+    """(index, bytes) of the output of ``op`` that allocated ``storage``."""
     for acc in op.accesses:
         if acc.storage == storage and acc.role.startswith("out:"):
             n = acc.dtype.itemsize
             for s in acc.shape:
                 n *= s
-            return n
-    return 0
+            return int(acc.role[4:]), n
+    return 0, 0
 
 
 def _say(kind: tuple[str, Any]) -> str:
@@ -301,3 +304,12 @@ def host_affine(f0: Any, f1: Any, f2: Any, path: str = "host") -> tuple[int, lis
 def _brief(v: Any) -> str:
     s = repr(v)
     return s if len(s) < 60 else s[:57] + "..."
+
+
+def ring_depths(plan: CarryPlan) -> dict[tuple[int, int], int]:
+    """(producer op, output) -> the deepest window back it is read from: the ring keeps that
+    many slots of it (slot 1: the previous window's output, slot d: d windows back)."""
+    out: dict[tuple[int, int], int] = {}
+    for c in plan.carried:
+        out[(c.producer, c.out)] = max(out.get((c.producer, c.out), 0), c.depth)
+    return out

@@ -28,7 +28,7 @@ from engine.errors import NotFlushedError, PipelineConfigError, ScheduleError
 from engine.runtime import inputs as _inputs
 from engine.runtime.amp import autocast_context, check_scaler_state
 from engine.runtime.build import build_module, build_store, resolve_stage_specs
-from engine.runtime.capture import ProgramCapture, refuse_program
+from engine.runtime.capture import program_capture, refuse_program
 from engine.runtime.config import DEFAULT_CHECKPOINT, PipelineConfig, check_options
 from engine.runtime.config import resolve_mitigations
 from engine.runtime.device_flags import check_skip_update
@@ -325,7 +325,7 @@ class Pipeline:
             spec, stages, on_nonfinite=cfg.on_nonfinite, streams=streams, device_flags=device_flags
         )
         self._checked: set[Any] = set()
-        self._capture = ProgramCapture(self._executor) if cfg.cuda_graphs == "program" else None
+        self._capture = program_capture(self._executor) if cfg.cuda_graphs == "program" else None
 
     @staticmethod
     def _make_streams(stages: list[Stage], want: bool | None, l2: bool = False) -> StageStreams:

@@ -1,0 +1,142 @@
+"""Asynchronous windows captured (``cuda_graphs="program"`` with pb; issue 23 item 1), proven
+on CPU with a tape twin (engine.testing.graph_twin.TapeTwin): a replay re-executes the
+capture's aten calls on the capture's tensors and runs none of the window's Python, as a CUDA
+graph does. So the rings, their rotation and the host shift the capture layer applies after
+each replay are exercised exactly as on a GPU, and every result must equal the eager
+pipeline's bit for bit -- while replaying, after ``flush()``, and when learning again.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import engine
+import engine.optim
+from engine.errors import PipelineConfigError
+from engine.runtime import capture_async
+from engine.runtime.capture import ASYNC_REASON, use_backend
+from engine.testing.capture_audit import _reference_optimizer, _state
+from engine.testing.graph_twin import TapeTwin
+from test_capture_audit import MITIGATIONS
+
+S, M, D = 3, 3, 4
+
+
+def make(mitigation: str = "plain", mode: str | bool = "program", stage: type[nn.Module] | None = None,
+         schedule: str = "pb", **extra) -> engine.Pipeline:
+    opt_kw, pipe_kw = MITIGATIONS[mitigation]
+    pipe_kw = {**pipe_kw, "on_nonfinite": "skip_update", **extra}
+    torch.manual_seed(0)
+    stages: list[nn.Module] = [nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(S - 1)]
+    stages.append(nn.Linear(D, 2))
+    if stage is not None:
+        stages[1] = nn.Sequential(stages[1], stage())
+    return engine.Pipeline(
+        stages, schedule=schedule, chunks=M, loss_fn=F.mse_loss,
+        optimizer=lambda p: engine.optim.SGD(p, lr=0.1, momentum=0.9, **opt_kw),
+        checkpoint="never", cuda_graphs=mode, **pipe_kw,
+    )
+
+
+def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(M, D, generator=g), torch.randn(M, 2, generator=g)) for _ in range(n)]
+
+
+def bitwise(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def same(pipe: engine.Pipeline, ref: engine.Pipeline) -> bool:
+    return all(bitwise(a, b) for a, b in zip(_state(pipe), _state(ref), strict=True))
+
+
+def run_both(mitigation: str, steps: int, stage=None, twin: TapeTwin | None = None):
+    twin = twin or TapeTwin()
+    with _reference_optimizer(), use_backend(twin):
+        pipe = make(mitigation, stage=stage)
+    ref = make(mitigation, mode=False, stage=stage)
+    data = batches(steps)
+    with _reference_optimizer():
+        for k, (x, y) in enumerate(data):
+            a, b = pipe.step(x, y), ref.step(x, y)
+            assert bitwise(a, b), f"step {k}: loss {a} != eager {b}"
+            assert same(pipe, ref), f"step {k}: weights, gradients or state differ"
+    return pipe, ref, twin
+
+
+@pytest.mark.parametrize("mitigation", list(MITIGATIONS))
+def test_pb_windows_replay_bitwise(mitigation: str) -> None:
+    pipe, ref, twin = run_both(mitigation, 16)
+    st = pipe.stats()["capture"]
+    assert st["captures"] == 1 and st["replays"] >= 5, st
+    # the window, and the ring's rotation (captured before the first replay: it ran then)
+    assert twin.captures == 2 and twin.replays == 2 * st["replays"] - 1
+    assert st["ring"]["depth"] == 2 and st["ring"]["slots"] > 0
+    with _reference_optimizer():
+        pipe.flush()
+        ref.flush()
+        assert same(pipe, ref)
+        assert pipe.steps == ref.steps and pipe.stats()["updates"] == ref.stats()["updates"]
+        for x, y in batches(12):  # learning again after the flush, then a capture
+            assert bitwise(pipe.step(x, y), ref.step(x, y))
+        assert same(pipe, ref)
+    assert pipe.stats()["capture"]["captures"] == 2
+
+
+def test_replays_run_no_window_python() -> None:
+    """The twin's replay runs no Python of the window: the stages' forwards are not called."""
+    calls = []
+
+    class Count(nn.Module):
+        def forward(self, x):
+            calls.append(self)
+            return x + 0.0
+
+    pipe, ref, _ = run_both("plain", 16, stage=Count)
+    replays = pipe.stats()["capture"]["replays"]
+    mine = sum(1 for m in calls if any(m is x for x in pipe.stages[1].module.modules()))
+    theirs = len(calls) - mine
+    assert replays >= 4 and mine == theirs - replays * M
+
+
+@pytest.mark.parametrize("broken", ["shift", "rotate"])
+def test_without_the_shift_or_the_rotation_replays_go_wrong(monkeypatch, broken: str) -> None:
+    if broken == "shift":
+        monkeypatch.setattr(capture_async.HostShift, "apply", lambda self, root: None)
+    else:
+        monkeypatch.setattr(capture_async.AsyncCapture, "_rotate", lambda self, w: None)
+    with pytest.raises(AssertionError):
+        pipe, ref, _ = run_both("sc+lwp", 16)
+        with _reference_optimizer():
+            pipe.flush()
+            ref.flush()
+        assert same(pipe, ref) and pipe.steps == ref.steps
+
+
+class ReadsBack(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5 if x.abs().max().item() > 100 else x
+
+
+def test_a_window_that_reads_the_host_stays_eager(monkeypatch) -> None:
+    monkeypatch.setattr(capture_async, "GIVE_UP", 6)
+    pipe, ref, twin = run_both("plain", 13, stage=ReadsBack)
+    st = pipe.stats()["capture"]
+    assert st["captures"] == 0 and twin.captures == 0
+    assert "reads the host" in st["last_eager_reason"] and "test_capture_async.py:forward" in st["last_eager_reason"]
+
+
+@pytest.mark.parametrize(("schedule", "extra", "words"), [
+    ("pipedream", {}, ASYNC_REASON),
+    ("2bw", {}, ASYNC_REASON),
+    ("pb", {"on_nonfinite": "raise"}, "on_nonfinite='skip_update'"),
+])
+def test_refused_at_build(schedule: str, extra: dict, words: str) -> None:
+    with use_backend(TapeTwin()), pytest.raises(PipelineConfigError, match=words):
+        make(schedule=schedule, **extra)
