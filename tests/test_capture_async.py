@@ -140,3 +140,66 @@ def test_a_window_that_reads_the_host_stays_eager(monkeypatch) -> None:
 def test_refused_at_build(schedule: str, extra: dict, words: str) -> None:
     with use_backend(TapeTwin()), pytest.raises(PipelineConfigError, match=words):
         make(schedule=schedule, **extra)
+
+
+# ---------------------------------------------------------------------- GPU (never run yet)
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+COUNTERS = ("steps", "skipped_steps", "dropped_microbatches", "updates", "skipped_updates")
+
+
+def _gpu(mitigation: str, mode: object, width: int = 64) -> engine.Pipeline:
+    opt_kw, pipe_kw = MITIGATIONS[mitigation]
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(S - 1)]
+    stages.append(nn.Linear(width, 2))
+    return engine.Pipeline(
+        [m.cuda() for m in stages], schedule="pb", chunks=4, loss_fn=F.mse_loss,
+        checkpoint="never", cuda_graphs=mode, cuda_streams=False,
+        **{**pipe_kw, "on_nonfinite": "skip_update"},
+        optimizer=lambda p: engine.optim.SGD(p, lr=0.05, momentum=0.9, **opt_kw))
+
+
+def _gpu_data(n: int, width: int = 64, bad: int | None = None):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    out = []
+    for k in range(n):
+        x = torch.randn(4, width, generator=g, device="cuda")
+        if k == bad:
+            x[1, 0] = float("nan")  # the second micro-batch of a replayed window
+        out.append((x, torch.randn(4, 2, generator=g, device="cuda")))
+    return out
+
+
+def _cuda_run(mitigation: str, steps: int, bad: int | None = None):
+    a, b = _gpu(mitigation, "program"), _gpu(mitigation, False)
+    for x, y in _gpu_data(steps, bad=bad):
+        la, lb = a.step(x, y), b.step(x, y)
+        assert torch.equal(la.view(torch.int32), lb.view(torch.int32))  # NaN losses by bits
+    torch.cuda.synchronize()
+    assert same(a, b)
+    return a, b
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("mitigation", list(MITIGATIONS))
+def test_cuda_pb_captured_equals_eager_bitwise(mitigation: str) -> None:
+    a, b = _cuda_run(mitigation, 24)
+    cap = a.stats()["capture"]
+    assert cap["captures"] == 1 and cap["replays"] >= 8, cap
+    a.flush()
+    b.flush()
+    torch.cuda.synchronize()
+    assert same(a, b)
+    assert {k: a.stats()[k] for k in COUNTERS} == {k: b.stats()[k] for k in COUNTERS}
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("mitigation", ["plain", "sc+lwp"])
+def test_cuda_a_nan_mid_window_skips_the_updates_eager_skips(mitigation: str) -> None:
+    a, b = _cuda_run(mitigation, 24, bad=18)
+    assert a.stats()["capture"]["replays"] >= 8
+    assert {k: a.stats()[k] for k in COUNTERS} == {k: b.stats()[k] for k in COUNTERS}
+    assert a.stats()["dropped_microbatches"] == 1
