@@ -8,7 +8,8 @@ So (docs/ALGORITHMS.md, "Capturing whole step programs"):
 
 * **Learning.** A key (staging key, micro-batch sizes, every optimizer's launch key, the
   step's compiled program) first runs eagerly under a dispatch recorder that keeps each
-  call's outputs, with the host state fingerprinted after each window. Once the last
+  call's outputs (the captured window too: the references change autograd's in-place
+  decisions, so all are recorded alike), with the host state fingerprinted after each window. Once the last
   windows make the same calls, every outside tensor they read is static or carried from a
   fixed call of a fixed earlier window, nothing reads the host and the host counters advance
   evenly (:func:`engine.runtime.carry.plan_carry`, :func:`~engine.runtime.carry.host_affine`),
@@ -67,12 +68,14 @@ LEARN = 5
 GIVE_UP = 16
 
 
-def _keeper(producers: set[tuple[int, int]] | None) -> Any:
-    """A dispatch recorder that also keeps each call's fresh outputs (all of them, or only
-    ``producers``' (call, output) pairs): the ring's slots are those tensors."""
+def _keeper() -> Any:
+    """A dispatch recorder that also keeps every call's fresh outputs: the ring's slots are
+    such tensors. The learnt windows and the captured one are all recorded so, because the
+    references change autograd's in-place decisions (the calls): the graph replays what the
+    learnt windows promised (values equal eager's either way)."""
     from engine.testing.dispatch_trace import KeepingRecorder
 
-    return KeepingRecorder(producers)
+    return KeepingRecorder()
 
 
 class _Window:
@@ -194,7 +197,7 @@ class AsyncCapture:
     def _learn_window(self, key: Hashable, xs: list[Any], targets: list[Any], sizes: list[int]) -> StepResult:
         if self._learn and self._learn[-1][0] != key:
             self._learn.clear()
-        keeper = _keeper(None)
+        keeper = _keeper()
         with keeper:
             result = self._run(xs, targets, sizes)
         self._learn.append((key, keeper, fingerprint(self.ex)))
@@ -234,8 +237,8 @@ class AsyncCapture:
         self._plan = None
         depths = ring_depths(plan)
         keepers = [k for _, k, _ in self._learn]
-        ring_slots = {pk: [keepers[-d].kept[pk] for d in range(1, depth + 1)] for pk, depth in depths.items()}
-        keeper = _keeper(set(depths))
+        ring_slots = {pk: [keepers[-d].tensor(pk) for d in range(1, depth + 1)] for pk, depth in depths.items()}
+        keeper = _keeper()
         box: dict[str, StepResult] = {}
 
         def window() -> None:
@@ -254,11 +257,12 @@ class AsyncCapture:
         learnt = [(k, f) for k, f in zip(keepers, (f for _, _, f in self._learn), strict=True)]
         self._learn.clear()
         del learnt
-        if why is not None or ring_depths(again) != depths or any(pk not in keeper.kept for pk in depths):
+        outs = {pk: keeper.tensor(pk) for pk in depths}
+        if why is not None or ring_depths(again) != depths or any(t is None for t in outs.values()):
             self._refuse(key, f"not captured: the captured window differs from the learnt ones "
                               f"({why or 'another ring'})")
             return result
-        ring = [(ring_slots[pk], keeper.kept[pk]) for pk in sorted(depths)]
+        ring = [(ring_slots[pk], outs[pk]) for pk in sorted(depths)]  # type: ignore[misc]
         loss = result.loss
         w = _Window(key, replay, ring, HostShift(before, after), loss, staging, again)
         w.token = self._token()

@@ -198,13 +198,15 @@ class Recorder(TorchDispatchMode):
 
 
 class KeepingRecorder(Recorder):
-    """A :class:`Recorder` that also keeps the fresh outputs of the calls it records --
-    every one, or only the (call index, output index) pairs in ``keep`` -- in ``kept``:
-    a captured asynchronous window's ring slots are such tensors (engine.runtime.capture_async)."""
+    """A :class:`Recorder` that also keeps the fresh outputs of the calls it records (strong
+    references, in ``kept``; :meth:`tensor` reads one): a captured asynchronous window's ring
+    slots are such tensors (engine.runtime.capture_async). Keeping them changes what autograd
+    does inside the window (it accumulates a gradient in place only into a buffer nobody else
+    holds: ``add_`` becomes ``add``), so windows are only comparable when recorded under the
+    same keeping."""
 
-    def __init__(self, keep: set[tuple[int, int]] | None = None) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.keep = keep
         self.kept: dict[tuple[int, int], Tensor] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
@@ -213,7 +215,10 @@ class KeepingRecorder(Recorder):
         n = len(self.ops)
         if not any(r.alias_info is not None for r in func._schema.returns):
             for k, t in enumerate(_tensors(out)):
-                if self.keep is None or (n, k) in self.keep:
-                    self.kept[(n, k)] = t
+                self.kept[(n, k)] = t
         self._record(func, args, kwargs, out)
         return out
+
+    def tensor(self, key: tuple[int, int]) -> Tensor | None:
+        """Output ``key`` of the recording (None: not a fresh output)."""
+        return self.kept.get(key)
