@@ -167,3 +167,30 @@ def test_stage_streams_are_off_by_default_on_one_gpu() -> None:
 def test_a_gpu_pipeline_runs_on_one_stream_unless_asked() -> None:
     assert not make("pb", device="cuda")._executor.streams.separate
     assert make("pb", device="cuda", cuda_streams=True)._executor.streams.separate
+
+
+@pytest.mark.parametrize("schedule", ["pb", "1f1b", "pipedream", "zbh1"])
+def test_recorded_event_edges_are_exactly_the_hand_offs(schedule: str) -> None:
+    """Each wait between stage streams is one hand-off of the step's program: F(i) at stage s
+    waits for stage s-1's activation, B(i) at stage s for stage s+1's gradient -- the same
+    multiset of (waiting stage, producing stage) edges as the actions the step ran."""
+    from collections import Counter
+
+    pipe = make(schedule)
+    backend = recording_streams(pipe)
+    data = batches(4)
+    for x, y in data[:3]:
+        pipe.step(x, y)
+    backend.reset()
+    pipe._executor.log = []
+    pipe.step(*data[3])
+    index = {stream.name: s for s, stream in pipe._executor.streams.streams.items()}
+    got = Counter((index[w], index[p]) for w, p in backend.waits if "caller" not in (w, p))
+    chained = pipe.is_sync and pipe._executor.chain_sync
+    want: Counter = Counter()
+    for s, a in pipe._executor.log:
+        if a.kind.name == "FORWARD" and s > 0:
+            want[(s, s - 1)] += 1
+        if a.kind.name == "BACKWARD" and s < S - 1 and not chained:
+            want[(s, s + 1)] += 1
+    assert got == want
