@@ -119,6 +119,37 @@ def test_without_the_shift_or_the_rotation_replays_go_wrong(monkeypatch, broken:
         assert same(pipe, ref) and pipe.steps == ref.steps
 
 
+def test_ctrl_c_during_a_replay_finishes_the_step_then_raises() -> None:
+    """A SIGINT while a window replays: the step completes (a graph cannot stop halfway), the
+    host is shifted, then KeyboardInterrupt is raised; the pipeline equals the one that ran
+    the step uninterrupted, and both go on equal, still replaying."""
+    import os
+    import signal
+
+    pipe, ref, _ = run_both("sc", 12)
+    w = pipe._capture._window
+    assert w is not None
+    inner = w.replay
+
+    def replay() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        inner()
+
+    w.replay = replay
+    x, y = batches(13)[12]
+    with _reference_optimizer():
+        with pytest.raises(KeyboardInterrupt):
+            pipe.step(x, y)
+        w.replay = inner
+        ref.step(x, y)
+        assert same(pipe, ref) and pipe.steps == ref.steps
+        before = pipe.stats()["capture"]["replays"]
+        for x, y in batches(4):
+            assert bitwise(pipe.step(x, y), ref.step(x, y))
+        assert same(pipe, ref)
+    assert pipe.stats()["capture"]["replays"] == before + 4
+
+
 class ReadsBack(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * 0.5 if x.abs().max().item() > 100 else x
