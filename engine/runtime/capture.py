@@ -95,8 +95,9 @@ def program_refusal(spec: Any, config: Any, features: Any = None) -> str | None:
     if not spec.synchronous and spec.weights != "live":
         return (f"cuda_graphs='program' with schedule={spec.name!r}: {ASYNC_REASON} (its "
                 f"weight versions ({spec.weights}) alternate between buffers from one window to "
-                "the next: a cycle of two graphs, not built); use pb, a synchronous schedule "
-                "or cuda_graphs='optimizer'")
+                "the next, which needs a cycle of two graphs and a host state consistent "
+                "between them; not built); use pb, a synchronous schedule or "
+                "cuda_graphs='optimizer'")
     if not spec.synchronous and config.on_nonfinite != "skip_update":
         return (f"cuda_graphs='program' with schedule={spec.name!r} and "
                 f"on_nonfinite={config.on_nonfinite!r}: an asynchronous window would read every "
