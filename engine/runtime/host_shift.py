@@ -79,7 +79,7 @@ class HostShift:
                 setattr(v, k, self._go(getattr(v, k), dk, seen))
             return v
         if kind == "dict":
-            items = sorted(v.items(), key=lambda kv: _order(("item", _key_print(kv[0]), None)))
+            items = _sorted_items(v)
             pairs = []
             for (k, x), di in zip(items, d[1], strict=True):
                 if di is None:
@@ -97,12 +97,25 @@ class HostShift:
         if kind == "tuple":
             return type(v)(self._go(x, dx, seen) for x, dx in zip(v, d[1], strict=True))
         if kind == "set":
-            members = sorted(v, key=lambda x: _order(_key_print(x)))
+            members = [k for k, _ in _sorted_items(dict.fromkeys(v))]
             shifted = [self._go(x, dx, seen) for x, dx in zip(members, d[1], strict=True)]
             v.clear()
             v.update(shifted)
             return v
         raise ValueError(f"cannot shift a {kind}")
+
+
+def _int_key(k: Any) -> bool:
+    return type(k) is int or (type(k) is tuple and all(type(x) is int for x in k))
+
+
+def _sorted_items(d: dict[Any, Any]) -> list[tuple[Any, Any]]:
+    """``d``'s items in :func:`~engine.runtime.carry.fingerprint`'s order: by value for
+    int keys or int tuples (the executor's micro-batch and (stage, micro-batch) keys; fast
+    path: a replay shifts hundreds of them), else by the keys' fingerprints."""
+    if all(type(k) is int for k in d) or all(type(k) is tuple and _int_key(k) for k in d):
+        return sorted(d.items(), key=lambda kv: kv[0])
+    return sorted(d.items(), key=lambda kv: _order(("item", _key_print(kv[0]), None)))
 
 
 def _key_print(k: Any) -> Any:
