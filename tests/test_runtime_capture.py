@@ -355,7 +355,6 @@ def test_pb_without_skip_update_is_refused() -> None:
 
 
 @pytest.mark.parametrize(("kw", "match"), [
-    ({"cuda_streams": True}, "cuda_streams"),
     ({"trace": True}, "trace=True"),
     ({"offload_activations": True}, "offload_activations"),
     ({"optimizer": lambda p: torch.optim.SGD(p, lr=0.1)}, "torch.optim.sgd.SGD"),

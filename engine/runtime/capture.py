@@ -27,11 +27,15 @@ A replay runs no Python, so the host bookkeeping a step does (update counts, del
 versions, the executor's counters, a stage's LR scheduler) is applied from the difference
 the captured step made (:class:`_Host`).
 
+With ``cuda_streams=True`` each stage's actions are captured on its own stream, with the
+executor's events as the graph's edges (one per hand-off; the window forks from the caller's
+stream at its feed and joins back at its end): the stages become concurrent branches (the
+fork-join is checked on CPU by engine.testing.stream_recorder; never run on a GPU).
+
 Asynchronous schedules (pb) are :mod:`engine.runtime.capture_async`'s. Refused when the
 pipeline is built: PipeDream and 2BW (their version buffers alternate: "these asynchronous
 windows are not captured yet"), asynchronous schedules without ``on_nonfinite="skip_update"``,
-gloo/NCCL transports, stage streams (``cuda_streams=True``: concurrent
-branches are issue 23's item 2), ``trace=True``, optimizers other than engine.optim's
+gloo/NCCL transports, ``trace=True``, optimizers other than engine.optim's
 SGD/Adam/AdamW/NAdam with fused steps, and stages off CUDA unless a test backend is
 installed (:func:`use_backend`). Eager at run time, with the reason: a profiler recording,
 an action hook, a batch leaf that requires grad, a key not seen before, an optimizer step
@@ -103,9 +107,6 @@ def program_refusal(spec: Any, config: Any, features: Any = None) -> str | None:
                 f"on_nonfinite={config.on_nonfinite!r}: an asynchronous window would read every "
                 "loss on the host; pass on_nonfinite='skip_update' (non-finite losses become "
                 "device flags that skip their updates on the device)")
-    if config.cuda_streams:
-        return ("cuda_graphs='program' with cuda_streams=True: stage streams inside a graph "
-                "(concurrent branches) are not captured yet; pass cuda_streams=False")
     if features is not None and getattr(features, "offload_activations", False):
         return ("cuda_graphs='program' with offload_activations=True: copies to host memory "
                 "inside a captured step are not captured yet")
@@ -327,7 +328,11 @@ class ProgramCapture:
         ints = self.ex.interrupts
         ints.check = _no_check  # type: ignore[method-assign]
         try:
-            return self.ex.run_step(xs, targets, sizes)
+            result = self.ex.run_step(xs, targets, sizes)
+            # with stage streams, the window is a fork-join of the caller's stream (a CUDA
+            # graph must end with every forked stream joined): the updates ran on them
+            self.ex.streams.join()
+            return result
         finally:
             del ints.check
 

@@ -183,7 +183,9 @@ class AsyncCapture:
         ints = ex.interrupts
         ints.check = lambda: None  # type: ignore[method-assign]
         try:
-            return ex.run_step(cx, cy, sizes)
+            result = ex.run_step(cx, cy, sizes)
+            ex.streams.join()  # stage streams: the window ends joined to the caller's stream
+            return result
         finally:
             del ints.check
 
@@ -252,6 +254,7 @@ class AsyncCapture:
         self.reason = None
         if not self.runs_at_capture:
             replay()  # the capture ran nothing on the device; slots still hold their values
+        self._settle_streams()
         result = box["result"]
         again, why = self._plan_of([*keepers[1:], keeper], [f for _, _, f in self._learn[1:]] + [after])
         learnt = [(k, f) for k, f in zip(keepers, (f for _, _, f in self._learn), strict=True)]
@@ -286,10 +289,25 @@ class AsyncCapture:
         else:
             w.rotate()
         w.replay()
+        self._settle_streams()
         w.shift.apply(self.ex)
         w.token = self._token()
         self.counts["replays"] += 1
         return StepResult(None if w.loss is None else w.loss.clone())
+
+    def _settle_streams(self) -> None:
+        """With stage streams: the mailboxes' events were recorded while capturing (a stream
+        outside the capture may not wait for them) and the replay ran on the caller's stream;
+        so drop those events and make every stage stream wait for the caller instead -- a
+        later eager action (a ``flush()``) then reads the replay's outputs in order."""
+        ex = self.ex
+        if not ex.streams.separate:
+            return
+        for box in (ex.acts, ex.grads):
+            for k, (v, ev) in list(box.items()):
+                if ev is not None:
+                    box[k] = (v, None)
+        ex.streams.wait_caller()
 
     def _token(self) -> Hashable:
         """What the ring assumes of the executor: the stash entries the capture left (the
