@@ -17,6 +17,8 @@ mini-batches):
   ``cuda_streams=False``, ``on_nonfinite="skip_update"``, ``cuda_graphs="program"``; trained
   for 16 steps before timing, and it must be replaying by then;
 * engine eager: the same with ``cuda_graphs=False``;
+* engine captured with stage streams: ``cuda_streams=True`` as well, so a window's stage
+  branches are concurrent inside the graph (issue 23 item 2);
 * eager loop: the unsplit model, torch.optim.SGD(momentum=0.9), per sample zero_grad /
   forward / backward / step (bench/overhead_peers.PerSampleLoop);
 * graphed loop: the same per-sample step captured once with ``torch.cuda.graph`` after a
@@ -24,7 +26,7 @@ mini-batches):
   of the sample and one replay.
 
 Pairs: captured vs graphed loop, captured vs eager loop, eager engine vs graphed loop, captured
-vs eager engine. Different math by design between the engine (delayed pb with SC + LWP) and
+vs eager engine, captured with streams vs graphed loop and vs captured without. Different math by design between the engine (delayed pb with SC + LWP) and
 the loops (plain per-sample SGD): the ratios price the runtime, not the algorithm.
 
     python bench/pipeline_pb_capture_gpu.py --out bench/results     # GPU (~3-5 min, H100)
@@ -65,13 +67,13 @@ def model(width: int, layers: int = LAYERS) -> nn.Sequential:
 
 
 def pipeline(width: int, mode: object, device: torch.device, layers: int = LAYERS,
-             stages: int = S) -> engine.Pipeline:
+             stages: int = S, streams: bool = False) -> engine.Pipeline:
     opt_kw, pipe_kw = PB1_MITIGATIONS["sc+lwp"]
     parts = engine.models.split_layers(model(width, layers), engine.models.even_balance(layers, stages))
     return engine.Pipeline(
         [p.to(device) for p in parts], schedule="pb", chunks=M, loss_fn=F.cross_entropy,
         optimizer=lambda p: engine.optim.SGD(p, lr=PB1_LR, momentum=MOMENTUM, **opt_kw),
-        checkpoint="never", cuda_streams=False, on_nonfinite="skip_update", cuda_graphs=mode,
+        checkpoint="never", cuda_streams=streams, on_nonfinite="skip_update", cuda_graphs=mode,
         **pipe_kw,
     )
 
@@ -123,8 +125,11 @@ def run(device: torch.device, *, widths: Sequence[int] = WIDTHS, layers: int = L
     rows: list[RatioRow] = []
     for width in widths:
         sides: dict[str, Callable[[], object]] = {}
-        for name, mode in (("captured", "program"), ("eager", False)):
-            pipe = pipeline(width, mode, device, layers, stages)
+        engines = [("captured", "program", False), ("eager", False, False)]
+        if device.type == "cuda":  # stage streams need a GPU
+            engines.append(("captured+streams", "program", True))
+        for name, mode, streams in engines:
+            pipe = pipeline(width, mode, device, layers, stages, streams)
             go = stepper(pipe.step, data)
             for _ in range(16):  # first steps, learning, the capture, replays
                 go()
@@ -140,7 +145,10 @@ def run(device: torch.device, *, widths: Sequence[int] = WIDTHS, layers: int = L
         sides["graphed loop"] = stepper(GraphedSampleLoop(gnet, *data[0]), data)
         pairs = [("captured", "graphed loop"), ("captured", "eager loop"), ("eager", "graphed loop"),
                  ("captured", "eager")]
+        if "captured+streams" in sides:
+            pairs += [("captured+streams", "graphed loop"), ("captured+streams", "captured")]
         names = {"captured": "engine captured", "eager": "engine eager", "eager loop": "per-sample loop eager",
+                 "captured+streams": "engine captured, stage streams",
                  "graphed loop": "per-sample loop " + ("graphed" if device.type == "cuda" else "eager")}
         for cand, peer in pairs:
             res = paired(sides[cand], sides[peer], rounds=rounds, warmup=warmup,
