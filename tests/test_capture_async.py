@@ -234,3 +234,39 @@ def test_cuda_a_nan_mid_window_skips_the_updates_eager_skips(mitigation: str) ->
     assert a.stats()["capture"]["replays"] >= 8
     assert {k: a.stats()[k] for k in COUNTERS} == {k: b.stats()[k] for k in COUNTERS}
     assert a.stats()["dropped_microbatches"] == 1
+
+
+def test_every_window_runs_inside_the_backends_stream() -> None:
+    """A backend with ``running()`` (CUDA: SideStreamGraphs' side stream) has every window --
+    learnt, captured, replayed -- run inside it: a captured pb window runs backwards of
+    forwards from earlier windows, which autograd launches on their forward's stream."""
+    import contextlib
+
+    class Sided(TapeTwin):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inside = False
+            self.entered = 0
+
+        @contextlib.contextmanager
+        def running(self):
+            self.inside = True
+            self.entered += 1
+            try:
+                yield
+            finally:
+                self.inside = False
+
+        def capture(self, window):
+            assert self.inside
+            replay = super().capture(window)
+
+            def checked() -> None:
+                assert self.inside
+                replay()
+
+            return checked
+
+    twin = Sided()
+    pipe, ref, _ = run_both("sc+lwp", 14, twin=twin)
+    assert twin.entered == 14 and pipe.stats()["capture"]["replays"] >= 3

@@ -39,8 +39,9 @@ that reason, as does any window that reads the host or carries in-place writes.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,7 +50,7 @@ from torch.utils._pytree import tree_map
 
 from engine.runtime import labels
 from engine.runtime.carry import CarryPlan, fingerprint, host_affine, plan_carry, ring_depths
-from engine.runtime.graphs import CudaGraphBackend, GraphBackend, launch_key
+from engine.runtime.graphs import GraphBackend, launch_key
 from engine.runtime.host_shift import HostShift
 from engine.runtime.result import StepResult
 from engine.runtime.staging import Staging, staging_key
@@ -57,7 +58,7 @@ from engine.runtime.staging import Staging, staging_key
 if TYPE_CHECKING:
     from engine.runtime.executor import Executor
 
-__all__ = ["AsyncCapture"]
+__all__ = ["AsyncCapture", "SideStreamGraphs"]
 
 #: the CPU reference optimizer's host read of found_inf (the fused CUDA kernels read it on
 #: the device); tolerated only with stages on the CPU (test backends)
@@ -76,6 +77,35 @@ def _keeper() -> Any:
     from engine.testing.dispatch_trace import KeepingRecorder
 
     return KeepingRecorder()
+
+
+class SideStreamGraphs:
+    """The CUDA backend of asynchronous windows: every window -- learnt eagerly, captured or
+    replayed -- runs on one side stream, and the graphs are captured on it. Why: autograd runs
+    a backward's kernels on the stream its forward ran on, and a pb window runs backwards of
+    forwards from earlier windows; were those forwards on the caller's (default) stream, the
+    captured window's backwards would launch there while another stream captures, which CUDA
+    refuses. The side stream waits for the caller's stream when a step starts (the batch,
+    weights the caller wrote) and the caller's stream waits for it when the step ends."""
+
+    def __init__(self) -> None:
+        self.stream = torch.cuda.Stream()
+
+    def capture(self, step: Callable[[], None]) -> Callable[[], None]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self.stream):
+            step()
+        return graph.replay  # (the bound method keeps the graph alive)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        caller = torch.cuda.current_stream()
+        self.stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            caller.wait_stream(self.stream)
 
 
 class _Window:
@@ -100,7 +130,7 @@ class AsyncCapture:
 
     def __init__(self, ex: Executor, backend: GraphBackend | None = None) -> None:
         self.ex = ex
-        self.backend: Any = backend or CudaGraphBackend()
+        self.backend: Any = backend or SideStreamGraphs()
         self.runs_at_capture = bool(getattr(self.backend, "runs_at_capture", False))
         self.cpu = all(p.device.type == "cpu" for st in ex.stages for p in st.store.params)
         self.counts = {"captures": 0, "replays": 0, "eager": 0, "learning": 0, "dropped": 0}
@@ -121,7 +151,8 @@ class AsyncCapture:
         """One asynchronous step; a Ctrl-C during it is raised once the step is complete (a
         replay cannot stop halfway, so neither does an eager window of this mode)."""
         ex = self.ex
-        with ex.interrupts.deferred():
+        running = getattr(self.backend, "running", None)
+        with ex.interrupts.deferred(), (running() if running is not None else contextlib.nullcontext()):
             result = self._step(xs, targets, sizes)
         ex.interrupts.check()
         return result
