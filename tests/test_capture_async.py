@@ -270,3 +270,37 @@ def test_every_window_runs_inside_the_backends_stream() -> None:
     twin = Sided()
     pipe, ref, _ = run_both("sc+lwp", 14, twin=twin)
     assert twin.entered == 14 and pipe.stats()["capture"]["replays"] >= 3
+
+
+def test_an_lr_scheduler_keeps_the_windows_eager() -> None:
+    """A stage's scheduler steps after each update, inside the window: a replay would keep
+    the captured lr, so every window runs eagerly, with the reason."""
+    sched = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.5)  # noqa: E731
+    with _reference_optimizer(), use_backend(TapeTwin()):
+        pipe = make("plain", lr_scheduler=sched)
+    ref = make("plain", mode=False, lr_scheduler=sched)
+    with _reference_optimizer():
+        for x, y in batches(14):
+            assert bitwise(pipe.step(x, y), ref.step(x, y))
+    cap = pipe.stats()["capture"]
+    assert cap["captures"] == 0 and cap["learning"] == 0 and "LR scheduler" in cap["last_eager_reason"]
+    assert same(pipe, ref)
+
+
+def test_keys_that_change_every_step_pause_learning() -> None:
+    """lr set by hand at every step (a launch argument: a new key each time): after a few
+    learning windows the pipeline runs plain eager steps (learning records every call)."""
+    with _reference_optimizer(), use_backend(TapeTwin()):
+        pipe = make("plain")
+    ref = make("plain", mode=False)
+    with _reference_optimizer():
+        for k, (x, y) in enumerate(batches(20)):
+            for p in (pipe, ref):
+                for st in p.stages:
+                    for g in st.bridge.opt.param_groups:
+                        g["lr"] = 0.1 / (1 + k)
+            assert bitwise(pipe.step(x, y), ref.step(x, y))
+    cap = pipe.stats()["capture"]
+    assert cap["captures"] == 0 and cap["learning"] <= capture_async.CHANGING + 1, cap
+    assert "changed at every step" in cap["last_eager_reason"]
+    assert same(pipe, ref)

@@ -67,6 +67,9 @@ REFERENCE_SKIP = "engine/optim/functional.py:_skip"
 LEARN = 5
 #: windows of one key without a capturable plan before it runs eagerly for good
 GIVE_UP = 16
+#: learning windows in a row with a new key each (an LR schedule changing lr, a launch
+#: argument of the fused kernels, at every update) before PAUSE plain eager steps
+CHANGING, PAUSE = 6, 64
 
 
 def _keeper() -> Any:
@@ -141,6 +144,8 @@ class AsyncCapture:
         self._refused: OrderedDict[Hashable, str] = OrderedDict()
         self._window: _Window | None = None
         self._plan: CarryPlan | None = None
+        self._changes = 0  # learning windows in a row whose key differed from the last one's
+        self._pause = 0  # plain eager steps left before learning again
         for st in ex.stages:
             if st.bridge is not None and st.bridge.skip is None:
                 st.bridge.enable_skip_flags()
@@ -167,6 +172,9 @@ class AsyncCapture:
             return "the executor is logging actions or timing events (host work at every action)"
         if ex.tail is not None:
             return "an interrupted step's actions are pending (they run eagerly first)"
+        if any(st.scheduler is not None for st in ex.stages):
+            return ("an LR scheduler steps after every update, inside the window (a replay would "
+                    "keep the lr it was captured with)")
         opts = []
         for st in ex.stages:
             if st.bridge is None:
@@ -202,6 +210,9 @@ class AsyncCapture:
             return self._replay(w)
         if key in self._refused:
             return self._eager(sx, sy, sizes, self._refused[key])
+        if self._pause > 0:  # keys that change every step: plain eager steps for a while
+            self._pause -= 1
+            return self._eager(sx, sy, sizes, self.paused)
         if self._plan is not None and self._learn and self._learn[-1][0] == key:
             return self._capture(key, sx, sy, sizes, staging)
         return self._learn_window(key, sx, sy, sizes)
@@ -230,6 +241,13 @@ class AsyncCapture:
     def _learn_window(self, key: Hashable, xs: list[Any], targets: list[Any], sizes: list[int]) -> StepResult:
         if self._learn and self._learn[-1][0] != key:
             self._learn.clear()
+            self._changes += 1
+            if self._changes >= CHANGING:
+                # (learning records every call: not a cost to pay at every step for nothing)
+                self._changes, self._pause = 0, PAUSE
+                return self._eager(xs, targets, sizes, self.paused)
+        elif self._learn:
+            self._changes = 0
         keeper = _keeper()
         with keeper:
             result = self._run(xs, targets, sizes)
@@ -346,6 +364,9 @@ class AsyncCapture:
         ex = self.ex
         return (ex.steps, ex.j, ex.n_base, ex.active,
                 tuple(id(e) for st in ex.stages for e in st.stash.entries()))
+
+    paused = ("the capture key changed at every step (e.g. an LR schedule: lr is a launch "
+              "argument of engine.optim's fused kernels): plain eager steps for a while")
 
     def _refuse(self, key: Hashable, why: str) -> None:
         self._refused[key] = self.reason = why
