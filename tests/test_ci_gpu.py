@@ -99,7 +99,8 @@ def test_each_phase_lists_its_commands_and_writes_nothing(tmp_path: Path) -> Non
 
     assert {k.split("/")[1] for k in listed["bench-kernels"]} == {"optim", "l2_persistence"}
     assert {k.split("/")[1] for k in listed["bench-pipeline"]} >= {"overhead", "pipeline_gloo"}
-    assert set(listed["bench-capture"]) == {"bench-capture/pipeline_capture_gpu"}
+    assert set(listed["bench-capture"]) == {"bench-capture/pipeline_capture_gpu",
+                                            "bench-capture/pipeline_pb_capture_gpu"}
     for phase in ("bench-kernels", "bench-pipeline", "bench-capture"):
         for argv in listed[phase].values():
             assert argv[argv.index("--out") + 1] == f"{out}/{phase}"

@@ -41,7 +41,8 @@ def test_clip_and_float16_on_cuda_streams_equal_torch_amp() -> None:
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**20, growth_interval=2)
     pipe = Pipeline(stages, schedule="1f1b", chunks=M, loss_fn=nn.functional.mse_loss,
                     optimizer=lambda p: eo.SGD(p, lr=0.05, momentum=0.9), autocast=torch.float16,
-                    grad_scaler=dict(init_scale=2.0**20, growth_interval=2), clip_grad_norm=0.5)
+                    grad_scaler=dict(init_scale=2.0**20, growth_interval=2), clip_grad_norm=0.5,
+                    cuda_streams=True)
     assert pipe._streams.cuda
     for x, y in _batches(6, scale=50.0):
         pipe.step(x, y)
@@ -82,7 +83,7 @@ def test_pinned_offload_equals_no_offload(schedule: str) -> None:
 
 def test_trace_with_cuda_stage_streams(tmp_path: Path) -> None:
     pipe = Pipeline(_stages(), schedule="1f1b", chunks=M, loss_fn=nn.functional.mse_loss,
-                    optimizer=lambda p: eo.SGD(p, lr=0.05))
+                    optimizer=lambda p: eo.SGD(p, lr=0.05), cuda_streams=True)
     with pipe.trace(tmp_path / "t.json"):
         for x, y in _batches(2):
             pipe.step(x, y)

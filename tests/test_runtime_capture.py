@@ -401,14 +401,19 @@ def test_capture_audit_passes_in_program_mode(schedule: str, policy: str) -> Non
 # ---------------------------------------------------------------------- refusals
 
 
-@pytest.mark.parametrize("schedule", ["pb", "pipedream", "2bw"])
-def test_asynchronous_schedules_are_refused(schedule: str) -> None:
+@pytest.mark.parametrize("schedule", ["pipedream", "2bw"])
+def test_version_stashing_schedules_are_refused(schedule: str) -> None:
+    """Their version buffers alternate between windows (pb is captured: test_capture_async.py)."""
     with pytest.raises(PipelineConfigError, match=ASYNC_REASON):
         make(schedule)
 
 
+def test_pb_without_skip_update_is_refused() -> None:
+    with pytest.raises(PipelineConfigError, match="on_nonfinite='skip_update'"):
+        make("pb")
+
+
 @pytest.mark.parametrize(("kw", "match"), [
-    ({"cuda_streams": True}, "cuda_streams"),
     ({"trace": True}, "trace=True"),
     ({"offload_activations": True}, "offload_activations"),
     ({"optimizer": lambda p: torch.optim.SGD(p, lr=0.1)}, "torch.optim.sgd.SGD"),

@@ -46,7 +46,8 @@ def _run(name: str, device: str, S: int = 4, M: int = 4, steps: int = 6):
         m.to(device)
     kw = dict(CONFIGS[name])
     pipe = Pipeline(
-        stages, chunks=M, loss_fn=nn.functional.mse_loss, optimizer=_opt(name), trace=True, **kw
+        stages, chunks=M, loss_fn=nn.functional.mse_loss, optimizer=_opt(name), trace=True,
+        cuda_streams=device == "cuda", **kw  # stage streams are off by default (streams.py)
     )
     g = torch.Generator().manual_seed(0)
     losses = []
@@ -91,6 +92,7 @@ def test_gpu_stages_overlap_in_time() -> None:
         loss_fn=lambda out, y: out.float().pow(2).mean(),
         optimizer=lambda p: torch.optim.SGD(p, lr=1e-6),
         checkpoint="never",
+        cuda_streams=True,
     )
     x = torch.randn(8 * 256, width, device="cuda")
     pipe.step(x, None)  # warm-up (allocator, cuBLAS handles)

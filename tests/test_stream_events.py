@@ -150,3 +150,147 @@ def test_the_recording_backend_counts_what_cuda_does() -> None:
     assert waits == backend.counts["event_wait"], (records, waits, queries)
     assert backend.counts["event_record"] <= records
     assert records <= backend.counts["event_record"] + backend.counts["record_stream"]
+
+
+def test_stage_streams_are_off_by_default_on_one_gpu() -> None:
+    """The default follows the last measurement (H100, pb batch 1: streams off 1.9x faster;
+    engine.runtime.streams.default_stage_streams): off, except for l2_persistence, whose
+    windows live on stage streams."""
+    from engine.runtime.streams import default_stage_streams
+
+    assert default_stage_streams(on_cuda=True, l2=False) is False
+    assert default_stage_streams(on_cuda=True, l2=True) is True
+    assert default_stage_streams(on_cuda=False, l2=False) is False
+
+
+@pytest.mark.cuda
+def test_a_gpu_pipeline_runs_on_one_stream_unless_asked() -> None:
+    assert not make("pb", device="cuda")._executor.streams.separate
+    assert make("pb", device="cuda", cuda_streams=True)._executor.streams.separate
+
+
+@pytest.mark.parametrize("schedule", ["pb", "1f1b", "pipedream", "zbh1"])
+def test_recorded_event_edges_are_exactly_the_hand_offs(schedule: str) -> None:
+    """Each wait between stage streams is one hand-off of the step's program: F(i) at stage s
+    waits for stage s-1's activation, B(i) at stage s for stage s+1's gradient -- the same
+    multiset of (waiting stage, producing stage) edges as the actions the step ran."""
+    from collections import Counter
+
+    pipe = make(schedule)
+    backend = recording_streams(pipe)
+    data = batches(4)
+    for x, y in data[:3]:
+        pipe.step(x, y)
+    backend.reset()
+    pipe._executor.log = []
+    pipe.step(*data[3])
+    index = {stream.name: s for s, stream in pipe._executor.streams.streams.items()}
+    got = Counter((index[w], index[p]) for w, p in backend.waits if "caller" not in (w, p))
+    chained = pipe.is_sync and pipe._executor.chain_sync
+    want: Counter = Counter()
+    for s, a in pipe._executor.log:
+        if a.kind.name == "FORWARD" and s > 0:
+            want[(s, s - 1)] += 1
+        if a.kind.name == "BACKWARD" and s < S - 1 and not chained:
+            want[(s, s + 1)] += 1
+    assert got == want
+
+
+# ---------------------------------------------------------------------- streams inside a graph
+
+
+class ForkJoinTwin:
+    """A capture backend that checks, on the recording streams, that every captured window
+    is a fork-join of the caller's stream (what a CUDA graph with stage streams needs), then
+    defers to ``inner`` (a CPU twin)."""
+
+    def __init__(self, inner, backend) -> None:
+        self.inner, self.backend = inner, backend
+        self.runs_at_capture = getattr(inner, "runs_at_capture", False)
+        self.reruns_host = getattr(inner, "reruns_host", False)
+        self.windows = 0
+
+    def capture(self, window):
+        def checked() -> None:
+            with self.backend.fork_join() as found:
+                window()
+            assert not found, found
+            self.windows += 1
+
+        return self.inner.capture(checked)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "pb"])
+def test_captured_windows_with_stage_streams_are_fork_joins(schedule: str, monkeypatch) -> None:
+    """cuda_graphs="program" with stage streams (issue 23 item 2): each captured window forks
+    every stage stream from the caller's stream and joins it back; its waits between stages
+    are the hand-offs (test above); results equal the pipeline without streams bit for bit."""
+    from engine.runtime import capture as capture_mod
+    from engine.testing.capture_audit import _reference_optimizer
+    from engine.testing.graph_twin import RecordingTwin, TapeTwin
+
+    kw = {"on_nonfinite": "skip_update"} if schedule == "pb" else {}
+    twin = TapeTwin() if schedule == "pb" else RecordingTwin()
+    box: dict = {}
+
+    class Late:  # the recording backend exists only once the pipeline is built
+        runs_at_capture = getattr(twin, "runs_at_capture", False)
+        reruns_host = getattr(twin, "reruns_host", False)
+
+        def capture(self, window):
+            return box["checked"].capture(window)
+
+    with _reference_optimizer(), capture_mod.use_backend(Late()):
+        pipe = make(schedule, cuda_graphs="program", **kw)
+    plain = make(schedule, **kw)
+    backend = recording_streams(pipe)
+    box["checked"] = ForkJoinTwin(twin, backend)
+    with _reference_optimizer():
+        for x, y in batches(16):
+            assert torch.equal(pipe.step(x, y), plain.step(x, y))
+    cap = pipe.stats()["capture"]
+    assert cap["captures"] >= 1 and cap["replays"] >= 2, cap
+    assert box["checked"].windows >= 1
+    with _reference_optimizer():
+        pipe.flush()  # (pb: eager actions after replays, on the stage streams)
+        plain.flush()
+    for a, b in zip(pipe.stages, plain.stages, strict=True):
+        for fa, fb in zip(a.store.live_flats(), b.store.live_flats(), strict=True):
+            assert torch.equal(fa, fb)
+
+
+def test_a_window_left_unjoined_is_found() -> None:
+    pipe = make("pb")
+    backend = recording_streams(pipe)
+    streams = pipe._executor.streams
+    with backend.fork_join() as found:
+        streams.wait_caller()
+        with streams.on(0):
+            pass
+    assert found == [f"{streams.streams[0].name}'s last work is not joined to the caller"]
+    with backend.fork_join() as found:
+        with streams.on(1):
+            pass
+        streams.join()
+    assert found == [f"{streams.streams[1].name} runs work before it waited for the caller"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "pb"])
+def test_cuda_captured_with_stage_streams_equals_eager(schedule: str) -> None:
+    """On a GPU: stage streams inside the captured windows (concurrent branches) give the
+    eager pipeline's results bit for bit, through a flush."""
+    kw = {"on_nonfinite": "skip_update"} if schedule == "pb" else {}
+    a = make(schedule, device="cuda", cuda_graphs="program", cuda_streams=True, **kw)
+    b = make(schedule, device="cuda", **kw)
+    assert a._executor.streams.separate
+    for x, y in batches(24):
+        assert torch.equal(a.step(x.cuda(), y.cuda()), b.step(x.cuda(), y.cuda()))
+    a.flush()
+    b.flush()
+    torch.cuda.synchronize()
+    cap = a.stats()["capture"]
+    assert cap["captures"] >= 1 and cap["replays"] >= 8, cap
+    for p, q in zip(a.stages, b.stages, strict=True):
+        for fa, fb in zip(p.store.live_flats(), q.store.live_flats(), strict=True):
+            assert torch.equal(fa, fb)

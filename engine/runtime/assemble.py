@@ -19,7 +19,7 @@ from torch import nn
 
 from engine.errors import PipelineConfigError, ScheduleError
 from engine.runtime.build import build_module, build_store, resolve_stage_specs
-from engine.runtime.capture import ProgramCapture, refuse_program
+from engine.runtime.capture import program_capture, refuse_program
 from engine.runtime.config import resolve_mitigations
 from engine.runtime.device_flags import check_skip_update
 from engine.runtime.executor import Executor
@@ -30,7 +30,7 @@ from engine.runtime.parts import BuildRequest, PipelineParts
 from engine.runtime.policy import SpecTrain, make_policy
 from engine.runtime.stage import Stage
 from engine.runtime.step_features import attach as attach_features
-from engine.runtime.streams import StageStreams
+from engine.runtime.streams import StageStreams, default_stage_streams
 from engine.runtime.ties import TiedGradients, tie_stages, with_declared
 from engine.schedule.analysis import analyze, schedule_delays
 from engine.schedule.spec import ScheduleSpec, resolve_schedule
@@ -133,7 +133,7 @@ def make_streams(stages: list[Stage], want: bool | None, l2: bool = False) -> St
             "the stages on one GPU or drop l2_persistence"
         )
     if want is None:
-        want = on_cuda and (len(stages) > 1 or l2)
+        want = default_stage_streams(on_cuda, l2)
     if want and not on_cuda:
         raise PipelineConfigError(
             "cuda_streams=True needs every stage's parameters on one CUDA device, found "
@@ -188,7 +188,7 @@ def build_local(req: BuildRequest) -> PipelineParts:
         spec, stages, on_nonfinite=cfg.on_nonfinite, streams=streams,
         device_flags=made.device_flags,
     )
-    capture = ProgramCapture(executor) if cfg.cuda_graphs == "program" else None
+    capture = program_capture(executor) if cfg.cuda_graphs == "program" else None
     attach_ties(executor, ties, stages)
     attach_features(req.features, executor, stages, spec, device, ties)
     return PipelineParts(

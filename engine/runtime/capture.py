@@ -27,9 +27,15 @@ A replay runs no Python, so the host bookkeeping a step does (update counts, del
 versions, the executor's counters, a stage's LR scheduler) is applied from the difference
 the captured step made (:class:`_Host`).
 
-Refused when the pipeline is built: asynchronous schedules ("asynchronous windows not
-captured yet"), gloo/NCCL transports, stage streams (``cuda_streams=True``: concurrent
-branches are issue 23's item 2), ``trace=True``, optimizers other than engine.optim's
+With ``cuda_streams=True`` each stage's actions are captured on its own stream, with the
+executor's events as the graph's edges (one per hand-off; the window forks from the caller's
+stream at its feed and joins back at its end): the stages become concurrent branches (the
+fork-join is checked on CPU by engine.testing.stream_recorder; never run on a GPU).
+
+Asynchronous schedules (pb) are :mod:`engine.runtime.capture_async`'s. Refused when the
+pipeline is built: PipeDream and 2BW (their version buffers alternate: "these asynchronous
+windows are not captured yet"), asynchronous schedules without ``on_nonfinite="skip_update"``,
+gloo/NCCL transports, ``trace=True``, optimizers other than engine.optim's
 SGD/Adam/AdamW/NAdam with fused steps, and stages off CUDA unless a test backend is
 installed (:func:`use_backend`). Eager at run time, with the reason: a profiler recording,
 an action hook, a batch leaf that requires grad, a key not seen before, an optimizer step
@@ -50,6 +56,7 @@ from torch import Tensor
 
 from engine.errors import PipelineConfigError
 from engine.runtime import labels
+from engine.runtime.capture_async import AsyncCapture
 from engine.runtime.graphs import CudaGraphBackend, GraphBackend, graph_refusal, launch_key
 from engine.runtime.result import StepResult
 from engine.runtime.rollback import RollbackPoint
@@ -59,10 +66,11 @@ if TYPE_CHECKING:
     from engine.runtime.executor import Executor
     from engine.runtime.stage import Stage
 
-__all__ = ["ASYNC_REASON", "ProgramCapture", "optimizer_refusal", "program_refusal", "refuse_program",
+__all__ = ["ASYNC_REASON", "ProgramCapture", "optimizer_refusal", "program_capture", "program_refusal",
+           "refuse_program",
            "use_backend"]
 
-ASYNC_REASON = "asynchronous windows not captured yet"
+ASYNC_REASON = "these asynchronous windows are not captured yet"
 #: the host read of engine.optim's CPU reference path (``found_inf.item()``); the fused CUDA
 #: kernels read found_inf on the device. Only exempt for stages on the CPU (test backends).
 REFERENCE_SKIP = "engine/optim/functional.py:_skip"
@@ -88,13 +96,17 @@ def program_refusal(spec: Any, config: Any, features: Any = None) -> str | None:
     """Why ``cuda_graphs="program"`` cannot run this schedule and configuration (None: it
     can); checked before any module is built. The optimizers and devices are checked by
     :func:`optimizer_refusal` as each stage is built."""
-    if not spec.synchronous:
-        return (f"cuda_graphs='program' with schedule={spec.name!r}: {ASYNC_REASON}; use a "
-                "synchronous schedule (gpipe, 1f1b, zbh1, naive, interleaved) or "
+    if not spec.synchronous and spec.weights != "live":
+        return (f"cuda_graphs='program' with schedule={spec.name!r}: {ASYNC_REASON} (its "
+                f"weight versions ({spec.weights}) alternate between buffers from one window to "
+                "the next, which needs a cycle of two graphs and a host state consistent "
+                "between them; not built); use pb, a synchronous schedule or "
                 "cuda_graphs='optimizer'")
-    if config.cuda_streams:
-        return ("cuda_graphs='program' with cuda_streams=True: stage streams inside a graph "
-                "(concurrent branches) are not captured yet; pass cuda_streams=False")
+    if not spec.synchronous and config.on_nonfinite != "skip_update":
+        return (f"cuda_graphs='program' with schedule={spec.name!r} and "
+                f"on_nonfinite={config.on_nonfinite!r}: an asynchronous window would read every "
+                "loss on the host; pass on_nonfinite='skip_update' (non-finite losses become "
+                "device flags that skip their updates on the device)")
     if features is not None and getattr(features, "offload_activations", False):
         return ("cuda_graphs='program' with offload_activations=True: copies to host memory "
                 "inside a captured step are not captured yet")
@@ -316,7 +328,11 @@ class ProgramCapture:
         ints = self.ex.interrupts
         ints.check = _no_check  # type: ignore[method-assign]
         try:
-            return self.ex.run_step(xs, targets, sizes)
+            result = self.ex.run_step(xs, targets, sizes)
+            # with stage streams, the window is a fork-join of the caller's stream (a CUDA
+            # graph must end with every forked stream joined): the updates ran on them
+            self.ex.streams.join()
+            return result
         finally:
             del ints.check
 
@@ -491,3 +507,12 @@ class ProgramCapture:
         return {"mode": "program", "window": "synchronous step", **self.counts,
                 "graphs": len(self._graphs), "staging_buffers": len(self._staging),
                 "last_eager_reason": self.reason}
+
+
+def program_capture(ex: Executor) -> Any:
+    """The capture layer of ``cuda_graphs="program"``: whole synchronous steps
+    (:class:`ProgramCapture`), or asynchronous windows with their rings
+    (:class:`engine.runtime.capture_async.AsyncCapture`)."""
+    if ex.sync:
+        return ProgramCapture(ex)
+    return AsyncCapture(ex, _TEST_BACKEND)

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from engine.runtime import trees
 
-__all__ = ["CPUStream", "CPU_STREAM", "CUDABackend", "StageStreams"]
+__all__ = ["CPUStream", "CPU_STREAM", "CUDABackend", "StageStreams", "default_stage_streams"]
 
 
 class CPUStream:
@@ -34,6 +34,21 @@ class CPUStream:
 
 
 CPU_STREAM = CPUStream()
+
+
+def default_stage_streams(on_cuda: bool, l2: bool) -> bool:
+    """Whether ``cuda_streams=None`` gives each stage a stream of its own: only for
+    ``l2_persistence`` (each stage's L2 window lives on its stage stream).
+
+    Why off, decided by the last measurement (one H100, ../shared/GPU-H100.md, issue 23):
+    pb batch-1 (S=8, M=8, SC+LWP) took 134.7 ms a step with stage streams and 71.0 ms
+    without (1.9x; GPU busy 22% vs 29%): at batch 1 the kernels are too short for stages to
+    overlap, and each hand-off costs an event record, a stream wait and, through
+    ``record_stream``, an allocator event polled with ``cudaEventQuery``. The one case where
+    streams won, 1f1b on 8 x Linear(4096) at batch 512, won by 4% (19.9 vs 20.8 ms). Stages
+    that run concurrently pay inside a captured graph (``cuda_graphs="program"``, issue 23
+    item 2), not as eager streams; ``cuda_streams=True`` still turns them on."""
+    return on_cuda and l2
 _NULL = contextlib.nullcontext()
 
 

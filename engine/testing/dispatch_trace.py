@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["Access", "OpRecord", "Recorder", "host_sync_reason", "is_view"]
+__all__ = ["Access", "KeepingRecorder", "OpRecord", "Recorder", "host_sync_reason", "is_view"]
 
 _aten = torch.ops.aten
 #: ops that return a host value or a shape that depends on the data: on a GPU each one waits
@@ -200,3 +200,30 @@ class Recorder(TorchDispatchMode):
         self.ops.append(rec)
         if self.on_op is not None:
             self.on_op(rec)
+
+
+class KeepingRecorder(Recorder):
+    """A :class:`Recorder` that also keeps the fresh outputs of the calls it records (strong
+    references, in ``kept``; :meth:`tensor` reads one): a captured asynchronous window's ring
+    slots are such tensors (engine.runtime.capture_async). Keeping them changes what autograd
+    does inside the window (it accumulates a gradient in place only into a buffer nobody else
+    holds: ``add_`` becomes ``add``), so windows are only comparable when recorded under the
+    same keeping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: dict[tuple[int, int], Tensor] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        n = len(self.ops)
+        if not any(r.alias_info is not None for r in func._schema.returns):
+            for k, t in enumerate(_tensors(out)):
+                self.kept[(n, k)] = t
+        self._record(func, args, kwargs, out)
+        return out
+
+    def tensor(self, key: tuple[int, int]) -> Tensor | None:
+        """Output ``key`` of the recording (None: not a fresh output)."""
+        return self.kept.get(key)

@@ -20,12 +20,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 from engine.testing.capture_audit import compare_recordings
-from engine.testing.dispatch_trace import OpRecord, Recorder, _tensors
+from engine.testing.dispatch_trace import OpRecord, Recorder, _tensors, is_view
 
-__all__ = ["RecordingTwin", "ReplayDivergence"]
+__all__ = ["RecordingTwin", "ReplayDivergence", "TapeTwin"]
 
 REFERENCE_SKIP = "engine/optim/functional.py:_skip"
 
@@ -107,3 +110,70 @@ def _no_host_reads(ops: list[OpRecord], what: str) -> None:
     if bad:
         raise ReplayDivergence(f"the {what} reads the host: {bad[0].name} {bad[0].sync} "
                                f"from {bad[0].where}")
+
+
+class _Tape(TorchDispatchMode):
+    """Keeps every aten call that launches work, with its very tensors: what a CUDA graph
+    keeps of a capture (kernels with their pointers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, tuple[Any, ...], dict[str, Any], list[Tensor] | None]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not is_view(func):
+            fresh = not any(r.alias_info is not None for r in func._schema.returns)
+            # aliases of the memory each argument names *now* (a kernel's pointers): a
+            # parameter's ``.data`` is re-pointed between buffers later, which a graph
+            # never sees
+            frozen = tree_map(_alias, (args, kwargs))
+            self.calls.append((func, *frozen, _tensors(out) if fresh else None))
+        return out
+
+
+def _data(x: Any) -> Any:
+    return x.data if isinstance(x, Tensor) else x
+
+
+def _alias(x: Any) -> Any:
+    return x.detach() if isinstance(x, Tensor) else x
+
+
+class TapeTwin:
+    """A capture backend for CPU tests that replays like a CUDA graph: ``capture(window)``
+    runs the window once (``runs_at_capture``: the capture's step is done) and keeps its
+    aten calls with their tensors; ``replay()`` re-executes those calls on the same tensors
+    -- a call that made a tensor writes its new value into the captured one, an in-place
+    call writes where it wrote -- and runs no Python of the window. So whatever the host
+    must do after a replay (the capture layer's bookkeeping), it must do itself, exactly as
+    after a CUDA replay. Needs every write to go through aten (``PE_CPU_LOOP=0``) and no
+    random ops (a CUDA graph would advance its generator's offset instead)."""
+
+    runs_at_capture = True
+    reruns_host = False
+
+    def __init__(self) -> None:
+        self.captures = 0
+        self.replays = 0
+
+    def capture(self, window: Callable[[], None]) -> Callable[[], None]:
+        tape = _Tape()
+        with tape:
+            window()
+        self.captures += 1
+        calls = tape.calls
+
+        def replay() -> None:
+            with torch.no_grad():
+                for func, args, kwargs, made in calls:
+                    # on .data: a kernel bumps no autograd version counter, nor may the twin
+                    a, kw = tree_map(_data, (args, kwargs))
+                    out = func(*a, **kw)
+                    if made is not None:
+                        for new, old in zip(_tensors(out), made, strict=True):
+                            old.data.copy_(new)
+            self.replays += 1
+
+        return replay

@@ -36,9 +36,11 @@ class FakeEvent:
     def __init__(self, backend: RecordingBackend) -> None:
         self.backend = backend
         self.recorded_on: FakeStream | None = None
+        self.work = 0  # the work enqueued on recorded_on when recorded
 
     def record(self, stream: FakeStream | None = None) -> None:
         self.recorded_on = stream if stream is not None else self.backend.current(None)
+        self.work = self.recorded_on.work
         self.backend.counts["event_record"] += 1
 
     def query(self) -> bool:
@@ -56,12 +58,20 @@ class FakeStream:
     def __init__(self, backend: RecordingBackend, name: str) -> None:
         self.backend = backend
         self.name = name
+        self.work = 0  # blocks of work enqueued (``backend.use`` entries)
+        self.joined = 0  # the caller has waited for the work up to here
+        self.forked = False  # waited for the caller since the last ``backend.fork_join()``
 
     def wait_event(self, event: FakeEvent) -> None:
         if event.recorded_on is None:
             raise AssertionError(f"{self.name} waits for an event that was never recorded")
         self.backend.counts["event_wait"] += 1
         self.backend.waits.append((self.name, event.recorded_on.name))
+        source = event.recorded_on
+        if self is self.backend.caller:
+            source.joined = max(source.joined, event.work)
+        elif source is self.backend.caller:
+            self.forked = True
 
     def wait_stream(self, other: FakeStream) -> None:
         ev = FakeEvent(self.backend)
@@ -89,10 +99,14 @@ class RecordingBackend:
         self.caller = FakeStream(self, "caller")
         self._current = [self.caller]
         self._made = 0
+        self._made_streams: list[FakeStream] = []
+        self._watch: list[str] | None = None
 
     def stream(self, device: Any) -> FakeStream:
         self._made += 1
-        return FakeStream(self, f"stage-stream-{self._made - 1}")
+        st = FakeStream(self, f"stage-stream-{self._made - 1}")
+        self._made_streams.append(st)
+        return st
 
     def current(self, device: Any) -> FakeStream:
         return self._current[-1]
@@ -102,6 +116,10 @@ class RecordingBackend:
 
     @contextlib.contextmanager
     def use(self, stream: FakeStream) -> Iterator[None]:
+        if stream is not self.caller:
+            stream.work += 1
+            if self._watch is not None and not stream.forked:
+                self._watch.append(f"{stream.name} runs work before it waited for the caller")
         self._current.append(stream)
         try:
             yield
@@ -114,6 +132,23 @@ class RecordingBackend:
     def reset(self) -> None:
         self.counts.clear()
         self.waits.clear()
+
+    @contextlib.contextmanager
+    def fork_join(self) -> Iterator[list[str]]:
+        """Check the block is a fork-join of the caller's stream, what a CUDA graph captured
+        on it with stage streams needs: every stage stream waits for the caller before its
+        first work in the block, and the caller waits for every stage stream's last work
+        before the block ends. Yields the list of violations (filled at the end)."""
+        self._watch = found = []
+        for st in self._made_streams:
+            st.forked = False
+        try:
+            yield found
+        finally:
+            self._watch = None
+            for st in self._made_streams:
+                if st.work > st.joined:
+                    found.append(f"{st.name}'s last work is not joined to the caller")
 
 
 def recording_streams(pipe: Any) -> RecordingBackend:
