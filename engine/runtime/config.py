@@ -109,7 +109,7 @@ def check_options(
         raise PipelineConfigError(f"data_parallel={data_parallel!r} must be an int >= 1")
     distributed = transport != "local"
     if mesh is not None:  # tensor parallelism: the mesh says the replicas (runtime/mesh.py)
-        from engine.runtime.mesh import check_mesh
+        from engine.runtime.mesh_option import check_mesh
 
         data_parallel = check_mesh(mesh, transport, data_parallel)["dp"]
     if data_parallel > 1 and not distributed:
