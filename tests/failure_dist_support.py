@@ -203,3 +203,68 @@ def phase_stage_error(rank: int, S: int, victim: int, where: str, name: str) -> 
             time.sleep(6)
         return {"type": type(exc).__name__, "message": str(exc),
                 "notes": "\n".join(getattr(exc, "__notes__", []))}
+
+
+def _boom_pipe(S: int, name: str, where: str, **extra: Any) -> Any:
+    from engine import Pipeline
+
+    stages = [lambda f=f: _Boom(f(), where) for f in stage_factories(S)]
+    return Pipeline(stages, loss_fn=nn.functional.mse_loss, **dict(configs(S)[name], **extra))
+
+
+def _boom_step(pipe: Any, module: Any, t: int) -> tuple[Any, ...] | None:
+    """Step t with ``module`` (None: not on this rank) raising once; then the same step
+    again, as a rolled-back synchronous step is retried. Returns what step t raised."""
+    x, y = batch(t)
+    raised = None
+    if module is not None:
+        module.armed = True
+    try:
+        pipe.step(x, y)
+    except Exception as exc:
+        raised = (type(exc).__name__, str(exc), "\n".join(getattr(exc, "__notes__", [])))
+    if module is not None:
+        module.armed = False
+    if raised is not None:
+        pipe.step(x, y)
+    return raised
+
+
+def phase_stage_recover(rank: int, S: int, names: list[str], cases: list[list[Any]]) -> dict[str, Any]:
+    """A user stage raises inside a synchronous gloo step on ``victim`` (each case: victim,
+    "forward" or "backward"): every rank rolls back and raises, the step is retried, engine.save
+    works, and the weights after STEPS steps equal the local run's same recovery."""
+    import engine
+
+    out: dict[str, Any] = {}
+    for name in names:
+        for victim, where in cases:
+            key = f"{name}/{victim}/{where}"
+            try:
+                pipe = _boom_pipe(S, name, where, transport="gloo", timeout=20)
+                raised = None
+                for t in range(STEPS):
+                    if t != AT:
+                        pipe.step(*batch(t))
+                        continue
+                    steps_before = pipe.steps
+                    raised = _boom_step(pipe, pipe.stages[0].module if rank == victim else None, t)
+                    engine.save(pipe, os.path.join(tempfile.mkdtemp(prefix=f"r{rank}-"), "ck"))
+                ref = _boom_pipe(S, name, where)
+                for t in range(STEPS):
+                    if t != AT:
+                        ref.step(*batch(t))
+                    else:
+                        _boom_step(ref, ref.stages[victim].module, t)
+                held = [st.index for st in pipe.stages]
+                out[key] = {
+                    "raised": raised, "steps_before": steps_before, "steps": pipe.steps,
+                    "ref_steps": ref.steps,
+                    "weights_equal": all(
+                        torch.equal(a, b)
+                        for a, b in zip(_weights(pipe), _weights(ref, held), strict=True)
+                    ),
+                }
+            except Exception:
+                out[key] = {"error": traceback.format_exc()}
+    return out
