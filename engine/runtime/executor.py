@@ -30,7 +30,7 @@ import torch
 
 from engine.runtime import labels
 from engine.runtime import trace as _trace
-from engine.runtime.failures import Outcome
+from engine.runtime.failures import Outcome, discard_partial
 from engine.runtime.program import BB, OP_NAMES, B, F, StepProgram, U, W
 from engine.runtime.protocol import StepProtocol
 from engine.runtime.result import StepResult, _Input  # StepResult: re-exported
@@ -130,6 +130,10 @@ class MergedOrder:
 
     def reported(self) -> Any:
         return nullcontext()
+
+    def take_failure(self) -> BaseException | None:
+        """Nothing is gone past in one process: an exception pauses the step at once."""
+        return None
 
     # ------------------------------------------------------------------ running
 
@@ -358,12 +362,4 @@ class MergedOrder:
         self.p.dropped += 1
 
     def _discard(self, st: Stage) -> None:
-        """A backward or W failed halfway at ``st``: the gradients it accumulated for the
-        current update cannot be told apart, so they go. Micro-batches whose B ran but whose W
-        has not (a split backward) keep their share of the group: their weight gradients
-        still come. The zeroing runs on the stage's own stream: on a GPU the gradients and skip
-        flags are accumulated there, and a zero enqueued on the caller's stream could run
-        before the adds still queued on the stage's (a stale found_inf skipping a later update)."""
-        with self.p.streams.on(st.index):
-            st.discard_gradients()
-        st.pending_weight = sum(job.entry.scale for job in st._deferred.values())
+        discard_partial(st, self.p.streams)

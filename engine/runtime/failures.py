@@ -17,7 +17,7 @@ from engine.runtime.program import BB, OP_NAMES, B, U
 if TYPE_CHECKING:
     from engine.runtime.stage import Stage
 
-__all__ = ["Outcome", "nonfinite_message", "where", "add_outcome"]
+__all__ = ["Outcome", "nonfinite_message", "where", "add_outcome", "discard_partial"]
 
 class Outcome(enum.Enum):
     """What the pipeline did about an exception inside a step: the second half of the note
@@ -102,3 +102,15 @@ def add_outcome(exc: BaseException, at: str, what: Outcome) -> None:
         "step() calls work."
     )
     exc.add_note(f"engine.Pipeline: {type(exc).__name__} {at}: {what.value}{consistent}")
+
+
+def discard_partial(st: Stage, streams: Any) -> None:
+    """A backward or W failed halfway at ``st``: the gradients it accumulated for the current
+    update cannot be told apart, so they go. Micro-batches whose B ran but whose W has not (a
+    split backward) keep their share of the group: their weight gradients still come. The
+    zeroing runs on the stage's own stream: on a GPU the gradients and skip flags are
+    accumulated there, and a zero enqueued on the caller's stream could run before the adds
+    still queued on the stage's (a stale found_inf skipping a later update)."""
+    with streams.on(st.index):
+        st.discard_gradients()
+    st.pending_weight = sum(job.entry.scale for job in st._deferred.values())

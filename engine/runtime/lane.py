@@ -13,8 +13,12 @@ never come), so:
   communication computing nothing, sending abort frames in place of what it owes
   (:mod:`~engine.runtime.transport.abort`). The step's verdict (:meth:`RankRuntime.relay_verdict`)
   then tells every rank, which all roll back; the failing rank raises the user's exception,
-  the others :class:`~engine.errors.PeerStepError`. Elsewhere (asynchronous steps, NCCL,
-  data-parallel replicas, virtual stages) such an exception stops the rank (``RANK_STOPPED``).
+  the others :class:`~engine.errors.PeerStepError`;
+* in an asynchronous gloo step the failing rank applies the local run's outcome to what its
+  action touched, sends *dropped frames* in place of that micro-batch's messages (its peers
+  drop it too and go on), finishes the step and raises the user's exception at its end;
+* elsewhere (NCCL, data-parallel replicas, virtual stages) such an exception stops the rank
+  (``RANK_STOPPED``).
 """
 
 from __future__ import annotations
@@ -27,13 +31,13 @@ from torch import Tensor
 
 from engine.errors import NonFiniteLossError, PeerStepError, PipelineInputError
 from engine.runtime import trees
-from engine.runtime.failures import Outcome
+from engine.runtime.failures import Outcome, discard_partial
 from engine.runtime.first_failure import as_peer_error, begin, first, report
 from engine.runtime.program import OP_NAMES, RB, RF, SB, SF, B, F, StepProgram, U, W
 from engine.runtime.protocol import StepProtocol
 from engine.runtime.result import StepResult, _Input
 from engine.runtime.stage import DROPPED
-from engine.runtime.transport.abort import Aborted
+from engine.runtime.transport.abort import Aborted, Dropped
 
 __all__ = ["RankLane"]
 
@@ -66,6 +70,9 @@ class RankLane:
         #: a synchronous step may abort (RankExecutor): an exception of the user's stage, or
         #: an abort frame received, finishes the lane's communication with abort frames
         self.aborts = False
+        #: an asynchronous step drops a micro-batch whose action raised, as locally, and
+        #: tells its peers with dropped frames (gloo, one replica, one stage per rank)
+        self.drops = False
         #: this step's abort: the user's exception here, or the frame a peer sent
         self.failure: BaseException | None = None
         self.origin: BaseException | None = None  # the user's exception, once raised
@@ -89,19 +96,69 @@ class RankLane:
 
     def run(self, prog: StepProgram, start: int, base: int, updates: bool) -> None:
         self.failure = None
-        try:
-            self._rank_ops(prog, start, base, skip_updates=not updates)
-        except Exception as exc:  # (a second Ctrl-C, a BaseException, stops at once)
-            if not (self.aborts and not updates and (self.in_action or isinstance(exc, Aborted))):
-                raise
-            at, inside = self.pc, self.in_action
-            self.failure = exc
-            lay = self.rank.layout
-            text = str(exc) if isinstance(exc, Aborted) else f"rank {lay.rank} ({self.transport.who(self.s)}): {type(exc).__name__}: {exc}"
-            if not isinstance(exc, Aborted):
-                report(lay.rank, exc)  # the first failure's note, before any frame leaves
-            self._abort_ops(prog, at + 1, base, text)
-            self.pc, self.in_action = at, inside
+        k = start
+        while True:
+            try:
+                self._rank_ops(prog, k, base, skip_updates=not updates)
+                return
+            except Exception as exc:  # (a second Ctrl-C, a BaseException, stops at once)
+                if not (updates and self.drops and self.in_action):
+                    self._abort(prog, base, updates, exc)
+                    return
+                self._drop_failed(prog, base, exc)  # asynchronous: as locally, then go on
+                self.failure = self.failure or exc  # (the first is raised at the step's end)
+                k = self.pc + 1
+
+    def _drop_failed(self, prog: StepProgram, base: int, exc: BaseException) -> None:
+        """An exception inside this rank's action of an asynchronous step: drop what it
+        touched, as the local run does (engine/runtime/executor.py), sending dropped frames in
+        place of the micro-batch's activation or gradient; the lane goes on."""
+        p = self.p
+        action = self.action(prog, self.pc)
+        assert action is not None
+        op, s, rel = action
+        st = p.by_index[s]
+        report(self.rank.layout.rank, exc)
+        if op == U:
+            p._note(exc, action, base, Outcome.UPDATE_SKIPPED)
+            return
+        i = base + rel
+        p.dropped += 1
+        if op == F:
+            st.drop_forward(i, p.n_base + i, p.scale)
+            self._outboxes[s].pop(("act", i), None)
+            if not st.is_last:
+                self._outboxes[s][("act", i)] = DROPPED
+            p._note(exc, action, base, Outcome.DROPPED)
+            return
+        discard_partial(st, p.streams)
+        if op == W:  # its input gradient already left: only the weight sums are lost
+            p._note(exc, action, base, Outcome.WEIGHT_GRADIENT_FAILED)
+            return
+        if s > 0:
+            self._outboxes[s][("grad", i)] = DROPPED
+        p._note(exc, action, base, Outcome.BACKWARD_FAILED)
+
+    def take_failure(self) -> BaseException | None:
+        """The exception this rank's asynchronous step dropped a micro-batch for and went past:
+        raised once the step (or flush) is complete."""
+        exc, self.failure = self.failure, None
+        return exc
+
+    def _abort(self, prog: StepProgram, base: int, updates: bool, exc: Exception) -> None:
+        """A synchronous step aborts (module docstring), or the exception propagates."""
+        if not (self.aborts and not updates and (self.in_action or isinstance(exc, Aborted))):
+            raise exc
+        at, inside = self.pc, self.in_action
+        self.failure = exc
+        lay = self.rank.layout
+        text = str(exc) if isinstance(exc, Aborted) else (
+            f"rank {lay.rank} ({self.transport.who(self.s)}): {type(exc).__name__}: {exc}"
+        )
+        if not isinstance(exc, Aborted):
+            report(lay.rank, exc)  # the first failure's note, before any frame leaves
+        self._abort_ops(prog, at + 1, base, text)
+        self.pc, self.in_action = at, inside
 
     def _abort_ops(self, prog: StepProgram, start: int, base: int, text: str) -> None:
         """The rest of the lane's communication, computing nothing: an abort frame in place of
@@ -243,6 +300,9 @@ class RankLane:
                 if early is None:
                     try:
                         early = tp.recv("act", s, i, base + prog.certain[s][pc])
+                    except Dropped:  # (counted: dropped at this rank's stage too)
+                        early = DROPPED
+                        p.dropped += 1
                     except PipelineInputError:
                         if rel == 0:  # stopped before the step: this rank's later stages too
                             self.rank.pass_error(s, i)
@@ -255,13 +315,27 @@ class RankLane:
                 if ("grad", i) in self._early:
                     p.grads[(s, i)] = (self._early.pop(("grad", i)), None)
                 else:
-                    p.grads[(s, i)] = (tp.recv("grad", s, i, base + prog.certain[s][pc]), None)
+                    try:
+                        p.grads[(s, i)] = (tp.recv("grad", s, i, base + prog.certain[s][pc]), None)
+                    except Dropped:
+                        entry = st.stash.get(i)
+                        p.dropped += entry is not None and not entry.dropped  # (new here)
+                        p.grads[(s, i)] = (DROPPED, None)
+                        continue
                     if p.flags is not None:
                         self._flag_arrived(st, tp, i)
             elif op == SF:
-                tp.send("act", s, i, boxes[s].pop(("act", i)))
+                value = boxes[s].pop(("act", i))
+                if value is DROPPED:
+                    tp.send_abort("act", s, i, "", dropped=True)
+                else:
+                    tp.send("act", s, i, value)
             elif op == SB:
-                tp.send("grad", s, i, boxes[s].pop(("grad", i)), self._out_flags.pop((s, i), None))
+                value, flag = boxes[s].pop(("grad", i)), self._out_flags.pop((s, i), None)
+                if value is DROPPED:
+                    tp.send_abort("grad", s, i, "", dropped=True)
+                else:
+                    tp.send("grad", s, i, value, flag)
             else:
                 if hook is not None:
                     hook(s, OP_NAMES[op], n_base + i)
@@ -301,7 +375,7 @@ class RankLane:
         if entry is not None and entry.flag is not None and s > 0:
             self._out_flags[(s, i)] = entry.flag
         if s > 0:
-            if gin is DROPPED:
+            if gin is DROPPED and not self.drops:
                 raise PipelineInputError(
                     f"stage {s} has no gradient to send back for micro-batch {p.n_base + i}: "
                     "it was dropped, which needs every stage in one process"

@@ -79,6 +79,7 @@ class Runner(Protocol):
     def end_drain(self) -> None: ...
     def clear(self) -> None: ...
     def reported(self) -> Any: ...
+    def take_failure(self) -> BaseException | None: ...
 
 
 class StepProtocol:
@@ -259,9 +260,15 @@ class StepProtocol:
             if self.active:
                 prog = self.compiler.drain(self.j)
                 self._run(prog, 0, self.j * self.M)
-                self.runner.end_drain()
-                self._close_segment()
-            return self._take_losses(first_loss).loss
+                try:
+                    self.runner.end_drain()
+                finally:
+                    self._close_segment()
+            loss = self._take_losses(first_loss).loss
+            late = self.runner.take_failure()
+            if late is not None:  # a rank dropped what it touched and finished the flush
+                raise late
+            return loss
 
     def _run_tail(self) -> None:
         assert self.tail is not None
@@ -283,9 +290,11 @@ class StepProtocol:
         result = self.runner.share(self._take_losses(first_loss, base, base + self.M))
         if prog.ends_segment:
             self._close_segment()
-        if result.nonfinite:  # seen only after the step (a rank): its gradients went in
+        # a rank that dropped what a failing action touched went on to the step's end (noted)
+        late = self.runner.take_failure()
+        if late is not None or result.nonfinite:  # (counted: the step ran to its end)
             self.steps += 1
-            raise self._nonfinite_error(result.bad, result.nonfinite)
+            raise late or self._nonfinite_error(result.bad, result.nonfinite)
         return result
 
     def _run(self, prog: StepProgram, start: int, base: int) -> None:

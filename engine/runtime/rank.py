@@ -204,13 +204,17 @@ class RankExecutor(StepProtocol):
         self.transports = transports  # stage -> its transport
         self.runner: RankLane = RankLane(self, rank, transports, lane)
         lay = rank.layout
-        # a user stage that raises mid-step is rolled back on every rank (abort frames,
-        # transport/abort.py): synchronous gloo steps of one replica, one stage per rank
-        rank.relay = self.runner.aborts = (
-            self.sync and getattr(rank.transport, "backend", None) == "gloo"
-            and lay.replicas == 1 and len(transports) == 1
-            and hasattr(rank.transport, "send_abort") and lay.last_rank != lay.pipeline_ranks[0]
+        # a user stage that raises mid-step is rolled back on every rank (synchronous) or its
+        # micro-batch dropped (asynchronous), with abort/dropped frames (transport/abort.py):
+        # gloo steps of one replica, one stage per rank
+        frames = (
+            getattr(rank.transport, "backend", None) == "gloo" and lay.replicas == 1
+            and len(transports) == 1 and hasattr(rank.transport, "send_abort")
+            and lay.last_rank != lay.pipeline_ranks[0]
         )
+        rank.relay = self.runner.aborts = frames and self.sync
+        # an asynchronous step drops the micro-batch of an action that raised, as locally
+        self.runner.drops = frames and not self.sync
 
     def wire_state(self) -> dict[str, Any]:
         """The lane's messages at a step boundary, for the in-flight state (RankLane.wire_state)."""

@@ -9,6 +9,9 @@ waiting and the transport's bookkeeping (receives posted ahead, sends held) stay
 
 * An activation's abort frame is an error header (n < 0, the path an input a stage refused
   already takes; p2p.py) whose body starts with :data:`MARK`, followed by the error's text.
+* An asynchronous step does not abort: the failing rank drops the micro-batch, as the local
+  run does, and sends a *dropped frame* in its place (the same two shapes, another mark or
+  payload); its receivers drop it too and the step goes on.
 * A gradient has no header (one message per leaf, and adding one would cost a gloo
   rendezvous per micro-batch), so its abort frame is a gradient of the agreed shapes whose
   first element is a *signalling NaN* with a fixed payload (:data:`PATTERNS`): arithmetic
@@ -26,10 +29,13 @@ from torch import Tensor
 
 from engine.runtime.trees import Signature
 
-__all__ = ["MARK", "PATTERNS", "Aborted", "AbortFrames", "is_abort"]
+__all__ = ["MARK", "DROP_MARK", "PATTERNS", "DROP_PATTERNS", "Aborted", "Dropped", "AbortFrames", "frame_kind", "is_abort"]
 
 #: the start of an activation abort frame's body (a refused input's text never starts so)
 MARK = b"\x00engine-abort\x00"
+#: the body of a *dropped* frame: an asynchronous step dropped this micro-batch (the failing
+#: rank's forward or backward raised), its receivers drop it too and go on
+DROP_MARK = b"\x00engine-dropped\x00"
 
 #: per floating dtype: (integer dtype of the same width, the bits of its signalling NaN)
 PATTERNS: dict[torch.dtype, tuple[torch.dtype, int]] = {
@@ -38,6 +44,19 @@ PATTERNS: dict[torch.dtype, tuple[torch.dtype, int]] = {
     torch.float16: (torch.int16, 0x7D5A),
     torch.bfloat16: (torch.int16, 0x7FA5),
 }
+
+
+#: a dropped gradient's first element: the same signalling NaNs with another payload
+DROP_PATTERNS: dict[torch.dtype, tuple[torch.dtype, int]] = {
+    torch.float32: (torch.int32, 0x7FA5A5A6),
+    torch.float64: (torch.int64, 0x7FF4A5A5A5A5A5A6),
+    torch.float16: (torch.int16, 0x7D5B),
+    torch.bfloat16: (torch.int16, 0x7FA6),
+}
+
+
+class Dropped(Exception):
+    """A receive got a dropped frame: the sender dropped this micro-batch (asynchronous)."""
 
 
 class Aborted(Exception):
@@ -49,20 +68,30 @@ class Aborted(Exception):
         self.text = text
 
 
-def _marked(meta_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+def _marked(
+    meta_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, table: dict[Any, Any]
+) -> Tensor:
     t = torch.zeros(meta_shape, dtype=dtype, device=device)
-    if t.numel() and dtype in PATTERNS:
-        bits, value = PATTERNS[dtype]
+    if t.numel() and dtype in table:
+        bits, value = table[dtype]
         t.view(-1)[:1].view(bits).fill_(value)
     return t
 
 
+def frame_kind(t: Tensor) -> str:
+    """What a received gradient message is: "abort", "dropped" or "" (a gradient)."""
+    if t.dtype not in PATTERNS or t.numel() == 0 or t.device.type != "cpu":
+        return ""
+    bits, value = PATTERNS[t.dtype]
+    got = int(t.reshape(-1)[:1].view(bits)[0])
+    if got == value:
+        return "abort"
+    return "dropped" if got == DROP_PATTERNS[t.dtype][1] else ""
+
+
 def is_abort(t: Tensor) -> bool:
     """Whether a received gradient message is an abort frame (its first element the pattern)."""
-    if t.dtype not in PATTERNS or t.numel() == 0 or t.device.type != "cpu":
-        return False
-    bits, value = PATTERNS[t.dtype]
-    return int(t.reshape(-1)[:1].view(bits)[0]) == value
+    return frame_kind(t) == "abort"
 
 
 class AbortFrames:
@@ -75,16 +104,17 @@ class AbortFrames:
     _sends: dict[tuple[str, int], tuple[list[Any], list[Tensor], str]]
     flags: bool
 
-    def send_abort(self, channel: str, stage: int, mb: int, text: str) -> None:
-        """An abort frame in place of micro-batch ``mb``'s message on ``channel`` (not waited
-        for: the step's end waits for every send)."""
+    def send_abort(self, channel: str, stage: int, mb: int, text: str, dropped: bool = False) -> None:
+        """An abort frame (``dropped``: a dropped frame) in place of micro-batch ``mb``'s
+        message on ``channel`` (not waited for: the step's end waits for every send)."""
         if channel == "grad":
+            table = DROP_PATTERNS if dropped else PATTERNS
             agreed = self._recv_sigs.get(mb, self.meta[("grad", "send")])
-            grads = [_marked(m.shape, m.dtype, self.device) for _, m in agreed.metas(True)]
-            flag = _marked((1,), torch.float32, self.device) if self.flags else None
+            grads = [_marked(m.shape, m.dtype, self.device, table) for _, m in agreed.metas(True)]
+            flag = _marked((1,), torch.float32, self.device, table) if self.flags else None
             self.send("grad", stage, mb, grads, flag)  # type: ignore[attr-defined]
             return
-        body = MARK + text.encode()[:2000]
+        body = (DROP_MARK if dropped else MARK) + text.encode()[:2000]
         ts, tags = self._announce(self.meta.get(("act", "send")), -len(body), body)  # type: ignore[attr-defined]
         works = self._isend(ts, tags, self.ranks[stage + 1])  # type: ignore[attr-defined]
         earlier = self._sends.pop(("act", mb), None)
