@@ -45,6 +45,7 @@ _LAZY: dict[str, str] = {
     "NonFiniteLossError": "engine.errors",
     "NotFlushedError": "engine.errors",
     "PeerError": "engine.errors",
+    "PeerStepError": "engine.errors",
     "PipelineConfigError": "engine.errors",
     "PipelineInputError": "engine.errors",
     "ScheduleError": "engine.errors",

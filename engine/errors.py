@@ -21,6 +21,7 @@ __all__ = [
     "NonFiniteLossError",
     "NotFlushedError",
     "PeerError",
+    "PeerStepError",
     "PipelineConfigError",
     "PipelineInputError",
     "ScheduleError",
@@ -51,6 +52,11 @@ class CheckpointError(ValueError):
 
 class PeerError(RuntimeError):
     """A peer stage did not deliver (died, timed out, or the connection broke)."""
+
+
+class PeerStepError(PeerError):
+    """Another rank's stage raised inside this step, and every rank rolled the step back
+    (synchronous steps under gloo): the pipeline is consistent, the step can be retried."""
 
 
 class ShapeAgreementError(ValueError):

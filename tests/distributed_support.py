@@ -834,7 +834,8 @@ def phase_checkpoint(rank: int, S: int, root: str, names: list[str]) -> dict[str
 def phase_first_failure(rank: int, S: int, victim: int) -> dict[str, Any]:
     """Step 1's input is one stage 0 cannot take: every rank raises it and the job goes on
     (and rank 0 is noted as the first to fail that step); then ``victim``'s forward raises at
-    step 2: every other rank's error names it, not step 1's note (terminal)."""
+    step 2: every other rank's error names it, not step 1's note (a PeerStepError: the
+    synchronous step is rolled back on every rank; the phase ends there)."""
     from engine import PipelineInputError
 
     pipe = _gloo(S, dict(schedule="1f1b", chunks=4, optimizer=_sgd()), timeout=4)

@@ -163,12 +163,15 @@ class _Boom(nn.Module):
     def __init__(self, inner: nn.Module, where: str) -> None:
         super().__init__()
         self.inner, self.where, self.armed = inner, where, False
+        self.once = False  # disarm at the first failure (a transient error)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.armed and self.where == "forward":
+            self.armed = not self.once
             raise ValueError("injected failure in the user's forward")
         y = self.inner(x)
         if self.armed and self.where == "backward":
+            self.armed = not self.once
             return _RaiseInBackward.apply(y)
         return y
 
@@ -183,12 +186,15 @@ class _RaiseInBackward(torch.autograd.Function):
         raise ValueError("injected failure in the user's backward")
 
 
-def phase_stage_error(rank: int, S: int, victim: int, where: str, name: str) -> dict[str, Any]:
-    """A user stage raises mid-step on ``victim`` (terminal phase): it raises the user's error
-    with a note, every other rank a PeerError naming it within the timeout."""
+def phase_stage_error(
+    rank: int, S: int, victim: int, where: str, name: str, R: int = 1
+) -> dict[str, Any]:
+    """A user stage raises mid-step on ``victim`` where no frame can tell the peers (``R``
+    data-parallel replicas; terminal phase): it raises the user's error with a note, every
+    other rank a PeerError naming it within the timeout."""
     from engine import Pipeline
 
-    kw = dict(configs(S)[name])
+    kw = dict(configs(S)[name], data_parallel=R)
     factories = stage_factories(S)
     stages = [lambda f=f: _Boom(f(), where) for f in factories]
     pipe = Pipeline(stages, loss_fn=nn.functional.mse_loss, transport="gloo", timeout=4, **kw)
@@ -203,3 +209,117 @@ def phase_stage_error(rank: int, S: int, victim: int, where: str, name: str) -> 
             time.sleep(6)
         return {"type": type(exc).__name__, "message": str(exc),
                 "notes": "\n".join(getattr(exc, "__notes__", []))}
+
+
+def _boom_pipe(S: int, name: str, where: str, **extra: Any) -> Any:
+    from engine import Pipeline
+
+    stages = [lambda f=f: _Boom(f(), where) for f in stage_factories(S)]
+    return Pipeline(stages, loss_fn=nn.functional.mse_loss, **dict(configs(S)[name], **extra))
+
+
+def _boom_step(pipe: Any, module: Any, t: int) -> tuple[Any, ...] | None:
+    """Step t with ``module`` (None: not on this rank) raising once; then the same step
+    again, as a rolled-back synchronous step is retried. Returns what step t raised."""
+    x, y = batch(t)
+    raised = None
+    if module is not None:
+        module.armed = True
+    try:
+        pipe.step(x, y)
+    except Exception as exc:
+        raised = (type(exc).__name__, str(exc), "\n".join(getattr(exc, "__notes__", [])))
+    if module is not None:
+        module.armed = False
+    if raised is not None:
+        pipe.step(x, y)
+    return raised
+
+
+def phase_stage_recover(rank: int, S: int, names: list[str], cases: list[list[Any]]) -> dict[str, Any]:
+    """A user stage raises inside a synchronous gloo step on ``victim`` (each case: victim,
+    "forward" or "backward"): every rank rolls back and raises, the step is retried, engine.save
+    works, and the weights after STEPS steps equal the local run's same recovery."""
+    import engine
+
+    out: dict[str, Any] = {}
+    for name in names:
+        for victim, where in cases:
+            key = f"{name}/{victim}/{where}"
+            try:
+                pipe = _boom_pipe(S, name, where, transport="gloo", timeout=20)
+                raised = None
+                for t in range(STEPS):
+                    if t != AT:
+                        pipe.step(*batch(t))
+                        continue
+                    steps_before = pipe.steps
+                    raised = _boom_step(pipe, pipe.stages[0].module if rank == victim else None, t)
+                    engine.save(pipe, os.path.join(tempfile.mkdtemp(prefix=f"r{rank}-"), "ck"))
+                ref = _boom_pipe(S, name, where)
+                for t in range(STEPS):
+                    if t != AT:
+                        ref.step(*batch(t))
+                    else:
+                        _boom_step(ref, ref.stages[victim].module, t)
+                held = [st.index for st in pipe.stages]
+                out[key] = {
+                    "raised": raised, "steps_before": steps_before, "steps": pipe.steps,
+                    "ref_steps": ref.steps,
+                    "weights_equal": all(
+                        torch.equal(a, b)
+                        for a, b in zip(_weights(pipe), _weights(ref, held), strict=True)
+                    ),
+                }
+            except Exception:
+                out[key] = {"error": traceback.format_exc()}
+    return out
+
+
+def phase_async_drop(rank: int, S: int, names: list[str], cases: list[list[Any]]) -> dict[str, Any]:
+    """A user stage raises inside an asynchronous gloo step on ``victim``: it drops that
+    micro-batch as the local run does (the others are told by dropped frames and go on), the
+    victim raises after the step, flush and engine.save work, and the weights after STEPS
+    steps equal the local run's (the same exception, its step's rest run by the next step)."""
+    import engine
+
+    out: dict[str, Any] = {}
+    for name in names:
+        for victim, where in cases:
+            key = f"{name}/{victim}/{where}"
+            try:
+                runs = []
+                for gloo in (True, False):
+                    extra = dict(transport="gloo", timeout=20) if gloo else {}
+                    pipe = _boom_pipe(S, name, where, **extra)
+                    raised = None
+                    for t in range(STEPS):
+                        module = None
+                        if t == AT and (rank == victim or not gloo):
+                            module = pipe.stages[0 if gloo else victim].module
+                            module.armed = module.once = True
+                        try:
+                            pipe.step(*batch(t))
+                        except Exception as exc:
+                            raised = (type(exc).__name__, str(exc), "\n".join(getattr(exc, "__notes__", [])))
+                        if module is not None:
+                            module.armed = False
+                        if t == AT:
+                            pipe.flush()
+                            if gloo:
+                                engine.save(pipe, os.path.join(tempfile.mkdtemp(prefix=f"d{rank}-"), "ck"))
+                    pipe.flush()
+                    runs.append((pipe, raised))
+                (pipe, raised), (ref, _) = runs
+                held = [st.index for st in pipe.stages]
+                out[key] = {
+                    "raised": raised, "steps": pipe.steps,
+                    "dropped": pipe._executor.dropped, "ref_dropped": ref._executor.dropped,
+                    "weights_equal": all(
+                        torch.equal(a, b)
+                        for a, b in zip(_weights(pipe), _weights(ref, held), strict=True)
+                    ),
+                }
+            except Exception:
+                out[key] = {"error": traceback.format_exc()}
+    return out

@@ -386,13 +386,14 @@ def test_schedule_name_gate_can_fail() -> None:
 
 
 def note_kinds_outside_the_enum(source: str, members: set[str], may_write: bool) -> list[str]:
-    """Calls of ``_note`` whose kind (the last argument) is not ``Outcome.<member>``; and,
+    """Calls of ``note_outcome`` (or a ``_note``) whose kind (the last argument) is not
+    ``Outcome.<member>``; and,
     unless ``may_write``, any ``add_note`` (a note written around the Enum)."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
             continue
-        if node.func.attr == "_note":
+        if node.func.attr in ("note_outcome", "_note"):
             kind = node.args[-1] if node.args else None
             ok = (
                 isinstance(kind, ast.Attribute)
@@ -426,9 +427,9 @@ def test_every_failure_note_kind_is_an_outcome() -> None:
 def test_failure_note_gate_can_fail() -> None:
     members = {"ROLLED_BACK", "DROPPED"}
     bad = (
-        'self._note(exc, at, base, "weight gradient failed")\n'
+        'self.note_outcome(exc, at, base, "weight gradient failed")\n'
         "self._note(exc, at, base, Outcome.WEIGHT_GRADIENT_FAILED)\n"
         'exc.add_note("written by hand")\n'
     )
     assert [h.split(":")[0] for h in note_kinds_outside_the_enum(bad, members, False)] == ["1", "2", "3"]
-    assert note_kinds_outside_the_enum("self._note(e, a, b, Outcome.DROPPED)\n", members, False) == []
+    assert note_kinds_outside_the_enum("p.note_outcome(e, a, b, Outcome.DROPPED)\n", members, False) == []

@@ -2,7 +2,10 @@
 
 Files, one concept each: ``config`` (option validation and resolution), ``build`` (stage
 modules, weight stores, optimizers), ``program`` (a schedule's steps compiled once),
-``executor`` (runs step programs: the step protocol, exceptions, the clock), ``stage``
+``protocol`` (what a step is: segments, the synchronous commit and its rollback point,
+Ctrl-C, the non-finite policy, notes), ``executor`` (its runner in one process: every stage's
+actions in merged order), ``lane`` (its runner on one rank: the rank's lane, abort and
+dropped frames), ``failures`` (the outcomes an exception's note names), ``stage``
 (F/B/U on one stage), ``weight_store`` (live weights, retired versions, the transient),
 ``saved_weights`` (which weights autograd's saved tensors read at the backward), ``policy``
 (which weights F and B read), ``optim_bridge`` (what the runtime asks of a stage

@@ -486,7 +486,7 @@ class ProgramCapture:
         if ex.on_nonfinite == "raise":
             if point is not None:
                 point.restore()
-            raise ex._nonfinite_error(ids)
+            raise ex.nonfinite_error(ids)
         ex.steps, ex.n_base, ex.j, ex.active = after
         ex.skipped_steps += 1
         return StepResult(result.loss, len(bad), ids)

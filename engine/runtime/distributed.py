@@ -18,7 +18,9 @@ stage ``r % S``; see transport/layout.py). Around the executor this module adds:
   instead of failing inside a step.
 * the loss: the last stage's mean loss is sent to every stage of its replica (tagged
   point-to-point messages under gloo, a broadcast under NCCL, which has no tags) and averaged
-  over the replicas, so ``pipe.step`` returns the same value on every rank;
+  over the replicas, so ``pipe.step`` returns the same value on every rank; a synchronous
+  gloo step of one replica sends it through the first stage instead, with the step's verdict
+  (whether a rank aborted it, :meth:`RankRuntime.relay_verdict`);
 * the gradient all-reduce of data-parallel replicas (mean over replicas, one collective per
   dtype per update, on the stage's data-parallel group);
 * automatic partitioning decided once, by global rank 0, and broadcast (profiled timings
@@ -57,8 +59,12 @@ class RankRuntime:
         self.timeout = timeout
         self.handshaken = False
         self._loss_work: Any = None
-        self._loss_msg = torch.zeros(3, dtype=torch.float64)
+        self._loss_msg = torch.zeros(4, dtype=torch.float64)
         self._loss_sends: list[Any] = []
+        #: synchronous gloo steps of one replica: the step's verdict (loss, non-finite count,
+        #: whether a rank aborted) comes from the first stage, which every abort frame reaches
+        #: (:meth:`relay_verdict`); set by the rank's executor
+        self.relay = False
         # the input shapes this stage's module was seen to accept (one dry run each)
         self._accepted: set[tuple[tuple[int, ...], ...]] = set()
         self._first_in: trees.Signature | None = None  # the handshake's input shapes
@@ -261,7 +267,7 @@ class RankRuntime:
 
     # ------------------------------------------------------------------ loss
 
-    def expect_loss(self) -> None:
+    def expect_loss(self, verdict: bool = False) -> None:
         """Post this step's receive of the loss message before the step's work (gloo).
 
         Why not a broadcast: a collective at the end of every step makes all ranks meet
@@ -271,19 +277,59 @@ class RankRuntime:
         never match the gradients the last stage sends on the same pair of ranks.
         """
         lay, tp = self.layout, self.transport
-        if tp.backend != "gloo" or lay.holds_last or self._loss_work is not None:
+        if tp.backend != "gloo" or self._loss_work is not None:
             return
-        self._loss_msg = torch.zeros(3, dtype=torch.float64)
-        self._loss_work = dist.irecv(
-            self._loss_msg, lay.last_rank, group=lay.pipeline_group, tag=LOSS_TAG
-        )
+        first = lay.pipeline_ranks[0]
+        if lay.holds_last and (not self.relay or not verdict):
+            return  # (the last stage posts its verdict's receive when it has sent its loss)
+        if self.relay:  # the first stage hears from the last, everyone else from the first
+            src = lay.last_rank if lay.rank == first else first
+        else:
+            src = lay.last_rank
+        self._loss_msg = torch.zeros(4, dtype=torch.float64)
+        self._loss_work = dist.irecv(self._loss_msg, src, group=lay.pipeline_group, tag=LOSS_TAG)
+
+    def relay_verdict(
+        self, loss: Tensor | None, nonfinite: int, aborted: bool
+    ) -> tuple[Tensor | None, int, bool]:
+        """:meth:`share_loss` of a synchronous gloo step with abort frames (engine/runtime/
+        rank.py): the last stage sends (loss, non-finite count, its own abort) to the first,
+        which adds what it learned (every abort frame of a synchronous step reaches it: the
+        micro-batch that failed still owes it a gradient) and sends the verdict to every other
+        stage. Returns (loss or None, non-finite micro-batches, whether the step aborted)."""
+        lay, tp = self.layout, self.transport
+        first = lay.pipeline_ranks[0]
+        for work, _out in self._loss_sends:  # the previous step's: received long ago
+            tp.wait(work, "sending the previous step's verdict")
+        self._loss_sends = []
+        msg = torch.zeros(4, dtype=torch.float64)
+        if lay.holds_last:
+            msg[0] = float("nan") if loss is None else float(loss.double())
+            msg[1], msg[2], msg[3] = float(nonfinite), 0.0 if loss is None else 1.0, float(aborted)
+            self._loss_sends.append((dist.isend(msg, first, group=lay.pipeline_group, tag=LOSS_TAG), msg))
+        self.expect_loss(verdict=True)  # no-op when posted at the start of the step
+        work, self._loss_work = self._loss_work, None
+        who = lay.stages - 1 if lay.rank == first else 0
+        tp.wait(work, "receiving the step's verdict", who)
+        got = self._loss_msg.clone()
+        if lay.rank == first:
+            got[3] = float(bool(got[3]) or aborted)
+            for peer in (r for r in lay.pipeline_ranks if r != first):
+                out = got.clone()
+                self._loss_sends.append((dist.isend(out, peer, group=lay.pipeline_group, tag=LOSS_TAG), out))
+        count, verdict = int(got[1].item()), bool(got[3].item())
+        if got[2].item() < 0.5:
+            return None, count, verdict
+        if lay.holds_last and loss is not None:
+            return loss, count, verdict  # the very tensor the local run returns
+        return got[0].float(), count, verdict
 
     def share_loss(self, loss: Tensor | None, nonfinite: int) -> tuple[Tensor | None, int]:
         """Send the last stage's (loss, non-finite count) to every stage of its replica, then
         average the loss over replicas. Returns (loss or None, non-finite micro-batches)."""
         lay, tp = self.layout, self.transport
         last = lay.holds_last
-        msg = torch.zeros(3, dtype=torch.float64)
+        msg = torch.zeros(4, dtype=torch.float64)
         if last:
             msg[0] = float("nan") if loss is None else float(loss.double())
             msg[1] = float(nonfinite)

@@ -1,10 +1,10 @@
-"""What an exception inside an asynchronous step leaves behind, and how it is explained.
+"""What the pipeline did about an exception inside a step, and where it happened: the
+notes every such exception carries.
 
-Why a module: the executor's promise (an exception anywhere inside ``step()``/``flush()``
-leaves every stage consistent) is carried out here for the asynchronous case -- what an
-exception raised inside a forward, a backward, a batch of backwards or an update drops -- and
-every exception gets a note saying where it happened and what the pipeline did about it
-(see the executor's module docstring for the rules).
+Why a module: the outcomes are a closed list (an Enum, gated by tests/test_layout.py), shared
+by the step protocol (:mod:`~engine.runtime.protocol`), which decides them, and its runners
+(:mod:`~engine.runtime.executor`, :mod:`~engine.runtime.rank`), which say what an action that
+raised dropped. The non-finite-loss message is written here once.
 """
 
 from __future__ import annotations
@@ -12,15 +12,12 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import NonFiniteLossError
-from engine.runtime.program import BB, OP_NAMES, B, F, U, W
-from engine.runtime.stage import DROPPED
+from engine.runtime.program import BB, OP_NAMES, B, U
 
 if TYPE_CHECKING:
     from engine.runtime.stage import Stage
-    from engine.runtime.streams import StageStreams
 
-__all__ = ["FailureHandling", "Outcome", "nonfinite_message"]
+__all__ = ["Outcome", "nonfinite_message", "where", "add_outcome", "discard_partial"]
 
 class Outcome(enum.Enum):
     """What the pipeline did about an exception inside a step: the second half of the note
@@ -60,12 +57,13 @@ class Outcome(enum.Enum):
         "this stage's update was skipped (its gradients discarded); the rest of the step runs "
         "at the next step() or flush()."
     )
-    # multi-process steps (engine/runtime/rank_guard.py)
     COMPLETED_THEN_INTERRUPTED = (
-        "under a multi-process transport a Ctrl-C is deferred to the end of the step (a rank "
-        "that stopped mid-step would leave its peers waiting): the step completed on this rank "
-        "and is counted in pipe.steps; do not repeat it, the next step() takes the next batch."
+        "the Ctrl-C came after the step's last action (under a multi-process transport it is "
+        "deferred to the end of the step: a rank that stopped mid-step would leave its peers "
+        "waiting): the step completed on this rank and is counted in pipe.steps; do not repeat "
+        "it, the next step() takes the next batch."
     )
+    # multi-process steps (engine/runtime/rank.py)
     RANK_STOPPED = (
         "under a multi-process transport this rank stopped in the middle of the step; its peers "
         "raise PeerError naming this rank once their timeout passes. The step cannot be undone "
@@ -82,106 +80,37 @@ def nonfinite_message(which: str, what: str) -> str:
     )
 
 
-class FailureHandling:
-    """Mixin of :class:`~engine.runtime.executor.Executor` (uses its stages and mailboxes)."""
+def where(action: Any, base: int, by_index: dict[int, Stage]) -> str:
+    """Where in a step an exception happened: ``action`` is (op, stage, micro-batch relative
+    to ``base``, the step's first global id; an update's list of them), None at its end."""
+    if action is None:
+        return "at the end of its step"
+    op, s, rel = action
+    if op == BB:
+        op, (s, rel) = B, rel[0]
+    if op == U:
+        return f"at stage {s}, update {by_index[s].updates}"
+    return f"at stage {s}, {OP_NAMES[op]} of micro-batch {base + rel}"
 
-    by_index: dict[int, Stage]
-    n_base: int
-    sync: bool
-    scale: float
-    dropped: int
-    acts: dict[tuple[int, int], tuple[Any, Any]]
-    grads: dict[tuple[int, int], tuple[Any, Any]]
-    streams: StageStreams
 
-    def _batch_failed(self, items: tuple[tuple[int, int], ...], base: int) -> None:
-        """A batched backward raised: every micro-batch in it is dropped at its stage."""
-        for s, rel in items:
-            st = self.by_index[s]
-            i = base + rel
-            if st.stash.get(i) is not None:  # its backward had not begun
-                st.stash.pop(i)
-                st.pending += 1
-                st.pending_mbs.append(self.n_base + i)
-                self.grads.pop((s, i), None)
-            self._backward_dropped(st, i)
+def add_outcome(exc: BaseException, at: str, what: Outcome) -> None:
+    """The note an exception leaves a step with: where (``at``) and what the pipeline did."""
+    if not hasattr(exc, "add_note"):
+        return  # Python < 3.11
+    consistent = "" if what is Outcome.RANK_STOPPED else (
+        " The pipeline is consistent: flush(), save (after the flush), load and further "
+        "step() calls work."
+    )
+    exc.add_note(f"engine.Pipeline: {type(exc).__name__} {at}: {what.value}{consistent}")
 
-    def _backward_dropped(self, st: Stage, i: int) -> None:
-        """Micro-batch i's backward at ``st`` failed: its update group loses the gradients
-        accumulated so far, and the stage before sees the micro-batch as dropped."""
-        self._discard(st)
-        if st.index > 0:
-            self.grads[(st.index - 1, i)] = (DROPPED, None)
-        self.dropped += 1
 
-    def _discard(self, st: Stage) -> None:
-        """A backward or W failed halfway at ``st``: the gradients it accumulated for the
-        current update cannot be told apart, so they go. Micro-batches whose B ran but whose W
-        has not (a split backward) keep their share of the group: their weight gradients
-        still come. The zeroing runs on the stage's own stream: on a GPU the gradients and skip
-        flags are accumulated there, and a zero enqueued on the caller's stream could run
-        before the adds still queued on the stage's (a stale found_inf skipping a later update)."""
-        with self.streams.on(st.index):
-            st.discard_gradients()
-        st.pending_weight = sum(job.entry.scale for job in st._deferred.values())
-
-    # ------------------------------------------------------------------ failures
-
-    def _action_failed(self, action: tuple[int, int, Any], base: int, exc: BaseException) -> None:
-        """An exception raised inside F/B/U (asynchronous step): drop what it touched."""
-        op, s, rel = action
-        if op == BB:  # _backward_batch already dropped every micro-batch in the batch
-            self._note(exc, (B, rel[0][0], rel[0][1]), base, Outcome.BACKWARD_FAILED)
-            return
-        st = self.by_index[s]
-        if op == U:
-            self._note(exc, action, base, Outcome.UPDATE_SKIPPED)
-            return
-        i = base + rel
-        if op == W:  # B already sent the input gradient: only the weight sums are lost
-            self._discard(st)
-            self.dropped += 1
-            self._note(exc, action, base, Outcome.WEIGHT_GRADIENT_FAILED)
-        elif op == F:
-            st.drop_forward(i, self.n_base + i, self.scale)
-            if not st.is_last:
-                self.acts[(s + 1, i)] = (DROPPED, None)
-            self.dropped += 1
-            self._note(exc, action, base, Outcome.DROPPED)
-        else:
-            self._backward_dropped(st, i)
-            self._note(exc, action, base, Outcome.BACKWARD_FAILED)
-
-    def _note(self, exc: BaseException, action: Any, base: int, what: Outcome) -> None:
-        if not hasattr(exc, "add_note"):
-            return  # Python < 3.11
-        if action is None:
-            where = "at the end of its step"
-        else:
-            op, s, rel = action
-            if op == BB:
-                op, (s, rel) = B, rel[0]
-            n = self.n_base + base + (rel if op != U else rel[-1])
-            where = (
-                f"at stage {s}, update {self.by_index[s].updates}"
-                if op == U
-                else f"at stage {s}, {OP_NAMES[op]} of micro-batch {n}"
-            )
-        consistent = "" if what is Outcome.RANK_STOPPED else (
-            " The pipeline is consistent: flush(), save (after the flush), load and further "
-            "step() calls work."
-        )
-        exc.add_note(f"engine.Pipeline: {type(exc).__name__} {where}: {what.value}{consistent}")
-
-    def _nonfinite_error(self, bad: list[int]) -> NonFiniteLossError:
-        if self.sync:
-            what = "the step was rolled back: no weight or optimizer state changed."
-        else:
-            what = (
-                "it was dropped at every stage (zero gradient); earlier updates stand, and the "
-                "rest of the step runs at the next step() or flush()."
-            )
-        which = (
-            f"micro-batch {bad[0]}" if len(bad) == 1 else f"micro-batches {', '.join(map(str, bad))}"
-        )
-        return NonFiniteLossError(nonfinite_message(which, what))
+def discard_partial(st: Stage, streams: Any) -> None:
+    """A backward or W failed halfway at ``st``: the gradients it accumulated for the current
+    update cannot be told apart, so they go. Micro-batches whose B ran but whose W has not (a
+    split backward) keep their share of the group: their weight gradients still come. The
+    zeroing runs on the stage's own stream: on a GPU the gradients and skip flags are
+    accumulated there, and a zero enqueued on the caller's stream could run before the adds
+    still queued on the stage's (a stale found_inf skipping a later update)."""
+    with streams.on(st.index):
+        st.discard_gradients()
+    st.pending_weight = sum(job.entry.scale for job in st._deferred.values())

@@ -19,324 +19,41 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor
-
-from engine.errors import NonFiniteLossError, PipelineInputError
-from engine.runtime import trees
-from engine.runtime.executor import Executor, StepResult
-from engine.runtime.failures import nonfinite_message
-from engine.runtime.first_failure import as_peer_error, begin, report
-from engine.runtime.rank_guard import interrupt_at_step_end, note_stopped, restore, rollback_point
-from engine.runtime.program import OP_NAMES, RB, RF, SB, SF, F, StepProgram, U, W
-from engine.runtime.stage import DROPPED
+from engine.runtime.lane import RankLane
+from engine.runtime.protocol import StepProtocol
 
 __all__ = ["RankExecutor"]
 
 
-class RankExecutor(Executor):
-    """The executor of one rank: its stage's op list with blocking communication (with
+class RankExecutor(StepProtocol):
+    """The step protocol on one rank: its stage's op list with blocking communication (with
     virtual stages: its stages' lists merged in the schedule's rank order, ``lane``)."""
 
     def __init__(
         self, *args: Any, rank: Any, transports: dict[int, Any], lane: int, **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.immediate_nonfinite = False  # checked once per step, on every rank
         self.rank = rank
         self.transport = rank.transport
         self.transports = transports  # stage -> its transport
-        self.lane = lane  # index in StepProgram.lanes: the stage, or the rank
-        self.stage = self.stages[0]
-        self.s = self.stage.index
-        self.immediate_nonfinite = False  # checked once per step, on every rank
-        self.chain_sync = False
-        #: per stage: ("act" | "grad", micro-batch) -> the tensor it sends at its SF/SB op
-        self._outboxes: dict[int, dict[tuple[str, int], Any]] = {st.index: {} for st in self.stages}
-        self._outbox = self._outboxes[self.s]  # the in-flight state's (one stage per rank)
-        #: ("act" | "grad", micro-batch) -> a message received before its RF/RB op: at a save
-        #: of the in-flight state (wire_state), or loaded with it
-        self._early: dict[tuple[str, int], Any] = {}
-        #: on_nonfinite="skip_update": (stage, micro-batch) -> the flag its SB op sends along
-        self._out_flags: dict[tuple[int, int], Tensor] = {}
-
-    # ------------------------------------------------------------------ running
-
-    def _ops(self, prog: StepProgram, start: int, base: int, skip_updates: bool) -> None:
-        try:
-            self._rank_ops(prog, start, base, skip_updates)
-        except BaseException as exc:
-            note_stopped(self, exc, prog, base)  # (the user's forward/backward: rank_guard.py)
-            raise
-        finally:
-            for st in self.stages:
-                st.settle()
-
-    def _rank_ops(self, prog: StepProgram, start: int, base: int, skip_updates: bool) -> None:
-        lane = prog.lanes[self.lane]
-        by_index, tps, boxes = self.by_index, self.transports, self._outboxes
-        hook = self.action_hook
-        for k in range(start, len(lane)):
-            self._pc = k
-            s, pc = lane[k]
-            op, rel = prog.stages[s][pc]
-            st = by_index[s]
-            if op == U:
-                if not skip_updates:
-                    if hook is not None:
-                        hook(s, "U", self.n_base + base + rel[-1])
-                    st.update()
-                continue
-            i = base + rel
-            tp = tps[s]
-            if op == RF:
-                early = self._early.pop(("act", i), None) if self._early else None
-                if early is None:
-                    try:
-                        early = tp.recv("act", s, i, base + prog.certain[s][pc])
-                    except PipelineInputError:
-                        if rel == 0:  # stopped before the step: this rank's later stages too
-                            self.rank.pass_error(s, i)
-                        raise
-                self.acts[(s, i)] = (early, None)
-                got = prog.releases[s].get(pc)
-                if got:
-                    tp.release("grad", [base + m for m in got])
-            elif op == RB:
-                if ("grad", i) in self._early:
-                    self.grads[(s, i)] = (self._early.pop(("grad", i)), None)
-                else:
-                    self.grads[(s, i)] = (tp.recv("grad", s, i, base + prog.certain[s][pc]), None)
-                    if self.flags is not None:
-                        self._flag_arrived(st, tp, i)
-            elif op == SF:
-                tp.send("act", s, i, boxes[s].pop(("act", i)))
-            elif op == SB:
-                tp.send("grad", s, i, boxes[s].pop(("grad", i)), self._out_flags.pop((s, i), None))
-            else:
-                if hook is not None:
-                    hook(s, OP_NAMES[op], self.n_base + i)
-                if op == F:
-                    self._rank_forward(st, i)
-                elif op == W:
-                    st.backward_weight(i, self.n_base + i)
-                else:
-                    self._rank_backward(st, i)
-
-    def _rank_forward(self, st: Any, i: int) -> None:
-        x, _, target, inp = self._forward_inputs(st, i)
-        n = self.n_base + i
-        out, loss = st.forward(i, n, x, target, self.scale)
-        if not st.is_last:
-            self._outboxes[st.index][("act", i)] = out
-        elif loss is not None and inp is not None:
-            self.losses.append((n, loss, inp.samples))
-            if self.flags is not None:  # no host read: the flag travels with the gradients
-                self.flags.mark(self.stages, i, loss)
-
-    def _rank_backward(self, st: Any, i: int) -> None:
-        s = st.index
-        grad = None
-        if not st.is_last:
-            grad, _ = self.grads.pop((s, i))
-        entry = st.stash.get(i) if self.flags is not None else None
-        gin = st.backward(i, self.n_base + i, grad)
-        if entry is not None and entry.flag is not None and s > 0:
-            self._out_flags[(s, i)] = entry.flag
-        if s > 0:
-            if gin is DROPPED:
-                raise PipelineInputError(
-                    f"stage {s} has no gradient to send back for micro-batch {self.n_base + i}: "
-                    "it was dropped, which needs every stage in one process"
-                )
-            self._outboxes[s][("grad", i)] = gin  # None / []: no input leaf carries a gradient
-
-    def _flag_arrived(self, st: Any, tp: Any, i: int) -> None:
-        """The flag that came with micro-batch i's gradient joins its stash entry, whose
-        backward adds it to the stage's found_inf ("skip_update")."""
-        flag = tp.arrived_flags.pop(i, None)
-        entry = st.stash.get(i)
-        if flag is not None and entry is not None:
-            entry.flag = flag.reshape(())
-
-    # ------------------------------------------------------------------ saving in flight
-
-    def _in_transit(self, channel: str) -> list[int]:
-        """Micro-batches whose ``channel`` message the neighbour sent in this segment's steps
-        so far and this rank has not received (the schedule says: both run the same programs;
-        a message is received within a few steps of its send, 4S+4 is ample)."""
-        s = self.s
-        peer = s - 1 if channel == "act" else s + 1
-        if not 0 <= peer < self.S:
-            return []
-        send, recv = (SF, RF) if channel == "act" else (SB, RB)
-        sent: set[int] = set()
-        got: set[int] = set()
-        for jj in range(max(0, self.j - 4 * self.S - 4), self.j):
-            prog, base = self.compiler.step(jj), jj * self.M
-            sent.update(base + rel for op, rel in prog.stages[peer] if op == send)
-            got.update(base + rel for op, rel in prog.stages[s] if op == recv)
-        return sorted(sent - got)
+        self.runner: RankLane = RankLane(self, rank, transports, lane)
+        lay = rank.layout
+        # a user stage that raises mid-step is rolled back on every rank (synchronous) or its
+        # micro-batch dropped (asynchronous), with abort/dropped frames (transport/abort.py):
+        # gloo steps of one replica, one stage per rank
+        frames = (
+            getattr(rank.transport, "backend", None) == "gloo" and lay.replicas == 1
+            and len(transports) == 1 and hasattr(rank.transport, "send_abort")
+            and lay.last_rank != lay.pipeline_ranks[0]
+        )
+        rank.relay = self.runner.aborts = frames and self.sync
+        # an asynchronous step drops the micro-batch of an action that raised, as locally
+        self.runner.drops = frames and not self.sync
 
     def wire_state(self) -> dict[str, Any]:
-        """Messages at a step boundary, for the in-flight state (:mod:`~engine.runtime.inflight`;
-        every rank calls it at the same step): what the neighbours sent and this rank has not
-        received is received now and kept for its RF/RB op (the run does not change), this
-        rank's own sends are waited for (its neighbours receive them in their call), and the
-        outbox holds what it will send. A rank loading the result starts with those."""
-        tp = self.transport
-        for channel in ("act", "grad"):
-            for mb in self._in_transit(channel):
-                if (channel, mb) not in self._early:  # (an earlier save received it)
-                    value = tp.recv(channel, self.s, mb)
-                    if channel == "grad" and self.flags is not None:
-                        self._flag_arrived(self.stage, tp, mb)
-                    if value is not None:  # None: no leaf carries a gradient, nothing travels
-                        self._early[(channel, mb)] = value
-        tp.wait_sends()
-        mail = [("received", self._early), ("outbox", self._outbox)]
-        # the shapes the gradients of activations in flight travel with (a resumed rank has
-        # not seen those activations travel)
-        out: dict[str, Any] = {"shapes": tp.wire_shapes()}
-        for key, box in mail:
-            out[key] = []
-            for (c, mb), v in sorted(box.items()):
-                value, flags = trees.detached_copy(v)  # a tensor, or a tree of them
-                flag = self._out_flags.get((self.s, mb)) if key == "outbox" and c == "grad" else None
-                out[key].append({"channel": c, "mb": mb, "value": value, "grad": flags,
-                                 "flag": None if flag is None else flag.clone()})
-        return out
+        """The lane's messages at a step boundary, for the in-flight state (RankLane.wire_state)."""
+        return self.runner.wire_state()
 
     def load_wire_state(self, state: dict[str, Any]) -> None:
-        """Undo :meth:`wire_state` in a fresh rank: early receives, the outbox, and the shapes
-        of the activations in flight (older states have none: the agreed shapes then)."""
-        self._out_flags.clear()
-        self.transport.restore_wire_shapes(state.get("shapes", {}))
-        for key, box in (("received", self._early), ("outbox", self._outbox)):
-            box.clear()
-            for d in state[key]:
-                box[(d["channel"], d["mb"])] = trees.with_grad_flags(d["value"], d["grad"])
-                if d.get("flag") is not None:
-                    self._out_flags[(self.s, d["mb"])] = d["flag"].to(self.transport.device)
-
-    # ------------------------------------------------------------------ the step protocol
-
-    def run_step(self, xs: list[Any], targets: list[Any], samples: list[int]) -> StepResult:
-        with interrupt_at_step_end(self):  # Ctrl-C: raised after the step (rank_guard.py)
-            return self._rank_step(xs, targets, samples)
-
-    def _rank_step(self, xs: list[Any], targets: list[Any], samples: list[int]) -> StepResult:
-        if not self.active:
-            self._open_segment()
-        j = self.j
-        prog = self.compiler.step(j)
-        base = j * self.M
-        first = len(self.losses)
-        point = rollback_point(self)  # (synchronous steps: RNG states and buffers)
-        self._feed_rank(xs, targets, samples, base)
-        self.rank.expect_loss()
-        self.j += 1
-        try:
-            self._ops(prog, 0, base, skip_updates=self.sync)
-        except PipelineInputError:
-            if self.sync:  # a shape a stage cannot take: no update ran, the next step repeats it
-                self._undo_step(base, point)
-            raise
-        if self.sync:  # an asynchronous step's last sends are received in the next step
-            self._wait_sends()
-        result = self._take_losses(first, base, base + self.M)
-        loss, nonfinite = self.rank.share_loss(result.loss, result.nonfinite)
-        self.steps += not (self.sync and nonfinite and self.on_nonfinite == "raise")  # as locally
-        if self.sync:
-            if nonfinite and self.on_nonfinite == "raise":
-                self.dropped += nonfinite
-                self._undo_step(base, point)
-                raise NonFiniteLossError(nonfinite_message(
-                    f"{nonfinite} micro-batch(es) of this step (seen by the last stage)",
-                    "the step was rolled back on every rank: no weight or optimizer state changed.",
-                ))
-            point.commit()  # type: ignore[union-attr]
-            if nonfinite:
-                self.dropped += nonfinite
-                for st in self.stages:
-                    st.forget_pending()
-                self.skipped_steps += 1
-            else:  # per-stage optimizer failures as locally: the others update, then it raises
-                try:
-                    self._commit(prog, base)  # tied gradients and clipping first (sync_step.py)
-                except BaseException:
-                    self._end_step(prog)
-                    raise
-            for st in self.stages:
-                st.reset_in_flight()
-        elif nonfinite:
-            raise NonFiniteLossError(
-                f"{nonfinite} micro-batch(es) gave a non-finite loss at the last stage of an "
-                f"asynchronous {self.spec.describe()} pipeline under a multi-process transport; "
-                "their gradients were not dropped (that needs every stage in one process) and "
-                "already entered updates. Reload the last checkpoint and lower the learning rate; "
-                "on_nonfinite='skip_update' (engine.optim optimizers) skips such updates instead."
-            )
-        if prog.ends_segment:
-            self._close_segment()
-        return StepResult(loss)
-
-    def _end_step(self, prog: StepProgram) -> None:
-        """A synchronous step whose update phase raised ends like any other (the stages that
-        could update did; the failing one skipped its update)."""
-        for st in self.stages:
-            st.reset_in_flight()
-        if prog.ends_segment:
-            self._close_segment()
-
-    def _undo_step(self, base: int, point: Any = None) -> None:
-        """Roll a synchronous step back on this rank (before its update phase): gradients and
-        stashed activations dropped, the step's inputs forgotten, the step to be run again,
-        the RNG states and buffers restored (``point``)."""
-        for st in self.stages:
-            st.forget_pending()
-            st.reset_in_flight()
-        for i in range(base, base + self.M):
-            self.inputs.pop(i, None)
-        for box in self._outboxes.values():
-            box.clear()
-        self.acts.clear()
-        self.grads.clear()
-        self.j -= 1
-        restore(point)
-
-    def _wait_sends(self) -> None:
-        for tp in self.transports.values():
-            tp.wait_sends()
-
-    def _feed_rank(self, xs: list[Any], targets: list[Any], samples: list[int], base: int) -> None:
-        first, last = 0 in self.by_index, self.S - 1 in self.by_index
-        if not (first or last):
-            return
-        readers = (1 if first else 0) + (1 if last else 0)
-        from engine.runtime.executor import _Input
-
-        for i, (x, t, b) in enumerate(zip(xs, targets, samples, strict=True)):
-            self.inputs[base + i] = _Input(x, t, b, readers)
-
-    def drain(self) -> Tensor | None:
-        if self.sync or not self.active:
-            return None
-        begin()
-        try:
-            with interrupt_at_step_end(self):
-                return self._rank_drain()
-        except BaseException as exc:
-            lay = self.rank.layout
-            report(lay.rank, exc)
-            peer = as_peer_error(exc, lay.rank, f"stage {self.s} (rank {lay.rank})")
-            if peer is exc:
-                raise
-            raise peer from exc
-
-    def _rank_drain(self) -> Tensor | None:
-        first = len(self.losses)
-        prog = self.compiler.drain(self.j)
-        self._ops(prog, 0, self.j * self.M, skip_updates=False)
-        self._wait_sends()
-        self._close_segment()
-        return self._take_losses(first).loss
-
+        self.runner.load_wire_state(state)

@@ -89,6 +89,7 @@ from torch import Tensor
 
 from engine.errors import PipelineInputError
 from engine.runtime.first_failure import first
+from engine.runtime.transport.abort import DROP_MARK, MARK, AbortFrames, Aborted, Dropped, frame_kind
 from engine.runtime.transport.base import PeerError, ShapeAgreementError, Transport
 from engine.runtime.transport.framing import Posted, fills, frame, framed_buffer, head_message
 from engine.runtime.transport.framing import inline as inline_header
@@ -101,7 +102,7 @@ __all__ = ["P2PTransport", "HEADER_TAG", "META_TAG"]
 HEADER_TAG, META_TAG = 8, 9
 
 
-class P2PTransport(Handshake, Transport):
+class P2PTransport(AbortFrames, Handshake, Transport):
     """Blocking receives / asynchronous sends to the neighbouring stages' ranks.
 
     Args:
@@ -359,6 +360,10 @@ class P2PTransport(Handshake, Transport):
         self.wait(self._irecv(body, src, META_TAG), what, src)
         data = body.cpu().numpy().tobytes()
         self._wait_all(rest, f"receiving micro-batch {mb}'s fill", src)
+        if n < 0 and data.startswith(MARK):  # a peer aborted the step (abort.py)
+            raise Aborted(data[len(MARK):].decode(errors="replace"))
+        if n < 0 and data.startswith(DROP_MARK):
+            raise Dropped()
         if n < 0:  # an earlier stage stopped the step: pass its error on, then raise it
             self.poison(data.decode())
             raise PipelineInputError(data.decode())
@@ -457,6 +462,9 @@ class P2PTransport(Handshake, Transport):
             sent = self._sends.pop(("act", mb), None)
             if sent is not None:
                 self._wait_all(sent[0], sent[2], self.peer_stage("act", "send"))
+        kind = frame_kind(bufs[0]) if channel == "grad" and bufs and self.backend == "gloo" else ""
+        if kind:  # a gradient's abort or dropped frame (abort.py)
+            raise Aborted() if kind == "abort" else Dropped()
         if channel == "grad":
             if self.flags:
                 self.arrived_flags[mb] = bufs[-1]
