@@ -38,7 +38,7 @@ from engine.runtime.host_memory import keep_freed_host_memory
 from engine.runtime.l2 import apply_l2
 from engine.runtime.policy import SpecTrain, make_policy
 from engine.runtime.stage import Stage
-from engine.runtime.step_features import StepFeatures, check_async_fp16, check_step_features
+from engine.runtime.step_features import StepFeatures, check_step_features
 from engine.runtime.step_features import attach as attach_features
 from engine.runtime.streams import StageStreams
 from engine.runtime.throughput import StepMeter, batch_size
@@ -193,7 +193,6 @@ class Pipeline:
             clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type, autocast=autocast,
             grad_scaler=grad_scaler, offload_activations=offload_activations,
         )
-        check_async_fp16(autocast, None if fam is None else fam.synchronous, schedule, grad_scaler)
         self._virtual_stages = virtual_stages
         self.config: PipelineConfig = check_options(
             transport=transport, checkpoint=checkpoint, on_nonfinite=on_nonfinite,

@@ -269,10 +269,13 @@ class RankExecutor(Executor):
                     self.grads[(s, i)] = (tp.recv("grad", s, i, base + prog.certain[s][pc]), None)
                     if self.flags is not None:
                         self._flag_arrived(st, tp, i)
+                    if tp.scales:
+                        self._scale_arrived(s, tp, i)
             elif op == SF:
                 tp.send("act", s, i, boxes[s].pop(("act", i)))
             elif op == SB:
-                tp.send("grad", s, i, boxes[s].pop(("grad", i)), self._out_flags.pop((s, i), None))
+                tp.send("grad", s, i, boxes[s].pop(("grad", i)), self._out_flags.pop((s, i), None),
+                        self.loss_scaler.carried.pop((s - 1, i), None) if tp.scales else None)
             else:
                 if hook is not None:
                     hook(s, OP_NAMES[op], self.n_base + i)
@@ -319,6 +322,13 @@ class RankExecutor(Executor):
         if flag is not None and entry is not None:
             entry.flag = flag.reshape(())
 
+    def _scale_arrived(self, s: int, tp: Any, i: int) -> None:
+        """Asynchronous float16: the loss scale micro-batch i's gradient was computed under
+        waits for stage ``s``'s backward of it (engine/runtime/amp.py)."""
+        c = tp.arrived_scales.pop(i, None)
+        if c is not None:
+            self.loss_scaler.carried[(s, i)] = c
+
     # ------------------------------------------------------------------ saving in flight
 
     def _in_transit(self, channel: str) -> list[int]:
@@ -351,6 +361,8 @@ class RankExecutor(Executor):
                     value = tp.recv(channel, self.s, mb)
                     if channel == "grad" and self.flags is not None:
                         self._flag_arrived(self.stage, tp, mb)
+                    if channel == "grad" and tp.scales:
+                        self._scale_arrived(self.s, tp, mb)
                     if value is not None:  # None: no leaf carries a gradient, nothing travels
                         self._early[(channel, mb)] = value
         tp.wait_sends()

@@ -22,7 +22,7 @@ from engine.runtime.clipping import GradClipper, check_clip_options
 if TYPE_CHECKING:
     from engine.runtime.pipeline import Pipeline
 
-__all__ = ["StepFeatures", "check_step_features", "attach", "check_async_fp16"]
+__all__ = ["StepFeatures", "check_step_features", "attach"]
 
 AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -99,6 +99,13 @@ def attach(pipe: Pipeline, group: Any = None) -> None:
     sync = pipe.spec.synchronous
     if not sync:
         _check_async_optimizers(pipe)
+        if pipe.spec.split_backward:
+            raise PipelineConfigError(
+                f"autocast=torch.float16 with {pipe.spec.describe()}: an asynchronous program "
+                "that splits backwards into B and W could apply a micro-batch's weight gradient "
+                "in an update group other than its B's, under another loss scale (amp.py); "
+                "use autocast=torch.bfloat16 or a program without split backwards"
+            )
     scaler = LossScaler(feats.grad_scaler, pipe.device, synchronous=sync)
     scaler.group = group
     ex.loss_scaler = scaler
@@ -111,6 +118,11 @@ def attach(pipe: Pipeline, group: Any = None) -> None:
             st.bridge.opt.found_inf = scaler.found_inf_on(dev)
         elif st.bridge.skip is None:  # the device flags take each update group's found_inf
             st.bridge.enable_skip_flags()
+    if not sync:  # one GradScaler state per stage; gradients carry their scale (amp.py)
+        for st in stages:
+            scaler.add_stage(st)
+        for tp in getattr(ex, "transports", {}).values():
+            tp.scales = True
 
 
 def _check_async_optimizers(pipe: Pipeline) -> None:
@@ -139,23 +151,3 @@ def _attach_offload(pipe: Pipeline) -> None:
             )
     for st in pipe.stages:
         st.offload = ActivationOffload(st.module, pin=pipe.device.type == "cuda")
-
-
-_STATIC_ONLY = ("growth_factor", "backoff_factor", "growth_interval")
-
-
-def check_async_fp16(autocast: Any, synchronous_hint: bool | None, schedule: Any,
-                     grad_scaler: Any) -> None:
-    """Asynchronous schedules scale float16 losses by a static scale (amp.py): refuse the
-    dynamic rule's options before anything is built."""
-    if autocast is not torch.float16 or synchronous_hint is not False:
-        return
-    given = sorted(set(grad_scaler or {}) & set(_STATIC_ONLY))
-    if given:
-        raise PipelineConfigError(
-            f"grad_scaler options {given} with schedule={schedule!r}: asynchronous schedules "
-            "scale float16 losses by a static scale (grad_scaler={'init_scale': S}); each "
-            "micro-batch's gradients reach the stages' updates at different times, so a scale "
-            "that changes would unscale them with the wrong value. Pass only init_scale, or "
-            "use a synchronous schedule for dynamic loss scaling."
-        )

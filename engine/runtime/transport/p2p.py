@@ -17,8 +17,9 @@ header rides inside the first leaf's message when that leaf is small: framing.py
 is one message per leaf that requires grad (none when no leaf does), plus, with
 ``on_nonfinite="skip_update"`` (:attr:`P2PTransport.flags`), a last 1-element float32 message:
 the micro-batch's non-finite flag, which travels from the last stage to the first with its
-gradient and never through the host (engine/runtime/device_flags.py); constants are never
-sent again.
+gradient and never through the host (engine/runtime/device_flags.py), and with asynchronous
+float16 (:attr:`P2PTransport.scales`) one more: the loss scale the gradient was computed
+under (engine/runtime/amp.py); constants are never sent again.
 
 Variable shapes: the structure, constants, dtypes and requires_grad are fixed at the
 handshake, but tensor shapes may change from one micro-batch to the next (sequence length,
@@ -164,6 +165,11 @@ class P2PTransport(Handshake, Transport):
         #: a received one waits in ``arrived_flags`` (micro-batch -> 1-element tensor)
         self.flags = False
         self.arrived_flags: dict[int, Tensor] = {}
+        #: asynchronous float16 (runtime/amp.py): gradients also carry the loss scale they
+        #: were computed under, a last 1-element float32 message; a received one waits in
+        #: ``arrived_scales``
+        self.scales = False
+        self.arrived_scales: dict[int, Tensor] = {}
         if backend == "nccl":
             if device.type != "cuda":
                 raise ValueError(
@@ -249,7 +255,8 @@ class P2PTransport(Handshake, Transport):
         )
 
     def send(
-        self, channel: str, stage: int, mb: int, value: Any, flag: Tensor | None = None
+        self, channel: str, stage: int, mb: int, value: Any, flag: Tensor | None = None,
+        scale: Tensor | None = None,
     ) -> None:
         if not isinstance(value, (Tensor, tuple, list, dict)) and not (
             value is None and channel == "grad"
@@ -262,6 +269,13 @@ class P2PTransport(Handshake, Transport):
         if channel == "grad" and self.flags:  # (flag None: a clean micro-batch)
             zero = torch.zeros(1, dtype=torch.float32, device=self.device)
             tensors = [*tensors, zero if flag is None else flag.reshape(1).float()]
+        if channel == "grad" and self.scales:
+            if scale is None:
+                raise PeerError(
+                    f"{self.who(self.stage)} sends micro-batch {mb}'s gradient without the loss "
+                    "scale it was computed under (asynchronous float16)"
+                )
+            tensors = [*tensors, scale.reshape(1).float()]
         if not tensors and channel == "grad":
             return  # no leaf carries a gradient: nothing travels
         ts = [t.detach().contiguous() for t in tensors]
@@ -409,7 +423,7 @@ class P2PTransport(Handshake, Transport):
             )
         if channel == "grad":
             agreed = self._sent_sigs.pop(mb, agreed)  # the shapes mb's activation left with
-        if channel == "grad" and not agreed.grad_at and not self.flags:
+        if channel == "grad" and not agreed.grad_at and not self.flags and not self.scales:
             # no leaf carries a gradient, so no message proves that the activation arrived:
             # wait for its send instead (the peer receives it before it would send a gradient)
             sent = self._sends.pop(("act", mb), None)
@@ -458,6 +472,9 @@ class P2PTransport(Handshake, Transport):
             if sent is not None:
                 self._wait_all(sent[0], sent[2], self.peer_stage("act", "send"))
         if channel == "grad":
+            if self.scales:
+                self.arrived_scales[mb] = bufs[-1]
+                bufs = bufs[:-1]
             if self.flags:
                 self.arrived_flags[mb] = bufs[-1]
                 bufs = bufs[:-1]
@@ -482,6 +499,8 @@ class P2PTransport(Handshake, Transport):
         metas = agreed.metas(grad=channel == "grad")
         bufs = [torch.empty(meta.shape, dtype=meta.dtype, device=self.device) for _, meta in metas]
         if channel == "grad" and self.flags:
+            bufs.append(torch.empty(1, dtype=torch.float32, device=self.device))
+        if channel == "grad" and self.scales:
             bufs.append(torch.empty(1, dtype=torch.float32, device=self.device))
         msgs, head = list(bufs), None
         if channel == "act" and inline_header(self.backend, agreed):
@@ -534,3 +553,4 @@ class P2PTransport(Handshake, Transport):
         self._recv_sigs.clear()
         self._pending_shapes.clear()
         self.arrived_flags.clear()
+        self.arrived_scales.clear()
