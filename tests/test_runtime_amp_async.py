@@ -100,12 +100,10 @@ def test_one_stage_equals_grad_scaler_on_the_unpipelined_model(schedule: str, k:
 
 
 @pytest.mark.parametrize("schedule", ["pb", "pipedream", "2bw"])
-def test_scales_grow_per_stage_and_in_flight_gradients_are_rescaled(schedule: str) -> None:
+def test_scales_grow_per_stage_by_grad_scaler_rule(schedule: str) -> None:
     """No overflow, growth every 2 groups: each stage's scale follows GradScaler's rule over
-    its own updates, so the stages' scales differ while micro-batches are in flight (the
-    later stage updates first); the rescaling S_s / c at each boundary keeps every weight
-    equal to float16 training without loss scaling up to float16's rounding (a gradient left
-    at the sender's scale would be off by a factor of 2)."""
+    its own updates, and the weights equal float16 training without loss scaling up to
+    float16's rounding."""
     opts = dict(init_scale=2.0**4, growth_interval=2)
     batches = _batches(6)
 
@@ -122,6 +120,32 @@ def test_scales_grow_per_stage_and_in_flight_gradients_are_rescaled(schedule: st
         for _ in range(u):
             want, tracker = _grad_scaler_rule(want, tracker, False, opts)
         assert float(stats["loss_scale"][s]) == want > opts["init_scale"], (s, u)
+    for p, q in zip(_params(scaled), _params(plain), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("schedule", ["pb", "pipedream", "2bw"])
+def test_a_gradient_from_a_stage_at_another_scale_is_rescaled(schedule: str) -> None:
+    """Stages whose scales differ (as after different overflow histories; set here through
+    the checkpoint): every gradient crossing a boundary is moved from the sender's scale to
+    the receiver's (times S_s / c), so the weights still equal float16 training without loss
+    scaling up to float16's rounding; left at the sender's scale, stage 0 and 1 would step
+    with gradients 4x and 16x too large."""
+    opts = dict(init_scale=2.0**4, growth_interval=1000)
+    batches = _batches(4)
+
+    def make() -> Pipeline:
+        return Pipeline(_stages(3), schedule=schedule, chunks=M, loss_fn=nn.functional.mse_loss,
+                        optimizer=_sgd, autocast=torch.float16, grad_scaler=opts)
+
+    scaled = make()
+    state = scaled.state_dict()
+    state["loss_scaler"]["stage_scale"] = torch.tensor([2.0**4, 2.0**6, 2.0**8])
+    scaled.load_state_dict(state)
+    _run(scaled, batches)
+    plain = _run(_unscaled(make()), batches)
+    assert [float(v) for v in scaled.stats()["loss_scale"]] == [2.0**4, 2.0**6, 2.0**8]
+    assert scaled.stats()["amp_skipped_updates"] == [0, 0, 0]
     for p, q in zip(_params(scaled), _params(plain), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
 
