@@ -9,7 +9,7 @@ import traceback
 from typing import Any
 
 import torch
-from distributed_support import _local, _train, configs, replica_rows, stage_factories
+from distributed_support import DIM, _local, _train, configs, replica_rows, stage_factories
 from distributed_support import spawn as _spawn
 from torch import nn
 
@@ -96,9 +96,17 @@ def phase_amp(rank: int, S: int) -> dict[str, Any]:
             theirs = [p.detach() for p in ref.stages[s].module.parameters()]
             initial = [p.detach() for p in stage_factories(S)[s]().parameters()]
             st, rst = pipe.stats(), ref.stats()
+            xe = torch.randn(6, DIM, generator=torch.Generator().manual_seed(9))
+            mine_eval = pipe.evaluate(xe)  # every rank: the last stage's outputs
+            ref_eval = ref.evaluate(xe)
+            whole = nn.Sequential(*[st_.module for st_ in ref.stages])
+            with torch.no_grad(), torch.autocast("cpu", dtype=kw["autocast"]):
+                torch_eval = torch.cat([whole(c) for c in xe.chunk(ref.spec.chunks)])
             out[name] = {
                 "weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
                 "losses_equal": all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)),
+                "eval_equal": torch.equal(mine_eval, ref_eval) and torch.equal(ref_eval, torch_eval),
+                "eval_dtype": str(mine_eval.dtype),
                 "moved": any(not torch.equal(a, b) for a, b in zip(mine, initial, strict=True)),
                 "skipped": st["amp_skipped_steps"],
                 "ref_skipped": rst["amp_skipped_steps"],

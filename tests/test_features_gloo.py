@@ -53,6 +53,8 @@ def test_mixed_precision_under_gloo_equals_the_local_run() -> None:
         assert len(rank_res) == 7
         for name, r in rank_res.items():
             assert r["weights_equal"] and r["losses_equal"], (name, r)
+            # evaluate() under the pipeline's autocast: gloo == local == torch.autocast
+            assert r["eval_equal"] and r["eval_dtype"] != "torch.float32", (name, r)
             assert r["moved"] or "overflow" in name, (name, r)
             assert r["skipped"] == r["ref_skipped"] and r["scale"] == r["ref_scale"], (name, r)
             assert r["group_skips"] == r["ref_group_skips"], (name, r)

@@ -237,3 +237,25 @@ def test_float16_resume_keeps_the_loss_scale(tmp_path: Any) -> None:
                     optimizer=OPTS["engine"], autocast=torch.bfloat16)
     with pytest.raises(PipelineConfigError, match="loss scaling"):
         engine.load(bf16, tmp_path / "c.safetensors")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("schedule", ["1f1b", "pb"])
+def test_evaluate_runs_under_the_pipelines_autocast(dtype: torch.dtype, schedule: str) -> None:
+    """evaluate() equals torch.autocast around the unpipelined model's forward, bit for bit
+    (and is not the float32 forward), after training steps."""
+    kw: dict[str, Any] = {} if dtype is torch.bfloat16 else {"grad_scaler": SCALER}
+    pipe = Pipeline(_stages(3), schedule=schedule, chunks=M, loss_fn=nn.functional.mse_loss,
+                    optimizer=OPTS["engine"], autocast=dtype, **kw)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        pipe.step(torch.randn(2 * M, D, generator=g), torch.randn(2 * M, 2, generator=g))
+    x = torch.randn(7, D, generator=g)
+    out = pipe.evaluate(x)
+    whole = nn.Sequential(*[st.module for st in pipe.stages])
+    with torch.no_grad():
+        plain = torch.cat([whole(c) for c in x.chunk(M)])
+        with torch.autocast("cpu", dtype=dtype):
+            ref = torch.cat([whole(c) for c in x.chunk(M)])
+    assert out.dtype == dtype and torch.equal(out, ref)
+    assert not torch.equal(out.float(), plain)

@@ -469,7 +469,8 @@ class Pipeline:
         training step keeps is touched: in-flight micro-batches, kept weight versions,
         gradients, counters and the RNG state are as before, so training continues exactly
         as if ``evaluate`` had not been called. Under gloo/NCCL every rank calls it (stage 0
-        reads ``inputs``) and every rank gets the outputs."""
+        reads ``inputs``) and every rank gets the outputs. With ``autocast=`` every stage runs
+        under the same autocast state as in a step."""
         from engine.runtime.evaluation import evaluate
 
         return evaluate(self, inputs, chunks)

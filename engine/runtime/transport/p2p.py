@@ -269,13 +269,8 @@ class P2PTransport(Handshake, Transport):
         if channel == "grad" and self.flags:  # (flag None: a clean micro-batch)
             zero = torch.zeros(1, dtype=torch.float32, device=self.device)
             tensors = [*tensors, zero if flag is None else flag.reshape(1).float()]
-        if channel == "grad" and self.scales:
-            if scale is None:
-                raise PeerError(
-                    f"{self.who(self.stage)} sends micro-batch {mb}'s gradient without the loss "
-                    "scale it was computed under (asynchronous float16)"
-                )
-            tensors = [*tensors, scale.reshape(1).float()]
+        if channel == "grad" and self.scales:  # (the stage's backward set it: amp.py)
+            tensors = [*tensors, scale.reshape(1).float()]  # type: ignore[union-attr]
         if not tensors and channel == "grad":
             return  # no leaf carries a gradient: nothing travels
         ts = [t.detach().contiguous() for t in tensors]
@@ -498,10 +493,9 @@ class P2PTransport(Handshake, Transport):
     def _post(self, channel: str, mb: int, agreed: Signature, src: int) -> Posted:
         metas = agreed.metas(grad=channel == "grad")
         bufs = [torch.empty(meta.shape, dtype=meta.dtype, device=self.device) for _, meta in metas]
-        if channel == "grad" and self.flags:
-            bufs.append(torch.empty(1, dtype=torch.float32, device=self.device))
-        if channel == "grad" and self.scales:
-            bufs.append(torch.empty(1, dtype=torch.float32, device=self.device))
+        if channel == "grad":  # the flag, the loss scale
+            bufs += [torch.empty(1, dtype=torch.float32, device=self.device)
+                     for on in (self.flags, self.scales) if on]
         msgs, head = list(bufs), None
         if channel == "act" and inline_header(self.backend, agreed):
             msgs[0], head, bufs[0] = framed_buffer(metas[0][1], self.device)
