@@ -36,6 +36,31 @@ def _batches(n: int, x_mul: float = 1.0, seed: int = 5) -> list[tuple[torch.Tens
             for _ in range(n)]
 
 
+def _esgd(**kw: Any) -> Any:
+    return lambda p: eo.SGD(p, lr=0.1, momentum=0.9, **kw)
+
+
+#: every asynchronous schedule, and the mitigations (they act on the unscaled gradient)
+ASYNC: dict[str, dict[str, Any]] = {
+    "pb": dict(schedule="pb"),
+    "pb-k2": dict(schedule="pb", update_size=2),
+    "pb-sc": dict(schedule="pb", optimizer=_esgd(spike_compensation=True)),
+    "pb-lwp": dict(schedule="pb", optimizer=_esgd(prediction="linear"), checkpoint="never"),
+    "pb-spectrain": dict(schedule="pb", weight_prediction="spectrain",
+                         optimizer=_esgd(prediction="linear")),
+    "pb-t2-dc": dict(schedule="pb", optimizer=_esgd(discrepancy_correction=True,
+                                                    delay_compensation=0.5)),
+    "pipedream": dict(schedule="pipedream"),
+    "pipedream-dc": dict(schedule="pipedream", optimizer=_esgd(delay_compensation=0.5)),
+    "2bw": dict(schedule="2bw"),
+}
+
+
+def _make(name: str, **kw: Any) -> Pipeline:
+    cfg = {"optimizer": _sgd, "loss_fn": nn.functional.mse_loss, **ASYNC[name], **kw}
+    return Pipeline(_stages(3), chunks=M, autocast=torch.float16, **cfg)
+
+
 def _run(pipe: Pipeline, batches: list[Any]) -> Pipeline:
     for x, y in batches:
         pipe.step(x, y)
@@ -124,8 +149,8 @@ def test_scales_grow_per_stage_by_grad_scaler_rule(schedule: str) -> None:
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("schedule", ["pb", "pipedream", "2bw"])
-def test_a_gradient_from_a_stage_at_another_scale_is_rescaled(schedule: str) -> None:
+@pytest.mark.parametrize("name", sorted(ASYNC))
+def test_a_gradient_from_a_stage_at_another_scale_is_rescaled(name: str) -> None:
     """Stages whose scales differ (as after different overflow histories; set here through
     the checkpoint): every gradient crossing a boundary is moved from the sender's scale to
     the receiver's (times S_s / c), so the weights still equal float16 training without loss
@@ -135,8 +160,7 @@ def test_a_gradient_from_a_stage_at_another_scale_is_rescaled(schedule: str) -> 
     batches = _batches(4)
 
     def make() -> Pipeline:
-        return Pipeline(_stages(3), schedule=schedule, chunks=M, loss_fn=nn.functional.mse_loss,
-                        optimizer=_sgd, autocast=torch.float16, grad_scaler=opts)
+        return _make(name, grad_scaler=opts)
 
     scaled = make()
     state = scaled.state_dict()
@@ -150,8 +174,8 @@ def test_a_gradient_from_a_stage_at_another_scale_is_rescaled(schedule: str) -> 
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("schedule", ["pb", "pipedream", "2bw"])
-def test_an_overflow_skips_the_groups_skip_update_skips(schedule: str) -> None:
+@pytest.mark.parametrize("name", sorted(ASYNC))
+def test_an_overflow_skips_the_groups_skip_update_skips(name: str) -> None:
     """One micro-batch whose scaled gradient overflows float16 at every stage: each stage skips
     exactly the update group holding it and backs off once -- the groups that
     ``on_nonfinite="skip_update"`` skips for a non-finite loss of that micro-batch (the
@@ -164,17 +188,13 @@ def test_an_overflow_skips_the_groups_skip_update_skips(schedule: str) -> None:
     y[rows] = 1.0e4  # finite in float32; times the scale, its gradient overflows float16
     batches[bad[0]] = (x, y)
     opts = dict(init_scale=2.0**10, growth_interval=1000)
-    scaled = _run(Pipeline(_stages(3), schedule=schedule, chunks=M,
-                           loss_fn=nn.functional.mse_loss, optimizer=_sgd,
-                           autocast=torch.float16, grad_scaler=opts), batches)
+    scaled = _run(_make(name, grad_scaler=opts), batches)
 
     def poisoned(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = nn.functional.mse_loss(out, target)
         return loss * float("nan") if target.abs().max() > 1.0e3 else loss
 
-    ref = _run(_unscaled(Pipeline(_stages(3), schedule=schedule, chunks=M, loss_fn=poisoned,
-                                  optimizer=_sgd, autocast=torch.float16,
-                                  on_nonfinite="skip_update")), batches)
+    ref = _run(_unscaled(_make(name, loss_fn=poisoned, on_nonfinite="skip_update")), batches)
     stats = scaled.stats()
     assert stats["amp_skipped_updates"] == [1, 1, 1] == ref.stats()["skipped_updates"]
     assert [float(v) for v in stats["loss_scale"]] == [2.0**9] * 3
