@@ -219,6 +219,8 @@ class RankExecutor(Executor):
         self._early: dict[tuple[str, int], Any] = {}
         #: on_nonfinite="skip_update": (stage, micro-batch) -> the flag its SB op sends along
         self._out_flags: dict[tuple[int, int], Tensor] = {}
+        #: asynchronous float16: gradients carry their loss scale (runtime/amp.py; set by attach)
+        self.carry_scales = False
 
     # ------------------------------------------------------------------ running
 
@@ -269,13 +271,16 @@ class RankExecutor(Executor):
                     self.grads[(s, i)] = (tp.recv("grad", s, i, base + prog.certain[s][pc]), None)
                     if self.flags is not None:
                         self._flag_arrived(st, tp, i)
-                    if tp.scales:
+                    if self.carry_scales:
                         self._scale_arrived(s, tp, i)
             elif op == SF:
                 tp.send("act", s, i, boxes[s].pop(("act", i)))
             elif op == SB:
-                tp.send("grad", s, i, boxes[s].pop(("grad", i)), self._out_flags.pop((s, i), None),
-                        self.loss_scaler.carried.pop((s - 1, i), None) if tp.scales else None)
+                grad, flag = boxes[s].pop(("grad", i)), self._out_flags.pop((s, i), None)
+                if self.carry_scales:  # (one P2PTransport per rank: asynchronous schedules)
+                    tp.send("grad", s, i, grad, flag, self.loss_scaler.carried.pop((s - 1, i), None))
+                else:
+                    tp.send("grad", s, i, grad, flag)
             else:
                 if hook is not None:
                     hook(s, OP_NAMES[op], self.n_base + i)
@@ -361,7 +366,7 @@ class RankExecutor(Executor):
                     value = tp.recv(channel, self.s, mb)
                     if channel == "grad" and self.flags is not None:
                         self._flag_arrived(self.stage, tp, mb)
-                    if channel == "grad" and tp.scales:
+                    if channel == "grad" and self.carry_scales:
                         self._scale_arrived(self.s, tp, mb)
                     if value is not None:  # None: no leaf carries a gradient, nothing travels
                         self._early[(channel, mb)] = value

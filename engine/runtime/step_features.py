@@ -123,6 +123,7 @@ def attach(pipe: Pipeline, group: Any = None) -> None:
             scaler.add_stage(st)
         for tp in getattr(ex, "transports", {}).values():
             tp.scales = True
+            ex.carry_scales = True
 
 
 def _check_async_optimizers(pipe: Pipeline) -> None:
