@@ -9,7 +9,7 @@ import traceback
 from typing import Any
 
 import torch
-from distributed_support import _local, _train, configs, replica_rows, stage_factories
+from distributed_support import DIM, _local, _train, configs, replica_rows, stage_factories
 from distributed_support import spawn as _spawn
 from torch import nn
 
@@ -64,12 +64,19 @@ def _amp_configs(S: int) -> dict[str, dict[str, Any]]:
         "naive-torch-fp16": dict(base["naive"], **fp16),
         "1f1b-bf16": dict(base["1f1b-adam"], autocast=torch.bfloat16),
         "pb-bf16-clip": dict(base["pb"], autocast=torch.bfloat16, clip_grad_norm=CLIP),
-        # asynchronous float16: a static scale, each update group skipped on its own
+        # asynchronous float16: one scale per stage, gradients carry theirs across ranks;
+        # growing every group until it overflows, so the ranks' scales part ways; and one
+        # that overflows from the start and backs off group by group
         "pb-fp16-clip": dict(base["pb"], autocast=torch.float16, clip_grad_norm=CLIP,
-                             grad_scaler=dict(init_scale=2.0**6)),
+                             grad_scaler=dict(init_scale=2.0**6, growth_interval=1)),
         "pipedream-fp16-overflow": dict(base["pipedream"], autocast=torch.float16,
                                         grad_scaler=dict(init_scale=2.0**40)),
     }
+
+
+def _scale(v: Any, s: int) -> float | None:
+    """stats()["loss_scale"]: one tensor (synchronous), per stage a list (asynchronous)."""
+    return None if v is None else float(v[s] if isinstance(v, list) else v)
 
 
 def phase_amp(rank: int, S: int) -> dict[str, Any]:
@@ -89,9 +96,17 @@ def phase_amp(rank: int, S: int) -> dict[str, Any]:
             theirs = [p.detach() for p in ref.stages[s].module.parameters()]
             initial = [p.detach() for p in stage_factories(S)[s]().parameters()]
             st, rst = pipe.stats(), ref.stats()
+            xe = torch.randn(6, DIM, generator=torch.Generator().manual_seed(9))
+            mine_eval = pipe.evaluate(xe)  # every rank: the last stage's outputs
+            ref_eval = ref.evaluate(xe)
+            whole = nn.Sequential(*[st_.module for st_ in ref.stages])
+            with torch.no_grad(), torch.autocast("cpu", dtype=kw["autocast"]):
+                torch_eval = torch.cat([whole(c) for c in xe.chunk(ref.spec.chunks)])
             out[name] = {
                 "weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
                 "losses_equal": all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)),
+                "eval_equal": torch.equal(mine_eval, ref_eval) and torch.equal(ref_eval, torch_eval),
+                "eval_dtype": str(mine_eval.dtype),
                 "moved": any(not torch.equal(a, b) for a, b in zip(mine, initial, strict=True)),
                 "skipped": st["amp_skipped_steps"],
                 "ref_skipped": rst["amp_skipped_steps"],
@@ -99,8 +114,8 @@ def phase_amp(rank: int, S: int) -> dict[str, Any]:
                 else st["amp_skipped_updates"][0],
                 "ref_group_skips": None if rst["amp_skipped_updates"] is None
                 else rst["amp_skipped_updates"][s],
-                "scale": None if st["loss_scale"] is None else float(st["loss_scale"]),
-                "ref_scale": None if rst["loss_scale"] is None else float(rst["loss_scale"]),
+                "scale": _scale(st["loss_scale"], 0),
+                "ref_scale": _scale(rst["loss_scale"], s),
             }
         except Exception:
             out[name] = {"error": traceback.format_exc()}

@@ -21,16 +21,24 @@ precision":
   read (as GradScaler does). Then S is updated by ``torch._amp_update_scale_`` with
   GradScaler's growth/backoff rule -- so a pipelined float16 run skips exactly the steps an
   unpipelined run with GradScaler skips, and its weights are the same bit for bit on CPU.
-* Loss scaling (float16, asynchronous schedules): a *static* scale S = ``init_scale``. A
-  micro-batch's gradients reach the stages' updates at different times, so a scale that
-  changed in between would unscale them with the wrong value; with S fixed, every stage
-  unscales its own update group by 1/S when it updates, and a non-finite value sets that
-  group's found_inf in the device flags (engine/runtime/device_flags.py: the same
-  accumulator ``on_nonfinite="skip_update"`` uses), so the group is skipped whole on the
-  device -- one skip decision per update group, no host read. engine.optim optimizers only.
-  Multiplying by a power of two and back is exact except where a float16 gradient is
-  subnormal, so without overflow the weights equal those of float16 training with no loss
-  scaling up to that rounding (bit for bit with S = 1).
+* Loss scaling (float16, asynchronous schedules): no step spans the stages, so every stage s
+  keeps its own GradScaler state (scale S_s, growth tracker) and applies GradScaler's rule to
+  its own update groups. The backward of micro-batch i at stage s runs under the stage's
+  current S_s: the last stage's root is ``(loss * w) * S_s``; an earlier stage multiplies the
+  incoming gradient, computed downstream under scale c (which travels with it: a 1-element
+  message under gloo/NCCL), by S_s / c first. S_s changes only at the stage's own updates, so
+  every gradient of an update group carries the same factor however the scales moved while
+  the micro-batch was in flight. At the update the group is unscaled by 1/S_s with the fused
+  non-finite check writing the stage's found_inf accumulator of the device flags
+  (engine/runtime/device_flags.py: the one ``on_nonfinite="skip_update"`` uses), which also
+  holds the non-finite check of every input gradient the stage sent in the group (so a stage
+  whose outgoing gradient overflows backs off itself); the optimizer skips the group on the
+  device when it is set, and ``torch._amp_update_scale_`` moves S_s with GradScaler's
+  growth/backoff rule. One skip decision per update group and stage, no host read.
+  engine.optim optimizers only. With the default power-of-two factors, the rescaling S_s / c
+  is exact (up to float16 subnormals), so a run without overflow equals float16 training
+  without loss scaling up to that rounding; with one stage it is GradScaler with the group's
+  micro-batches accumulated.
 """
 
 from __future__ import annotations
@@ -115,6 +123,15 @@ class LossScaler:
         self._host_skip: bool | None = None  # this step's decision, once read on the host
         #: asynchronous: per stage, update groups whose found_inf was set (device counters)
         self.group_skips: dict[int, Tensor] = {}
+        #: asynchronous: per stage its scale, growth tracker and found_inf (module docstring)
+        self.stage_scale: dict[int, Tensor] = {}
+        self.stage_tracker: dict[int, Tensor] = {}
+        self.stage_found: dict[int, Tensor] = {}
+        #: asynchronous: (receiving stage, micro-batch) -> the scale the gradient travelling
+        #: to it was computed under (set by the sender, or by the transport on arrival)
+        self.carried: dict[tuple[int, int], Tensor] = {}
+        self._init = float(options["init_scale"])
+        self._ones: dict[torch.device, Tensor] = {}
 
     def scaled(self, root: Tensor) -> Tensor:
         """GradScaler.scale: the backward root times S."""
@@ -137,20 +154,78 @@ class LossScaler:
                 torch._amp_foreach_non_finite_check_and_unscale_(flats, flag, inv.to(dev))
                 self.found_inf.add_(flag.to(self.found_inf.device))
 
+    # ------------------------------------------------------------- asynchronous schedules
+
+    def add_stage(self, st: Any) -> None:
+        """Asynchronous: stage ``st``'s own GradScaler state, on its device; its found_inf is
+        the device flags' accumulator (a stage without parameters gets one of its own)."""
+        dev = st.store.params[0].device if st.store.params else self.scale.device
+        self.stage_scale[st.index] = torch.full((), self._init, dtype=torch.float32, device=dev)
+        self.stage_tracker[st.index] = torch.zeros((), dtype=torch.int32, device=dev)
+        skip = st.bridge.skip if st.bridge is not None else None
+        self.stage_found[st.index] = (
+            skip.found_inf if skip is not None else torch.zeros((), dtype=torch.float32, device=dev)
+        )
+
+    def root(self, st: Any, out: Tensor) -> Tensor:
+        """Asynchronous: the last stage's backward root under its current scale."""
+        return out * self.stage_scale[st.index]
+
+    def before_backward(self, st: Any, i: int, grad: Any, entry: Any) -> Any:
+        """Asynchronous: micro-batch ``i``'s backward at ``st`` starts under the stage's own
+        scale: the arriving gradient moved to it (:meth:`incoming`), the last stage's loss
+        (its stash ``entry``'s root) scaled by it (:meth:`root`)."""
+        grad = self.incoming(st, i, grad)
+        if st.is_last and not entry.dropped and isinstance(entry.out, Tensor):
+            entry.out = self.root(st, entry.out)
+        return grad
+
+    def incoming(self, st: Any, i: int, grad: Any) -> Any:
+        """Asynchronous: micro-batch ``i``'s gradient arriving at ``st``, moved from the
+        sender's scale c to the stage's own: times S_s / c (1.0 when they agree: exact)."""
+        c = self.carried.pop((st.index, i), None)
+        if c is None or grad is None or not isinstance(grad, (Tensor, list, tuple)):
+            return grad  # (None: nothing arrived; DROPPED: passed on as it is)
+        scale = self.stage_scale[st.index]
+        ratio = scale / c.to(scale.device).reshape(())
+        if isinstance(grad, Tensor):
+            return grad * ratio.to(grad.device)
+        return [g if g is None else g * ratio.to(g.device) for g in grad]
+
+    def outgoing(self, st: Any, i: int, gin: Any) -> None:
+        """Asynchronous: the input gradient ``st`` sends upstream for micro-batch ``i``:
+        checked for non-finite values into the stage's found_inf, its scale carried along."""
+        found = self.stage_found[st.index]
+        ts = [gin] if isinstance(gin, Tensor) else [g for g in (gin or ()) if isinstance(g, Tensor)]
+        ts = [t for t in ts if t.is_floating_point()]
+        if ts:
+            one = self._ones.get(found.device)
+            if one is None:
+                one = self._ones[found.device] = torch.ones((), dtype=torch.float32, device=found.device)
+            # (multiplies by 1.0 in place: the values do not change)
+            torch._amp_foreach_non_finite_check_and_unscale_(ts, found, one)
+        self.carried[(st.index - 1, i)] = self.stage_scale[st.index].clone()
+
     def unscale_group(self, st: Any) -> None:
-        """Asynchronous: stage ``st``'s update group times 1/S, a non-finite value flagged in
-        the stage's found_inf accumulator (the device flags), so its optimizer skips the
-        group on the device; counted per stage."""
-        flats = st.store.grad_flats()
-        skip = st.bridge.skip
-        if not flats or skip is None:
-            return
-        inv = self.scale.double().reciprocal().float().to(flats[0].device)
-        torch._amp_foreach_non_finite_check_and_unscale_(flats, skip.found_inf, inv)
-        counter = self.group_skips.get(st.index)
+        """Asynchronous: stage ``st``'s update group times 1/S_s, a non-finite value flagged in
+        the stage's found_inf (the device flags), so its optimizer skips the group on the
+        device; then S_s moves by GradScaler's rule. Counted per stage."""
+        s = st.index
+        found, scale = self.stage_found[s], self.stage_scale[s]
+        flats = st.store.grad_flats() if st.bridge is not None else []
+        if flats:
+            inv = scale.double().reciprocal().float().to(flats[0].device)
+            torch._amp_foreach_non_finite_check_and_unscale_(flats, found, inv)
+        counter = self.group_skips.get(s)
         if counter is None:
-            counter = self.group_skips[st.index] = torch.zeros_like(skip.found_inf)
-        counter.add_(skip.found_inf.ne(0))
+            counter = self.group_skips[s] = torch.zeros_like(found)
+        counter.add_(found.ne(0))
+        torch._amp_update_scale_(
+            scale, self.stage_tracker[s], found,
+            self.growth_factor, self.backoff_factor, self.growth_interval,
+        )
+        if st.bridge is None or st.bridge.skip is None:  # no optimizer consumes it
+            found.zero_()
 
     def reduce(self) -> None:
         """Under gloo/NCCL: every rank's found_inf summed (when clipping is off; clipping
@@ -185,12 +260,42 @@ class LossScaler:
             self._host_skip = bool(self.found_inf.item() != 0)
         return self._host_skip
 
-    def state_dict(self) -> dict[str, Tensor]:
-        return {"scale": self.scale.clone(), "growth_tracker": self.growth_tracker.clone()}
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"scale": self.scale.clone(), "growth_tracker": self.growth_tracker.clone()}
+        if not self.synchronous:  # per stage, and the scales of gradients in flight (tensors only)
+            idx = sorted(self.stage_scale)
+            out["stage_index"] = torch.tensor(idx, dtype=torch.int64)
+            out["stage_scale"] = torch.stack([self.stage_scale[s].cpu() for s in idx])
+            out["stage_tracker"] = torch.stack([self.stage_tracker[s].cpu() for s in idx])
+            keys = sorted(self.carried)
+            out["carried_key"] = torch.tensor(keys, dtype=torch.int64).reshape(-1, 2)
+            out["carried_scale"] = torch.stack([self.carried[k].reshape(()).cpu() for k in keys]) \
+                if keys else torch.zeros(0)
+        return out
 
-    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not self.synchronous:  # (checked before anything changes)
+            saved = [] if "stage_index" not in state else state["stage_index"].tolist()
+            missing = sorted(set(self.stage_scale) - set(saved))
+            if missing:
+                raise PipelineConfigError(
+                    f"the checkpoint has no float16 loss scale for stage(s) {missing} (saved "
+                    "by an engine before asynchronous schedules scaled per stage, or by "
+                    "another pipeline)"
+                )
         self.scale.copy_(state["scale"])
         self.growth_tracker.copy_(state["growth_tracker"])
+        if self.synchronous:
+            return
+        for k, s in enumerate(state["stage_index"].tolist()):
+            if s in self.stage_scale:
+                self.stage_scale[s].copy_(state["stage_scale"][k])
+                self.stage_tracker[s].copy_(state["stage_tracker"][k])
+        mine = set(self.stage_scale)  # (a key names the receiver; the sender may hold it)
+        self.carried = {
+            (s, i): state["carried_scale"][k].to(self.scale.device).clone()
+            for k, (s, i) in enumerate(state["carried_key"].tolist()) if {s, s + 1} & mine
+        }
 
 
 def check_scaler_state(scaler: LossScaler | None, state: dict[str, Any]) -> None:

@@ -6,7 +6,8 @@ version; for an asynchronous pipeline, not the versions micro-batches in flight 
 prediction), one micro-batch at a time, and touches nothing a step keeps: no stash, weight
 version, gradient, update count, RNG state or in-flight activation. Under gloo/NCCL it talks
 over a process group of its own (created on the first call, collectively), so its messages
-can never meet a training step's pending sends.
+can never meet a training step's pending sends. With ``autocast=``, every stage's module runs
+under the pipeline's autocast state, as a step's forward does (engine/runtime/amp.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 
 from engine.errors import PipelineInputError
 from engine.runtime import trees
+from engine.runtime.amp import autocast_context
 from engine.runtime.placement import RankPlacement
 
 if TYPE_CHECKING:
@@ -47,6 +49,12 @@ def _eval_mode(modules: list[nn.Module]) -> Iterator[None]:
                 m.training = training
 
 
+def _forward(module: nn.Module, x: Any, autocast: tuple[torch.dtype, str] | None) -> Any:
+    """One stage's module on ``x``, under the stage's autocast state when it has one."""
+    with autocast_context(*autocast) if autocast is not None else contextlib.nullcontext():
+        return module(x) if isinstance(x, Tensor) else trees.call(module, x)
+
+
 def _chunks(inputs: Any, chunks: int) -> list[Tensor]:
     if not isinstance(inputs, Tensor) or inputs.dim() == 0:
         raise PipelineInputError(
@@ -67,6 +75,7 @@ def evaluate(parts: PipelineParts, inputs: Any, chunks: int | None = None) -> An
     if parts.config.distributed:
         return _evaluate_rank(parts, inputs, M)
     modules = [st.module for st in parts.stages]
+    casts = [st.autocast for st in parts.stages]
     if isinstance(inputs, Tensor):
         pieces: list[Any] = _chunks(inputs, M)
     else:  # a tree (engine.runtime.trees): every tensor leaf split on dim 0
@@ -80,7 +89,7 @@ def evaluate(parts: PipelineParts, inputs: Any, chunks: int | None = None) -> An
         for x in pieces:
             for s, module in enumerate(modules):
                 try:
-                    x = module(x) if isinstance(x, Tensor) else trees.call(module, x)
+                    x = _forward(module, x, casts[s])
                 except Exception as exc:  # no weight changes in evaluation: name the stage
                     raise stage_input_error(s, module, x, exc) from exc
             outs.append(x)
@@ -174,6 +183,7 @@ def _evaluate_rank(parts: PipelineParts, inputs: Any, M: int) -> Tensor:
     group = _group(parts)
     device = parts.device
     held = [(st.index, st.module) for st in parts.stages]
+    casts = {st.index: st.autocast for st in parts.stages}
     outs = []
     with _eval_mode([m for _, m in held]):
         n = len(_chunks(inputs, M)) if first else 0
@@ -186,7 +196,7 @@ def _evaluate_rank(parts: PipelineParts, inputs: Any, M: int) -> Tensor:
                     x = x.to(device)
                 elif not place.same_rank(s - 1):
                     x = _recv(ranks[place.rank_of(s - 1)], group, device)
-                x = module(x) if isinstance(x, Tensor) else trees.call(module, x)
+                x = _forward(module, x, casts[s])
                 if s == S - 1:
                     outs.append(x)
                 elif not place.same_rank(s):

@@ -324,6 +324,8 @@ class RankLane:
                         continue
                     if p.flags is not None:
                         self._flag_arrived(st, tp, i)
+                    if p.carry_scales:
+                        self._scale_arrived(s, tp, i)
             elif op == SF:
                 value = boxes[s].pop(("act", i))
                 if value is DROPPED:
@@ -334,6 +336,8 @@ class RankLane:
                 value, flag = boxes[s].pop(("grad", i)), self._out_flags.pop((s, i), None)
                 if value is DROPPED:
                     tp.send_abort("grad", s, i, "", dropped=True)
+                elif p.carry_scales:  # (one P2PTransport per rank: asynchronous schedules)
+                    tp.send("grad", s, i, value, flag, p.loss_scaler.carried.pop((s - 1, i), None))
                 else:
                     tp.send("grad", s, i, value, flag)
             else:
@@ -390,6 +394,13 @@ class RankLane:
         if flag is not None and entry is not None:
             entry.flag = flag.reshape(())
 
+    def _scale_arrived(self, s: int, tp: Any, i: int) -> None:
+        """Asynchronous float16: the loss scale micro-batch i's gradient was computed under
+        waits for stage ``s``'s backward of it (engine/runtime/amp.py)."""
+        c = tp.arrived_scales.pop(i, None)
+        if c is not None:
+            self.p.loss_scaler.carried[(s, i)] = c
+
     # ------------------------------------------------------------------ saving in flight
 
     def _in_transit(self, channel: str) -> list[int]:
@@ -423,6 +434,8 @@ class RankLane:
                     value = tp.recv(channel, self.s, mb)
                     if channel == "grad" and self.p.flags is not None:
                         self._flag_arrived(self.stage, tp, mb)
+                    if channel == "grad" and self.p.carry_scales:
+                        self._scale_arrived(self.s, tp, mb)
                     if value is not None:  # None: no leaf carries a gradient, nothing travels
                         self._early[(channel, mb)] = value
         tp.wait_sends()

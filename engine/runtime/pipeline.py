@@ -32,7 +32,7 @@ from engine.runtime import inputs as _inputs
 from engine.runtime.amp import check_scaler_state
 from engine.runtime.config import DEFAULT_CHECKPOINT, PipelineConfig, check_options
 from engine.runtime.parts import BuildRequest, PipelineParts
-from engine.runtime.step_features import StepFeatures, check_async_fp16, check_step_features
+from engine.runtime.step_features import StepFeatures, check_step_features
 from engine.runtime.throughput import StepMeter, batch_size
 from engine.schedule.catalog import FAMILIES
 from engine.schedule.spec import ScheduleSpec
@@ -195,7 +195,6 @@ class Pipeline:
             clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type, autocast=autocast,
             grad_scaler=grad_scaler, offload_activations=offload_activations,
         )
-        check_async_fp16(autocast, None if fam is None else fam.synchronous, schedule, grad_scaler)
         config: PipelineConfig = check_options(
             transport=transport, checkpoint=checkpoint, on_nonfinite=on_nonfinite,
             data_parallel=data_parallel, timeout=timeout, cuda_streams=cuda_streams,
@@ -426,7 +425,8 @@ class Pipeline:
         training step keeps is touched: in-flight micro-batches, kept weight versions,
         gradients, counters and the RNG state are as before, so training continues exactly
         as if ``evaluate`` had not been called. Under gloo/NCCL every rank calls it (stage 0
-        reads ``inputs``) and every rank gets the outputs."""
+        reads ``inputs``) and every rank gets the outputs. With ``autocast=`` every stage runs
+        under the same autocast state as in a step."""
         from engine.runtime.evaluation import evaluate
 
         return evaluate(self.parts, inputs, chunks)

@@ -39,7 +39,8 @@ def pipeline_stats(parts: PipelineParts, meter: StepMeter) -> dict[str, Any]:
     the last gradient norm clipping measured (a device tensor, not read here; the global
     norm, the same tensor at every stage, for synchronous schedules; None without
     ``clip_grad_norm`` or before the first update); ``loss_scale``: the float16 loss
-    scale (a device tensor; None without ``autocast=torch.float16``) and
+    scale (a device tensor; None without ``autocast=torch.float16``; asynchronous
+    schedules: a list, per stage its own scale) and
     ``amp_skipped_steps``: synchronous steps whose update found_inf skipped,
     ``amp_skipped_updates``: asynchronous, per stage, update groups found_inf skipped; ``activation_bytes``:
     per stage with ``offload_activations`` (else None) the peak (``host_peak``) and current
@@ -103,7 +104,8 @@ def _amp_stats(parts: PipelineParts, scaler: Any) -> dict[str, Any]:
         return {"loss_scale": None, "amp_skipped_steps": 0, "amp_skipped_updates": None}
     if not scaler.synchronous:  # per stage: update groups whose found_inf was set
         skips = [scaler.group_skips.get(st.index) for st in parts.stages]
-        return {"loss_scale": scaler.scale, "amp_skipped_steps": 0,
+        return {"loss_scale": [scaler.stage_scale.get(st.index) for st in parts.stages],
+                "amp_skipped_steps": 0,
                 "amp_skipped_updates": [0 if t is None else int(t.item()) for t in skips]}
     return {"loss_scale": scaler.scale, "amp_skipped_steps": int(scaler.skipped.item()),
             "amp_skipped_updates": None}

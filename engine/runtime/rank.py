@@ -34,6 +34,8 @@ class RankExecutor(StepProtocol):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.immediate_nonfinite = False  # checked once per step, on every rank
+        #: asynchronous float16: gradients carry their loss scale (runtime/amp.py; set by attach)
+        self.carry_scales = False
         self.rank = rank
         self.transport = rank.transport
         self.transports = transports  # stage -> its transport

@@ -301,7 +301,8 @@ class Stage(StageUpdates):
         the last stage; else the output, or of a tree only the leaves that require grad."""
         if self.is_last:
             root = out if scale == 1.0 else out * scale  # x * 1.0 == x: save the launch
-            return root if self.loss_scaler is None else self.loss_scaler.scaled(root)
+            scaler = self.loss_scaler  # (asynchronous float16: scaled at the backward, amp.py)
+            return root if scaler is None or not scaler.synchronous else scaler.scaled(root)
         return out if isinstance(out, Tensor) else trees.grad_roots(out)
 
     def _recomputable(self) -> Callable[[Any, Any], Tensor]:
@@ -404,6 +405,9 @@ class Stage(StageUpdates):
         (nothing to run: stage 0 of a dropped micro-batch, or a chained stage whose backward
         runs inside the last stage's)."""
         entry = self.stash.pop(i)
+        amp = self.loss_scaler
+        if amp is not None and not amp.synchronous:  # float16, one scale per stage (amp.py)
+            grad = amp.before_backward(self, i, grad, entry)
         if self.trace:
             self.records.setdefault(n, {})["t_B"] = self.updates
         self.pending += 1
@@ -532,11 +536,11 @@ class Stage(StageUpdates):
         xin = job.entry.x
         if self.chain or self.index == 0:
             return None
-        if not isinstance(xin, Tensor):
-            return trees.input_grads(xin)  # one per leaf that requires grad (maybe none)
-        if not xin.requires_grad:
-            return None
-        return xin.grad if xin.grad is not None else torch.zeros_like(xin)
+        gin = trees.input_gradient(xin)
+        amp = self.loss_scaler
+        if amp is not None and not amp.synchronous:  # checked, and sent with its scale
+            amp.outgoing(self, job.i, gin)
+        return gin
 
     def reset_in_flight(self) -> None:
         """Drop stashed activations and kept weight versions (rollback, end of a segment)."""

@@ -89,6 +89,8 @@ class StageUpdates:
                     self.scheduler.step()
             elif w <= 0.0:
                 self.skipped_updates += 1
+            elif self.loss_scaler is not None and not self.loss_scaler.synchronous:
+                self.loss_scaler.unscale_group(self)  # no parameters: its scale still moves
             store.finish_update(written)
             self._account(self.pending_mbs)
             self.updates += 1

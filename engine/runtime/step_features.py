@@ -19,7 +19,7 @@ from engine.errors import PipelineConfigError
 from engine.runtime.amp import LossScaler, check_grad_scaler
 from engine.runtime.clipping import GradClipper, check_clip_options
 
-__all__ = ["StepFeatures", "check_step_features", "attach", "check_async_fp16"]
+__all__ = ["StepFeatures", "check_step_features", "attach"]
 
 AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -96,6 +96,13 @@ def attach(
     sync = spec.synchronous
     if not sync:
         _check_async_optimizers(stages, spec)
+        if spec.split_backward:
+            raise PipelineConfigError(
+                f"autocast=torch.float16 with {spec.describe()}: an asynchronous program "
+                "that splits backwards into B and W could apply a micro-batch's weight gradient "
+                "in an update group other than its B's, under another loss scale (amp.py); "
+                "use autocast=torch.bfloat16 or a program without split backwards"
+            )
     scaler = LossScaler(feats.grad_scaler, device, synchronous=sync)
     scaler.group = group
     ex.loss_scaler = scaler
@@ -108,6 +115,12 @@ def attach(
             st.bridge.opt.found_inf = scaler.found_inf_on(dev)
         elif st.bridge.skip is None:  # the device flags take each update group's found_inf
             st.bridge.enable_skip_flags()
+    if not sync:  # one GradScaler state per stage; gradients carry their scale (amp.py)
+        for st in stages:
+            scaler.add_stage(st)
+        for tp in getattr(ex, "transports", {}).values():
+            tp.scales = True
+            ex.carry_scales = True
 
 
 def _check_async_optimizers(stages: list[Any], spec: Any) -> None:
@@ -136,23 +149,3 @@ def _attach_offload(stages: list[Any], spec: Any, device: torch.device) -> None:
             )
     for st in stages:
         st.offload = ActivationOffload(st.module, pin=device.type == "cuda")
-
-
-_STATIC_ONLY = ("growth_factor", "backoff_factor", "growth_interval")
-
-
-def check_async_fp16(autocast: Any, synchronous_hint: bool | None, schedule: Any,
-                     grad_scaler: Any) -> None:
-    """Asynchronous schedules scale float16 losses by a static scale (amp.py): refuse the
-    dynamic rule's options before anything is built."""
-    if autocast is not torch.float16 or synchronous_hint is not False:
-        return
-    given = sorted(set(grad_scaler or {}) & set(_STATIC_ONLY))
-    if given:
-        raise PipelineConfigError(
-            f"grad_scaler options {given} with schedule={schedule!r}: asynchronous schedules "
-            "scale float16 losses by a static scale (grad_scaler={'init_scale': S}); each "
-            "micro-batch's gradients reach the stages' updates at different times, so a scale "
-            "that changes would unscale them with the wrong value. Pass only init_scale, or "
-            "use a synchronous schedule for dynamic loss scaling."
-        )

@@ -223,6 +223,16 @@ def input_grads(xin: Any) -> list[Tensor]:
     ]
 
 
+def input_gradient(xin: Any) -> Any:
+    """What a stage sends back for its input ``xin``: a tensor input's gradient (zeros when
+    unused; None when it requires none), or a tree's :func:`input_grads`."""
+    if not isinstance(xin, Tensor):
+        return input_grads(xin)  # one per leaf that requires grad (maybe none)
+    if not xin.requires_grad:
+        return None
+    return xin.grad if xin.grad is not None else torch.zeros_like(xin)
+
+
 def grad_roots(out: Any) -> list[Tensor]:
     """The output leaves a backward starts from: those that require grad."""
     return [t for t in tensors(out) if t.requires_grad]

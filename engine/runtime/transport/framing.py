@@ -62,13 +62,19 @@ def inline(backend: str, sig: Signature | None) -> bool:
     return bool(metas) and _nbytes(metas[0][1]) <= INLINE_BYTES
 
 
+#: the header of an activation with the previous one's shapes (n = 0), zero-padded
+_HEAD_0 = torch.zeros(HEAD_BYTES, dtype=torch.uint8)
+
+
 def frame(leaf: Tensor, n: int) -> Tensor:
-    """``[header n | leaf's bytes]`` as one uint8 tensor (one copy of the leaf)."""
-    raw = torch.empty(HEAD_BYTES + leaf.numel() * leaf.element_size(), dtype=torch.uint8)
-    raw[:HEAD_BYTES].zero_()  # no stale process memory on the wire
-    raw[:8].view(torch.int64)[0] = n
-    raw[HEAD_BYTES:].view(leaf.dtype).view(leaf.shape).copy_(leaf)
-    return raw
+    """``[header n | leaf's bytes]`` as one uint8 tensor (one copy of the leaf, ``leaf``
+    contiguous). One ``cat``: a step sends this per activation, and the eight indexing ops
+    it replaced cost ~13 us of host time against ~3 us (16 KiB leaf, CPU)."""
+    head = _HEAD_0
+    if n != 0:  # (no stale process memory on the wire: the padding is zeros)
+        head = _HEAD_0.clone()
+        head[:8].view(torch.int64)[0] = n
+    return torch.cat((head, leaf.reshape(-1).view(torch.uint8)))
 
 
 def framed_buffer(meta: LeafMeta, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:

@@ -14,11 +14,8 @@ its :class:`~engine.runtime.trees.Signature` (structure, constants, and each ten
 path, shape, dtype and requires_grad), sent as a pickled skeleton. Per micro-batch an
 activation is an 8-byte header and one message per tensor leaf, in leaf order (under gloo the
 header rides inside the first leaf's message when that leaf is small: framing.py); a gradient
-is one message per leaf that requires grad (none when no leaf does), plus, with
-``on_nonfinite="skip_update"`` (:attr:`P2PTransport.flags`), a last 1-element float32 message:
-the micro-batch's non-finite flag, which travels from the last stage to the first with its
-gradient and never through the host (engine/runtime/device_flags.py); constants are never
-sent again.
+is one message per leaf that requires grad (none when no leaf does) and its trailers
+(trailers.py: the non-finite flag, the loss scale); constants are never sent again.
 
 Variable shapes: the structure, constants, dtypes and requires_grad are fixed at the
 handshake, but tensor shapes may change from one micro-batch to the next (sequence length,
@@ -94,6 +91,7 @@ from engine.runtime.transport.base import PeerError, ShapeAgreementError, Transp
 from engine.runtime.transport.framing import Posted, fills, frame, framed_buffer, head_message
 from engine.runtime.transport.framing import inline as inline_header
 from engine.runtime.transport.handshake import Handshake
+from engine.runtime.transport.trailers import take_trailers, trailer_buffers, with_trailers
 from engine.runtime.trees import Signature, flatten
 
 __all__ = ["P2PTransport", "HEADER_TAG", "META_TAG"]
@@ -161,10 +159,11 @@ class P2PTransport(AbortFrames, Handshake, Transport):
         #: how many metadata messages (new Signatures) this rank sent since the handshake
         self.shape_changes = 0
         self.comm_stream: Any = None
-        #: gradients carry their micro-batch's non-finite flag (on_nonfinite="skip_update");
-        #: a received one waits in ``arrived_flags`` (micro-batch -> 1-element tensor)
-        self.flags = False
+        #: gradients carry trailers (trailers.py): the non-finite flag (skip_update) and the
+        #: loss scale (asynchronous float16); received ones wait in ``arrived_*`` per micro-batch
+        self.flags = self.scales = False
         self.arrived_flags: dict[int, Tensor] = {}
+        self.arrived_scales: dict[int, Tensor] = {}
         if backend == "nccl":
             if device.type != "cuda":
                 raise ValueError(
@@ -250,7 +249,8 @@ class P2PTransport(AbortFrames, Handshake, Transport):
         )
 
     def send(
-        self, channel: str, stage: int, mb: int, value: Any, flag: Tensor | None = None
+        self, channel: str, stage: int, mb: int, value: Any, flag: Tensor | None = None,
+        scale: Tensor | None = None,
     ) -> None:
         if not isinstance(value, (Tensor, tuple, list, dict)) and not (
             value is None and channel == "grad"
@@ -260,9 +260,8 @@ class P2PTransport(AbortFrames, Handshake, Transport):
                 f"micro-batch {mb} (got {value!r}); distributed transports carry tensors only"
             )
         tensors, new = self._check(channel, mb, value)
-        if channel == "grad" and self.flags:  # (flag None: a clean micro-batch)
-            zero = torch.zeros(1, dtype=torch.float32, device=self.device)
-            tensors = [*tensors, zero if flag is None else flag.reshape(1).float()]
+        if channel == "grad":
+            tensors = with_trailers(tensors, self, flag, scale)
         if not tensors and channel == "grad":
             return  # no leaf carries a gradient: nothing travels
         ts = [t.detach().contiguous() for t in tensors]
@@ -414,7 +413,7 @@ class P2PTransport(AbortFrames, Handshake, Transport):
             )
         if channel == "grad":
             agreed = self._sent_sigs.pop(mb, agreed)  # the shapes mb's activation left with
-        if channel == "grad" and not agreed.grad_at and not self.flags:
+        if channel == "grad" and not agreed.grad_at and not self.flags and not self.scales:
             # no leaf carries a gradient, so no message proves that the activation arrived:
             # wait for its send instead (the peer receives it before it would send a gradient)
             sent = self._sends.pop(("act", mb), None)
@@ -466,9 +465,7 @@ class P2PTransport(AbortFrames, Handshake, Transport):
         if kind:  # a gradient's abort or dropped frame (abort.py)
             raise Aborted() if kind == "abort" else Dropped()
         if channel == "grad":
-            if self.flags:
-                self.arrived_flags[mb] = bufs[-1]
-                bufs = bufs[:-1]
+            bufs = take_trailers(bufs, mb, self)
             if not bufs:  # no leaf carries a gradient (the flag came alone)
                 return None if agreed.single else []
             return bufs[0] if agreed.single else bufs
@@ -489,8 +486,8 @@ class P2PTransport(AbortFrames, Handshake, Transport):
     def _post(self, channel: str, mb: int, agreed: Signature, src: int) -> Posted:
         metas = agreed.metas(grad=channel == "grad")
         bufs = [torch.empty(meta.shape, dtype=meta.dtype, device=self.device) for _, meta in metas]
-        if channel == "grad" and self.flags:
-            bufs.append(torch.empty(1, dtype=torch.float32, device=self.device))
+        if channel == "grad":
+            bufs += trailer_buffers(self)
         msgs, head = list(bufs), None
         if channel == "act" and inline_header(self.backend, agreed):
             msgs[0], head, bufs[0] = framed_buffer(metas[0][1], self.device)
@@ -547,3 +544,4 @@ class P2PTransport(AbortFrames, Handshake, Transport):
         self._recv_sigs.clear()
         self._pending_shapes.clear()
         self.arrived_flags.clear()
+        self.arrived_scales.clear()
