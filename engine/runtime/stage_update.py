@@ -44,6 +44,8 @@ class StageUpdates:
     clipper: Any
     loss_scaler: Any
     scheduler: Any
+    defer_scheduler: bool
+    scheduler_owed: int
     _prepared: bool
     busy_ns: int
     versions_read: dict[int, int]
@@ -86,7 +88,10 @@ class StageUpdates:
                         key = None  # the forward reads the live weights: nothing to predict
                     written = self.bridge.step(store, key)
                 if self.scheduler is not None:
-                    self.scheduler.step()
+                    if self.defer_scheduler:  # stepped after the captured window
+                        self.scheduler_owed += 1
+                    else:
+                        self.scheduler.step()
             elif w <= 0.0:
                 self.skipped_updates += 1
             store.finish_update(written)
