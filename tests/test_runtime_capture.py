@@ -24,7 +24,7 @@ import engine.optim
 from engine.errors import NonFiniteLossError, PipelineConfigError
 from engine.runtime.capture import ASYNC_REASON, use_backend
 from engine.testing.capture_audit import audit_pipeline
-from engine.testing.graph_twin import RecordingTwin, ReplayDivergence
+from engine.testing.graph_twin import RecordingTwin
 
 D = 4
 SYNC = ["gpipe", "1f1b", "zbh1", "naive", "interleaved"]

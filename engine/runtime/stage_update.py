@@ -46,6 +46,7 @@ class StageUpdates:
     scheduler: Any
     defer_scheduler: bool
     scheduler_owed: int
+    lr_feed: Any
     _prepared: bool
     busy_ns: int
     versions_read: dict[int, int]
@@ -90,6 +91,8 @@ class StageUpdates:
                 if self.scheduler is not None:
                     if self.defer_scheduler:  # stepped after the captured window
                         self.scheduler_owed += 1
+                    elif self.lr_feed is not None:  # a captured asynchronous window's slots
+                        self.lr_feed.take()
                     else:
                         self.scheduler.step()
             elif w <= 0.0:
