@@ -180,7 +180,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 COUNTERS = ("steps", "skipped_steps", "dropped_microbatches", "updates", "skipped_updates")
 
 
-def _gpu(mitigation: str, mode: object, width: int = 64) -> engine.Pipeline:
+def _gpu(mitigation: str, mode: object, width: int = 64, tensor_lr: bool = False,
+         **kw) -> engine.Pipeline:
     opt_kw, pipe_kw = MITIGATIONS[mitigation]
     torch.manual_seed(0)
     stages = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(S - 1)]
@@ -188,8 +189,9 @@ def _gpu(mitigation: str, mode: object, width: int = 64) -> engine.Pipeline:
     return engine.Pipeline(
         [m.cuda() for m in stages], schedule="pb", chunks=4, loss_fn=F.mse_loss,
         checkpoint="never", cuda_graphs=mode, cuda_streams=False,
-        **{**pipe_kw, "on_nonfinite": "skip_update"},
-        optimizer=lambda p: engine.optim.SGD(p, lr=0.05, momentum=0.9, **opt_kw))
+        **{**pipe_kw, "on_nonfinite": "skip_update", **kw},
+        optimizer=lambda p: engine.optim.SGD(
+            p, lr=torch.tensor(0.05, device="cuda") if tensor_lr else 0.05, momentum=0.9, **opt_kw))
 
 
 def _gpu_data(n: int, width: int = 64, bad: int | None = None):
@@ -203,8 +205,8 @@ def _gpu_data(n: int, width: int = 64, bad: int | None = None):
     return out
 
 
-def _cuda_run(mitigation: str, steps: int, bad: int | None = None):
-    a, b = _gpu(mitigation, "program"), _gpu(mitigation, False)
+def _cuda_run(mitigation: str, steps: int, bad: int | None = None, **kw):
+    a, b = _gpu(mitigation, "program", **kw), _gpu(mitigation, False, **kw)
     for x, y in _gpu_data(steps, bad=bad):
         la, lb = a.step(x, y), b.step(x, y)
         assert torch.equal(la.view(torch.int32), lb.view(torch.int32))  # NaN losses by bits
@@ -235,6 +237,19 @@ def test_cuda_a_nan_mid_window_skips_the_updates_eager_skips(mitigation: str) ->
     assert a.stats()["capture"]["replays"] >= 8
     assert {k: a.stats()[k] for k in COUNTERS} == {k: b.stats()[k] for k in COUNTERS}
     assert a.stats()["dropped_microbatches"] == 1
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("mitigation", ["plain", "sc+lwp"])
+def test_cuda_an_lr_scheduler_of_a_tensor_lr_is_captured(mitigation: str) -> None:
+    """The LR feed on a GPU: fused kernels load the Tensor lr the slots were copied into;
+    one capture, replays with a changing lr, bitwise eager (lrs and schedulers too)."""
+    a, b = _cuda_run(mitigation, 24, tensor_lr=True, lr_scheduler=SCHEDULERS["exponential"])
+    cap = a.stats()["capture"]
+    assert cap["captures"] == 1 and cap["replays"] >= 8, cap
+    assert all(torch.equal(u, v) for u, v in zip(_lrs(a), _lrs(b), strict=True))
+    assert a.stages[0].scheduler.last_epoch == b.stages[0].scheduler.last_epoch
 
 
 def test_every_window_runs_inside_the_backends_stream() -> None:

@@ -516,6 +516,25 @@ def test_cuda_a_device_lr_changing_every_step_never_recaptures(family: str) -> N
 
 @pytest.mark.cuda
 @cuda
+def test_cuda_a_pipeline_lr_scheduler_of_a_device_lr_never_recaptures() -> None:
+    """Pipeline(lr_scheduler=...) of a GPU Tensor lr: the scheduler steps after the window,
+    one capture, replays reading each new value; bitwise eager."""
+    def opt(p):
+        return engine.optim.SGD(p, lr=torch.tensor(0.05, device="cuda"), momentum=0.9)
+
+    sched = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda k: 1.0 / (1 + k))  # noqa: E731
+    a = _gpu("1f1b", "program", optimizer=opt, lr_scheduler=sched)
+    b = _gpu("1f1b", False, optimizer=opt, lr_scheduler=sched)
+    for x, y in _gpu_data(8, 16):
+        assert torch.equal(a.step(x, y), b.step(x, y))
+    torch.cuda.synchronize()
+    assert same_state(a, b)
+    cap = a.stats()["capture"]
+    assert cap["captures"] == 1 and cap["replays"] == 5, cap
+
+
+@pytest.mark.cuda
+@cuda
 def test_cuda_a_new_shape_recaptures_once_then_replays() -> None:
     a, b = _gpu("1f1b", "program"), _gpu("1f1b", False)
     for x, y in [*_gpu_data(4, 16), *_gpu_data(4, 24), *_gpu_data(2, 16)]:
