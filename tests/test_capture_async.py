@@ -26,7 +26,7 @@ S, M, D = 3, 3, 4
 
 
 def make(mitigation: str = "plain", mode: str | bool = "program", stage: type[nn.Module] | None = None,
-         schedule: str = "pb", **extra) -> engine.Pipeline:
+         schedule: str = "pb", tensor_lr: bool = False, **extra) -> engine.Pipeline:
     opt_kw, pipe_kw = MITIGATIONS[mitigation]
     pipe_kw = {**pipe_kw, "on_nonfinite": "skip_update", **extra}
     torch.manual_seed(0)
@@ -36,7 +36,8 @@ def make(mitigation: str = "plain", mode: str | bool = "program", stage: type[nn
         stages[1] = nn.Sequential(stages[1], stage())
     return engine.Pipeline(
         stages, schedule=schedule, chunks=M, loss_fn=F.mse_loss,
-        optimizer=lambda p: engine.optim.SGD(p, lr=0.1, momentum=0.9, **opt_kw),
+        optimizer=lambda p: engine.optim.SGD(
+            p, lr=torch.tensor(0.1) if tensor_lr else 0.1, momentum=0.9, **opt_kw),
         checkpoint="never", cuda_graphs=mode, **pipe_kw,
     )
 
@@ -179,7 +180,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 COUNTERS = ("steps", "skipped_steps", "dropped_microbatches", "updates", "skipped_updates")
 
 
-def _gpu(mitigation: str, mode: object, width: int = 64) -> engine.Pipeline:
+def _gpu(mitigation: str, mode: object, width: int = 64, tensor_lr: bool = False,
+         **kw) -> engine.Pipeline:
     opt_kw, pipe_kw = MITIGATIONS[mitigation]
     torch.manual_seed(0)
     stages = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(S - 1)]
@@ -187,8 +189,9 @@ def _gpu(mitigation: str, mode: object, width: int = 64) -> engine.Pipeline:
     return engine.Pipeline(
         [m.cuda() for m in stages], schedule="pb", chunks=4, loss_fn=F.mse_loss,
         checkpoint="never", cuda_graphs=mode, cuda_streams=False,
-        **{**pipe_kw, "on_nonfinite": "skip_update"},
-        optimizer=lambda p: engine.optim.SGD(p, lr=0.05, momentum=0.9, **opt_kw))
+        **{**pipe_kw, "on_nonfinite": "skip_update", **kw},
+        optimizer=lambda p: engine.optim.SGD(
+            p, lr=torch.tensor(0.05, device="cuda") if tensor_lr else 0.05, momentum=0.9, **opt_kw))
 
 
 def _gpu_data(n: int, width: int = 64, bad: int | None = None):
@@ -202,8 +205,8 @@ def _gpu_data(n: int, width: int = 64, bad: int | None = None):
     return out
 
 
-def _cuda_run(mitigation: str, steps: int, bad: int | None = None):
-    a, b = _gpu(mitigation, "program"), _gpu(mitigation, False)
+def _cuda_run(mitigation: str, steps: int, bad: int | None = None, **kw):
+    a, b = _gpu(mitigation, "program", **kw), _gpu(mitigation, False, **kw)
     for x, y in _gpu_data(steps, bad=bad):
         la, lb = a.step(x, y), b.step(x, y)
         assert torch.equal(la.view(torch.int32), lb.view(torch.int32))  # NaN losses by bits
@@ -234,6 +237,19 @@ def test_cuda_a_nan_mid_window_skips_the_updates_eager_skips(mitigation: str) ->
     assert a.stats()["capture"]["replays"] >= 8
     assert {k: a.stats()[k] for k in COUNTERS} == {k: b.stats()[k] for k in COUNTERS}
     assert a.stats()["dropped_microbatches"] == 1
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("mitigation", ["plain", "sc+lwp"])
+def test_cuda_an_lr_scheduler_of_a_tensor_lr_is_captured(mitigation: str) -> None:
+    """The LR feed on a GPU: fused kernels load the Tensor lr the slots were copied into;
+    one capture, replays with a changing lr, bitwise eager (lrs and schedulers too)."""
+    a, b = _cuda_run(mitigation, 24, tensor_lr=True, lr_scheduler=SCHEDULERS["exponential"])
+    cap = a.stats()["capture"]
+    assert cap["captures"] == 1 and cap["replays"] >= 8, cap
+    assert all(torch.equal(u, v) for u, v in zip(_lrs(a), _lrs(b), strict=True))
+    assert a.stages[0].scheduler.last_epoch == b.stages[0].scheduler.last_epoch
 
 
 def test_every_window_runs_inside_the_backends_stream() -> None:
@@ -272,9 +288,9 @@ def test_every_window_runs_inside_the_backends_stream() -> None:
     assert twin.entered == 14 and pipe.stats()["capture"]["replays"] >= 3
 
 
-def test_an_lr_scheduler_keeps_the_windows_eager() -> None:
-    """A stage's scheduler steps after each update, inside the window: a replay would keep
-    the captured lr, so every window runs eagerly, with the reason."""
+def test_an_lr_scheduler_of_a_float_lr_keeps_the_windows_eager() -> None:
+    """A float lr is a launch argument and a replay would not run the scheduler: every window
+    runs eagerly, with the reason."""
     sched = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.5)  # noqa: E731
     with _reference_optimizer(), use_backend(TapeTwin()):
         pipe = make("plain", lr_scheduler=sched)
@@ -285,6 +301,87 @@ def test_an_lr_scheduler_keeps_the_windows_eager() -> None:
     cap = pipe.stats()["capture"]
     assert cap["captures"] == 0 and cap["learning"] == 0 and "LR scheduler" in cap["last_eager_reason"]
     assert same(pipe, ref)
+
+
+SCHEDULERS = {
+    "lambda": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k)),
+    "exponential": lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97),
+}
+
+
+def _lrs(pipe: engine.Pipeline) -> list[torch.Tensor]:
+    return [g["lr"] for st in pipe.stages for g in st.bridge.opt.param_groups]
+
+
+def _device_lr_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The twin of the fused kernels' device lr on CPU: engine.optim's reference SGD is given
+    the Tensor lr itself (an alias marked requires_grad: its ``addcmul_`` branch reads lr
+    through aten on the device, no host read), as the fused kernels load it on CUDA. The
+    captured and the eager pipeline both use it: the comparison is the capture layer's."""
+    def effective_lr(group):
+        lr = group["lr"]
+        return lr.detach().requires_grad_() if isinstance(lr, torch.Tensor) else lr
+
+    monkeypatch.setattr(engine.optim.SGD, "effective_lr", staticmethod(effective_lr))
+
+
+def _run_scheduled(kind: str, mitigation: str, steps: int = 26, flush_at: int = 13):
+    sched = SCHEDULERS[kind]
+    with _reference_optimizer(), use_backend(TapeTwin()):
+        pipe = make(mitigation, lr_scheduler=sched, tensor_lr=True)
+    ref = make(mitigation, mode=False, lr_scheduler=sched, tensor_lr=True)
+    with _reference_optimizer():
+        for k, (x, y) in enumerate(batches(steps)):
+            assert bitwise(pipe.step(x, y), ref.step(x, y)), f"step {k}"
+            assert same(pipe, ref), f"step {k}"
+            assert all(bitwise(a, b) for a, b in zip(_lrs(pipe), _lrs(ref), strict=True)), f"step {k}"
+            if k == flush_at:
+                pipe.flush()
+                ref.flush()
+    for p, q in zip(pipe.stages, ref.stages, strict=True):
+        assert p.scheduler.state_dict()["last_epoch"] == q.scheduler.state_dict()["last_epoch"] > 40
+    assert float(_lrs(pipe)[0]) < 0.1
+    return pipe.stats()["capture"]
+
+
+@pytest.mark.parametrize("kind", list(SCHEDULERS))
+def test_an_lr_scheduler_of_a_tensor_lr_is_captured(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pipeline(lr_scheduler=...) of Tensor lrs: the scheduler steps on the host before each
+    window into static slots, and each update inside copies its slot in (lr_feed.py): one
+    graph replays a changing lr, bitwise eager at every step -- through flush() (a window
+    with fewer updates than slots) and learning again -- with eager's lr tensors and
+    scheduler states."""
+    _device_lr_reference(monkeypatch)
+    cap = _run_scheduled(kind, "plain")
+    assert cap["captures"] == 2 and cap["replays"] >= 6, cap  # (4 before the flush)
+
+
+@pytest.mark.parametrize("mitigation", ["plain", "sc+lwp"])
+def test_the_lr_feed_is_eager_in_learning_windows(mitigation: str) -> None:
+    """The feed in windows that run their Python (learning, eager; here the reference path
+    reads the Tensor lr on the host, so nothing is captured): eager's lrs at every update,
+    also with weight prediction reading lr between a stage's updates (SC+LWP)."""
+    cap = _run_scheduled("exponential", mitigation)
+    assert cap["captures"] == 0 and cap["learning"] > 0, cap
+
+
+def test_without_the_feed_a_replay_keeps_the_captured_lr(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check that the test above can fail: a replay that does not refill the slots
+    (prepare skipped) replays the captured window's lrs, and eager differs."""
+    from engine.runtime import lr_feed
+
+    _device_lr_reference(monkeypatch)
+    real = lr_feed.LrFeed.prepare
+
+    def stale(self, n, exact=False):
+        if exact:  # a replay: leave the slots as the capture filled them
+            self.prepared, self.used, self._saved = n, 0, None
+            return
+        real(self, n, exact)
+
+    monkeypatch.setattr(lr_feed.LrFeed, "prepare", stale)
+    with pytest.raises(AssertionError, match=r"step \d+"):
+        _run_scheduled("lambda", "plain")
 
 
 def test_keys_that_change_every_step_pause_learning() -> None:

@@ -24,7 +24,7 @@ import engine.optim
 from engine.errors import NonFiniteLossError, PipelineConfigError
 from engine.runtime.capture import ASYNC_REASON, use_backend
 from engine.testing.capture_audit import audit_pipeline
-from engine.testing.graph_twin import RecordingTwin, ReplayDivergence
+from engine.testing.graph_twin import RecordingTwin
 
 D = 4
 SYNC = ["gpipe", "1f1b", "zbh1", "naive", "interleaved"]
@@ -265,17 +265,21 @@ def test_a_device_lr_changing_every_step_never_recaptures(schedule: str) -> None
 
 
 @interpreted
-@pytest.mark.xfail(strict=True, raises=ReplayDivergence, reason=(
-    "the stage's LR scheduler steps inside the captured window: with a Tensor lr its device "
-    "ops (base_lr * factor, fill_) are recorded with this step's factor baked in. The capture "
-    "layer must step schedulers after the window (its _Delta re-runs them after each replay "
-    "already); until then pass the schedule by writing the lr between steps (test above)"))
-def test_a_pipeline_lr_scheduler_of_a_device_lr_never_recaptures() -> None:
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_pipeline_lr_scheduler_of_a_device_lr_never_recaptures(schedule: str) -> None:
+    """Pipeline(lr_scheduler=...) with a Tensor lr: the scheduler steps after the window (its
+    fill_ is never recorded), so one graph replays a changing lr, bitwise eager, and the lr
+    tensors and scheduler states end as eager's (inside the window the twin's replay would
+    diverge from its capture: the previous xfail)."""
     sched = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k))  # noqa: E731
-    a = make("gpipe", optimizer=_device_lr_sgd, lr_scheduler=sched)
-    b = make("gpipe", False, optimizer=_device_lr_sgd, lr_scheduler=sched)
+    a = make(schedule, optimizer=_device_lr_sgd, lr_scheduler=sched)
+    b = make(schedule, False, optimizer=_device_lr_sgd, lr_scheduler=sched)
     cap = run_both(a, b, data(6))
     assert cap["captures"] == 1 and cap["replays"] == 3, cap
+    for p, q in zip(a.stages, b.stages, strict=True):
+        assert p.scheduler.state_dict()["last_epoch"] == q.scheduler.state_dict()["last_epoch"] == 6
+        for g, h in zip(p.bridge.opt.param_groups, q.bridge.opt.param_groups, strict=True):
+            assert torch.equal(g["lr"], h["lr"]) and g["lr"].item() != 0.1
 
 
 @pytest.mark.parametrize("policy", ["skip", "skip_update"])
@@ -503,6 +507,25 @@ def test_cuda_a_device_lr_changing_every_step_never_recaptures(family: str) -> N
     for k, (x, y) in enumerate(_gpu_data(8, 16)):
         _write_lrs(a, 0.05 / (1 + k))
         _write_lrs(b, 0.05 / (1 + k))
+        assert torch.equal(a.step(x, y), b.step(x, y))
+    torch.cuda.synchronize()
+    assert same_state(a, b)
+    cap = a.stats()["capture"]
+    assert cap["captures"] == 1 and cap["replays"] == 5, cap
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_a_pipeline_lr_scheduler_of_a_device_lr_never_recaptures() -> None:
+    """Pipeline(lr_scheduler=...) of a GPU Tensor lr: the scheduler steps after the window,
+    one capture, replays reading each new value; bitwise eager."""
+    def opt(p):
+        return engine.optim.SGD(p, lr=torch.tensor(0.05, device="cuda"), momentum=0.9)
+
+    sched = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda k: 1.0 / (1 + k))  # noqa: E731
+    a = _gpu("1f1b", "program", optimizer=opt, lr_scheduler=sched)
+    b = _gpu("1f1b", False, optimizer=opt, lr_scheduler=sched)
+    for x, y in _gpu_data(8, 16):
         assert torch.equal(a.step(x, y), b.step(x, y))
     torch.cuda.synchronize()
     assert same_state(a, b)

@@ -24,8 +24,10 @@ dropped). So an LR schedule that changes ``lr`` at every step runs eagerly (the 
 in ``stats()["capture"]``), one that changes it every k steps recaptures once per value.
 
 A replay runs no Python, so the host bookkeeping a step does (update counts, delays, weight
-versions, the executor's counters, a stage's LR scheduler) is applied from the difference
-the captured step made (:class:`_Host`).
+versions, the executor's counters) is applied from the difference the captured step made
+(:class:`_Host`). A stage's LR scheduler never steps inside a window: its updates owe the
+steps, taken after the window (:func:`settle_schedulers`), so a Tensor lr's writes are
+never recorded into a graph.
 
 With ``cuda_streams=True`` each stage's actions are captured on its own stream, with the
 executor's events as the graph's edges (one per hand-off; the window forks from the caller's
@@ -46,7 +48,6 @@ read the host.
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -182,24 +183,42 @@ class _Host:
         self.ex = (ex.steps, ex.skipped_steps, ex.dropped, ex.n_base)
         self.flags = (ex.j, ex.active)
         self.stages = [(st.updates, st.skipped_updates, st.forwards, st.segment_updates,
-                        st.store.version, dict(st.delay_counts)) for st in ex.stages]
-        self.schedulers = [
-            (copy.deepcopy(st.scheduler.state_dict()), [g["lr"] for g in st.bridge.opt.param_groups])
-            if st.scheduler is not None else None for st in ex.stages
-        ]
+                        st.store.version, dict(st.delay_counts), st.scheduler_owed)
+                       for st in ex.stages]
 
     def restore(self, ex: Executor) -> None:
         ex.steps, ex.skipped_steps, ex.dropped, ex.n_base = self.ex
         ex.j, ex.active = self.flags
-        for st, (u, sk, f, su, v, dc), sch in zip(ex.stages, self.stages, self.schedulers, strict=True):
+        for st, (u, sk, f, su, v, dc, owed) in zip(ex.stages, self.stages, strict=True):
             st.updates, st.skipped_updates, st.forwards, st.segment_updates = u, sk, f, su
             st.store.version = v
             st.delay_counts.clear()
             st.delay_counts.update(dc)
-            if sch is not None:
-                st.scheduler.load_state_dict(sch[0])
-                for g, lr in zip(st.bridge.opt.param_groups, sch[1], strict=True):
-                    g["lr"] = lr
+            st.scheduler_owed = owed
+
+
+@contextlib.contextmanager
+def deferred_schedulers(ex: Executor) -> Iterator[None]:
+    """Inside the block a stage's update owes its LR scheduler's step instead of taking it
+    (``Stage.scheduler_owed``): a captured window must not contain the scheduler's work (with
+    a Tensor lr its ``fill_`` would be recorded with one step's value)."""
+    for st in ex.stages:
+        st.defer_scheduler = True
+    try:
+        yield
+    finally:
+        for st in ex.stages:
+            st.defer_scheduler = False
+
+
+def settle_schedulers(ex: Executor) -> None:
+    """Take every LR scheduler step the last window owes, after it, stage by stage. Bitwise
+    eager's order for what any update reads: a scheduler writes only its own stage's lr,
+    and a synchronous step updates each stage once, after which nothing in it reads that lr."""
+    for st in ex.stages:
+        owed, st.scheduler_owed = st.scheduler_owed, 0
+        for _ in range(owed):
+            st.scheduler.step()
 
 
 class _Delta:
@@ -216,8 +235,8 @@ class _Delta:
         for b, a in zip(before.stages, after.stages, strict=True):
             counts = {d: a[5].get(d, 0) - b[5].get(d, 0) for d in a[5]}
             forwards = a[2] - (0 if opened else b[2])
-            self.stages.append((a[0] - b[0], a[1] - b[1], forwards, a[4] - b[4], counts))
-        self.scheduled = [s is not None for s in after.schedulers]
+            self.stages.append((a[0] - b[0], a[1] - b[1], forwards, a[4] - b[4], counts,
+                                a[6] - b[6]))
 
     def apply(self, ex: Executor) -> None:
         ex.steps += self.ex[0]
@@ -234,8 +253,7 @@ class _Delta:
             ex.j, ex.active = 0, False
         else:
             ex.j, ex.active = j, True
-        for st, (du, dsk, fw, dv, counts), sched in zip(ex.stages, self.stages, self.scheduled,
-                                                       strict=True):
+        for st, (du, dsk, fw, dv, counts, owed) in zip(ex.stages, self.stages, strict=True):
             st.updates += du
             st.skipped_updates += dsk
             st.forwards += fw
@@ -243,8 +261,7 @@ class _Delta:
             for k, n in counts.items():
                 if n:
                     st.delay_counts[k] = st.delay_counts.get(k, 0) + n
-            if sched and du:
-                st.scheduler.step()
+            st.scheduler_owed += owed  # taken after the window (settle_schedulers)
 
 
 class _Graph:
@@ -319,7 +336,10 @@ class ProgramCapture:
         neither does an eager step of this mode: the pipeline is consistent either way)."""
         ex = self.ex
         with ex.interrupts.deferred():
-            result = self._step(xs, targets, sizes)
+            try:
+                result = self._step(xs, targets, sizes)
+            finally:  # LR schedulers step outside the window, in every outcome
+                settle_schedulers(ex)
         ex.interrupts.check()
         return result
 
@@ -328,7 +348,8 @@ class ProgramCapture:
         ints = self.ex.interrupts
         ints.check = _no_check  # type: ignore[method-assign]
         try:
-            result = self.ex.run_step(xs, targets, sizes)
+            with deferred_schedulers(self.ex):
+                result = self.ex.run_step(xs, targets, sizes)
             # with stage streams, the window is a fork-join of the caller's stream (a CUDA
             # graph must end with every forked stream joined): the updates ran on them
             self.ex.streams.join()

@@ -33,8 +33,10 @@ So (docs/ALGORITHMS.md, "Capturing whole step programs"):
 
 Accepted: local asynchronous schedules whose windows repeat every step (pb with any
 mitigation) with ``on_nonfinite="skip_update"``. PipeDream's and 2BW's version buffers
-alternate between windows (a cycle of two graphs, not built): their windows run eagerly with
-that reason, as does any window that reads the host or carries in-place writes.
+alternate between windows (a cycle of two graphs, not built): refused at build. Eager with
+the reason: any window that reads the host or carries in-place writes, and a stage's LR
+scheduler of a float lr. A scheduler of Tensor lrs is fed from static slots filled before
+each window (:mod:`engine.runtime.lr_feed`): the window copies its values in, never runs it.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from engine.runtime import labels
 from engine.runtime.carry import CarryPlan, fingerprint, host_affine, plan_carry, ring_depths
 from engine.runtime.graphs import GraphBackend, launch_key
 from engine.runtime.host_shift import HostShift
+from engine.runtime.lr_feed import LrFeed, feed_refusal, make_feeds
 from engine.runtime.result import StepResult
 from engine.runtime.staging import Staging, staging_key
 
@@ -125,6 +128,7 @@ class _Window:
         self.plan = plan
         self.rotate: Callable[[], None] | None = None
         self.token: Hashable = None
+        self.lr_counts: dict[int, int] = {}  # scheduler steps per stage in the window
 
 
 class AsyncCapture:
@@ -146,6 +150,7 @@ class AsyncCapture:
         self._plan: CarryPlan | None = None
         self._changes = 0  # learning windows in a row whose key differed from the last one's
         self._pause = 0  # plain eager steps left before learning again
+        self._feeds: dict[int, LrFeed] | None = None  # LR schedulers' slots (lr_feed.py)
         for st in ex.stages:
             if st.bridge is not None and st.bridge.skip is None:
                 st.bridge.enable_skip_flags()
@@ -172,9 +177,14 @@ class AsyncCapture:
             return "the executor is logging actions or timing events (host work at every action)"
         if ex.tail is not None:
             return "an interrupted step's actions are pending (they run eagerly first)"
-        if any(st.scheduler is not None for st in ex.stages):
-            return ("an LR scheduler steps after every update, inside the window (a replay would "
-                    "keep the lr it was captured with)")
+        for st in ex.stages:
+            why = feed_refusal(st)
+            if why is not None:
+                return why
+        if self._feeds is None:  # schedulers of Tensor lrs: fed from slots, outside the window
+            self._feeds = make_feeds(ex.stages)
+            for st in ex.stages:
+                st.lr_feed = self._feeds.get(st.index)
         opts = []
         for st in ex.stages:
             if st.bridge is None:
@@ -231,12 +241,29 @@ class AsyncCapture:
         finally:
             del ints.check
 
+    def _feeds_before(self, exact: dict[int, int] | None = None) -> None:
+        """Fill the LR schedulers' slots for the coming window (outside it): as many steps
+        as the last window took, or ``exact``'s counts (a replay)."""
+        for i, f in (self._feeds or {}).items():
+            f.prepare(f.last if exact is None else exact[i], exact=exact is not None)
+
+    def _feeds_after(self, replayed: bool = False) -> None:
+        for f in (self._feeds or {}).values():
+            if replayed:
+                f.replayed()
+            else:
+                f.finish()
+
     def _eager(self, xs: list[Any], targets: list[Any], sizes: list[int], reason: str) -> StepResult:
         self.counts["eager"] += 1
         self.reason = reason
         self._learn.clear()
         self._plan = None
-        return self._run(xs, targets, sizes)
+        self._feeds_before()
+        try:
+            return self._run(xs, targets, sizes)
+        finally:
+            self._feeds_after()
 
     def _learn_window(self, key: Hashable, xs: list[Any], targets: list[Any], sizes: list[int]) -> StepResult:
         if self._learn and self._learn[-1][0] != key:
@@ -249,8 +276,12 @@ class AsyncCapture:
         elif self._learn:
             self._changes = 0
         keeper = _keeper()
-        with keeper:
-            result = self._run(xs, targets, sizes)
+        self._feeds_before()
+        try:
+            with keeper:
+                result = self._run(xs, targets, sizes)
+        finally:
+            self._feeds_after()
         self._learn.append((key, keeper, fingerprint(self.ex)))
         del self._learn[:-LEARN]
         self.counts["learning"] += 1
@@ -297,7 +328,11 @@ class AsyncCapture:
                 box["result"] = self._run(xs, targets, sizes)
 
         before = self._learn[-1][2]
-        replay = self.backend.capture(window)
+        self._feeds_before()
+        try:
+            replay = self.backend.capture(window)
+        finally:
+            self._feeds_after()  # (no device work: a steady window takes every slot)
         after = fingerprint(ex)
         self.counts["captures"] += 1
         self.reason = None
@@ -318,6 +353,7 @@ class AsyncCapture:
         loss = result.loss
         w = _Window(key, replay, ring, HostShift(before, after), loss, staging, again)
         w.token = self._token()
+        w.lr_counts = {i: f.last for i, f in (self._feeds or {}).items()}
         self._window = w
         return StepResult(None if loss is None else loss.clone())
 
@@ -331,6 +367,7 @@ class AsyncCapture:
             slots[0].data.copy_(out)
 
     def _replay(self, w: _Window) -> StepResult:
+        self._feeds_before(w.lr_counts)
         if w.rotate is None:
             w.rotate = self.backend.capture(lambda: self._rotate(w))
             if not self.runs_at_capture:
@@ -338,6 +375,7 @@ class AsyncCapture:
         else:
             w.rotate()
         w.replay()
+        self._feeds_after(replayed=True)
         self._settle_streams()
         w.shift.apply(self.ex)
         w.token = self._token()

@@ -104,6 +104,9 @@ class Stage(StageUpdates):
         self.loss_fn = loss_fn
         self.is_last = index == num_stages - 1
         self.scheduler: Any = None
+        #: cuda_graphs="program": scheduler steps owed until after the window (capture.py), or
+        #: fed from static slots (lr_feed.py): never the scheduler's own writes inside a graph
+        self.defer_scheduler, self.scheduler_owed, self.lr_feed = False, 0, None
         #: called with the stage's flat gradient buffers before each optimizer step: the
         #: data-parallel all-reduce under gloo/NCCL (None: no replicas)
         self.grad_hook: Callable[[list[Tensor]], None] | None = None

@@ -44,6 +44,9 @@ class StageUpdates:
     clipper: Any
     loss_scaler: Any
     scheduler: Any
+    defer_scheduler: bool
+    scheduler_owed: int
+    lr_feed: Any
     _prepared: bool
     busy_ns: int
     versions_read: dict[int, int]
@@ -86,7 +89,12 @@ class StageUpdates:
                         key = None  # the forward reads the live weights: nothing to predict
                     written = self.bridge.step(store, key)
                 if self.scheduler is not None:
-                    self.scheduler.step()
+                    if self.defer_scheduler:  # stepped after the captured window
+                        self.scheduler_owed += 1
+                    elif self.lr_feed is not None:  # a captured asynchronous window's slots
+                        self.lr_feed.take()
+                    else:
+                        self.scheduler.step()
             elif w <= 0.0:
                 self.skipped_updates += 1
             elif self.loss_scaler is not None and not self.loss_scaler.synchronous:
