@@ -14,6 +14,13 @@ which are only deleted after the switch) or the new one. The manifest names ever
 file and hash, the world layout (world, stages, replicas, schedule) and the format, and
 carries a SHA-256 of its own body.
 
+Each shard once (format 2): data-parallel replicas hold identical parameters and optimizer
+state, so only replica 0 of each (stage, tp rank) writes them (``holds: all``); every other
+replica writes what may differ between replicas (``holds: own``: buffers such as BatchNorm
+statistics, scheduler, counters, RNG, micro-batches in flight) and names its writer
+(``shared_from``), whose file it reads on load. Format 1 (every replica wrote everything)
+still loads.
+
 Why not ``torch.distributed.checkpoint``: its safetensors storage still writes its planner
 metadata (``.metadata``) with pickle and reads it back with ``pickle.load``, so loading an
 untrusted directory would unpickle; and it reshards, which a pipeline whose ranks hold
