@@ -178,6 +178,20 @@ def phase_dp_checkpoint(
         except Exception:
             out[name] = {"error": traceback.format_exc()}
     out["refusals"] = _writer_refusals(rank, root, names[0], _maker(S, R, names[0], shape), cd)
+    if shape is not None:  # same sizes, another dimension order: the ranks' places differ
+        from torch.distributed.device_mesh import init_device_mesh
+
+        import tp_support
+        from engine import Pipeline
+
+        other = init_device_mesh("cpu", (shape[1], shape[0], shape[2]), mesh_dim_names=("dp", "pp", "tp"))
+        c = Pipeline(tp_support.factories(S), loss_fn=nn.functional.mse_loss, transport="gloo",
+                     mesh=other, timeout=60, **dict(tp_support.configs()[names[0]], chunks=M))
+        try:
+            engine.load(c, os.path.join(root, names[0]))
+            out["other_order"] = "loaded"
+        except engine.CheckpointError as exc:
+            out["other_order"] = str(exc)
     return out
 
 

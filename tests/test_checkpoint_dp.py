@@ -152,3 +152,4 @@ def test_tp2_pp2_dp2_each_shard_once_and_bitwise(tmp_path: Any) -> None:
         for case in ("corrupt", "missing"):
             assert f"rank {got['victim']}" in got[case] and os.path.basename(got["file"]) in got[case]
         assert got["restored_loads"]
+        assert "build the mesh with the same dimension order" in res["other_order"], res["other_order"]
