@@ -14,6 +14,13 @@ which are only deleted after the switch) or the new one. The manifest names ever
 file and hash, the world layout (world, stages, replicas, schedule) and the format, and
 carries a SHA-256 of its own body.
 
+Each shard once (format 2): data-parallel replicas hold identical parameters and optimizer
+state, so only replica 0 of each (stage, tp rank) writes them (``holds: all``); every other
+replica writes what may differ between replicas (``holds: own``: buffers such as BatchNorm
+statistics, scheduler, counters, RNG, micro-batches in flight) and names its writer
+(``shared_from``), whose file it reads on load. Format 1 (every replica wrote everything)
+still loads.
+
 Why not ``torch.distributed.checkpoint``: its safetensors storage still writes its planner
 metadata (``.metadata``) with pickle and reads it back with ``pickle.load``, so loading an
 untrusted directory would unpickle; and it reshards, which a pipeline whose ranks hold
@@ -34,6 +41,7 @@ import json
 import os
 import re
 import secrets
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,7 +56,12 @@ if TYPE_CHECKING:
 
 __all__ = ["save", "load", "save_dir", "load_dir", "read_manifest", "MANIFEST", "DIR_FORMAT"]
 
-DIR_FORMAT = "engine.checkpoint-dir/1"
+DIR_FORMAT = "engine.checkpoint-dir/2"
+#: format 1: every rank's file holds its whole state (each data-parallel replica wrote every
+#: weight and optimizer shard again); still read
+_READABLE = ("engine.checkpoint-dir/1", DIR_FORMAT)
+#: a file that holds only the part of a rank's state that is its own (see _own_part)
+_OWN_ONLY = "replica-own"
 MANIFEST = "manifest.json"
 _RANK_FILE = re.compile(r"rank\d+-[0-9a-f]{16}\.safetensors(\.tmp-\d+)?$")
 _HASH, _TEXT = 64, 960  # bytes of a rank's status: hex SHA-256, then its error (utf-8)
@@ -87,6 +100,62 @@ def _layout(pipe: Pipeline) -> dict[str, Any]:
     return out
 
 
+def _writer_of(pipe: Pipeline) -> Callable[[int], int]:
+    """Global rank -> the rank whose file holds its replica-shared state: replica 0 at the same
+    (stage, tp rank). Data-parallel replicas hold identical weights and optimizer state (the
+    gradient all-reduce precedes every update), so one replica writes them."""
+    lay = pipe.layout
+    S = lay.stages
+    place = getattr(lay, "place_of", lambda r: (r % S, r // S, 0))
+    first = {}
+    for r in range(lay.world):
+        st, rep, tp = place(r)
+        if rep == 0:
+            first[(st, tp)] = r
+    return lambda r: first[(place(r)[0], place(r)[2])]
+
+
+def _shared_keys(module: torch.nn.Module, sd: dict[str, Any]) -> list[str]:
+    """The module entries every replica holds alike: its parameters. Everything else (buffers
+    such as BatchNorm statistics, which come from each replica's own micro-batches; a module's
+    extra state) stays per replica."""
+    params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    return [k for k in sd if k in params]
+
+
+def _own_part(pipe: Pipeline, state: dict[str, Any]) -> dict[str, Any]:
+    """What a data-parallel replica other than 0 writes: its state without the module's
+    parameters, the optimizer state and the runtime optimizer state (``extra``), which replica
+    0's file holds. Its buffers, LR scheduler, counters, RNG and micro-batches in flight
+    (activations and skip flags of its own data) stay: they may differ between replicas."""
+    stages = []
+    for st, sd in zip(pipe.parts.stages, state["stages"], strict=True):
+        drop = set(_shared_keys(st.module, sd["module"]))
+        own = {k: v for k, v in sd.items() if k not in ("optimizer", "extra")}
+        own["module"] = {k: v for k, v in sd["module"].items() if k not in drop}
+        own[_OWN_ONLY] = True
+        stages.append(own)
+    return {**state, "stages": stages}
+
+
+def _merge(own: dict[str, Any], shared: dict[str, Any], writer_file: str) -> dict[str, Any]:
+    """A replica's whole state: its own file's part plus the writer's parameters and optimizer."""
+    stages = []
+    if len(own.get("stages", [])) != len(shared.get("stages", [])):
+        raise CheckpointError(f"{writer_file!r} holds {len(shared.get('stages', []))} stages, "
+                              f"the replica's own file {len(own.get('stages', []))}")
+    for mine, theirs in zip(own["stages"], shared["stages"], strict=True):
+        if mine.get("index") != theirs.get("index"):
+            raise CheckpointError(f"{writer_file!r} holds stage {theirs.get('index')} where the "
+                                  f"replica's own file holds stage {mine.get('index')}")
+        sd = {k: v for k, v in mine.items() if k != _OWN_ONLY}
+        sd["module"] = {**theirs["module"], **mine["module"]}  # the replica's own buffers win
+        sd["optimizer"] = theirs.get("optimizer")
+        sd["extra"] = theirs.get("extra", {})
+        stages.append(sd)
+    return {**own, "stages": stages}
+
+
 def _body_sha256(body: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
@@ -104,7 +173,8 @@ def save_dir(pipe: Pipeline, path: str | os.PathLike[str]) -> None:
     digest, error = "", ""
     try:
         os.makedirs(path, exist_ok=True)
-        write_state(pipe.state_dict(), target)
+        state = pipe.state_dict()
+        write_state(state if lay.replica == 0 else _own_part(pipe, state), target)
         digest = file_sha256(target)
     except Exception as exc:  # reported to every rank below
         error = f"{type(exc).__name__}: {exc}"
@@ -128,12 +198,18 @@ def _commit(pipe: Pipeline, path: str, nonce_name: str, statuses: list[tuple[str
     """Rank 0: write the manifest atomically, then delete rank files it does not name."""
     S = pipe.layout.stages
     place = getattr(pipe.layout, "place_of", lambda r: (r % S, r // S, 0))  # (a mesh: runtime/mesh.py)
+    writer = _writer_of(pipe)
     ranks = [
         {"rank": r, "stage": place(r)[0], "replica": place(r)[1], "file": f"rank{r:05d}-{nonce_name}",
-         "sha256": h, **({"tp_rank": place(r)[2]} if getattr(pipe.layout, "tp", 1) > 1 else {})}
+         "sha256": h, **({"tp_rank": place(r)[2]} if getattr(pipe.layout, "tp", 1) > 1 else {}),
+         "holds": "all" if writer(r) == r else "own", "shared_from": writer(r)}
         for r, (h, _) in enumerate(statuses)
     ]
-    body = {"format": DIR_FORMAT, "layout": _layout(pipe), "steps": pipe.steps, "ranks": ranks}
+    body = {"format": DIR_FORMAT, "layout": _layout(pipe), "steps": pipe.steps, "ranks": ranks,
+            "holds": {"all": "the rank's whole state", "own": (
+                "the rank's own part: module buffers, LR scheduler, counters, RNG, micro-batches "
+                "in flight; its parameters, optimizer state and runtime optimizer state are in "
+                "the file of rank 'shared_from' (replica 0 of the same stage and tp rank)")}}
     manifest = os.path.join(path, MANIFEST)
     tmp = f"{manifest}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
@@ -160,9 +236,12 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
         ) from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"cannot read {manifest!r}: {exc}") from exc
-    if not isinstance(data, dict) or data.get("format") != DIR_FORMAT:
+    if not isinstance(data, dict) or data.get("format") not in _READABLE:
         got = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise CheckpointError(f"{manifest!r} has format {got!r}; this engine reads {DIR_FORMAT!r}")
+        raise CheckpointError(
+            f"{manifest!r} has format {got!r}; this engine reads "
+            + " and ".join(repr(f) for f in _READABLE)
+        )
     body = {k: v for k, v in data.items() if k != "sha256"}
     if _body_sha256(body) != data.get("sha256"):
         raise CheckpointError(f"{manifest!r} is corrupted: it does not match its SHA-256 checksum")
@@ -187,12 +266,33 @@ def _read_own(pipe: Pipeline, path: str) -> dict[str, Any]:
         )
     r = pipe.layout.rank
     entry = man["ranks"][r]
+    S = pipe.layout.stages
+    here = getattr(pipe.layout, "place_of", lambda q: (q % S, q // S, 0))(r)
+    there = (entry.get("stage"), entry.get("replica"), entry.get("tp_rank", 0))
+    if there != here:
+        raise CheckpointError(
+            f"rank {r} held (stage, replica, tp rank) {there} when checkpoint {path!r} was "
+            f"written, {here} in this job: build the mesh with the same dimension order"
+        )
+    pipe.require_flushed("engine.load")
+    state = _checked_read(path, entry, f"rank {r}'s file")
+    if man["format"] == DIR_FORMAT and entry.get("holds") == "own":
+        w = entry.get("shared_from")
+        if not isinstance(w, int) or not 0 <= w < len(man["ranks"]) or man["ranks"][w].get("holds") != "all":
+            raise CheckpointError(f"{os.path.join(path, MANIFEST)!r}: rank {r}'s shared_from "
+                                  f"{w!r} names no rank that holds a whole state")
+        went = man["ranks"][w]
+        what = f"rank {w}'s file (it holds rank {r}'s parameters and optimizer state)"
+        state = _merge(state, _checked_read(path, went, what), went["file"])
+    return state
+
+
+def _checked_read(path: str, entry: dict[str, Any], what: str) -> dict[str, Any]:
     file = os.path.join(path, entry["file"])
     if not os.path.exists(file):
-        raise CheckpointError(f"rank {r}'s file {file!r}, named by the manifest, is missing")
+        raise CheckpointError(f"{what} {file!r}, named by the manifest, is missing")
     if file_sha256(file) != entry["sha256"]:
-        raise CheckpointError(f"rank {r}'s file {file!r} is corrupted: its SHA-256 differs from the manifest's")
-    pipe.require_flushed("engine.load")
+        raise CheckpointError(f"{what} {file!r} is corrupted: its SHA-256 differs from the manifest's")
     return read_state(file)
 
 
