@@ -103,20 +103,17 @@ class Stage(StageUpdates):
         self.recompute = recompute
         self.loss_fn = loss_fn
         self.is_last = index == num_stages - 1
+        #: set by the build when used: the LR scheduler and, with cuda_graphs="program", its
+        #: steps owed until after the window (capture.py) or fed from static slots (lr_feed.py);
+        #: grad_hook (the flat gradients before each optimizer step: gloo/NCCL's data-parallel
+        #: all-reduce); clipper (clipping.py); autocast (dtype, device type) and loss_scaler
+        #: (amp.py); offload (offload.py)
         self.scheduler: Any = None
-        #: cuda_graphs="program": scheduler steps owed until after the window (capture.py), or
-        #: fed from static slots (lr_feed.py): never the scheduler's own writes inside a graph
         self.defer_scheduler, self.scheduler_owed, self.lr_feed = False, 0, None
-        #: called with the stage's flat gradient buffers before each optimizer step: the
-        #: data-parallel all-reduce under gloo/NCCL (None: no replicas)
         self.grad_hook: Callable[[list[Tensor]], None] | None = None
-        #: gradient clipping (engine.runtime.clipping), applied before each optimizer step
         self.clipper: Any = None
-        #: mixed precision (engine.runtime.amp): (dtype, device type) of the stage's autocast,
-        #: and the float16 loss scaler (its scale multiplies the last stage's backward root)
         self.autocast: tuple[torch.dtype, str] | None = None
         self.loss_scaler: Any = None
-        #: activation offload (engine.runtime.offload), None when off
         self.offload: Any = None
         #: nanoseconds spent in this stage's forwards, backwards and updates (throughput.py)
         self.busy_ns = 0
