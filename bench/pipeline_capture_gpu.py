@@ -2,7 +2,7 @@
 
 The question (issue 23): on a compute-bound synchronous pipeline -- 8 x Linear(4096) (ReLU
 between), batch 512 in M=8 micro-batches, one stage per layer on one GPU -- does
-``Pipeline(cuda_graphs="program")`` (engine/runtime/capture.py: the whole step, forwards,
+``Pipeline(cuda_graphs="program")`` (engine/runtime/exec/capture.py: the whole step, forwards,
 backwards and updates, replayed from one CUDA graph) cost what a plain accumulation loop
 captured with ``torch.cuda.graph`` costs, and what does it save over the eager engine?
 

@@ -6,7 +6,7 @@ training is launch-bound, one small kernel after another on one stream. Pipeline
 backpropagation splits the model into S stages, each on its own CUDA stream
 (``cuda_streams=True``), so the stages' kernels of different samples overlap, and with
 ``cuda_graphs=True`` every stage's optimizer step (one per micro-batch in pb) is replayed from
-a CUDA graph instead of run through Python and launched (engine/runtime/graphs.py; the
+a CUDA graph instead of run through Python and launched (engine/runtime/stage/graphs.py; the
 forwards and backwards are still launched kernel by kernel).
 
 Sides (bench/harness.py: alternating paired rounds, median time ratio with a 95 % interval,
@@ -17,7 +17,7 @@ Sides (bench/harness.py: alternating paired rounds, median time ratio with a 95 
   ``engine.optim.SGD(lr=1e-3, momentum=0.9, spike_compensation=True, prediction="linear")``
   with ``weight_prediction="lwp"`` (bench/overhead.py's pb-batch1 case, on the GPU),
   ``checkpoint="never"``, ``cuda_streams=True``, ``on_nonfinite="skip_update"`` (no host read
-  per micro-batch: engine/runtime/device_flags.py); and, only when ``engine.Pipeline`` accepts a
+  per micro-batch: engine/runtime/stage/device_flags.py); and, only when ``engine.Pipeline`` accepts a
   ``cuda_graphs`` keyword (checked with inspect.signature at run time), a second case with
   ``cuda_graphs=True`` as well. Without the keyword that case is reported as not available.
 * peer: the unsplit model trained per sample with torch.optim.SGD(momentum=0.9) on the same

@@ -41,7 +41,7 @@ from harness import paired, summary_line, write_ratio_csv  # noqa: E402
 import engine  # noqa: E402
 import engine.models  # noqa: E402
 from engine.cli.loop import activation_bytes  # noqa: E402
-from engine.runtime.trees import call, tensors  # noqa: E402
+from engine.runtime.stage.trees import call, tensors  # noqa: E402
 
 S, M, BATCH = 4, 8, 8
 

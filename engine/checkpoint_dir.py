@@ -95,7 +95,7 @@ def _raise_first(statuses: list[tuple[str, str]], what: str) -> None:
 def _layout(pipe: Pipeline) -> dict[str, Any]:
     lay = pipe.layout
     out = {"world": lay.world, "stages": lay.stages, "replicas": lay.replicas, "schedule": pipe.spec.name}
-    if getattr(lay, "tp", 1) > 1:  # tensor parallelism: each file holds one tp shard (runtime/mesh.py)
+    if getattr(lay, "tp", 1) > 1:  # tensor parallelism: each file holds one tp shard (runtime/dist/mesh.py)
         out["tensor_parallel"] = lay.tp
     return out
 
@@ -197,7 +197,7 @@ def save_dir(pipe: Pipeline, path: str | os.PathLike[str]) -> None:
 def _commit(pipe: Pipeline, path: str, nonce_name: str, statuses: list[tuple[str, str]]) -> None:
     """Rank 0: write the manifest atomically, then delete rank files it does not name."""
     S = pipe.layout.stages
-    place = getattr(pipe.layout, "place_of", lambda r: (r % S, r // S, 0))  # (a mesh: runtime/mesh.py)
+    place = getattr(pipe.layout, "place_of", lambda r: (r % S, r // S, 0))  # (a mesh: runtime/dist/mesh.py)
     writer = _writer_of(pipe)
     ranks = [
         {"rank": r, "stage": place(r)[0], "replica": place(r)[1], "file": f"rank{r:05d}-{nonce_name}",
@@ -298,7 +298,7 @@ def _checked_read(path: str, entry: dict[str, Any], what: str) -> dict[str, Any]
 
 def load_dir(pipe: Pipeline, path: str | os.PathLike[str], override_hyperparameters: bool = False) -> None:
     """Collective: every rank loads its file from directory ``path``, or none does."""
-    from engine.runtime.state import check_state, load_pipeline_state_dict
+    from engine.runtime.state.state import check_state, load_pipeline_state_dict
 
     path = os.fspath(path)
     state: dict[str, Any] | None = None

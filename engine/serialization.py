@@ -11,7 +11,7 @@ tensors only, are still read.) Files are written to a
 temporary name and moved into place with ``os.replace`` so a crash never leaves a half file.
 
 This module knows nested dicts of tensors, not pipelines: ``save``/``load`` call the object's
-``state_dict()``/``load_state_dict()`` (:mod:`engine.runtime.state` says what a pipeline's
+``state_dict()``/``load_state_dict()`` (:mod:`engine.runtime.state.state` says what a pipeline's
 state is and validates it before anything changes).
 """
 

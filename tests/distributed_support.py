@@ -955,8 +955,8 @@ def phase_varlen_mixed(rank: int, S: int, names: list[str], steps: int = 4) -> d
     """phase_varlen with the inline limit of the activation header (transport/framing.py) set
     between the lengths: micro-batches trimmed to 5 or fewer positions carry the header inside
     their first leaf, longer ones send it alone, so changes cross between the two layouts."""
-    from engine.runtime.transport import framing
-    from engine.runtime.trees import Signature
+    from engine.runtime.dist.transport import framing
+    from engine.runtime.stage.trees import Signature
 
     framing.INLINE_BYTES = 2 * 5 * DIM * 4  # (B/M=2, length, DIM) float32
     short, long = (Signature.of(torch.zeros(2, n, DIM)) for n in (5, 6))
@@ -1053,7 +1053,7 @@ def _worker(
         results["fatal"] = traceback.format_exc()
     torch.save(results, path)
     try:  # what a normal exit runs: rank 0, the store's host, waits for the others to leave
-        from engine.runtime.transport.teardown import teardown
+        from engine.runtime.dist.transport.teardown import teardown
 
         teardown()
     except Exception:
@@ -1109,7 +1109,7 @@ def phase_resume_inflight(
     """Each rank saves its unflushed stage at step k (pipe.state_dict() in memory, or for
     ``dir_names`` engine.save into a checkpoint directory under ``root``), the run continues;
     a fresh pipeline loads the state and runs the same steps: losses, weights and optimizer
-    state must be equal bit for bit (engine.runtime.inflight)."""
+    state must be equal bit for bit (engine.runtime.state.inflight)."""
     import engine
     import engine.checkpoint_dir
     from engine import Pipeline

@@ -20,7 +20,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from engine.runtime.streams import StageStreams
+from engine.runtime.exec.streams import StageStreams
 
 
 class StreamTwin(StageStreams):

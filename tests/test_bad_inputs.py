@@ -356,7 +356,7 @@ def test_saving_unflushed_or_into_a_missing_folder_writes_nothing(tmp_path: Path
     path = tmp_path / "c.safetensors"
     path.write_bytes(saved)
     # pb without recomputation: a forward in flight read weights an update has overwritten
-    # since, so it cannot be rebuilt on load (engine.runtime.inflight)
+    # since, so it cannot be rebuilt on load (engine.runtime.state.inflight)
     pipe = _ckpt_pipe("pb", checkpoint="never")
     pipe.step(X, Y)
     pipe.step(X, Y)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.runtime.capture import use_backend
+from engine.runtime.exec.capture import use_backend
 from engine.testing.graph_twin import RecordingTwin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

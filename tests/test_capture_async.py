@@ -16,8 +16,8 @@ from torch import nn
 import engine
 import engine.optim
 from engine.errors import PipelineConfigError
-from engine.runtime import capture_async
-from engine.runtime.capture import ASYNC_REASON, use_backend
+from engine.runtime.exec import capture_async
+from engine.runtime.exec.capture import ASYNC_REASON, use_backend
 from engine.testing.capture_audit import _reference_optimizer, _state
 from engine.testing.graph_twin import TapeTwin
 from test_capture_audit import MITIGATIONS
@@ -368,7 +368,7 @@ def test_the_lr_feed_is_eager_in_learning_windows(mitigation: str) -> None:
 def test_without_the_feed_a_replay_keeps_the_captured_lr(monkeypatch: pytest.MonkeyPatch) -> None:
     """The check that the test above can fail: a replay that does not refill the slots
     (prepare skipped) replays the captured window's lrs, and eager differs."""
-    from engine.runtime import lr_feed
+    from engine.runtime.exec import lr_feed
 
     _device_lr_reference(monkeypatch)
     real = lr_feed.LrFeed.prepare

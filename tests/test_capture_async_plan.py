@@ -1,5 +1,5 @@
 """What capturing an asynchronous window needs, measured on CPU for every accepted schedule x
-mitigation (engine.runtime.carry, engine.testing.carry_audit; issue 23 items 1 and 4).
+mitigation (engine.runtime.exec.carry, engine.testing.carry_audit; issue 23 items 1 and 4).
 
 An asynchronous window (one ``step()`` of pb, PipeDream or 2BW in steady state) can be
 replayed from a graph only when every tensor it reads from outside is static or carried
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.runtime.carry import fingerprint, host_affine, plan_carry
+from engine.runtime.exec.carry import fingerprint, host_affine, plan_carry
 from engine.schedule.catalog import FAMILIES, SCHEDULES
 from engine.testing.carry_audit import plan_pipeline
 from engine.testing.dispatch_trace import Recorder
@@ -177,7 +177,7 @@ def test_host_affine_names_the_field() -> None:
     class State:  # not an engine object: opaque
         pass
 
-    from engine.runtime.result import StepResult
+    from engine.runtime.exec.result import StepResult
 
     prints = [fingerprint({"a": n, "k": {n: 1}, "o": State()}) for n in (0, 3, 6)]
     assert host_affine(*prints) == (2, [])

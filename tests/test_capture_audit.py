@@ -91,7 +91,7 @@ def expected(schedule: str, mitigation: str) -> tuple[set[str], dict[str, int]]:
         # a synchronous window is a whole step: only the user's batch comes from outside;
         # the one host read is the loss check before the update phase (on_nonfinite, also
         # "skip_update", which acts as "skip" on synchronous schedules)
-        return {INPUT}, {"engine/runtime/executor.py:_take_losses": 1}
+        return {INPUT}, {"engine/runtime/exec/executor.py:_take_losses": 1}
     moved = {INPUT, EARLIER_INPUT, CARRIED, BEFORE}
     if fam.weights != "live":
         moved.add(ROTATE)  # stashed versions / 2BW's double buffer live in rotating slots
@@ -99,7 +99,7 @@ def expected(schedule: str, mitigation: str) -> tuple[set[str], dict[str, int]]:
         # the runtime reads nothing: the only reads are the reference optimizer's found_inf
         updates = {"pb": S * M, "pipedream": S * M, "2bw": S}[schedule]
         return moved, {REFERENCE_SKIP: updates}
-    return moved, {"engine/runtime/executor.py:_forward": M}  # loss.item() per micro-batch
+    return moved, {"engine/runtime/exec/executor.py:_forward": M}  # loss.item() per micro-batch
 
 
 CASES = [(s, m) for s, m in itertools.product(SCHEDULES, MITIGATIONS) if accepted(s, m)]

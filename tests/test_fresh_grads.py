@@ -1,4 +1,4 @@
-"""engine.runtime.fresh_grads: one multi-tensor add per backward, bit for bit AccumulateGrad."""
+"""engine.runtime.stage.fresh_grads: one multi-tensor add per backward, bit for bit AccumulateGrad."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.runtime import fresh_grads as fg
-from engine.runtime.fresh_grads import FreshGrads, fresh_grads
+from engine.runtime.stage import fresh_grads as fg
+from engine.runtime.stage.fresh_grads import FreshGrads, fresh_grads
 
 
 @pytest.fixture(autouse=True)

@@ -35,7 +35,7 @@ from torch import nn
 import engine
 import engine.models
 import engine.optim
-from engine.runtime import fresh_grads
+from engine.runtime.stage import fresh_grads
 from engine.testing.launch_count import FUSED, count_calls, count_pipeline_step
 
 pytestmark = pytest.mark.slow  # 8-stage pipelines under a dispatch recorder: seconds each

@@ -126,7 +126,7 @@ def test_no_import_cycles() -> None:
 
 #: circles counting type-only imports. Main f2dacbd had 4: arena.{double_buffer, l2,
 #: weight_arena} and runtime.{device_flags, optim_bridge, stage} (cut by Protocols),
-#: runtime.{executor, sync_step} (cut: StepResult in runtime/result.py) and
+#: runtime.{executor, sync_step} (cut: StepResult in runtime/exec/result.py) and
 #: runtime.{evaluation, inflight, pipeline, rank, state} (cut: the builders return
 #: PipelineParts, which the facade holds, issue 28). The count may only go down.
 TYPE_LEVEL_CIRCLES = 0
@@ -409,7 +409,7 @@ def note_kinds_outside_the_enum(source: str, members: set[str], may_write: bool)
 
 
 def test_every_failure_note_kind_is_an_outcome() -> None:
-    from engine.runtime.failures import Outcome
+    from engine.runtime.exec.failures import Outcome
 
     members = set(Outcome.__members__)
     assert len(members) == len(Outcome), "two Outcome members share a text (an alias)"
@@ -418,7 +418,7 @@ def test_every_failure_note_kind_is_an_outcome() -> None:
         for name, path in _modules().items()
         if name.startswith("engine.runtime")
         if (hits := note_kinds_outside_the_enum(
-            path.read_text(), members, may_write=name == "engine.runtime.failures"
+            path.read_text(), members, may_write=name == "engine.runtime.exec.failures"
         ))
     }
     assert offenders == {}
@@ -433,3 +433,87 @@ def test_failure_note_gate_can_fail() -> None:
     )
     assert [h.split(":")[0] for h in note_kinds_outside_the_enum(bad, members, False)] == ["1", "2", "3"]
     assert note_kinds_outside_the_enum("p.note_outcome(e, a, b, Outcome.DROPPED)\n", members, False) == []
+
+
+# ------------------------------------------------------------------ runtime wings (issue 28)
+
+#: the rooms of engine/runtime/ (a wing, i.e. a sub-package, or a module at its top) and
+#: their floors: an import between two rooms points to a lower floor. Written by the wing
+#: move (issue 28); a new runtime file joins a wing, or the table, before it can land.
+RUNTIME_FLOORS = {"stage": 1, "exec": 2, "build": 3, "parts": 4, "assemble": 5, "dist": 6, "state": 6, "pipeline": 7}
+RUNTIME = "engine" + ".runtime"  # (split: the wing move rewrites dotted runtime paths)
+
+
+def runtime_room(module: str) -> str | None:
+    """The room of an engine.runtime module (its wing, or itself at the top); None for
+    modules outside engine/runtime and for engine/runtime's own face."""
+    if not module.startswith(RUNTIME + "."):
+        return None
+    return module[len(RUNTIME) + 1:].split(".")[0]
+
+
+def room_arrows(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(room, room) pairs some import runs between (inside a room: not an arrow)."""
+    out = set()
+    for m, deps in graph.items():
+        a = runtime_room(m)
+        for d in deps:
+            b = runtime_room(d)
+            if a is not None and b is not None and a != b:
+                out.add((a, b))
+    return out
+
+
+def arrows_up(graph: dict[str, set[str]], floors: dict[str, int]) -> list[str]:
+    """Room arrows that do not point to a lower floor, or leave a room with no floor."""
+    bad = []
+    for a, b in sorted(room_arrows(graph)):
+        if a not in floors or b not in floors or floors[a] <= floors[b]:
+            bad.append(f"{a} (floor {floors.get(a)}) -> {b} (floor {floors.get(b)})")
+    return bad
+
+
+def test_runtime_arrows_point_down_the_floors() -> None:
+    assert arrows_up(_graph(type_only=True), RUNTIME_FLOORS) == []
+
+
+def test_stage_wing_imports_no_other_wing() -> None:
+    higher = {"exec", "build", "state", "dist"}
+    assert sorted(b for a, b in room_arrows(_graph(type_only=True)) if a == "stage" and b in higher) == []
+
+
+def test_every_runtime_module_has_a_room() -> None:
+    rooms = {runtime_room(m) for m in _modules()} - {None}
+    assert sorted(rooms - set(RUNTIME_FLOORS)) == [], "place the file in a wing (or RUNTIME_FLOORS)"
+
+
+def test_every_wing_map_names_its_files() -> None:
+    missing = []
+    for wing in RUNTIME_FLOORS:
+        face = PACKAGE / "runtime" / wing / "__init__.py"
+        if not face.exists():
+            continue
+        doc = ast.get_docstring(ast.parse(face.read_text())) or ""
+        for p in sorted(face.parent.iterdir()):
+            name = p.stem if p.suffix == ".py" else p.name
+            if p.name != "__init__.py" and (p.suffix == ".py" or (p / "__init__.py").exists()):
+                if f"``{name}``" not in doc:
+                    missing.append(f"{wing}/{p.name}")
+    assert missing == [], "name each file in its wing's __init__ docstring"
+
+
+def test_runtime_floor_gate_can_fail() -> None:
+    r = RUNTIME
+    floors = {"stage": 1, "exec": 2, "state": 6, "dist": 6, "pipeline": 7}
+    graph = {
+        f"{r}.stage.stage": {f"{r}.exec.executor", f"{r}.stage.trees"},  # up; inside a room
+        f"{r}.state.inflight": {f"{r}.dist.rank", f"{r}.exec.executor"},  # sideways; down
+        f"{r}.pipeline": {f"{r}.state.state", "engine.errors"},  # down; outside the runtime
+        f"{r}.newroom": {f"{r}.stage.stage"},  # a room without a floor
+    }
+    assert arrows_up(graph, floors) == [
+        "newroom (floor None) -> stage (floor 1)",
+        "stage (floor 1) -> exec (floor 2)",
+        "state (floor 6) -> dist (floor 6)",
+    ]
+    assert arrows_up({f"{r}.exec.executor": {f"{r}.stage.stage"}}, floors) == []

@@ -1,6 +1,6 @@
 """Resume without a flush: an unflushed asynchronous pipeline's state dict holds its
 micro-batches in flight, and save at step k + load into a fresh pipeline + continue equals the
-never-interrupted, never-flushed run bit for bit (engine.runtime.inflight)."""
+never-interrupted, never-flushed run bit for bit (engine.runtime.state.inflight)."""
 
 from __future__ import annotations
 

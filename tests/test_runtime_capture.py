@@ -22,7 +22,7 @@ from torch import nn
 import engine
 import engine.optim
 from engine.errors import NonFiniteLossError, PipelineConfigError
-from engine.runtime.capture import ASYNC_REASON, use_backend
+from engine.runtime.exec.capture import ASYNC_REASON, use_backend
 from engine.testing.capture_audit import audit_pipeline
 from engine.testing.graph_twin import RecordingTwin
 
@@ -161,7 +161,7 @@ def test_staging_buffers_are_static_and_copied_once_per_leaf() -> None:
 def test_the_twin_checks_the_host_bookkeeping_of_a_replay(monkeypatch) -> None:
     """A replay runs no Python: every host field a step changes must come from the captured
     difference. Dropping one (the executor's step count) is caught by the twin."""
-    from engine.runtime import capture
+    from engine.runtime.exec import capture
     from engine.testing.graph_twin import ReplayDivergence
 
     real = capture._Delta.apply

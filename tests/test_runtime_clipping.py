@@ -1,4 +1,4 @@
-"""Gradient-norm clipping (engine/runtime/clipping.py).
+"""Gradient-norm clipping (engine/runtime/exec/clipping.py).
 
 Synchronous schedules clip by the global norm over all stages: the weights equal
 ``torch.nn.utils.clip_grad_norm_`` + the optimizer step on the unpipelined model bit for bit

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.runtime.clock import Clock
+from engine.runtime.exec.clock import Clock
 
 F, B = 0, 1
 

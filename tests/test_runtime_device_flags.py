@@ -1,6 +1,6 @@
 """on_nonfinite="skip_update": asynchronous schedules flag non-finite losses on the device and
 skip the updates that hold them via the optimizer's found_inf, with no host read per
-micro-batch (engine/runtime/device_flags.py)."""
+micro-batch (engine/runtime/stage/device_flags.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch import nn
 import engine
 from engine import Pipeline
 from engine.errors import PipelineConfigError
-from engine.runtime.device_flags import check_skip_update
+from engine.runtime.stage.device_flags import check_skip_update
 
 mse = nn.functional.mse_loss
 RUNTIME = str(Path(engine.__file__).parent / "runtime")
@@ -162,7 +162,7 @@ def test_computed_weights_after_a_skipped_update(opt_kw: dict, pipe_kw: dict) ->
         return engine.optim.SGD(p, lr=0.1, momentum=0.9, **opt_kw)
 
     # checkpoint="never": with LWP each backward copies the live weights into the transient
-    # the forwards read (engine/runtime/stage.py, rebase), so a stale transient shows
+    # the forwards read (engine/runtime/stage/stage.py, rebase), so a stale transient shows
     a = _pipe("pb", "skip_update", make, checkpoint="never", **pipe_kw)
     b = _pipe("pb", "skip", make, checkpoint="never", **pipe_kw)
     _run([a, b], _batches({1: [1, 2]}))
@@ -380,7 +380,7 @@ def test_captured_skip_update_steps_never_sync_the_host(family: str) -> None:
     run without graphs."""
     from capture_twin import SyncFreeCapture
 
-    from engine.runtime.graphs import StepGraphs
+    from engine.runtime.stage.graphs import StepGraphs
 
     a = _pipe("pb", "skip_update", _fused(family), S=2)
     b = _pipe("pb", "skip_update", _fused(family), S=2)
@@ -417,7 +417,7 @@ def test_step_graphs_replay_the_skip() -> None:
     (tests/test_runtime_graphs.py); bitwise the run without graphs."""
     from test_runtime_graphs import Recorder
 
-    from engine.runtime.graphs import StepGraphs
+    from engine.runtime.stage.graphs import StepGraphs
 
     def fused(p):
         return engine.optim.SGD(p, lr=0.05, momentum=0.9, fused=True)

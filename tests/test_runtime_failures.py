@@ -1,4 +1,4 @@
-"""An exception inside a W action of an asynchronous program (engine/runtime/failures.py).
+"""An exception inside a W action of an asynchronous program (engine/runtime/exec/failures.py).
 
 A W computes a micro-batch's weight gradient after its B already sent the input gradient
 upstream, so a W that raises loses that stage's partial sums only. These tests pin what the
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from engine import Pipeline
-from engine.runtime.failures import Outcome
+from engine.runtime.exec.failures import Outcome
 from engine.schedule import Action, Kind, generate
 from engine.schedule.ir import Schedule
 from engine.testing import FaultInjector, InjectedFault

@@ -1,4 +1,4 @@
-"""Exceptions inside step() and flush() leave every stage consistent (engine/runtime/executor.py).
+"""Exceptions inside step() and flush() leave every stage consistent (engine/runtime/exec/executor.py).
 
 A failure is injected before every action index of a step, for every schedule:
 

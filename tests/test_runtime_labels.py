@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-import engine.runtime.stage as stage_mod
-import engine.runtime.stage_update as stage_update_mod
+import engine.runtime.stage.stage as stage_mod
+import engine.runtime.stage.stage_update as stage_update_mod
 from engine import Pipeline
 
 

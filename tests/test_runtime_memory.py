@@ -104,7 +104,7 @@ def test_rebased_transient_equals_saved_tensor_hooks(
     SpecTrain with s_B = 0), large ones remap autograd's saved tensors with hooks. Bitwise
     the same training, with update_size 2 too (a forward between two updates then needs the
     prediction recomputed after the copy). PipeMare T2 always uses the hooks."""
-    import engine.runtime.stage as stage_mod
+    import engine.runtime.stage.stage as stage_mod
 
     def run(limit: int) -> Pipeline:
         monkeypatch.setattr(stage_mod, "REBASE_MAX_BYTES", limit)
@@ -176,7 +176,7 @@ print(faults)
 def test_no_page_faults_per_step_in_steady_state(schedule: str) -> None:
     """Compute-bound stages (the bench's 8 x Linear(1024), batch 64, at half the depth):
     weights, gradients and optimizer state live in persistent arena buffers, and freed host
-    memory is kept for reuse (engine/runtime/host_memory.py), so a steady-state step touches
+    memory is kept for reuse (engine/runtime/build/host_memory.py), so a steady-state step touches
     no new page. Measured in a fresh process (the test runner's own allocations would blur
     the count)."""
     pytest.importorskip("resource")

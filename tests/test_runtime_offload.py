@@ -1,4 +1,4 @@
-"""Activation offload (engine/runtime/offload.py): saved activations wait in host memory, the
+"""Activation offload (engine/runtime/stage/offload.py): saved activations wait in host memory, the
 weights a forward saved stay where they are, and every schedule's results are bit for bit
 those without offload, with every recomputation mode and autocast."""
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import engine.schedule as schedule_ir
 from engine import Pipeline
-from engine.runtime.program import OP_NAMES, StepCompiler
+from engine.runtime.exec.program import OP_NAMES, StepCompiler
 from engine.schedule import Kind, stage_actions, truncate
 from engine.schedule.spec import resolve_schedule
 

@@ -1,4 +1,4 @@
-"""``stats()["throughput"]`` (engine/runtime/throughput.py) and the CLI's progress line: step
+"""``stats()["throughput"]`` (engine/runtime/state/throughput.py) and the CLI's progress line: step
 time, samples/s, tokens/s for token ids, the measured bubble next to the modelled one."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from engine import Pipeline
-from engine.runtime.throughput import batch_size
+from engine.runtime.state.throughput import batch_size
 
 REPO = Path(__file__).resolve().parents[1]
 

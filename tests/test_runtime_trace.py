@@ -1,4 +1,4 @@
-"""``pipe.trace(path)`` (engine/runtime/trace.py): a Chrome/Perfetto trace-event file of the
+"""``pipe.trace(path)`` (engine/runtime/stage/trace.py): a Chrome/Perfetto trace-event file of the
 executed actions, valid against the Trace Event Format, with one event per action of the
 run's own action log, named as the profiler labels, and results unchanged by tracing."""
 
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from engine import Pipeline
-from engine.runtime import trace as trace_mod
-from engine.runtime.trace import validate_trace_events
+from engine.runtime.stage import trace as trace_mod
+from engine.runtime.stage.trace import validate_trace_events
 
 D, M = 4, 4
 

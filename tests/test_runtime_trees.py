@@ -21,7 +21,7 @@ from torch import nn
 
 from engine import Pipeline
 from engine.errors import PipelineInputError, ShapeAgreementError
-from engine.runtime import trees
+from engine.runtime.stage import trees
 from engine.testing import Probe
 
 D, T, VOCAB = 6, 5, 13
@@ -169,7 +169,7 @@ def test_only_leaves_that_require_grad_carry_gradients(monkeypatch) -> None:
     """Integer ids and masks and the no-grad float bias travel without gradients: a stage's
     input leaves require grad exactly where the producer's output did, and its backward sends
     one gradient per such leaf (here only the hidden state's)."""
-    from engine.runtime.stage import Stage
+    from engine.runtime.stage.stage import Stage
 
     sent: dict[int, list[int]] = {}
     finish = Stage.finish_backward
@@ -348,7 +348,7 @@ def test_the_wire_signature_names_what_changed() -> None:
     assert "['h'] does not require grad" in sig.mismatch({**ok, "h": h.detach()})
     assert "instead of the agreed structure" in sig.mismatch((h, ok["mask"], 2))
     assert sig.grad_mismatch([torch.zeros(2, 3)]) == "" and "2 gradients instead of 1" in sig.grad_mismatch([h, h])
-    from engine.runtime.transport.p2p import P2PTransport
+    from engine.runtime.dist.transport.p2p import P2PTransport
 
     tp = P2PTransport("gloo", 0, [0, 1], None, torch.device("cpu"), 5.0)
     tp._agree("act", "send", sig)

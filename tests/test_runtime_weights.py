@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from engine.arena import flatten_
-from engine.runtime import labels
-from engine.runtime.saved_weights import SavedWeights
-from engine.runtime.weight_store import LIVE, WeightStore
+from engine.runtime.stage import labels
+from engine.runtime.stage.saved_weights import SavedWeights
+from engine.runtime.stage.weight_store import LIVE, WeightStore
 from engine.testing import Probe
 
 

@@ -154,9 +154,9 @@ def test_the_recording_backend_counts_what_cuda_does() -> None:
 
 def test_stage_streams_are_off_by_default_on_one_gpu() -> None:
     """The default follows the last measurement (H100, pb batch 1: streams off 1.9x faster;
-    engine.runtime.streams.default_stage_streams): off, except for l2_persistence, whose
+    engine.runtime.exec.streams.default_stage_streams): off, except for l2_persistence, whose
     windows live on stage streams."""
-    from engine.runtime.streams import default_stage_streams
+    from engine.runtime.exec.streams import default_stage_streams
 
     assert default_stage_streams(on_cuda=True, l2=False) is False
     assert default_stage_streams(on_cuda=True, l2=True) is True
@@ -225,7 +225,7 @@ def test_captured_windows_with_stage_streams_are_fork_joins(schedule: str, monke
     """cuda_graphs="program" with stage streams (issue 23 item 2): each captured window forks
     every stage stream from the caller's stream and joins it back; its waits between stages
     are the hand-offs (test above); results equal the pipeline without streams bit for bit."""
-    from engine.runtime import capture as capture_mod
+    from engine.runtime.exec import capture as capture_mod
     from engine.testing.capture_audit import _reference_optimizer
     from engine.testing.graph_twin import RecordingTwin, TapeTwin
 

@@ -35,7 +35,7 @@ from engine.cli import CLIError
 from engine.mitigations import WEIGHT_PREDICTIONS
 from engine.schedule.catalog import FAMILIES, SYNCHRONOUS, Family, family
 from engine.schedule.catalog import SCHEDULES as _CATALOG
-from engine.runtime.config import DEFAULT_CHECKPOINT
+from engine.runtime.build.config import DEFAULT_CHECKPOINT
 
 __all__ = [
     "SCHEDULES",

@@ -139,7 +139,7 @@ def build_pipeline(
     from engine.schedule.catalog import family
 
     torch.manual_seed(cfg.seed)
-    if cfg.task == "lm":  # tied head on every schedule (asynchronous ones: runtime/tie_carry.py)
+    if cfg.task == "lm":  # tied head on every schedule (asynchronous ones: runtime/build/tie_carry.py)
         seq = gpt(num_classes, num_features, cfg.layers, cfg.width, tie=True).to(cfg.device)
     else:
         seq = residual_mlp(num_features, num_classes, cfg.layers, cfg.width).to(cfg.device)
@@ -206,7 +206,7 @@ def activation_bytes(modules: list[Any], x: Any) -> list[int]:
     """
     import torch
 
-    from engine.runtime.trees import call, map_tensors, tensors
+    from engine.runtime.stage.trees import call, map_tensors, tensors
 
     out = []
     h = x
@@ -235,7 +235,7 @@ def evaluate(modules: list[Any], x: Any, y: Any) -> tuple[float, float]:
     """(mean cross-entropy, accuracy) of the stages run in sequence on (x, y), no grad."""
     import torch
 
-    from engine.runtime.trees import call
+    from engine.runtime.stage.trees import call
 
     modes = [m.training for m in modules]
     try:

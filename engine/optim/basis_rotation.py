@@ -8,7 +8,7 @@ gradient covariances G G^T and G^T G (SOAP's machinery), refreshed every T steps
 rotation is matrix work (eigh, QR, matmuls per weight matrix), not an elementwise sweep of a
 flat buffer, so this optimizer is a plain ``torch.optim.Optimizer`` over per-matrix tensors:
 the pipeline runtime hands plain torch optimizers its arena's per-parameter views and steps
-them through ``step()`` (``engine.runtime.optim_bridge``), with no fused or flat path.
+them through ``step()`` (``engine.runtime.stage.optim_bridge``), with no fused or flat path.
 
 2-D parameters (``rotate`` on, both sides at most ``max_dim``) take the rotated update;
 every other parameter (1-D, larger matrices, complex, zero-size, ``rotate=False`` groups)

@@ -1,21 +1,21 @@
 """Pipeline runtime: compiled step programs run over stages, weight stores and transports.
 
-Files, one concept each: ``config`` (option validation and resolution), ``build`` (stage
-modules, weight stores, optimizers), ``program`` (a schedule's steps compiled once),
-``protocol`` (what a step is: segments, the synchronous commit and its rollback point,
-Ctrl-C, the non-finite policy, notes), ``executor`` (its runner in one process: every stage's
-actions in merged order), ``lane`` (its runner on one rank: the rank's lane, abort and
-dropped frames), ``failures`` (the outcomes an exception's note names), ``stage``
-(F/B/U on one stage), ``weight_store`` (live weights, retired versions, the transient),
-``saved_weights`` (which weights autograd's saved tensors read at the backward), ``policy``
-(which weights F and B read), ``optim_bridge`` (what the runtime asks of a stage
-optimizer), ``stash`` (activations between F and B), ``streams`` (CUDA streams and their
-CPU stand-in), ``inputs`` (micro-batch split and the dry-run check), ``clock`` (bubble
-fractions), ``labels`` (profiler labels, the current action), ``state`` (state dicts),
-``distributed`` (handshake, loss sharing, data-parallel all-reduce), ``transport/`` (local
-hand-offs, gloo/NCCL point-to-point, the replica x stage layout), ``parts`` (what a builder
-returns and the facade holds), ``assemble`` (``build_local``), ``rank_build`` (``build_rank``),
-``rank`` (a rank's executor), ``pipeline`` (the facade: nothing in runtime/ imports it).
+The runtime is five wings (sub-packages) and three modules at the top, on floors: a file
+imports its own room and the rooms below it, never one above, and nothing imports the facade
+``pipeline`` (tests/test_layout.py checks both, type-only imports included).
+
+- floor 7, ``pipeline``: ``engine.Pipeline``: train a model split into stages with any schedule
+  of ALGORITHMS.md
+- floor 6, ``dist/``: One process per stage (gloo/NCCL) (dist/__init__.py names each file)
+- floor 6, ``state/``: What a built pipeline saves and reports (state/__init__.py names each
+  file)
+- floor 5, ``assemble``: Assembling a pipeline from its stage modules: :func:`build_local` and
+  the steps it shares with :func:`~engine.runtime.dist.rank_build.build_rank`
+- floor 4, ``parts``: What a pipeline is made of: the builders' input (:class:`BuildRequest`)
+  and output (:class:`PipelineParts`)
+- floor 3, ``build/``: Building the pieces (build/__init__.py names each file)
+- floor 2, ``exec/``: Running steps (exec/__init__.py names each file)
+- floor 1, ``stage/``: One stage (stage/__init__.py names each file)
 """
 
 from __future__ import annotations

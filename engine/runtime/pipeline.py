@@ -3,7 +3,7 @@
 This is the facade users meet. It validates the configuration (every invalid combination
 fails here, before any weight exists in a pipeline; :mod:`config`) and calls one builder --
 :func:`~engine.runtime.assemble.build_local` or, under gloo/NCCL,
-:func:`~engine.runtime.rank_build.build_rank` -- which resolves the schedule once (a built-in
+:func:`~engine.runtime.dist.rank_build.build_rank` -- which resolves the schedule once (a built-in
 family or a user's program; :mod:`engine.schedule.spec`), builds one Stage per module with its
 own optimizer over a flat weight arena (:mod:`build`), derives each stage's delay D_s by
 simulating the schedule and writes it into the optimizer's param groups, and returns the
@@ -28,21 +28,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from engine.runtime import inputs as _inputs
-from engine.runtime.amp import check_scaler_state
-from engine.runtime.config import DEFAULT_CHECKPOINT, PipelineConfig, check_options
+from engine.runtime.stage import inputs as _inputs
+from engine.runtime.stage.amp import check_scaler_state
+from engine.runtime.build.config import DEFAULT_CHECKPOINT, PipelineConfig, check_options
 from engine.runtime.parts import BuildRequest, PipelineParts
-from engine.runtime.step_features import StepFeatures, check_step_features
-from engine.runtime.throughput import StepMeter, batch_size
+from engine.runtime.build.step_features import StepFeatures, check_step_features
+from engine.runtime.state.throughput import StepMeter, batch_size
 from engine.schedule.catalog import FAMILIES
 from engine.schedule.spec import ScheduleSpec
 
 if TYPE_CHECKING:
-    from engine.runtime.capture import ProgramCapture
-    from engine.runtime.executor import Executor
-    from engine.runtime.l2 import L2State
-    from engine.runtime.stage import Stage
-    from engine.runtime.streams import StageStreams
+    from engine.runtime.exec.capture import ProgramCapture
+    from engine.runtime.exec.executor import Executor
+    from engine.runtime.build.l2 import L2State
+    from engine.runtime.stage.stage import Stage
+    from engine.runtime.exec.streams import StageStreams
 
 __all__ = ["Pipeline"]
 
@@ -56,8 +56,8 @@ class Pipeline:
             materialises the whole model), or an ``nn.Sequential`` with ``balance``. A
             parameter (or module) shared by several stages is a tie (``pipe.ties``):
             synchronous schedules give later holders a copy, kept equal by summing the
-            holders' gradients before each update (engine/runtime/ties.py); asynchronous
-            ones carry the owner's value to the later holders (runtime/tie_carry.py).
+            holders' gradients before each update (engine/runtime/build/ties.py); asynchronous
+            ones carry the owner's value to the later holders (runtime/build/tie_carry.py).
 
             What passes between stages: a stage returns a tensor or a tree -- tuples, lists
             and dicts of tensors, nested, with constant leaves (None, numbers, strings) allowed
@@ -66,7 +66,7 @@ class Pipeline:
             (``module(**out)``), anything else (a tensor, a list) as one argument. A tensor
             leaf carries a gradient back only when it requires grad at the producer; masks,
             integer ids and other tensors that need no gradient travel with the activations
-            (engine/runtime/trees.py).
+            (engine/runtime/stage/trees.py).
         schedule: a family name -- "naive", "gpipe", "1f1b" (synchronous: gradients equal an
             unpipelined model's), "pipedream" (weight stashing), "2bw" (double buffering) or
             "pb" (pipelined backprop with live weights), "interleaved" (with
@@ -113,10 +113,10 @@ class Pipeline:
         timeout: seconds any wait on another rank may take (gloo/NCCL).
         cuda_streams: local transport: one CUDA stream per stage with event hand-offs, so
             stages overlap on one GPU. None (default): off (measured 1.9x slower for pb at
-            batch 1 on an H100: engine.runtime.streams.default_stage_streams), except with
+            batch 1 on an H100: engine.runtime.exec.streams.default_stage_streams), except with
             ``l2_persistence``.
         deferred_batch_norm: replace every BatchNorm by a
-            :class:`~engine.runtime.batch_norm.DeferredBatchNorm`: each micro-batch is still
+            :class:`~engine.runtime.build.batch_norm.DeferredBatchNorm`: each micro-batch is still
             normalised with its own statistics, but the running statistics are updated once
             per mini-batch, from all M micro-batches, as an unpipelined model's with the same
             batch. Off: each micro-batch updates them (recomputation never counts twice).
@@ -133,21 +133,21 @@ class Pipeline:
         virtual_stages: v for ``schedule="interleaved"`` (interleaved 1F1B, synchronous):
             the stage modules are the ranks*v virtual stages, rank r running r, r+ranks, ...
             in Megatron's order. Under gloo/NCCL one process per rank (R = stages / v
-            processes per replica) holds its v stages (engine/runtime/virtual.py).
+            processes per replica) holds its v stages (engine/runtime/dist/virtual.py).
         cuda_graphs: False; ``"optimizer"`` (or True): each stage's optimizer step replayed
-            from a CUDA graph (runtime/graphs.py); ``"program"``: whole synchronous steps per
-            batch shape (runtime/capture.py; ``stats()["capture"]`` says what ran eagerly and
+            from a CUDA graph (runtime/stage/graphs.py); ``"program"``: whole synchronous steps per
+            batch shape (runtime/exec/capture.py; ``stats()["capture"]`` says what ran eagerly and
             why). engine.optim's fused SGD/Adam/AdamW/NAdam on CUDA; refused otherwise.
         clip_grad_norm: ``max_norm`` of ``torch.nn.utils.clip_grad_norm_`` (``clip_norm_type``
             its p): synchronous schedules clip by the global norm over all stages and replicas,
-            asynchronous ones each stage's update group by its own (runtime/clipping.py).
+            asynchronous ones each stage's update group by its own (runtime/exec/clipping.py).
         autocast: ``torch.bfloat16``/``float16``: stage functions under ``torch.autocast``,
-            weights float32; float16 adds loss scaling (``grad_scaler``; runtime/amp.py).
-        offload_activations: saved activations wait in host memory (runtime/offload.py).
+            weights float32; float16 adds loss scaling (``grad_scaler``; runtime/stage/amp.py).
+        offload_activations: saved activations wait in host memory (runtime/stage/offload.py).
         ties: ties between factory-built stages (which cannot share a parameter object), e.g.
             ``[["0:tok.weight", "3:head.weight"]]``: checked at build, trained as an object tie
-            (runtime/ties.py).
-        mesh: a DeviceMesh with dims pp, dp, tp (gloo/NCCL; tensor parallelism: runtime/mesh.py).
+            (runtime/build/ties.py).
+        mesh: a DeviceMesh with dims pp, dp, tp (gloo/NCCL; tensor parallelism: runtime/dist/mesh.py).
     """
 
     def __init__(
@@ -215,7 +215,7 @@ class Pipeline:
             mesh=mesh,
         )
         if config.distributed:
-            from engine.runtime.rank_build import build_rank
+            from engine.runtime.dist.rank_build import build_rank
 
             self.parts: PipelineParts = build_rank(request)
         else:
@@ -378,7 +378,7 @@ class Pipeline:
         the device (engine.optim optimizers only; synchronous schedules: as ``"skip"``);
         ``stats()`` counts them.
 
-        Any other exception inside the step: see :mod:`engine.runtime.executor` (synchronous
+        Any other exception inside the step: see :mod:`engine.runtime.exec.executor` (synchronous
         steps roll back; asynchronous ones stop at an action boundary, dropping the micro-batch
         whose forward or backward raised). The exception carries a note saying which.
         """
@@ -389,7 +389,7 @@ class Pipeline:
 
     def _step(self, inputs: Any, targets: Any) -> Tensor:
         if self.config.distributed:
-            from engine.runtime.rank_step import rank_step
+            from engine.runtime.dist.rank_step import rank_step
 
             return rank_step(self.parts, inputs, targets)
         xs, ts, sizes = _inputs.split(inputs, targets, self.spec.chunks)
@@ -407,9 +407,9 @@ class Pipeline:
 
     def trace(self, path: str | os.PathLike[str]) -> contextlib.AbstractContextManager[Any]:
         """``with pipe.trace("run.json"): ...``: record every action run inside the block and
-        write a Chrome/Perfetto trace-event file at its end (engine/runtime/trace.py). Under
+        write a Chrome/Perfetto trace-event file at its end (engine/runtime/stage/trace.py). Under
         gloo/NCCL every rank enters the block; rank 0 writes one file for all ranks."""
-        from engine.runtime.trace import trace
+        from engine.runtime.stage.trace import trace
 
         p = self.parts
         rank = p.layout.rank if p.layout is not None else None
@@ -427,7 +427,7 @@ class Pipeline:
         as if ``evaluate`` had not been called. Under gloo/NCCL every rank calls it (stage 0
         reads ``inputs``) and every rank gets the outputs. With ``autocast=`` every stage runs
         under the same autocast state as in a step."""
-        from engine.runtime.evaluation import evaluate
+        from engine.runtime.state.evaluation import evaluate
 
         return evaluate(self.parts, inputs, chunks)
 
@@ -451,8 +451,8 @@ class Pipeline:
 
     def stats(self) -> dict[str, Any]:
         """Per-stage facts measured by the engine's own clock and counters; each key is
-        described in :func:`engine.runtime.pipeline_stats.pipeline_stats`."""
-        from engine.runtime.pipeline_stats import pipeline_stats
+        described in :func:`engine.runtime.state.pipeline_stats.pipeline_stats`."""
+        from engine.runtime.state.pipeline_stats import pipeline_stats
 
         return pipeline_stats(self.parts, self._meter)
 
@@ -470,8 +470,8 @@ class Pipeline:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume bit-identically; micro-batches in flight are saved and
-        rebuilt on load (engine.runtime.inflight says when that is possible)."""
-        from engine.runtime.state import pipeline_state_dict
+        rebuilt on load (engine.runtime.state.inflight says when that is possible)."""
+        from engine.runtime.state.state import pipeline_state_dict
 
         state = pipeline_state_dict(self.parts)
         if self._executor.loss_scaler is not None:  # float16: the scale and its growth tracker
@@ -482,7 +482,7 @@ class Pipeline:
         """Load ``state_dict()`` output; validated completely before anything changes. The
         stage optimizers must have the checkpoint's hyper-parameters unless
         ``override_hyperparameters`` (then the checkpoint's values win, as torch's)."""
-        from engine.runtime.state import load_pipeline_state_dict
+        from engine.runtime.state.state import load_pipeline_state_dict
 
         scaler = self._executor.loss_scaler
         check_scaler_state(scaler, state)  # (float16's scale: before anything changes)

@@ -205,7 +205,7 @@ class Recorder(TorchDispatchMode):
 class KeepingRecorder(Recorder):
     """A :class:`Recorder` that also keeps the fresh outputs of the calls it records (strong
     references, in ``kept``; :meth:`tensor` reads one): a captured asynchronous window's ring
-    slots are such tensors (engine.runtime.capture_async). Keeping them changes what autograd
+    slots are such tensors (engine.runtime.exec.capture_async). Keeping them changes what autograd
     does inside the window (it accumulates a gradient in place only into a buffer nobody else
     holds: ``add_`` becomes ``add``), so windows are only comparable when recorded under the
     same keeping."""

@@ -1,7 +1,7 @@
 """A CPU stand-in for ``torch.cuda.CUDAGraph`` that checks what a replay would get wrong.
 
 Why: ``Pipeline(cuda_graphs="program")`` captures whole steps; CI has no GPU. The twin
-implements the capture backend protocol of :mod:`engine.runtime.capture`: ``capture(window)``
+implements the capture backend protocol of :mod:`engine.runtime.exec.capture`: ``capture(window)``
 runs the window once under a dispatch recorder (the recording), and every ``replay()`` runs
 the window's Python again under a recorder and compares the two recordings with the capture
 audit's checks (:func:`engine.testing.capture_audit.compare_recordings`): the same aten calls

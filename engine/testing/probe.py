@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from engine.runtime import labels
+from engine.runtime.stage import labels
 
 __all__ = ["Probe"]
 

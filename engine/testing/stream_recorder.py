@@ -2,12 +2,12 @@
 is counted on a CPU.
 
 Why: on one GPU every stage has its own stream, and every hand-off between stages is ordered
-by an event (engine/runtime/streams.py). What that costs per step -- event records, waits,
+by an event (engine/runtime/exec/streams.py). What that costs per step -- event records, waits,
 tensors handed to the caching allocator with ``record_stream`` (each one makes the allocator
 record an event when the tensor is freed and poll it with ``cudaEventQuery`` before reusing
 the block) -- was only visible in a GPU profile (issue 23: 128 records, 128 waits, 120
 queries per pb step). :class:`RecordingBackend` has the methods of
-:class:`~engine.runtime.streams.CUDABackend`; a :class:`~engine.runtime.streams.StageStreams`
+:class:`~engine.runtime.exec.streams.CUDABackend`; a :class:`~engine.runtime.exec.streams.StageStreams`
 built on it runs the real stream logic (same code, same calls) with counters instead of CUDA,
 so a CPU test can hold every step to exactly the schedule's cross-stage dependencies.
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.runtime.streams import StageStreams
+from engine.runtime.exec.streams import StageStreams
 
 __all__ = ["FakeEvent", "FakeStream", "RecordingBackend", "recording_streams"]
 
@@ -90,7 +90,7 @@ class FakeStream:
 
 
 class RecordingBackend:
-    """The methods of :class:`~engine.runtime.streams.CUDABackend`, counting instead of
+    """The methods of :class:`~engine.runtime.exec.streams.CUDABackend`, counting instead of
     calling CUDA. ``waits`` lists (waiting stream, stream the event was recorded on)."""
 
     def __init__(self) -> None:

@@ -1,0 +1,151 @@
+"""The training features layered on a pipeline's step: clipping, mixed precision, offload.
+
+Why a module: ``Pipeline(clip_grad_norm=..., autocast=..., offload_activations=...)`` are
+options of *how a step trains*, independent of the schedule and transport. They are validated
+here, before any weight exists (:func:`check_step_features`), and attached to the built stages
+and executor in one place (:func:`attach`), for the local and the multi-process runtime alike.
+The concepts live in their own modules: :mod:`~engine.runtime.exec.clipping`,
+:mod:`~engine.runtime.stage.amp`, :mod:`~engine.runtime.stage.offload`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.errors import PipelineConfigError
+from engine.runtime.stage.amp import LossScaler, check_grad_scaler
+from engine.runtime.exec.clipping import GradClipper, check_clip_options
+
+__all__ = ["StepFeatures", "check_step_features", "attach"]
+
+AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """Validated options (see ``Pipeline``)."""
+
+    clip_grad_norm: float | None = None
+    clip_norm_type: float = 2.0
+    autocast: torch.dtype | None = None
+    grad_scaler: dict[str, Any] = field(default_factory=dict)
+    offload_activations: bool = False
+
+    def describe(self) -> dict[str, Any]:
+        """What every rank must agree on (engine.runtime.dist.agreement)."""
+        return {
+            "clip_grad_norm": self.clip_grad_norm,
+            "clip_norm_type": self.clip_norm_type,
+            "autocast": str(self.autocast),
+            "grad_scaler": sorted(self.grad_scaler.items()),
+            "offload_activations": self.offload_activations,
+        }
+
+
+def check_step_features(
+    *,
+    clip_grad_norm: object,
+    clip_norm_type: object,
+    autocast: object,
+    grad_scaler: object,
+    offload_activations: object,
+) -> StepFeatures:
+    max_norm, norm_type = check_clip_options(clip_grad_norm, clip_norm_type)
+    if autocast is not None and autocast not in AUTOCAST_DTYPES:
+        raise PipelineConfigError(
+            f"autocast={autocast!r}: pass torch.bfloat16, torch.float16 or None (weights stay "
+            "float32 in the arena; each stage's forward runs under torch.autocast)"
+        )
+    scaler = check_grad_scaler(grad_scaler, autocast)  # type: ignore[arg-type]
+    if not isinstance(offload_activations, bool):
+        raise PipelineConfigError(
+            f"offload_activations={offload_activations!r} must be True or False"
+        )
+    return StepFeatures(max_norm, norm_type, autocast, scaler, offload_activations)  # type: ignore[arg-type]
+
+
+def attach(
+    feats: StepFeatures, ex: Any, stages: list[Any], spec: Any, device: torch.device,
+    ties: Any = None, group: Any = None,
+) -> None:
+    """Attach the features to the built ``stages`` and their executor ``ex`` (at the end of
+    the build; under gloo/NCCL with the pipeline's process ``group``, after the rank executor
+    exists). ``device``: the pipeline's; ``ties``: its tie groups (clipping counts a tie once)."""
+    clipper = None
+    if feats.clip_grad_norm is not None:
+        clipper = GradClipper(
+            feats.clip_grad_norm, feats.clip_norm_type, stages, spec.synchronous, ties,
+        )
+        if group is not None:
+            clipper.connect(group, spec.stages, device)
+    ex.clipper = clipper
+    for st in stages:
+        st.clipper = clipper
+    if feats.offload_activations:
+        _attach_offload(stages, spec, device)
+    if feats.autocast is None:
+        return
+    for st in stages:  # each stage's own device (a local pipeline may span devices)
+        dev = st.store.params[0].device if st.store.params else device
+        st.autocast = (feats.autocast, dev.type)
+    if feats.autocast is not torch.float16:
+        return
+    sync = spec.synchronous
+    if not sync:
+        _check_async_optimizers(stages, spec)
+        if spec.split_backward:
+            raise PipelineConfigError(
+                f"autocast=torch.float16 with {spec.describe()}: an asynchronous program "
+                "that splits backwards into B and W could apply a micro-batch's weight gradient "
+                "in an update group other than its B's, under another loss scale (amp.py); "
+                "use autocast=torch.bfloat16 or a program without split backwards"
+            )
+    scaler = LossScaler(feats.grad_scaler, device, synchronous=sync)
+    scaler.group = group
+    ex.loss_scaler = scaler
+    for st in stages:
+        st.loss_scaler = scaler
+        if st.bridge is None or not st.bridge.is_engine:
+            continue
+        if sync:  # GradScaler's protocol: the optimizer skips its whole update on the device
+            dev = st.store.params[0].device if st.store.params else device
+            st.bridge.opt.found_inf = scaler.found_inf_on(dev)
+        elif st.bridge.skip is None:  # the device flags take each update group's found_inf
+            st.bridge.enable_skip_flags()
+    if not sync:  # one GradScaler state per stage; gradients carry their scale (amp.py)
+        for st in stages:
+            scaler.add_stage(st)
+        for tp in getattr(ex, "transports", {}).values():
+            tp.scales = True
+            ex.carry_scales = True
+
+
+def _check_async_optimizers(stages: list[Any], spec: Any) -> None:
+    for st in stages:
+        b = st.bridge
+        if b is not None and b.opt is not None and not b.is_engine:
+            raise PipelineConfigError(
+                f"autocast=torch.float16 with {spec.describe()}: stage {st.index}'s "
+                f"optimizer is a {type(b.opt).__module__}.{type(b.opt).__qualname__}, which takes "
+                "no found_inf to skip an overflowing update group on the device; use an "
+                "engine.optim optimizer, autocast=torch.bfloat16, or a synchronous schedule"
+            )
+
+
+def _attach_offload(stages: list[Any], spec: Any, device: torch.device) -> None:
+    from engine.runtime.stage.offload import ActivationOffload
+
+    for st in stages:
+        if st.remaps_saved:
+            raise PipelineConfigError(
+                f"offload_activations with {spec.describe()}: stage {st.index}'s backward "
+                "re-points the weights its forward saved at another buffer (weight prediction "
+                "or PipeMare T2 without recomputation), through saved-tensor hooks that "
+                "offload would replace. Use checkpoint='always' for those stages (nothing to "
+                "offload then) or drop offload_activations."
+            )
+    for st in stages:
+        st.offload = ActivationOffload(st.module, pin=device.type == "cuda")

@@ -1,0 +1,59 @@
+"""Ctrl-C inside a step, delivered at the next action boundary.
+
+Why: a KeyboardInterrupt raised in the middle of an optimizer step leaves a stage half
+updated (weights moved, momentum not), and one raised between two bookkeeping statements of
+the runtime leaves it inconsistent. While a step or a flush runs (main thread only; other
+threads never receive SIGINT), the first Ctrl-C only sets a flag; the executor checks it
+between actions and raises KeyboardInterrupt there, where everything is consistent. A second
+Ctrl-C while one is pending interrupts at once (for a stage that never returns), with the
+in-action semantics of :mod:`engine.runtime.exec.executor`. If the program installed its own SIGINT
+handler, it is left alone.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["Interrupts"]
+
+
+class Interrupts:
+    """Defers Ctrl-C to the executor's next action boundary (main thread only); a second
+    Ctrl-C while one is pending interrupts at once."""
+
+    def __init__(self) -> None:
+        self.pending = False
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        try:
+            previous = signal.getsignal(signal.SIGINT)
+        except ValueError:  # pragma: no cover - no signals here
+            yield
+            return
+        if previous is not signal.default_int_handler:
+            yield  # someone else handles SIGINT: leave it to them
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            if self.pending:
+                raise KeyboardInterrupt
+            self.pending = True
+
+        signal.signal(signal.SIGINT, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def check(self) -> None:
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt

@@ -1,0 +1,165 @@
+"""Per-stage streams: CUDA streams on a GPU, a do-nothing stand-in on the CPU.
+
+Why a stand-in (as torchgpipe's ``CPUStream``): on one GPU every stage gets its own CUDA
+stream so that stages overlap, and hand-offs between stages are ordered with events. The
+code that does this is on every action's path; with a CPU stand-in that has the same
+interface, the very same code runs in CPU CI (where the stand-in's operations are no-ops),
+instead of a CUDA-only branch that only a GPU machine ever executes.
+
+:class:`StageStreams` holds one stream per local stage and offers exactly what the executor
+needs: run on a stage's stream, hand a tensor from one stage's stream to another's, make the
+stages wait for the caller's stream (inputs, weights written by the caller) and the caller
+wait for the stages (before it reads losses or weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from engine.runtime.stage import trees
+
+__all__ = ["CPUStream", "CPU_STREAM", "CUDABackend", "StageStreams", "default_stage_streams"]
+
+
+class CPUStream:
+    """The stream of a CPU stage: work runs in program order, nothing to synchronise."""
+
+    def __repr__(self) -> str:
+        return "CPUStream"
+
+
+CPU_STREAM = CPUStream()
+
+
+def default_stage_streams(on_cuda: bool, l2: bool) -> bool:
+    """Whether ``cuda_streams=None`` gives each stage a stream of its own: only for
+    ``l2_persistence`` (each stage's L2 window lives on its stage stream).
+
+    Why off, decided by the last measurement (one H100, ../shared/GPU-H100.md, issue 23):
+    pb batch-1 (S=8, M=8, SC+LWP) took 134.7 ms a step with stage streams and 71.0 ms
+    without (1.9x; GPU busy 22% vs 29%): at batch 1 the kernels are too short for stages to
+    overlap, and each hand-off costs an event record, a stream wait and, through
+    ``record_stream``, an allocator event polled with ``cudaEventQuery``. The one case where
+    streams won, 1f1b on 8 x Linear(4096) at batch 512, won by 4% (19.9 vs 20.8 ms). Stages
+    that run concurrently pay inside a captured graph (``cuda_graphs="program"``, issue 23
+    item 2), not as eager streams; ``cuda_streams=True`` still turns them on."""
+    return on_cuda and l2
+_NULL = contextlib.nullcontext()
+
+
+class CUDABackend:
+    """The CUDA calls :class:`StageStreams` makes, in one place: a recording fake with the same
+    methods (engine.testing.stream_recorder) runs the very same stream logic on a CPU and
+    counts every event record, wait and allocator hand-over per step."""
+
+    def stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device=device)
+
+    def current(self, device: torch.device | None) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def event(self) -> Any:
+        return torch.cuda.Event()
+
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def record_stream(self, tensor: Tensor, stream: Any) -> None:
+        """Tell the caching allocator ``tensor`` is used on ``stream`` (on free it records an
+        event there and polls it before reusing the block)."""
+        if tensor.is_cuda:
+            tensor.record_stream(stream)
+
+
+class StageStreams:
+    """One stream per stage index; ``cuda`` selects real CUDA streams (all on ``device``).
+
+    ``backend``: where streams and events come from (default: CUDA when ``device`` is a CUDA
+    device, else none: the CPU stand-in, every method a no-op). ``separate`` is True when
+    stages have streams of their own, so each action runs on its stage's stream and every
+    hand-off between stages carries an event."""
+
+    def __init__(
+        self, stages: Iterable[int], device: torch.device | None = None, backend: Any = None
+    ) -> None:
+        self.cuda = device is not None and device.type == "cuda"
+        self.device = device
+        if backend is None and self.cuda:
+            backend = CUDABackend()
+        self.backend = backend
+        self.separate = backend is not None
+        if backend is not None:
+            self.streams: dict[int, Any] = {s: backend.stream(device) for s in stages}
+        else:
+            self.streams = dict.fromkeys(stages, CPU_STREAM)
+
+    def on(self, stage: int) -> contextlib.AbstractContextManager[Any]:
+        """Enqueue the block's work on ``stage``'s stream."""
+        if not self.separate:
+            return _NULL
+        return self.backend.use(self.streams[stage])
+
+    def record(self, stage: int) -> Any:
+        """An event marking the work enqueued so far on ``stage``'s stream (None on CPU)."""
+        if not self.separate:
+            return None
+        ev = self.backend.event()
+        ev.record(self.streams[stage])
+        return ev
+
+    def wait(self, stage: int, event: Any, tensor: Any = None) -> None:
+        """Make ``stage``'s stream wait for ``event`` before using ``tensor`` (produced on
+        another stream); the caching allocator is told the tensor is used here."""
+        if not self.separate or event is None:
+            return
+        stream = self.streams[stage]
+        stream.wait_event(event)
+        for t in _tensors(tensor):
+            self.backend.record_stream(t, stream)
+
+    def wait_caller(self) -> None:
+        """Every stage stream starts after the work the caller's stream enqueued so far
+        (inputs, weights the caller wrote, e.g. load_state_dict): one event on the caller's
+        stream, waited for by each stage (``wait_stream`` would record one per stage)."""
+        if not self.separate:
+            return
+        ev = self.backend.event()
+        ev.record(self.backend.current(self.device))
+        for stream in self.streams.values():
+            stream.wait_event(ev)
+
+    def join(self) -> None:
+        """The caller's stream waits for every stage stream (before it reads results)."""
+        if not self.separate:
+            return
+        caller = self.backend.current(self.device)
+        for stream in self.streams.values():
+            caller.wait_stream(stream)
+
+    def to_caller(self, tensor: Any) -> None:
+        """``tensor`` (allocated on a stage stream) is read on the caller's stream."""
+        if self.separate and isinstance(tensor, Tensor):
+            self.backend.record_stream(tensor, self.backend.current(self.device))
+
+    def from_caller(self, tensors: Iterable[Any], stages: Iterable[int]) -> None:
+        """Inputs made on the caller's stream are read on ``stages``' streams."""
+        if not self.separate:
+            return
+        flat = [t for x in tensors for t in _tensors(x)]
+        for s in stages:
+            for t in flat:
+                self.backend.record_stream(t, self.streams[s])
+
+
+def _tensors(x: Any) -> list[Tensor]:
+    """The tensors of an activation, a gradient (list) or an input tree."""
+    if isinstance(x, Tensor):
+        return [x]
+    if x is None:
+        return []
+    return trees.tensors(x)

@@ -1,0 +1,19 @@
+"""What a built pipeline saves and reports: runtime/state/, floor 6 of engine/runtime/.
+
+Why a wing: state dicts, the in-flight state of an unflushed pipeline, forward-only evaluation,
+stats() and throughput. They take PipelineParts (runtime/parts.py), never the facade.
+
+Its files may import each other and the rooms below: stage/, exec/, build/, parts.py,
+assemble.py; never a room above (tests/test_layout.py, RUNTIME_FLOORS).
+
+Files:
+
+- ``evaluation``: Forward-only evaluation through a pipeline: ``Pipeline.evaluate``.
+- ``inflight``: In-flight state of an unflushed asynchronous pipeline: saved with its state
+  dict, rebuilt on load, so that save at step k + load + continue equals the never-interrupted
+  run bit for bit.
+- ``pipeline_stats``: ``Pipeline.stats()``: the facts a run reports, gathered in one place.
+- ``state``: Pipeline state dicts: everything needed to resume bit-identically.
+- ``throughput``: Throughput of a pipeline as the user sees it: step time, samples/s, tokens/s,
+  and the measured bubble next to the modelled one (``stats()["throughput"]``).
+"""
