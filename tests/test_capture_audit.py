@@ -91,7 +91,7 @@ def expected(schedule: str, mitigation: str) -> tuple[set[str], dict[str, int]]:
         # a synchronous window is a whole step: only the user's batch comes from outside;
         # the one host read is the loss check before the update phase (on_nonfinite, also
         # "skip_update", which acts as "skip" on synchronous schedules)
-        return {INPUT}, {"engine/runtime/exec/executor.py:_take_losses": 1}
+        return {INPUT}, {"engine/runtime/exec/protocol.py:_take_losses": 1}
     moved = {INPUT, EARLIER_INPUT, CARRIED, BEFORE}
     if fam.weights != "live":
         moved.add(ROTATE)  # stashed versions / 2BW's double buffer live in rotating slots
