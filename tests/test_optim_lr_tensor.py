@@ -37,9 +37,9 @@ def _model(dtype: torch.dtype) -> nn.Module:
 
 
 def _steps(model, opt, sched, dtype, n=4, record=None):
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator(device="cpu").manual_seed(1)
     for k in range(n):
-        x = torch.randn(5, 7, generator=gen).to(DEVICE, dtype)
+        x = torch.randn(5, 7, generator=gen, device="cpu").to(DEVICE, dtype)
         model(x).float().square().mean().backward()
         if record is not None and k > 0:  # the first step checks the options (a host read)
             with record:
