@@ -254,6 +254,10 @@ def restore(parts: PipelineParts, state: dict[str, Any]) -> None:
     ex.grads = {(d["s"], d["i"]): (_unmail(d), None) for d in state["grads"]}
     if state.get("wire") is not None:
         ex.load_wire_state(state["wire"])
+    if ex.streams.separate:  # made on the caller's stream, read on the stages' (held till safe)
+        made = [x for x, _ in (*ex.acts.values(), *ex.grads.values())]
+        made += [e.flag for st in parts.stages for e in st.stash.entries() if e.flag is not None]
+        ex.streams.from_caller(made, [st.index for st in parts.stages])
 
 
 def _rebuild(st: Stage, sd: dict[str, Any], moved: dict[int, int], n_base: int) -> None:
