@@ -251,6 +251,9 @@ def test_captured_windows_with_stage_streams_are_fork_joins(schedule: str, monke
     with _reference_optimizer():
         pipe.flush()  # (pb: eager actions after replays, on the stage streams)
         plain.flush()
+    # hand-overs held, not recorded, in and around the windows; none freed unsafely
+    assert backend.counts["record_stream"] == 0
+    assert backend.violations == [] and backend.early_frees == []
     for a, b in zip(pipe.stages, plain.stages, strict=True):
         for fa, fb in zip(a.store.live_flats(), b.store.live_flats(), strict=True):
             assert torch.equal(fa, fb)

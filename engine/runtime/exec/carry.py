@@ -202,7 +202,8 @@ _PLAIN = (bool, str, type(None), float)
 #: of measured action durations (a replay is timed as one span)
 #: (the stage streams' hand-over memory -- storages held until safe to free -- is device
 #: memory bookkeeping, not the host's counters: engine.runtime.exec.streams)
-MEASURED = frozenset({"busy_ns", "clock", "memory_held", "memory_ready", "memory_clean"})
+MEASURED = frozenset({"busy_ns", "clock", "memory_held", "memory_ready", "memory_clean",
+                      "memory_to_caller"})
 
 
 def fingerprint(root: Any) -> Any:

@@ -116,6 +116,9 @@ class StageStreams:
         #: handed-over storages still referenced elsewhere (or not yet seen alone at a join),
         #: one per storage: (device, address) -> the storage
         self.memory_held: dict[tuple[Any, int], Any] = {}
+        #: handed-over storages read on the caller's stream only (losses): released at a
+        #: wait_caller once alone -- their reads come before its event, no join needed
+        self.memory_to_caller: dict[tuple[Any, int], Any] = {}
         #: storages nothing else referenced at the last join: released at the next wait_caller
         self.memory_ready: list[Any] = []
         #: no stage-stream work was enqueued since the last join
@@ -162,7 +165,9 @@ class StageStreams:
         # hence after the join that saw these storages alone (module docstring)
         release = self.memory_ready
         if self.memory_clean:
-            release += self._alone()
+            release += self._alone(self.memory_held)
+        if self.memory_to_caller:
+            release += self._alone(self.memory_to_caller)
         self.memory_ready = []
         release.clear()
 
@@ -175,12 +180,12 @@ class StageStreams:
             caller.wait_stream(stream)
         self.memory_clean = True
         if self.memory_held:
-            self.memory_ready += self._alone()
+            self.memory_ready += self._alone(self.memory_held)
 
     def to_caller(self, tensor: Any, stage: int) -> None:
         """``tensor`` (made on ``stage``'s stream) is read on the caller's stream."""
         if self.separate and isinstance(tensor, Tensor):
-            self._hold(tensor, self.streams[stage], (self.backend.current(self.device),))
+            self._hold(tensor, self.streams[stage], (self.backend.current(self.device),), True)
 
     def from_caller(self, tensors: Iterable[Any], stages: Iterable[int]) -> None:
         """Inputs made on the caller's stream are read on ``stages``' streams."""
@@ -202,9 +207,12 @@ class StageStreams:
 
     # ------------------------------------------------------------------ hand-over memory
 
-    def _hold(self, t: Tensor, producer: Any, readers: tuple[Any, ...]) -> None:
+    def _hold(
+        self, t: Tensor, producer: Any, readers: tuple[Any, ...], to_caller: bool = False
+    ) -> None:
         """Keep ``t``'s storage until it is safe to free (module docstring). ``producer``: the
-        stream it was made on (or an event recorded there), ``readers``: where it is read."""
+        stream it was made on (or an event recorded there), ``readers``: where it is read
+        (``to_caller``: the caller's stream only)."""
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # no storage (sparse): the allocator's way
@@ -214,14 +222,20 @@ class StageStreams:
         ptr = st.data_ptr()
         if ptr == 0:  # no memory, nothing to protect
             return
-        self.memory_held.setdefault((st.device, ptr), st)
+        key = (st.device, ptr)
+        if to_caller and key not in self.memory_held:
+            self.memory_to_caller.setdefault(key, st)
+        else:
+            self.memory_to_caller.pop(key, None)
+            self.memory_held.setdefault(key, st)
         if self._watch is not None:
             self._watch(st, producer, readers)
 
-    def _alone(self) -> list[Any]:
-        """The held storages nothing else references, taken out of :attr:`memory_held`."""
-        alone = [k for k, st in self.memory_held.items() if _use_count(st._cdata) == 1]
-        return [self.memory_held.pop(k) for k in alone]
+    @staticmethod
+    def _alone(held: dict[tuple[Any, int], Any]) -> list[Any]:
+        """The storages of ``held`` nothing else references, taken out of it."""
+        alone = [k for k, st in held.items() if _use_count(st._cdata) == 1]
+        return [held.pop(k) for k in alone]
 
 
 _use_count = torch._C._storage_Use_Count  # references to a storage (ours counts one)
