@@ -234,11 +234,22 @@ class StageStreams:
     @staticmethod
     def _alone(held: dict[tuple[Any, int], Any]) -> list[Any]:
         """The storages of ``held`` nothing else references, taken out of it."""
-        alone = [k for k, st in held.items() if _use_count(st._cdata) == 1]
+        alone = [k for k, st in held.items() if _use_count(st._cdata) == _ALONE]
         return [held.pop(k) for k in alone]
 
 
 _use_count = torch._C._storage_Use_Count  # references to a storage (ours counts one)
+
+
+def _alone_count() -> int:
+    """The use count of a storage whose only holder is one Python storage object: measured,
+    not assumed (the builds count the object's reference; a build that counted otherwise
+    would otherwise never release anything)."""
+    st = torch.empty(1).untyped_storage()  # (the tensor is gone by now)
+    return _use_count(st._cdata)
+
+
+_ALONE = _alone_count()
 
 
 def _tensors(x: Any) -> list[Tensor]:
