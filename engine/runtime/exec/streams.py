@@ -114,11 +114,11 @@ class StageStreams:
         else:
             self.streams = dict.fromkeys(stages, CPU_STREAM)
         #: handed-over storages still referenced elsewhere (or not yet seen alone at a join),
-        #: one per storage: (device, address) -> the storage
-        self.memory_held: dict[tuple[Any, int], Any] = {}
+        #: one per storage: its StorageImpl's address -> the storage
+        self.memory_held: dict[int, Any] = {}
         #: handed-over storages read on the caller's stream only (losses): released at a
         #: wait_caller once alone -- their reads come before its event, no join needed
-        self.memory_to_caller: dict[tuple[Any, int], Any] = {}
+        self.memory_to_caller: dict[int, Any] = {}
         #: storages nothing else referenced at the last join: released at the next wait_caller
         self.memory_ready: list[Any] = []
         #: no stage-stream work was enqueued since the last join
@@ -219,10 +219,9 @@ class StageStreams:
             for r in readers:
                 self.backend.record_stream(t, r)
             return
-        ptr = st.data_ptr()
-        if ptr == 0:  # no memory, nothing to protect
+        if st.data_ptr() == 0:  # no memory, nothing to protect
             return
-        key = (st.device, ptr)
+        key = st._cdata  # the StorageImpl (alive: held)
         if to_caller and key not in self.memory_held:
             self.memory_to_caller.setdefault(key, st)
         else:
@@ -232,7 +231,7 @@ class StageStreams:
             self._watch(st, producer, readers)
 
     @staticmethod
-    def _alone(held: dict[tuple[Any, int], Any]) -> list[Any]:
+    def _alone(held: dict[int, Any]) -> list[Any]:
         """The storages of ``held`` nothing else references, taken out of it."""
         alone = [k for k, st in held.items() if _use_count(st._cdata) == _ALONE]
         return [held.pop(k) for k in alone]
