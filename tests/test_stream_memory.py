@@ -30,18 +30,23 @@ _use_count = torch._C._storage_Use_Count
 
 
 def make(schedule: str, **kw) -> engine.Pipeline:
+    kw.setdefault("checkpoint", "never")
     torch.manual_seed(0)
     mods: list[nn.Module] = [nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(S - 1)]
     mods.append(nn.Linear(D, 2))
     return engine.Pipeline(
         mods, schedule=schedule, chunks=M, loss_fn=F.mse_loss,
-        optimizer=lambda p: engine.optim.SGD(p, lr=0.1, momentum=0.9), checkpoint="never", **kw,
+        optimizer=lambda p: engine.optim.SGD(p, lr=0.1, momentum=0.9), **kw,
     )
 
 
 def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(2)
     return [(torch.randn(M, D, generator=g), torch.randn(M, 2, generator=g)) for _ in range(n)]
+
+
+def pipe_streams(pipe: engine.Pipeline) -> list:
+    return list(pipe._executor.streams.streams.values())
 
 
 def _watch_step_starts(pipe: engine.Pipeline) -> list[int]:
@@ -225,3 +230,29 @@ def _cuda(schedule: str, streams: bool, **kw) -> engine.Pipeline:
         optimizer=lambda p: engine.optim.SGD(p, lr=0.1, momentum=0.9), checkpoint="never",
         cuda_streams=streams, **kw,
     )
+
+
+@pytest.mark.parametrize("kw", [{}, {"on_nonfinite": "skip_update"}], ids=["pb", "pb-skip_update"])
+def test_an_in_flight_load_runs_on_the_stage_streams(kw: dict) -> None:
+    """load_state_dict of an unflushed pipeline re-runs the stashed forwards: with stage
+    streams on each stage's stream, after the caller's writes, joined back (a fork-join of
+    the caller's stream), its restored tensors held like hand-overs; the run goes on equal
+    to the pipeline never saved, bit for bit."""
+    data = batches(7)
+    kw = {**kw, "checkpoint": "always"}  # (an unflushed pb state re-runs its forwards)
+    a = make("pb", **kw)
+    for x, y in data[:3]:
+        a.step(x, y)
+    state = a.state_dict()
+    b = make("pb", **kw)
+    backend = recording_streams(b)
+    with backend.fork_join() as found:
+        b.load_state_dict(state)
+    assert found == []
+    assert all(st.work > 0 for st in pipe_streams(b))  # the re-runs ran on the stage streams
+    for x, y in data[3:]:
+        assert torch.equal(a.step(x, y), b.step(x, y))
+    la, lb = a.flush(), b.flush()
+    assert (la is None and lb is None) or torch.equal(la, lb)
+    assert backend.counts["record_stream"] == 0
+    assert backend.violations == [] and backend.early_frees == []
