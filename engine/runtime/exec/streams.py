@@ -59,7 +59,8 @@ def default_stage_streams(on_cuda: bool, l2: bool) -> bool:
     pb batch-1 (S=8, M=8, SC+LWP) took 134.7 ms a step with stage streams and 71.0 ms
     without (1.9x; GPU busy 22% vs 29%): at batch 1 the kernels are too short for stages to
     overlap, and each hand-off costs an event record, a stream wait and, through
-    ``record_stream``, an allocator event polled with ``cudaEventQuery``. The one case where
+    ``record_stream``, an allocator event polled with ``cudaEventQuery`` (since replaced by
+    holding the storages, the module docstring; not re-measured yet). The one case where
     streams won, 1f1b on 8 x Linear(4096) at batch 512, won by 4% (19.9 vs 20.8 ms). Stages
     that run concurrently pay inside a captured graph (``cuda_graphs="program"``, issue 23
     item 2), not as eager streams; ``cuda_streams=True`` still turns them on."""
