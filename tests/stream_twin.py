@@ -57,7 +57,10 @@ class StreamTwin(StageStreams):
     def join(self) -> None:
         pass
 
-    def to_caller(self, tensor: Any) -> None:
+    def to_caller(self, tensor: Any, stage: int) -> None:
+        pass
+
+    def shared(self, tensor: Any, stage: int) -> None:
         pass
 
     def from_caller(self, tensors: Any, stages: Any) -> None:

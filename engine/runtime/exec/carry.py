@@ -200,7 +200,10 @@ def _say(kind: tuple[str, Any]) -> str:
 _PLAIN = (bool, str, type(None), float)
 #: measurements, not state a replay must reproduce: per-stage busy time and the clock's log
 #: of measured action durations (a replay is timed as one span)
-MEASURED = frozenset({"busy_ns", "clock"})
+#: (the stage streams' hand-over memory -- storages held until safe to free -- is device
+#: memory bookkeeping, not the host's counters: engine.runtime.exec.streams)
+MEASURED = frozenset({"busy_ns", "clock", "memory_held", "memory_ready", "memory_clean",
+                      "memory_to_caller"})
 
 
 def fingerprint(root: Any) -> Any:

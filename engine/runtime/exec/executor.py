@@ -233,7 +233,7 @@ class MergedOrder:
             return False
         p.losses.append((n, loss, inp.samples))
         if p.flags is not None:  # no host read: the flag skips the updates on the device
-            p.flags.mark(p.stages, i, loss)
+            p.streams.shared(p.flags.mark(p.stages, i, loss), s)
             return False
         if not p.immediate_nonfinite or math.isfinite(loss.item()):
             return False

@@ -491,8 +491,9 @@ class StepProtocol:
             losses = [x for x in losses if glo <= x[0] < ghi]
         if not losses:
             return StepResult(None)
+        last = self.stages[-1].index  # (stage streams: one process holds every stage)
         for _, loss, _ in losses:
-            self.streams.to_caller(loss)
+            self.streams.to_caller(loss, last)
         total = sum(b for _, _, b in losses)
         if len(losses) == 1:
             value = losses[0][1].float()

@@ -10,6 +10,21 @@ instead of a CUDA-only branch that only a GPU machine ever executes.
 needs: run on a stage's stream, hand a tensor from one stage's stream to another's, make the
 stages wait for the caller's stream (inputs, weights written by the caller) and the caller
 wait for the stages (before it reads losses or weights).
+
+Memory of hand-offs without ``record_stream`` (issue 23 item 3): a tensor made on one stream
+and read on another must not have its block handed out again by the caching allocator
+before the reader is done. ``record_stream`` does that by recording an allocator event at
+free and polling it with ``cudaEventQuery``; here each handed-over tensor's storage is
+instead *held* (one reference per storage) and released in :meth:`StageStreams.wait_caller`,
+right after every stage stream waited for the caller's event, once (a) nothing else
+references the storage and (b) that was already so at a :meth:`~StageStreams.join` (or no
+stage-stream work was enqueued since the last join). Then every use of the storage was
+enqueued before that join, the caller's stream is ordered after it, and every later
+allocation from the freed block -- on the producer's stream, which now waits for the
+caller, or on the caller's -- is ordered after every reader. The cost: a handed-over
+tensor's memory lives past its last use until the next step's start (one step's
+hand-offs at most; a storage whose last reference goes after the step's final join waits
+one step more). docs/ALGORITHMS.md, "Eager stage streams".
 """
 
 from __future__ import annotations
@@ -44,7 +59,8 @@ def default_stage_streams(on_cuda: bool, l2: bool) -> bool:
     pb batch-1 (S=8, M=8, SC+LWP) took 134.7 ms a step with stage streams and 71.0 ms
     without (1.9x; GPU busy 22% vs 29%): at batch 1 the kernels are too short for stages to
     overlap, and each hand-off costs an event record, a stream wait and, through
-    ``record_stream``, an allocator event polled with ``cudaEventQuery``. The one case where
+    ``record_stream``, an allocator event polled with ``cudaEventQuery`` (since replaced by
+    holding the storages, the module docstring; not re-measured yet). The one case where
     streams won, 1f1b on 8 x Linear(4096) at batch 512, won by 4% (19.9 vs 20.8 ms). Stages
     that run concurrently pay inside a captured graph (``cuda_graphs="program"``, issue 23
     item 2), not as eager streams; ``cuda_streams=True`` still turns them on."""
@@ -71,7 +87,8 @@ class CUDABackend:
 
     def record_stream(self, tensor: Tensor, stream: Any) -> None:
         """Tell the caching allocator ``tensor`` is used on ``stream`` (on free it records an
-        event there and polls it before reusing the block)."""
+        event there and polls it before reusing the block). Only for tensors without a
+        storage to hold (sparse ones): dense hand-offs are held instead (module docstring)."""
         if tensor.is_cuda:
             tensor.record_stream(stream)
 
@@ -97,11 +114,24 @@ class StageStreams:
             self.streams: dict[int, Any] = {s: backend.stream(device) for s in stages}
         else:
             self.streams = dict.fromkeys(stages, CPU_STREAM)
+        #: handed-over storages still referenced elsewhere (or not yet seen alone at a join),
+        #: one per storage: its StorageImpl's address -> the storage
+        self.memory_held: dict[int, Any] = {}
+        #: handed-over storages read on the caller's stream only (losses): released at a
+        #: wait_caller once alone -- their reads come before its event, no join needed
+        self.memory_to_caller: dict[int, Any] = {}
+        #: storages nothing else referenced at the last join: released at the next wait_caller
+        self.memory_ready: list[Any] = []
+        #: no stage-stream work was enqueued since the last join
+        self.memory_clean = True
+        #: the backend's observer of hand-overs (the recording backend's; None for CUDA)
+        self._watch = getattr(backend, "watch", None)
 
     def on(self, stage: int) -> contextlib.AbstractContextManager[Any]:
         """Enqueue the block's work on ``stage``'s stream."""
         if not self.separate:
             return _NULL
+        self.memory_clean = False
         return self.backend.use(self.streams[stage])
 
     def record(self, stage: int) -> Any:
@@ -120,7 +150,7 @@ class StageStreams:
         stream = self.streams[stage]
         stream.wait_event(event)
         for t in _tensors(tensor):
-            self.backend.record_stream(t, stream)
+            self._hold(t, event, (stream,))
 
     def wait_caller(self) -> None:
         """Every stage stream starts after the work the caller's stream enqueued so far
@@ -132,6 +162,15 @@ class StageStreams:
         ev.record(self.backend.current(self.device))
         for stream in self.streams.values():
             stream.wait_event(ev)
+        # now every later allocation, on any stream, is ordered after the caller's event,
+        # hence after the join that saw these storages alone (module docstring)
+        release = self.memory_ready
+        if self.memory_clean:
+            release += self._alone(self.memory_held)
+        if self.memory_to_caller:
+            release += self._alone(self.memory_to_caller)
+        self.memory_ready = []
+        release.clear()
 
     def join(self) -> None:
         """The caller's stream waits for every stage stream (before it reads results)."""
@@ -140,20 +179,77 @@ class StageStreams:
         caller = self.backend.current(self.device)
         for stream in self.streams.values():
             caller.wait_stream(stream)
+        self.memory_clean = True
+        if self.memory_held:
+            self.memory_ready += self._alone(self.memory_held)
 
-    def to_caller(self, tensor: Any) -> None:
-        """``tensor`` (allocated on a stage stream) is read on the caller's stream."""
+    def to_caller(self, tensor: Any, stage: int) -> None:
+        """``tensor`` (made on ``stage``'s stream) is read on the caller's stream."""
         if self.separate and isinstance(tensor, Tensor):
-            self.backend.record_stream(tensor, self.backend.current(self.device))
+            self._hold(tensor, self.streams[stage], (self.backend.current(self.device),), True)
 
     def from_caller(self, tensors: Iterable[Any], stages: Iterable[int]) -> None:
         """Inputs made on the caller's stream are read on ``stages``' streams."""
         if not self.separate:
             return
-        flat = [t for x in tensors for t in _tensors(x)]
-        for s in stages:
-            for t in flat:
-                self.backend.record_stream(t, self.streams[s])
+        readers = tuple(self.streams[s] for s in stages)
+        if not readers:
+            return
+        caller = self.backend.current(self.device)
+        for x in tensors:
+            for t in _tensors(x):
+                self._hold(t, caller, readers)
+
+    def shared(self, tensor: Tensor, stage: int) -> None:
+        """``tensor`` (made on ``stage``'s stream) is read on every stage's stream (a
+        skip_update flag rides on the micro-batch's stash entries)."""
+        if self.separate:
+            self._hold(tensor, self.streams[stage], tuple(self.streams.values()))
+
+    # ------------------------------------------------------------------ hand-over memory
+
+    def _hold(
+        self, t: Tensor, producer: Any, readers: tuple[Any, ...], to_caller: bool = False
+    ) -> None:
+        """Keep ``t``'s storage until it is safe to free (module docstring). ``producer``: the
+        stream it was made on (or an event recorded there), ``readers``: where it is read
+        (``to_caller``: the caller's stream only)."""
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # no storage (sparse): the allocator's way
+            for r in readers:
+                self.backend.record_stream(t, r)
+            return
+        if st.data_ptr() == 0:  # no memory, nothing to protect
+            return
+        key = st._cdata  # the StorageImpl (alive: held)
+        if to_caller and key not in self.memory_held:
+            self.memory_to_caller.setdefault(key, st)
+        else:
+            self.memory_to_caller.pop(key, None)
+            self.memory_held.setdefault(key, st)
+        if self._watch is not None:
+            self._watch(st, producer, readers)
+
+    @staticmethod
+    def _alone(held: dict[int, Any]) -> list[Any]:
+        """The storages of ``held`` nothing else references, taken out of it."""
+        alone = [k for k, st in held.items() if _use_count(st._cdata) == _ALONE]
+        return [held.pop(k) for k in alone]
+
+
+_use_count = torch._C._storage_Use_Count  # references to a storage (ours counts one)
+
+
+def _alone_count() -> int:
+    """The use count of a storage whose only holder is one Python storage object: measured,
+    not assumed (the builds count the object's reference; a build that counted otherwise
+    would otherwise never release anything)."""
+    st = torch.empty(1).untyped_storage()  # (the tensor is gone by now)
+    return _use_count(st._cdata)
+
+
+_ALONE = _alone_count()
 
 
 def _tensors(x: Any) -> list[Tensor]:

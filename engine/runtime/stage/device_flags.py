@@ -58,10 +58,8 @@ class SkipFlags:
 
     def add(self, flag: Tensor) -> None:
         """A backward of a flagged (or clean: 0.0) micro-batch joined the pending group."""
-        if flag.is_cuda:
-            # made on the last stage's stream, read here on this stage's: without this its
-            # memory could be handed out again there before this add has run
-            flag.record_stream(torch.cuda.current_stream(flag.device))
+        # (with stage streams the flag was made on the last stage's stream: the executor
+        # holds its storage until every stage stream is past this add, StageStreams.shared)
         self.found_inf.add_(flag.to(self.found_inf.device, non_blocking=True))
 
     def after_step(self) -> None:
@@ -81,8 +79,9 @@ class DeviceFlags:
     def __init__(self) -> None:
         self.nonfinite: Tensor | None = None  # created on the first loss's device
 
-    def mark(self, stages: list[FlaggedStage], i: int, loss: Tensor) -> None:
-        """Flag micro-batch ``i`` (segment id) at every local stage: no host read."""
+    def mark(self, stages: list[FlaggedStage], i: int, loss: Tensor) -> Tensor:
+        """Flag micro-batch ``i`` (segment id) at every local stage: no host read. Returns
+        the flag (read later on every stage's stream)."""
         if loss.dim() == 0 and loss.dtype == torch.float32:
             # x - x is 0 for every finite x and NaN for inf/NaN: two launches, not eight
             flag = loss.detach().sub(loss.detach()).ne_(0)
@@ -95,6 +94,7 @@ class DeviceFlags:
             e = st.stash.get(i)
             if e is not None:  # (its backward comes later at every stage)
                 e.flag = flag
+        return flag
 
     def fold(self, stages: list[FlaggedStage]) -> tuple[int, list[int]]:
         """(non-finite losses, skipped updates per stage) since the last fold, in one host

@@ -241,9 +241,16 @@ def restore(parts: PipelineParts, state: dict[str, Any]) -> None:
     pinned version, then the executor's mailboxes and counters. Module buffers a forward
     updates (BatchNorm statistics) are put back afterwards; the caller restores the RNG."""
     ex = parts.executor
+    streams = ex.streams
     for st, sd in zip(parts.stages, state["stages"], strict=True):
         moved = _restore_store(st, sd)
-        _rebuild(st, sd, moved, int(state["n_base"]))
+        # with stage streams the re-run forwards run on the stage's stream, as they did
+        # (their saved tensors are freed by backwards there), after what the caller wrote
+        streams.wait_caller()
+        streams.from_caller([(e.get("x"), e.get("target")) for e in sd["stash"]], [st.index])
+        with streams.on(st.index):
+            _rebuild(st, sd, moved, int(state["n_base"]))
+    streams.join()  # the caller reads what the re-runs wrote (module buffers) after them
     ex.n_base = int(state["n_base"])
     ex.j = int(state["j"])
     ex.active = True
@@ -254,6 +261,11 @@ def restore(parts: PipelineParts, state: dict[str, Any]) -> None:
     ex.grads = {(d["s"], d["i"]): (_unmail(d), None) for d in state["grads"]}
     if state.get("wire") is not None:
         ex.load_wire_state(state["wire"])
+    if ex.streams.separate:  # made on the caller's stream, read on the stages' (held till safe)
+        made = [x for x, _ in (*ex.acts.values(), *ex.grads.values())]
+        made += [e.flag for st in parts.stages for e in st.stash.entries() if e.flag is not None]
+        made += [(d["x"], d["target"]) for d in state["inputs"]]
+        ex.streams.from_caller(made, [st.index for st in parts.stages])
 
 
 def _rebuild(st: Stage, sd: dict[str, Any], moved: dict[int, int], n_base: int) -> None:
