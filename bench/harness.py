@@ -456,6 +456,41 @@ def summary_line(row: RatioRow) -> str:
     )
 
 
+def gpu_ratio_arguments(ap: argparse.ArgumentParser, csv_name: str) -> None:
+    """``--out``, ``--rounds``, ``--warmup``, ``--min-time``, ``--quick``, ``--label``: the
+    options of a GPU ratio benchmark (run with :func:`run_gpu_ratios`)."""
+    ap.add_argument("--out", type=Path, default=Path("bench/results"), help=f"folder for {csv_name}")
+    ap.add_argument("--rounds", type=int, default=15, help="paired rounds per case")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed calls of each side per case")
+    ap.add_argument("--min-time", type=float, default=0.1,
+                    help="seconds the faster side's timed block lasts (sets calls per block)")
+    ap.add_argument("--quick", action="store_true", help="3 rounds, short blocks: a smoke run")
+    ap.add_argument("--label", default="", help="machine label for the CSV")
+
+
+def run_gpu_ratios(
+    ap: argparse.ArgumentParser, args: argparse.Namespace, name: str,
+    measure: Callable[..., list[RatioRow]], quick_min_time: float,
+) -> int:
+    """Run ``measure(device, rounds=, warmup=, min_time=, label=)`` on the GPU with
+    :func:`gpu_ratio_arguments`' options and write ``OUT/<name>.csv``; without a GPU say so
+    and write nothing (exit code 0: a CPU machine is not an error)."""
+    if not torch.cuda.is_available():
+        print(f"{name}: needs a CUDA GPU (torch.cuda.is_available() is False); nothing "
+              "measured, nothing written")
+        return 0
+    if args.quick:
+        args.rounds, args.warmup, args.min_time = 3, 1, quick_min_time
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds} must be >= 1")
+    rows = measure(torch.device("cuda"), rounds=args.rounds, warmup=args.warmup,
+                   min_time=args.min_time, label=args.label)
+    path = args.out / f"{name}.csv"
+    write_ratio_csv(rows, path)
+    print(f"wrote {path}")
+    return 0
+
+
 def size_arguments(ap: argparse.ArgumentParser, params: int, rounds: int = 15) -> None:
     """``--out``, ``--params``, ``--rounds``, ``--quick`` (1M params, 3 rounds), ``--label``:
     the options of a one-size CPU ratio benchmark (read back with :func:`size_and_rounds`)."""

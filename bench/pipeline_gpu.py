@@ -48,7 +48,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import RatioRow, paired, summary_line, write_ratio_csv  # noqa: E402
+from harness import (  # noqa: E402
+    RatioRow, gpu_ratio_arguments, paired, run_gpu_ratios, summary_line,
+)
 from overhead import MOMENTUM, PB1_LR, PB1_MITIGATIONS, M, S, digits_data, stepper  # noqa: E402
 from overhead_peers import PerSampleLoop  # noqa: E402
 
@@ -143,28 +145,13 @@ def run(device: torch.device, *, width: int = 64, rounds: int = 15, warmup: int 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("bench/results"), help="folder for pipeline_gpu.csv")
+    gpu_ratio_arguments(ap, "pipeline_gpu.csv")
     ap.add_argument("--width", type=int, default=64, help="residual MLP width (64: the CPU case's)")
-    ap.add_argument("--rounds", type=int, default=15, help="paired rounds per case")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed calls of each side per case")
-    ap.add_argument("--min-time", type=float, default=0.1,
-                    help="seconds the faster side's timed block lasts (sets calls per block)")
-    ap.add_argument("--quick", action="store_true", help="3 rounds, short blocks: a smoke run")
-    ap.add_argument("--label", default="", help="machine label for the CSV")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("pipeline_gpu: needs a CUDA GPU (torch.cuda.is_available() is False); nothing "
-              "measured, nothing written")
-        return 0
-    if args.quick:
-        args.rounds, args.warmup, args.min_time = 3, 1, 0.005
-    if args.rounds < 1:
-        ap.error(f"--rounds {args.rounds} must be >= 1")
-    rows = run(torch.device("cuda"), width=args.width, rounds=args.rounds, warmup=args.warmup,
-               min_time=args.min_time, label=args.label)
-    write_ratio_csv(rows, args.out / "pipeline_gpu.csv")
-    print(f"wrote {args.out / 'pipeline_gpu.csv'}")
-    return 0
+    return run_gpu_ratios(
+        ap, args, "pipeline_gpu", lambda device, **kw: run(device, width=args.width, **kw),
+        quick_min_time=0.005,
+    )
 
 
 if __name__ == "__main__":

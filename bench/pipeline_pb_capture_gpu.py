@@ -49,7 +49,9 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import RatioRow, paired, summary_line, write_ratio_csv  # noqa: E402
+from harness import (  # noqa: E402
+    RatioRow, gpu_ratio_arguments, paired, run_gpu_ratios, summary_line,
+)
 from overhead import MOMENTUM, PB1_LR, PB1_MITIGATIONS, M, S, digits_data, stepper  # noqa: E402
 from overhead_peers import PerSampleLoop  # noqa: E402
 
@@ -168,26 +170,9 @@ def run(device: torch.device, *, widths: Sequence[int] = WIDTHS, layers: int = L
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
-    ap.add_argument("--rounds", type=int, default=15, help="paired rounds per pair")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed calls of each side per pair")
-    ap.add_argument("--min-time", type=float, default=0.1, help="seconds per timed block")
-    ap.add_argument("--quick", action="store_true", help="3 rounds, short blocks: a smoke run")
-    ap.add_argument("--label", default="", help="machine label for the CSV")
+    gpu_ratio_arguments(ap, "pipeline_pb_capture_gpu.csv")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("pipeline_pb_capture_gpu: needs a CUDA GPU (torch.cuda.is_available() is False); "
-              "nothing measured, nothing written")
-        return 0
-    if args.quick:
-        args.rounds, args.warmup, args.min_time = 3, 1, 0.02
-    if args.rounds < 1:
-        ap.error(f"--rounds {args.rounds} must be >= 1")
-    rows = run(torch.device("cuda"), rounds=args.rounds, warmup=args.warmup,
-               min_time=args.min_time, label=args.label)
-    write_ratio_csv(rows, args.out / "pipeline_pb_capture_gpu.csv")
-    print(f"wrote {args.out / 'pipeline_pb_capture_gpu.csv'}")
-    return 0
+    return run_gpu_ratios(ap, args, "pipeline_pb_capture_gpu", run, quick_min_time=0.02)
 
 
 if __name__ == "__main__":

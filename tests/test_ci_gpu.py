@@ -7,6 +7,7 @@ typo found there costs a GPU session; these checks find it in CPU CI.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shlex
@@ -111,6 +112,14 @@ def test_each_phase_lists_its_commands_and_writes_nothing(tmp_path: Path) -> Non
     assert list(steps(proc.stdout)) == [name for phase in PHASES for name in listed[phase]]
 
 
+def _harness_option_helpers() -> dict[str, str]:
+    """bench/harness.py's functions that add options to a parser, by name: their source."""
+    text = (ROOT / "bench" / "harness.py").read_text()
+    functions = [n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef)]
+    sources = {n.name: ast.get_source_segment(text, n) or "" for n in functions}
+    return {name: src for name, src in sources.items() if "add_argument" in src}
+
+
 def test_listed_files_and_options_exist(tmp_path: Path) -> None:
     """A renamed test file, bench script or option fails here, not on the GPU machine."""
     proc = run(str(tmp_path / "o"), "all")
@@ -121,6 +130,9 @@ def test_listed_files_and_options_exist(tmp_path: Path) -> None:
         script = next((a for a in argv if re.fullmatch(r"bench/\S+\.py", a)), None)
         if script:
             source = (ROOT / script).read_text()
+            source += "".join(  # options a script takes from bench/harness.py's helpers
+                text for helper, text in _harness_option_helpers().items() if f"{helper}(" in source
+            )
             for opt in (a for a in argv[argv.index(script) + 1:] if a.startswith("--")):
                 assert f'"{opt}"' in source, f"{name}: {script} has no option {opt}"
 
