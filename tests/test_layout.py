@@ -517,3 +517,54 @@ def test_runtime_floor_gate_can_fail() -> None:
         "state (floor 6) -> dist (floor 6)",
     ]
     assert arrows_up({f"{r}.exec.executor": {f"{r}.stage.stage"}}, floors) == []
+
+
+# ------------------------------------------------------------------ names the docs cite
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``engine.a.b.C`` names something: the longest importable module prefix, then
+    attributes."""
+    import importlib
+
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def cited_engine_names(text: str) -> set[str]:
+    """Every ```engine.x.y``` a document cites in backticks."""
+    import re
+
+    return set(re.findall(r"`(engine(?:\.[A-Za-z_][A-Za-z0-9_]*)+)`", text))
+
+
+def test_every_engine_name_the_docs_cite_resolves() -> None:
+    """Users copy dotted names from README and docs/: a file moving between the runtime's
+    wings must not leave one pointing nowhere (engine.runtime names its stable ones)."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = {
+        f"{doc.relative_to(ROOT)}: {name}"
+        for doc in docs for name in cited_engine_names(doc.read_text()) if not _resolves(name)
+    }
+    assert broken == set()
+
+
+def test_cited_name_gate_can_fail() -> None:
+    text = "see `engine.runtime.DEFAULT_CHECKPOINT` and `engine.runtime.config.DEFAULT_CHECKPOINT`"
+    assert cited_engine_names(text) == {
+        "engine.runtime.DEFAULT_CHECKPOINT", "engine.runtime.config.DEFAULT_CHECKPOINT"
+    }
+    assert _resolves("engine.runtime.DEFAULT_CHECKPOINT")
+    assert not _resolves("engine.runtime.config.DEFAULT_CHECKPOINT")  # (moved to build/)
+    assert not _resolves("engine.runtime.NoSuchName")

@@ -23,9 +23,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_LAZY = {"Pipeline": "engine.runtime.pipeline"}
+#: the runtime's public names, where they are defined: documentation cites them here, so
+#: they do not move when a file moves between wings
+_LAZY = {
+    "Pipeline": "engine.runtime.pipeline",
+    "DEFAULT_CHECKPOINT": "engine.runtime.build.config",
+    "Outcome": "engine.runtime.exec.failures",
+}
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "DEFAULT_CHECKPOINT", "Outcome"]
 
 
 def __getattr__(name: str) -> Any:
