@@ -38,7 +38,8 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # no GPU needed: nothing is launched
+if __name__ == "__main__":  # (as a script only: an importer's environment stays its own)
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # no GPU needed: nothing is launched
 
 import torch  # noqa: E402
 
