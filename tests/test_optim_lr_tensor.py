@@ -98,3 +98,30 @@ def test_load_state_dict_keeps_the_device_lr_tensor():
     saved["param_groups"][0]["lr"] = torch.tensor(0.5)  # as loaded from a file: on the CPU
     opt.load_state_dict(saved)
     assert opt.param_groups[0]["lr"] is lr and lr.item() == 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ["sgd_sc_prediction", "sgd_momentum_prediction"])
+def test_a_prediction_recomputed_at_another_horizon_keeps_a_device_lr_on_the_device(case, dtype):
+    """predicted_weights(horizon) recomputes w - c * direction with the lr of the last step:
+    with a device lr the coefficient stays a tensor (no host read: a captured pb window
+    recomputing an LWP prediction must not read back; the H100 run of 2026-11-26 found such
+    windows eager for good), and the weights are those of the same lr given as a float (one
+    multiply-add: equal up to the rounding of a fused versus a separate product)."""
+    cls, kw = CASES[case]
+    a, b = _model(dtype), _model(dtype)
+    opt_a = cls(a.parameters(), lr=torch.tensor(LR, device=DEVICE), fused=True, **kw)
+    opt_b = cls(b.parameters(), lr=LR, fused=True, **kw)
+    for m, o in ((a, opt_a), (b, opt_b)):
+        _steps(m, o, torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.5), dtype, n=3)
+    rec = Recorder()
+    with rec:
+        ours = opt_a.predicted_weights(horizon=5)
+    syncs = [(op.name, op.where) for op in rec.ops if op.sync is not None]
+    assert syncs == [], syncs
+    theirs = opt_b.predicted_weights(horizon=5)
+    assert len(ours) == len(theirs) == 4
+    for u, v, p in zip(ours, theirs, a.parameters(), strict=True):
+        assert u.dtype == p.dtype
+        torch.testing.assert_close(u, v)
+        assert not torch.equal(u, p.detach())  # a prediction, not the live weights

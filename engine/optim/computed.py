@@ -38,11 +38,11 @@ class ComputedWeights:
     # provided by DelayOptimizer and the families
     def _horizon(self, group: dict[str, Any]) -> float: ...  # pragma: no cover
     def _correction_gamma(self, group: dict[str, Any]) -> float | None: ...  # pragma: no cover
-    def _prediction_coeff(self, group: dict[str, Any], horizon: float) -> float: ...  # pragma: no cover
+    def _prediction_coeff(self, group: dict[str, Any], horizon: float) -> float | Tensor: ...  # pragma: no cover
 
     def _prediction_direction_and_coeff(
         self, group: dict[str, Any], p: Tensor, horizon: float
-    ) -> tuple[Tensor | None, float]:
+    ) -> tuple[Tensor | None, float | Tensor]:
         """Direction and coefficient with w_hat = w - coeff * direction (None: no direction yet)."""
         direction = self.state[p].get(self._direction_key) if p in self.state else None
         return direction, self._prediction_coeff(group, horizon)
@@ -57,7 +57,7 @@ class ComputedWeights:
 
     def _flat_direction_and_coeff(
         self, group: dict[str, Any], b: Any, horizon: float
-    ) -> tuple[Tensor | None, float]:
+    ) -> tuple[Tensor | None, float | Tensor]:
         direction = self._flat_state_of(group, b, self._direction_key)
         return direction, self._prediction_coeff(group, horizon)
 

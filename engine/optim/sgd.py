@@ -239,10 +239,15 @@ class SGD(DelayOptimizer):
 
     _direction_key = "momentum_buffer"
 
-    def _prediction_coeff(self, group: dict[str, Any], horizon: float) -> float:
+    def _prediction_coeff(self, group: dict[str, Any], horizon: float) -> float | Tensor:
         lr = group.get("prediction_lr")
+        rule = _functional().prediction_coeff
+        if isinstance(lr, Tensor):
+            # kept on the device by a step with a device lr: the coefficient stays there too
+            # (lr * c with the host's arithmetic), so a captured window recomputing a
+            # prediction reads nothing back (issue 23; the H100 run of 2026-11-26 found
+            # SC+LWP windows with an LR scheduler eager for good because of that read)
+            return lr_product(lr, rule(group["prediction"], 1.0, group["momentum"], horizon))
         if lr is None:
             lr = self.effective_lr(group)
-        elif isinstance(lr, Tensor):  # kept on the device by a step with a device lr
-            lr = float(lr)
-        return _functional().prediction_coeff(group["prediction"], lr, group["momentum"], horizon)
+        return rule(group["prediction"], lr, group["momentum"], horizon)
