@@ -60,9 +60,11 @@ class FakeEvent:
         self.recorded_on: FakeStream | None = None
         self.work = 0  # the work enqueued on recorded_on when recorded
         self.clock: dict[str, int] = {}  # recorded_on's vector clock then
+        self.block = 0  # the fork_join block it was recorded in (0: outside any)
 
     def record(self, stream: FakeStream | None = None) -> None:
         self.backend._observe()
+        self.block = self.backend._block
         self.recorded_on = on = stream if stream is not None else self.backend.current(None)
         if on is self.backend.caller:  # each caller event closes one epoch of its work
             on.work += 1
@@ -98,6 +100,12 @@ class FakeStream:
         if event.recorded_on is None:
             raise AssertionError(f"{self.name} waits for an event that was never recorded")
         self.backend._observe()
+        watch = self.backend._watch
+        if watch is not None and event.block != self.backend._block:
+            # CUDA refuses this while capturing (cudaErrorStreamCaptureIsolation: "dependency
+            # created on uncaptured work in another stream"), and invalidates the capture
+            watch.append(f"{self.name} waits inside the captured window for an event recorded "
+                         f"before it (on {event.recorded_on.name})")
         self.backend.counts["event_wait"] += 1
         self.backend.waits.append((self.name, event.recorded_on.name))
         source = event.recorded_on
@@ -137,6 +145,8 @@ class RecordingBackend:
         self._made = 0
         self._made_streams: list[FakeStream] = []
         self._watch: list[str] | None = None
+        self._block = 0  # the fork_join block running (numbered from 1), 0 outside
+        self._blocks = 0
         self.early_frees: list[str] = []
         self.violations: list[str] = []
         self.lifetimes: list[tuple[int, int]] = []
@@ -229,15 +239,19 @@ class RecordingBackend:
     def fork_join(self) -> Iterator[list[str]]:
         """Check the block is a fork-join of the caller's stream, what a CUDA graph captured
         on it with stage streams needs: every stage stream waits for the caller before its
-        first work in the block, and the caller waits for every stage stream's last work
-        before the block ends. Yields the list of violations (filled at the end)."""
+        first work in the block, the caller waits for every stage stream's last work
+        before the block ends, and no stream waits for an event recorded before the block
+        (CUDA's capture isolation). Yields the list of violations (filled at the end)."""
         self._watch = found = []
+        self._blocks += 1
+        self._block = self._blocks
         for st in self._made_streams:
             st.forked = False
         try:
             yield found
         finally:
             self._watch = None
+            self._block = 0
             for st in self._made_streams:
                 if st.work > st.joined:
                     found.append(f"{st.name}'s last work is not joined to the caller")

@@ -328,6 +328,7 @@ class AsyncCapture:
                 box["result"] = self._run(xs, targets, sizes)
 
         before = self._learn[-1][2]
+        self._forget_events()
         self._feeds_before()
         try:
             replay = self.backend.capture(window)
@@ -387,14 +388,24 @@ class AsyncCapture:
         outside the capture may not wait for them) and the replay ran on the caller's stream;
         so drop those events and make every stage stream wait for the caller instead -- a
         later eager action (a ``flush()``) then reads the replay's outputs in order."""
+        if self._forget_events():
+            self.ex.streams.wait_caller()
+
+    def _forget_events(self) -> bool:
+        """Drop the events of the activations and gradients in the mailboxes (True with stage
+        streams). Before a capture: they were recorded by the eager window before it, and a
+        captured stream may not wait for uncaptured work (CUDA invalidates the capture:
+        "dependency created on uncaptured work in another stream", the H100 run of
+        2026-11-26); that window ended joined to the caller's stream, and the capture's
+        stage streams fork from it, so the work they marked is ordered before anyway."""
         ex = self.ex
         if not ex.streams.separate:
-            return
+            return False
         for box in (ex.acts, ex.grads):
             for k, (v, ev) in list(box.items()):
                 if ev is not None:
                     box[k] = (v, None)
-        ex.streams.wait_caller()
+        return True
 
     def _token(self) -> Hashable:
         """What the ring assumes of the executor: the stash entries the capture left (the

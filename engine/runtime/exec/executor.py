@@ -99,9 +99,17 @@ class MergedOrder:
     def prepare_sync(self) -> None:
         """One autograd call per micro-batch through every stage (no update happens inside a
         synchronous step, so chaining the stages' graphs computes exactly what per-stage
-        backwards compute); while profiling or tracing, per-stage backwards keep their labels."""
+        backwards compute); while profiling or tracing, per-stage backwards keep their labels.
+
+        Never with stage streams: autograd orders a backward's gradient accumulation only
+        with the stream that called it, so a chain called on the last stage's stream left
+        each earlier stage's update (on its own stream) unordered after its gradients -- a
+        race the H100 run of 2026-11-26 found (1f1b and gpipe with ``cuda_streams=True``,
+        captured or eager, differed from one stream). Each stage then calls its own
+        backward on its own stream, the gradient handed over with an event, as pb does."""
         stages = self.p.stages
-        chain = self.chain_sync and not labels.profiling() and _trace.ACTIVE is None
+        chain = (self.chain_sync and not self.p.streams.separate and not labels.profiling()
+                 and _trace.ACTIVE is None)
         for st in stages:
             st.chain = chain
             # a chained backward runs through every stage: all take fresh gradients
