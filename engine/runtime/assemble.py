@@ -122,8 +122,11 @@ def _devices(stages: list[Stage]) -> set[torch.device]:
     return {p.device for st in stages for p in st.store.params}
 
 
-def make_streams(stages: list[Stage], want: bool | None, l2: bool = False) -> StageStreams:
-    """One CUDA stream per stage when every stage lives on one CUDA device."""
+def make_streams(stages: list[Stage], want: bool | None, l2: bool = False,
+                 captured_async: bool = False) -> StageStreams:
+    """One CUDA stream per stage when every stage lives on one CUDA device (``want``: the
+    ``cuda_streams`` option; None: :func:`default_stage_streams` with ``l2`` and
+    ``captured_async``, an asynchronous schedule with ``cuda_graphs="program"``)."""
     devices = _devices(stages)
     on_cuda = len(devices) == 1 and next(iter(devices)).type == "cuda"
     if l2 and not on_cuda and any(d.type == "cuda" for d in devices):
@@ -133,7 +136,7 @@ def make_streams(stages: list[Stage], want: bool | None, l2: bool = False) -> St
             "the stages on one GPU or drop l2_persistence"
         )
     if want is None:
-        want = default_stage_streams(on_cuda, l2)
+        want = default_stage_streams(on_cuda, l2, captured_async)
     if want and not on_cuda:
         raise PipelineConfigError(
             "cuda_streams=True needs every stage's parameters on one CUDA device, found "
@@ -182,7 +185,8 @@ def build_local(req: BuildRequest) -> PipelineParts:
     stages = made.stages
     devices = _devices(stages)
     device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
-    streams = make_streams(stages, cfg.cuda_streams, l2=bool(cfg.l2_persistence))
+    streams = make_streams(stages, cfg.cuda_streams, l2=bool(cfg.l2_persistence),
+                           captured_async=cfg.cuda_graphs == "program" and not spec.synchronous)
     l2 = equip(stages, streams, req)
     executor = Executor(
         spec, stages, on_nonfinite=cfg.on_nonfinite, streams=streams,

@@ -112,9 +112,10 @@ class Pipeline:
         data_parallel: R replicas of every stage (gloo/NCCL only).
         timeout: seconds any wait on another rank may take (gloo/NCCL).
         cuda_streams: local transport: one CUDA stream per stage with event hand-offs, so
-            stages overlap on one GPU. None (default): off (measured 1.9x slower for pb at
-            batch 1 on an H100: engine.runtime.exec.streams.default_stage_streams), except with
-            ``l2_persistence``.
+            stages overlap on one GPU. None (default): on where an asynchronous schedule's
+            windows are captured (``cuda_graphs="program"``: pb batch 1 on an H100 took 0.32-
+            0.51x the time of one stream) and with ``l2_persistence``; off otherwise (eager, pb
+            batch 1 was 1.9x slower with them; engine.runtime.exec.streams.default_stage_streams).
         deferred_batch_norm: replace every BatchNorm by a
             :class:`~engine.runtime.build.batch_norm.DeferredBatchNorm`: each micro-batch is still
             normalised with its own statistics, but the running statistics are updated once

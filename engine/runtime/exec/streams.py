@@ -51,20 +51,25 @@ class CPUStream:
 CPU_STREAM = CPUStream()
 
 
-def default_stage_streams(on_cuda: bool, l2: bool) -> bool:
-    """Whether ``cuda_streams=None`` gives each stage a stream of its own: only for
-    ``l2_persistence`` (each stage's L2 window lives on its stage stream).
+def default_stage_streams(on_cuda: bool, l2: bool, captured_async: bool = False) -> bool:
+    """Whether ``cuda_streams=None`` gives each stage a stream of its own: with
+    ``l2_persistence`` (each stage's L2 window lives on its stage stream), and where an
+    asynchronous schedule's windows are captured (``cuda_graphs="program"``), where the
+    stages' branches then run concurrently inside each graph.
 
-    Why off, decided by the last measurement (one H100, ../shared/GPU-H100.md, issue 23):
-    pb batch-1 (S=8, M=8, SC+LWP) took 134.7 ms a step with stage streams and 71.0 ms
-    without (1.9x; GPU busy 22% vs 29%): at batch 1 the kernels are too short for stages to
-    overlap, and each hand-off costs an event record, a stream wait and, through
-    ``record_stream``, an allocator event polled with ``cudaEventQuery`` (since replaced by
-    holding the storages, the module docstring; not re-measured yet). The one case where
-    streams won, 1f1b on 8 x Linear(4096) at batch 512, won by 4% (19.9 vs 20.8 ms). Stages
-    that run concurrently pay inside a captured graph (``cuda_graphs="program"``, issue 23
-    item 2), not as eager streams; ``cuda_streams=True`` still turns them on."""
-    return on_cuda and l2
+    Why, decided by measurement (one H100, torch 2.11.0+cu130, bench/
+    pipeline_pb_capture_gpu.py, 7 paired rounds, 2026-11-26): pb batch-1 (S=8, M=8, SC+LWP,
+    skip_update), captured, took 1.72 / 2.42 / 7.10 ms a step with stage streams against
+    5.35 / 7.31 / 14.0 ms without, at widths 64 / 256 / 1024 (0.32x / 0.33x / 0.51x), which
+    is 0.47x / 0.55x / 0.68x the per-sample loop captured as one CUDA graph. Eager, streams
+    lose: 134.7 against 71.0 ms a step (../shared/GPU-H100.md, issue 23): at batch 1 the
+    kernels are too short for stages to overlap, and each hand-off costs an event record
+    and a stream wait on the host. Synchronous schedules captured with stage streams are
+    exact (tests/test_stream_events.py) but their speed was not measured: off there, as
+    eager; ``cuda_streams=True`` turns them on anywhere."""
+    return on_cuda and (l2 or captured_async)
+
+
 _NULL = contextlib.nullcontext()
 
 
