@@ -148,6 +148,30 @@ def _prebuilt_info(path: str) -> dict:
     return dict(module.build_info())
 
 
+def _cxx_runtime():
+    """engine/cxx_runtime.py, loaded by path (engine itself is not importable yet)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_pe_cxx_runtime", ROOT / "engine" / "cxx_runtime.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _use_a_shared_libstdcxx_compiler() -> None:
+    """Point CXX/CC at a compiler that links libstdc++ shared, if the configured one does
+    not (engine/cxx_runtime.py: why; the H100 machine's CXX=/opt/gcc/bin/g++ does not)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        env, note = _cxx_runtime().pick_compilers()
+    except RuntimeError as exc:
+        sys.exit(f"pipeline-engine: {exc}")
+    if env:
+        print(f"[pipeline-engine] {note}")
+        os.environ.update(env)
+
+
 def _extension():
     prebuilt = os.environ.get("PE_PREBUILT_C", "").strip()
     if prebuilt:
@@ -187,7 +211,8 @@ def _extension():
 
 
 class _BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
-    """torch's BuildExtension (ninja), plus PE_PREBUILT_C: copy a module built elsewhere."""
+    """torch's BuildExtension (ninja), plus PE_PREBUILT_C: copy a module built elsewhere; a
+    module it compiled must link libstdc++ shared (engine/cxx_runtime.py) or the build fails."""
 
     def build_extension(self, ext) -> None:
         prebuilt = os.environ.get("PE_PREBUILT_C", "").strip()
@@ -197,8 +222,16 @@ class _BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
             shutil.copyfile(prebuilt, dest)
             return
         super().build_extension(ext)
+        built = Path(self.get_ext_fullpath(ext.name))
+        if sys.platform.startswith("linux") and not _cxx_runtime().links_shared(built):
+            sys.exit(f"pipeline-engine: {built} links libstdc++ statically and would crash the "
+                     "process on its first error message (engine/cxx_runtime.py); set CXX and "
+                     "CC to a compiler whose libstdc++ is shared, e.g. CXX=/usr/bin/g++ "
+                     "CC=/usr/bin/gcc, and rebuild")
 
 
+if not os.environ.get("PE_PREBUILT_C", "").strip():
+    _use_a_shared_libstdcxx_compiler()
 ext, tag = _extension()
 
 setup(

@@ -41,6 +41,7 @@ def collect() -> dict[str, Any]:
         facts["extension_cuda_archs"] = list(build.get("cuda_archs", []))
         facts["extension_cuda_version"] = build.get("cuda_version")
         facts["extension_torch"] = build.get("torch_version")
+        facts["extension_libstdcxx"] = libstdcxx_linkage(_C.__file__)
     except ImportError as exc:
         facts["extension"] = f"not importable: {exc}"
         facts["extension_cuda"] = False
@@ -59,6 +60,22 @@ def collect() -> dict[str, Any]:
             "unavailable without a GPU; set TRITON_INTERPRET=1 to interpret kernels on CPU"
         )
     return facts
+
+
+def libstdcxx_linkage(path: str) -> str:
+    """"shared" when the extension at ``path`` uses the process's libstdc++ (as it must),
+    else what is wrong and what to do (engine.cxx_runtime: why)."""
+    from engine.cxx_runtime import links_shared
+
+    try:
+        shared = links_shared(path)
+    except (OSError, ValueError) as exc:
+        return f"unknown ({exc})"
+    if shared:
+        return "shared"
+    return ("STATIC: libstdc++ is linked into engine._C, so the process holds two C++ runtimes "
+            "and the first error the extension formats can crash it; rebuild without "
+            "a compiler whose libstdc++ is shared, e.g. CXX=/usr/bin/g++ (engine/cxx_runtime.py)")
 
 
 def format_facts(facts: dict[str, Any]) -> str:

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,48 @@ def test_info_command_reports_the_extension() -> None:
     facts = info.collect()
     assert facts["extension"] == "built"
     assert facts["extension_cuda"] == _C.build_info()["cuda"]
+    assert facts["extension_libstdcxx"] == "shared"
+
+
+def test_the_extension_uses_the_process_libstdcxx() -> None:
+    """engine._C names libstdc++.so among its NEEDED libraries: the CUDA build on the H100
+    machine linked it statically and crashed (SIGSEGV) formatting its first error message
+    (issue 22, 2026-11-26: its CXX=/opt/gcc/bin/g++ links libstdc++ statically); setup.py
+    now picks a compiler that links it shared and checks the module it built."""
+    from engine import _C
+    from engine.cxx_runtime import needed_libraries
+
+    needed = needed_libraries(_C.__file__)
+    assert any(n.startswith("libstdc++.so") for n in needed), needed
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("static", [False, True], ids=["shared", "static"])
+def test_the_needed_reader_tells_a_static_libstdcxx(static: bool, tmp_path: Path) -> None:
+    """The check above can fail: a library built with -static-libstdc++ names no libstdc++,
+    and engine info says so, with the fix."""
+    from engine.cxx_runtime import needed_libraries
+    from engine.info import libstdcxx_linkage
+
+    src = tmp_path / "x.cpp"
+    src.write_text('#include <sstream>\n#include <string>\n'
+                   'std::string f(long v) { std::ostringstream s; s << v; return s.str(); }\n')
+    lib = tmp_path / "libx.so"
+    flags = ["-static-libstdc++"] if static else []
+    subprocess.run(["g++", "-shared", "-fPIC", *flags, str(src), "-o", str(lib)], check=True)
+    needed = needed_libraries(lib)
+    assert any(n.startswith("libstdc++.so") for n in needed) is not static
+    report = libstdcxx_linkage(str(lib))
+    assert report == "shared" if not static else report.startswith("STATIC") and "CXX=" in report
+
+
+def test_the_needed_reader_refuses_what_it_cannot_read(tmp_path: Path) -> None:
+    from engine.cxx_runtime import needed_libraries
+
+    bad = tmp_path / "not-elf.so"
+    bad.write_bytes(b"hello, world" * 10)
+    with pytest.raises(ValueError, match="not-elf.so: not an ELF file"):
+        needed_libraries(bad)
 
 
 def test_installed_version_names_the_build() -> None:
@@ -128,3 +171,58 @@ def test_cuda_sources_compile_standalone_for_sm90(source: Path, tmp_path: Path) 
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert out.stat().st_size > 0
+
+
+def _static_wrapper(tmp_path: Path) -> str:
+    """A C++ compiler command like the H100 machine's /opt/gcc/bin/g++: libstdc++ static."""
+    wrapper = tmp_path / "static-g++"
+    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("g++")} "$@" -static-libstdc++\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_setup_picks_a_compiler_that_links_libstdcxx_shared(tmp_path: Path) -> None:
+    """pick_compilers (what setup.py runs before building): the compiler a build would use
+    is kept when it links libstdc++ shared, and replaced (CXX and CC, with a note) by one
+    that does when it links it statically; a static-only machine gets an error with the fix."""
+    from engine import cxx_runtime as cr
+
+    static = _static_wrapper(tmp_path)
+    assert cr.compiler_links_shared("g++") is True
+    assert cr.compiler_links_shared(static) is False
+    assert cr.compiler_links_shared(str(tmp_path / "no-such-g++")) is None
+    assert cr.pick_compilers({"CXX": "g++"}) == ({}, "")
+    env, note = cr.pick_compilers({"CXX": static})
+    assert cr.compiler_links_shared(env["CXX"]) is True and static not in env.values()
+    assert env.get("CC", "").endswith(("gcc", "cc", "clang"))
+    assert static in note and "statically" in note
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_a_machine_with_only_a_static_libstdcxx_compiler_gets_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine import cxx_runtime as cr
+
+    static = _static_wrapper(tmp_path)
+    monkeypatch.setattr(cr, "compiler_links_shared", lambda cxx: False)  # every compiler static
+    with pytest.raises(RuntimeError, match=r"links libstdc\+\+ statically.*CXX=/usr/bin/g\+\+"):
+        cr.pick_compilers({"CXX": static})
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_the_post_build_check_fails_a_static_module(tmp_path: Path) -> None:
+    """``python engine/cxx_runtime.py FILE`` (CMakeLists.txt's post-build step): 1 with the
+    fix for a module with libstdc++ inside, 0 for the installed engine._C."""
+    from engine import _C
+
+    src = tmp_path / "x.cpp"
+    src.write_text("#include <string>\nstd::string f() { return std::string(40, 'x'); }\n")
+    lib = tmp_path / "libx.so"
+    subprocess.run([_static_wrapper(tmp_path), "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
+    script = Path(__file__).resolve().parents[1] / "engine" / "cxx_runtime.py"
+    bad = subprocess.run([sys.executable, str(script), str(lib)], capture_output=True, text=True)
+    assert bad.returncode == 1 and "statically" in bad.stderr and "CXX=" in bad.stderr
+    good = subprocess.run([sys.executable, str(script), _C.__file__], capture_output=True, text=True)
+    assert good.returncode == 0, good.stderr
