@@ -154,3 +154,27 @@ def test_cuda_environment_defaults(tmp_path: Path) -> None:
     proc = run(str(tmp_path), "build", CUDA_HOME="/opt/cuda-x", TORCH_CUDA_ARCH_LIST="8.0;9.0+PTX")
     assert "[dry-run] CUDA_HOME=/opt/cuda-x\n" in proc.stdout
     assert "[dry-run] TORCH_CUDA_ARCH_LIST=8.0;9.0+PTX\n" in proc.stdout
+
+
+LEASE = ROOT / ".ci" / "gpu-lease"
+
+
+def test_the_lease_script_parses_and_refuses_no_outdir() -> None:
+    """.ci/gpu-lease (one device lease: build, both test phases, the capture benchmarks)."""
+    assert subprocess.run(["bash", "-n", str(LEASE)], capture_output=True).returncode == 0
+    proc = subprocess.run(["bash", str(LEASE)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "usage: bash .ci/gpu-lease OUTDIR" in proc.stderr
+
+
+def test_the_lease_runs_phases_and_benchmarks_that_exist() -> None:
+    text = LEASE.read_text()
+    assert re.findall(r'bash \.ci/gpu "\$R" (\S+);', text) == ["build", "test", "test-optim"]
+    loop = re.search(r"for b in ([\w ]+); do", text)
+    assert loop is not None
+    opts = re.findall(r"(--[\w-]+)", text[loop.end():text.index("done", loop.end())])
+    helpers = _harness_option_helpers()
+    for script in loop.group(1).split():
+        source = (ROOT / "bench" / f"{script}.py").read_text()
+        source += "".join(t for h, t in helpers.items() if f"{h}(" in source)
+        for opt in opts:
+            assert f'"{opt}"' in source, f"bench/{script}.py has no option {opt}"
