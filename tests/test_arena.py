@@ -933,6 +933,34 @@ def test_cuda_release_does_not_block_the_host_and_the_next_user_waits_on_the_dev
 
 
 @pytest.mark.cuda
+def test_cuda_a_writer_of_live_waits_for_a_released_slots_pending_copy() -> None:
+    """The pooled set keeps its pending copy's event (wait_all covers the pool); CPU twin:
+    test_arena_twin.py::test_twin_pooled_set_goes_to_another_stream_after_its_readers."""
+    m = nn.Linear(1024, 1024).cuda()
+    arena = flatten_(m)
+    stream, other = ordered_streams(2)
+    with torch.cuda.stream(stream):
+        with torch.no_grad():
+            m.weight.fill_(2.0)
+        torch.cuda._sleep(_LONG)
+        s = arena.snapshot(microbatch=0, overlap=True)  # its copy waits for the sleep
+        assert arena.release(s, 0, stream=stream)  # pooled, the copy still pending
+    with torch.cuda.stream(other):
+        fv = flat_buffers_for(arena.params)  # other waits for the pooled set's copy
+        assert fv is not None
+        with torch.no_grad():  # (through the weight: the padding stays zero)
+            m.weight.fill_(5.0)  # without that wait this runs first and the copy reads 5.0
+        y = arena.new_slot(stream=other)  # the same set, after its copy and release
+        got = arena.slot_views(y)[0].clone()
+    assert not stream.query(), "the host waited for the copy"
+    torch.cuda.synchronize()
+    assert torch.equal(got, torch.full_like(got, 2.0))
+    assert torch.equal(m.weight.detach(), torch.full_like(got, 5.0))
+    arena.free(y)
+    assert arena.trim_pool() == arena.bytes()["live"]
+
+
+@pytest.mark.cuda
 def test_cuda_two_arenas_share_the_set_aside_through_windows() -> None:
     from engine.arena import l2
 
