@@ -12,7 +12,9 @@ of the release test shows the race it had.
 
 from __future__ import annotations
 
+import ast
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -276,3 +278,18 @@ def test_twin_random_programs_that_keep_the_contract_never_race(seed: int) -> No
             elif op == "trim":
                 arena.trim_pool()
     assert twin.races == [] and twin.misuse == [], (twin.races[:5], twin.misuse[:5])
+
+
+def test_cuda_arena_tests_order_their_streams() -> None:
+    """The precondition the old release test missed, held for every CUDA test of the arena:
+    no bare torch.cuda.Stream() (non-blocking, unordered with flatten_'s writes); streams
+    come from ordered_streams()."""
+    tree = ast.parse((Path(__file__).parent / "test_arena.py").read_text())
+    bare = []
+    for fn in tree.body:
+        if not isinstance(fn, ast.FunctionDef) or fn.name == "ordered_streams":
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.cuda.Stream":
+                bare.append(f"{fn.name} (line {node.lineno})")
+    assert not bare, f"use ordered_streams() instead of torch.cuda.Stream() in: {bare}"
