@@ -26,9 +26,11 @@ int64_t align_elems(int64_t alignment, at::ScalarType dtype) {
   return std::max<int64_t>(1, alignment / item);
 }
 
-#ifdef PE_WITH_CUDA
 void* as_ptr(int64_t stream) { return reinterpret_cast<void*>(static_cast<intptr_t>(stream)); }
-#endif
+int64_t as_int(const void* p) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(p)); }
+
+// A traced arena's snapshot stream per device: far from the small ids tests give streams.
+constexpr int64_t kTraceSideStream = int64_t{1} << 40;
 
 }  // namespace
 
@@ -88,25 +90,169 @@ Arena::~Arena() {
     }
   }
 #ifdef PE_WITH_CUDA
-  // After the waits above nothing of ours is queued on them any more.
-  for (size_t d = 0; d < side_streams_.size(); ++d) {
-    cuda::stream_destroy(static_cast<int>(d), side_streams_[d]);
+  // After the waits above nothing of ours is queued on them any more. A traced arena's
+  // streams are ids, not CUDA streams.
+  if (!trace_) {
+    for (size_t d = 0; d < side_streams_.size(); ++d) {
+      cuda::stream_destroy(static_cast<int>(d), side_streams_[d]);
+    }
   }
 #endif
 }
 
 void* Arena::side_stream(int device) {
-#ifdef PE_WITH_CUDA
   PE_CHECK(device >= 0, "negative CUDA device index ", device);
   if (static_cast<size_t>(device) >= side_streams_.size()) {
     side_streams_.resize(static_cast<size_t>(device) + 1, nullptr);
   }
-  if (side_streams_[device] == nullptr) side_streams_[device] = cuda::stream_create(device);
-  return side_streams_[device];
+  if (side_streams_[device] == nullptr) {
+    if (trace_) {
+      side_streams_[device] = as_ptr(kTraceSideStream + device);
+      trace_->ops.push_back({"create", kTraceSideStream + device});
+    } else {
+#ifdef PE_WITH_CUDA
+      side_streams_[device] = cuda::stream_create(device);
 #else
-  (void)device;
+      PE_CHECK(false, "engine._C was built without CUDA: no snapshot stream");
+#endif
+    }
+  }
+  return side_streams_[device];
+}
+
+// ---------------------------------------------------------------------------------------
+// the stream/event seam: CUDA runtime calls, or the trace of a traced arena
+
+bool Arena::evented(size_t b) const {
+  if (trace_) return true;
+#ifdef PE_WITH_CUDA
+  return buckets_[b].device.is_cuda();
+#else
+  (void)b;
+  return false;
+#endif
+}
+
+int Arena::dev_of(size_t b) const {
+  return trace_ ? 0 : static_cast<int>(buckets_[b].device.index());
+}
+
+void* Arena::dev_copy(size_t b, at::Tensor& dst, int64_t producer) {
+  const auto& bk = buckets_[b];
+  void* side = side_stream(dev_of(b));
+  if (trace_) {
+    {
+      c10::NoGradGuard no_grad;
+      dst.copy_(bk.param);  // CPU buffers: the copy is done at once, its order is logged
+    }
+    const int64_t ev = trace_->next_event++;
+    trace_->ops.push_back({"copy", as_int(side), ev, producer, as_int(dst.data_ptr()),
+                           as_int(bk.param.data_ptr()), bk.nbytes()});
+    return as_ptr(ev);
+  }
+#ifdef PE_WITH_CUDA
+  return cuda::copy_async(dev_of(b), side, dst.data_ptr(), bk.param.data_ptr(),
+                          static_cast<size_t>(bk.nbytes()), as_ptr(producer));
+#else
+  PE_CHECK(false, "engine._C was built without CUDA: no asynchronous copy");
   return nullptr;
 #endif
+}
+
+void* Arena::dev_record(size_t b, int64_t stream) {
+  if (trace_) {
+    const int64_t ev = trace_->next_event++;
+    trace_->ops.push_back({"record", stream, ev});
+    return as_ptr(ev);
+  }
+#ifdef PE_WITH_CUDA
+  return cuda::record_event(dev_of(b), as_ptr(stream));
+#else
+  (void)b;
+  (void)stream;
+  PE_CHECK(false, "engine._C was built without CUDA: no events");
+  return nullptr;
+#endif
+}
+
+void Arena::dev_wait(size_t b, int64_t stream, void* event) {
+  if (trace_) {
+    trace_->ops.push_back({"wait", stream, as_int(event)});
+    return;
+  }
+#ifdef PE_WITH_CUDA
+  cuda::stream_wait_event(dev_of(b), as_ptr(stream), event);
+#else
+  (void)b;
+  (void)stream;
+  (void)event;
+  PE_CHECK(false, "engine._C was built without CUDA: no events");
+#endif
+}
+
+bool Arena::dev_done(size_t b, void* event) {
+  if (trace_) {
+    const bool done = trace_->events_done || trace_->synced.count(as_int(event)) != 0;
+    trace_->ops.push_back({"query", 0, as_int(event), done ? 1 : 0});
+    return done;
+  }
+#ifdef PE_WITH_CUDA
+  return cuda::event_done(dev_of(b), event);
+#else
+  (void)b;
+  (void)event;
+  PE_CHECK(false, "engine._C was built without CUDA: no events");
+  return false;
+#endif
+}
+
+void Arena::dev_sync(size_t b, void* event) {
+  if (trace_) {
+    trace_->synced.insert(as_int(event));
+    trace_->ops.push_back({"sync", 0, as_int(event)});
+    return;
+  }
+#ifdef PE_WITH_CUDA
+  cuda::event_sync(dev_of(b), event);
+#else
+  (void)b;
+  (void)event;
+  PE_CHECK(false, "engine._C was built without CUDA: no events");
+#endif
+}
+
+void Arena::dev_destroy(size_t b, void* event) noexcept {
+  if (trace_) {
+    try {
+      trace_->ops.push_back({"destroy", 0, as_int(event)});
+    } catch (...) {
+    }
+    return;
+  }
+#ifdef PE_WITH_CUDA
+  cuda::event_destroy(dev_of(b), event);
+#else
+  (void)b;
+  (void)event;
+#endif
+}
+
+void Arena::trace_start(bool events_done) {
+  PE_CHECK(slots_.empty() && pool_.empty() && side_streams_.empty(),
+           "trace_start: trace an arena before its first snapshot");
+  for (const auto& bk : buckets_) {
+    PE_CHECK(bk.device.is_cpu(), "trace_start: a traced arena holds CPU buckets only (its "
+             "CUDA calls are logged, not made); this one has a bucket on ", bk.device.str());
+  }
+  trace_ = std::make_unique<Trace>();
+  trace_->events_done = events_done;
+}
+
+std::vector<TraceOp> Arena::trace_take() {
+  PE_CHECK(trace_ != nullptr, "trace_take: this arena is not traced (call trace_start)");
+  std::vector<TraceOp> out = std::move(trace_->ops);
+  trace_->ops.clear();
+  return out;
 }
 
 int64_t Arena::snapshot_stream(int64_t device) const {
@@ -120,6 +266,8 @@ int64_t Arena::add_bucket(const std::vector<at::Tensor>& tensors, int64_t group,
   // Existing slots cover only the buckets they were taken with; a bucket added later
   // would leave them incomplete, so all buckets come before the first snapshot.
   PE_CHECK(slots_.empty() && pool_.empty(), "buckets must be added before the first snapshot");
+  PE_CHECK(!trace_ || tensors[0].device().is_cpu(),
+           "a traced arena holds CPU buckets only, got a tensor on ", tensors[0].device().str());
   Bucket bk;
   bk.device = tensors[0].device();
   bk.dtype = tensors[0].scalar_type();
@@ -205,25 +353,19 @@ const Slot& Arena::slot_ref(int64_t slot) const {
 }
 
 void Arena::copy_into_slot(Slot& s, int64_t stream) {
-  (void)stream;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const auto& bk = buckets_[b];
-#ifdef PE_WITH_CUDA
-    if (bk.device.is_cuda()) {
+    if (evented(b)) {
       // A previous copy into this slot may still be in flight; the new one goes on the
       // arena's same snapshot stream, so it is ordered after it, and its event supersedes
       // the old one (destroying a pending event is legal: waits enqueued on it still hold).
       if (s.events[b] != nullptr) {
-        cuda::event_destroy(bk.device.index(), s.events[b]);
+        dev_destroy(b, s.events[b]);
         s.events[b] = nullptr;
       }
-      const int dev = bk.device.index();
-      s.events[b] = cuda::copy_async(dev, side_stream(dev), s.flats[b].data_ptr(),
-                                     bk.param.data_ptr(), static_cast<size_t>(bk.nbytes()),
-                                     as_ptr(stream));
+      s.events[b] = dev_copy(b, s.flats[b], stream);
       continue;
     }
-#endif
     c10::NoGradGuard no_grad;
     s.flats[b].copy_(bk.param);  // stream-ordered on the current stream for CUDA tensors
   }
@@ -231,11 +373,9 @@ void Arena::copy_into_slot(Slot& s, int64_t stream) {
 
 std::vector<at::Tensor> Arena::take_buffers(int64_t stream, bool zero_fresh,
                                             std::vector<void*>& copies) {
-  (void)stream;
   copies.assign(buckets_.size(), nullptr);
   if (!pool_.empty()) {
     PooledSet& set = pool_.back();
-#ifdef PE_WITH_CUDA
     // Work queued on the releasing stream before the release may still read the buffers,
     // and the slot's own snapshot copy may still write them: order the new user (`stream`,
     // and through it the side-stream copy, which waits for `stream`) after both. A done
@@ -245,18 +385,16 @@ std::vector<at::Tensor> Arena::take_buffers(int64_t stream, bool zero_fresh,
     for (size_t b = 0; b < set.released.size(); ++b) {
       void*& ev = set.released[b];
       if (ev == nullptr) continue;
-      const int dev = buckets_[b].device.index();
-      if (!cuda::event_done(dev, ev)) cuda::stream_wait_event(dev, as_ptr(stream), ev);
-      cuda::event_destroy(dev, ev);
+      if (!dev_done(b, ev)) dev_wait(b, stream, ev);
+      dev_destroy(b, ev);
       ev = nullptr;
     }
     std::vector<char> pending(set.copies.size(), 0);
     for (size_t b = 0; b < set.copies.size(); ++b) {
       void* ev = set.copies[b];
       if (ev == nullptr) continue;
-      const int dev = buckets_[b].device.index();
-      if (!cuda::event_done(dev, ev)) {
-        cuda::stream_wait_event(dev, as_ptr(stream), ev);
+      if (!dev_done(b, ev)) {
+        dev_wait(b, stream, ev);
         pending[b] = 1;
       }
     }
@@ -267,11 +405,10 @@ std::vector<at::Tensor> Arena::take_buffers(int64_t stream, bool zero_fresh,
       if (pending[b]) {
         copies[b] = set.copies[b];
       } else {
-        cuda::event_destroy(buckets_[b].device.index(), set.copies[b]);
+        dev_destroy(b, set.copies[b]);
       }
       set.copies[b] = nullptr;
     }
-#endif
     std::vector<at::Tensor> flats = std::move(set.flats);
     pool_.pop_back();
     pooled_bytes_ -= set_bytes_;
@@ -321,7 +458,6 @@ int64_t Arena::new_slot(int64_t stream, std::optional<int64_t> microbatch) {
 
 void Arena::swap_live(int64_t slot, int64_t stream) {
   auto& s = slot_ref(slot);
-#ifdef PE_WITH_CUDA
   // The slot's buffer becomes live, so the copy into it must be done before `stream` uses
   // live; the old live buffer becomes the slot's, so a later write to the slot (through
   // `stream`) must come after the copies still reading it. wait_all covers both (and is
@@ -330,12 +466,9 @@ void Arena::swap_live(int64_t slot, int64_t stream) {
   wait_all(stream);
   for (size_t b = 0; b < s.events.size(); ++b) {
     if (s.events[b] == nullptr) continue;
-    cuda::event_destroy(buckets_[b].device.index(), s.events[b]);
+    dev_destroy(b, s.events[b]);
     s.events[b] = nullptr;
   }
-#else
-  (void)stream;
-#endif
   for (size_t b = 0; b < buckets_.size(); ++b) std::swap(buckets_[b].param, s.flats[b]);
 }
 
@@ -343,73 +476,52 @@ void Arena::refresh(int64_t slot, int64_t stream) { copy_into_slot(slot_ref(slot
 
 void Arena::wait(int64_t slot, int64_t stream) {
   auto& s = slot_ref(slot);
-  (void)stream;
-#ifdef PE_WITH_CUDA
-  for (size_t b = 0; b < buckets_.size(); ++b) {
+  for (size_t b = 0; b < s.events.size(); ++b) {
     if (s.events[b] == nullptr) continue;
-    const int dev = buckets_[b].device.index();
-    if (cuda::event_done(dev, s.events[b])) {
-      cuda::event_destroy(dev, s.events[b]);
+    if (dev_done(b, s.events[b])) {
+      dev_destroy(b, s.events[b]);
       s.events[b] = nullptr;
     } else {
-      cuda::stream_wait_event(dev, as_ptr(stream), s.events[b]);
+      dev_wait(b, stream, s.events[b]);
     }
   }
-#else
-  (void)s;
-#endif
 }
 
 void Arena::wait_all(int64_t stream) {
-#ifdef PE_WITH_CUDA
   for (auto& kv : slots_) wait(kv.first, stream);
   // A freed slot's copy may still be reading live (release does not wait for it).
   for (auto& set : pool_) {
     for (size_t b = 0; b < set.copies.size(); ++b) {
       if (set.copies[b] == nullptr) continue;
-      const int dev = buckets_[b].device.index();
-      if (cuda::event_done(dev, set.copies[b])) {
-        cuda::event_destroy(dev, set.copies[b]);
+      if (dev_done(b, set.copies[b])) {
+        dev_destroy(b, set.copies[b]);
         set.copies[b] = nullptr;
       } else {
-        cuda::stream_wait_event(dev, as_ptr(stream), set.copies[b]);
+        dev_wait(b, stream, set.copies[b]);
       }
     }
   }
-#else
-  (void)stream;
-#endif
 }
 
 void Arena::settle_released(PooledSet& set) {
-#ifdef PE_WITH_CUDA
   for (auto* events : {&set.released, &set.copies}) {
     for (size_t b = 0; b < events->size(); ++b) {
       void*& ev = (*events)[b];
       if (ev == nullptr) continue;
-      const int dev = buckets_[b].device.index();
-      cuda::event_sync(dev, ev);
-      cuda::event_destroy(dev, ev);
+      dev_sync(b, ev);
+      dev_destroy(b, ev);
       ev = nullptr;
     }
   }
-#else
-  (void)set;
-#endif
 }
 
 void Arena::settle(Slot& s) {
-#ifdef PE_WITH_CUDA
   for (size_t b = 0; b < s.events.size(); ++b) {
     if (s.events[b] == nullptr) continue;
-    const int dev = buckets_[b].device.index();
-    cuda::event_sync(dev, s.events[b]);
-    cuda::event_destroy(dev, s.events[b]);
+    dev_sync(b, s.events[b]);
+    dev_destroy(b, s.events[b]);
     s.events[b] = nullptr;
   }
-#else
-  (void)s;
-#endif
 }
 
 std::vector<at::Tensor> Arena::slot_views(int64_t slot, int64_t b) const {
@@ -488,29 +600,24 @@ bool Arena::unhold(int64_t slot, int64_t stream) {
 }
 
 void Arena::erase_slot(int64_t slot, int64_t stream) {
-  (void)stream;
   auto it = slots_.find(slot);
   Slot& s = it->second;
   // No host wait here: a copy still writing the slot travels with its buffers (copies) and
   // is waited for, on the device, by their next user (take_buffers) or by wait_all.
   PooledSet set;
   set.released.assign(s.flats.size(), nullptr);
-#ifdef PE_WITH_CUDA
   for (size_t b = 0; b < s.flats.size(); ++b) {
-    if (!buckets_[b].device.is_cuda()) continue;
+    if (!evented(b)) continue;
     try {
-      set.released[b] = cuda::record_event(buckets_[b].device.index(), as_ptr(stream));
+      set.released[b] = dev_record(b, stream);
     } catch (...) {
       for (size_t e = 0; e < b; ++e) {
-        if (set.released[e] != nullptr) {
-          cuda::event_destroy(buckets_[e].device.index(), set.released[e]);
-        }
+        if (set.released[e] != nullptr) dev_destroy(e, set.released[e]);
       }
       throw;  // the slot stays allocated, unpinned: free() can still drop it
     }
   }
   set.copies = std::move(s.events);
-#endif
   set.flats = std::move(s.flats);
   slot_bytes_ -= s.nbytes;
   pooled_bytes_ += s.nbytes;

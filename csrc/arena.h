@@ -26,7 +26,9 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -61,7 +63,7 @@ struct Bucket {
 // A weight version: one flat buffer per bucket, with the buckets' layout.
 struct Slot {
   std::vector<at::Tensor> flats;  // one per bucket
-  std::vector<void*> events;      // CUDA: copy-done event per bucket (nullptr: no copy pending)
+  std::vector<void*> events;      // copy-done event per evented bucket (nullptr: none pending)
   std::map<int64_t, int64_t> pins;  // micro-batch id -> pin count
   int64_t holders = 0;            // double buffers holding the slot (hold/unhold)
   int64_t nbytes = 0;
@@ -81,6 +83,31 @@ struct PooledSet {
   // CUDA: the slot's snapshot-copy event per bucket, when the copy was still pending at the
   // release (it writes these buffers and reads live; nullptr: none pending).
   std::vector<void*> copies;
+};
+
+// One stream/event operation of a traced arena (Arena::trace_start), as a CPU test sees it.
+//
+// Why: the arena's CUDA ordering (which stream waits for which event, when an event is
+// queried, synced or destroyed) decides whether a snapshot, a pooled slot or a writer of
+// live races, and a race shows only now and then on a GPU. A traced arena runs the very
+// same ordering code on CPU buckets, with this log in place of the CUDA runtime calls
+// (copies happen at once), so a CPU test can replay it on a model of the device
+// (engine/testing/arena_twin.py) and check every access is ordered after the ones it needs.
+struct TraceOp {
+  std::string op;        // create (a snapshot stream), copy, record, wait, query, sync, destroy
+  int64_t stream = 0;    // the stream it is issued on (create, copy: the snapshot stream)
+  int64_t event = 0;     // the event it records, waits on, queries, syncs or destroys
+  int64_t producer = 0;  // copy: the stream whose queued work it waits for; query: 1 if done
+  int64_t dst = 0;       // copy: destination address
+  int64_t src = 0;       // copy: source address
+  int64_t bytes = 0;     // copy: length
+};
+
+struct Trace {
+  bool events_done = false;  // what queries answer (a synced event is always done)
+  int64_t next_event = 1;
+  std::set<int64_t> synced;
+  std::vector<TraceOp> ops;
 };
 
 struct L2Result {
@@ -154,6 +181,13 @@ class Arena {
   // first CUDA snapshot there and in CPU-only builds. Each arena has its own.
   int64_t snapshot_stream(int64_t device) const;
 
+  // --- CPU twin of the CUDA ordering (see TraceOp) ---------------------------------------
+  // From now on every bucket takes the CUDA path's stream/event logic, logged instead of
+  // issued; queries answer `events_done` (a synced event is done). Only for arenas whose
+  // buckets are all on the CPU, before the first snapshot.
+  void trace_start(bool events_done);
+  std::vector<TraceOp> trace_take();  // the operations logged since the last call
+
   // --- accounting ---------------------------------------------------------------------
   int64_t live_bytes() const { return live_bytes_; }
   int64_t grad_bytes() const { return grad_bytes_; }
@@ -177,6 +211,16 @@ class Arena {
   void settle(Slot& s);  // host-wait for pending copies and drop their events
   void settle_released(PooledSet& set);  // host-wait for its release and copy events
   void* side_stream(int device);  // this arena's snapshot stream, created on first use
+  // The stream/event seam: CUDA runtime calls (csrc/cuda/arena_cuda.h), or the trace.
+  // Evented buckets (CUDA ones, or all of a traced arena) keep events; others never do.
+  bool evented(size_t b) const;
+  int dev_of(size_t b) const;
+  void* dev_copy(size_t b, at::Tensor& dst, int64_t producer);  // live -> dst; done event
+  void* dev_record(size_t b, int64_t stream);
+  void dev_wait(size_t b, int64_t stream, void* event);
+  bool dev_done(size_t b, void* event);
+  void dev_sync(size_t b, void* event);
+  void dev_destroy(size_t b, void* event) noexcept;
   // Buffers for a new slot (pooled, else allocated); `copies` receives the slot's initial
   // copy events (a pooled set's snapshot copy still pending, else nullptr).
   std::vector<at::Tensor> take_buffers(int64_t stream, bool zero_fresh,
@@ -192,6 +236,7 @@ class Arena {
   // Snapshot stream per CUDA device index (nullptr until first used there). Per arena, not
   // per process: a shared one would queue every stage's copies behind each other's.
   std::vector<void*> side_streams_;
+  std::unique_ptr<Trace> trace_;  // set by trace_start: log instead of CUDA calls
   int64_t next_slot_ = 0;
   int64_t set_bytes_ = 0;  // bytes of one slot: the sum of the buckets' nbytes
   int64_t live_bytes_ = 0;

@@ -351,6 +351,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("unhold", guard(&pe::Arena::unhold), py::arg("slot"), py::arg("stream"))
       .def("trim_pool", guard(&pe::Arena::trim_pool))
       .def("snapshot_stream", guard(&pe::Arena::snapshot_stream), py::arg("device"))
+      .def("trace_start", guard(&pe::Arena::trace_start), py::arg("events_done"))
+      .def("trace_take", guard([](pe::Arena& a) {
+             // (op, stream, event, producer, dst, src, bytes) per logged operation
+             py::list out;
+             for (const auto& o : a.trace_take()) {
+               out.append(py::make_tuple(o.op, o.stream, o.event, o.producer, o.dst, o.src,
+                                         o.bytes));
+             }
+             return out;
+           }))
       .def_property_readonly("live_bytes", guard(&pe::Arena::live_bytes))
       .def_property_readonly("grad_bytes", guard(&pe::Arena::grad_bytes))
       .def_property_readonly("slot_bytes", guard(&pe::Arena::slot_bytes))

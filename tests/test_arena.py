@@ -725,13 +725,36 @@ def test_cpu_slot_api_is_unchanged_and_there_is_no_snapshot_stream() -> None:
         arena.clear_l2_window()
 
 
+def ordered_streams(n: int) -> list[torch.cuda.Stream]:
+    """``n`` new CUDA streams, each ordered after the work queued so far on the current one.
+
+    Why every CUDA test here takes its side streams from this: ``flatten_`` writes the live
+    buffers (a zero fill, then a copy of the module's weights) on the *current* stream, the
+    legacy default stream in these tests, and ``torch.cuda.Stream()`` is created with
+    ``cudaStreamNonBlocking``, so nothing orders a new stream after it. Work on the new stream
+    (``m.weight.fill_(2.0)``, a clone, the snapshot copy, which waits only for the stream it
+    is given) could then run before or interleaved with flatten_'s fill and copy; with 12
+    pytest workers time-slicing one H100 the queued work of both streams is dispatched
+    together, and test_cuda_release_... once saw the fill undone by flatten_'s copy (the slot
+    held the initial weights) and its ``expected`` clone taken between the zero fill and the
+    copy (all zeros). Same rule as any torch tensor made on one stream and used on another.
+    """
+    current = torch.cuda.current_stream()
+    out = []
+    for _ in range(n):
+        s = torch.cuda.Stream()
+        s.wait_stream(current)
+        out.append(s)
+    return out
+
+
 @pytest.mark.cuda
 def test_cuda_async_snapshot_waits_on_its_event() -> None:
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024)).cuda()
     arena = flatten_(m)
     assert all(p.data_ptr() % 256 == 0 for p in m.parameters())
-    side = torch.cuda.Stream()
+    (side,) = ordered_streams(1)
     with torch.cuda.stream(side):
         with torch.no_grad():
             for p in m.parameters():
@@ -784,7 +807,7 @@ def test_cuda_swap_live_waits_for_the_pending_copy_and_pool_reuse_is_ordered() -
     torch.manual_seed(0)
     m = nn.Linear(2048, 2048).cuda()
     arena = flatten_(m)
-    side = torch.cuda.Stream()
+    (side,) = ordered_streams(1)
     with torch.cuda.stream(side):
         with torch.no_grad():
             m.weight.mul_(2.0)  # queued work the snapshot must see
@@ -812,7 +835,7 @@ def test_cuda_swap_live_waits_for_the_pending_copy_and_pool_reuse_is_ordered() -
 def test_cuda_l2_persistence_reports_granted_bytes() -> None:
     m = nn.Linear(512, 512).cuda()
     arena = flatten_(m)
-    stream = torch.cuda.Stream()
+    (stream,) = ordered_streams(1)  # its backward accumulates into flatten_'s zeroed grads
     with torch.cuda.stream(stream):
         r = arena.set_l2_persistence(stream=stream)
         try:
@@ -838,7 +861,7 @@ def test_cuda_each_arena_copies_on_its_own_snapshot_stream() -> None:
     a = flatten_(nn.Linear(256, 256).cuda(), name="a")
     b = flatten_(nn.Linear(256, 256).cuda(), name="b")
     assert a.snapshot_stream() is None and b.snapshot_stream() is None  # created lazily
-    busy, idle = torch.cuda.Stream(), torch.cuda.Stream()
+    busy, idle = ordered_streams(2)  # b's copy must see flatten_'s copy into b's live
     with torch.cuda.stream(busy):
         torch.cuda._sleep(_LONG)
         sa = a.snapshot(overlap=True)  # a's copy waits for the sleep, on a's stream
@@ -863,8 +886,11 @@ def test_cuda_release_does_not_block_the_host_and_the_next_user_waits_on_the_dev
     import time
 
     m = nn.Linear(1024, 1024).cuda()
+    # flatten_'s fill and copy into live queue behind a sleep on the current stream: a test
+    # stream not ordered after it would certainly run fill_(2.0) first and see it undone
+    torch.cuda._sleep(_LONG // 2)
     arena = flatten_(m)
-    stream, other = torch.cuda.Stream(), torch.cuda.Stream()
+    stream, other = ordered_streams(2)
     with torch.cuda.stream(stream):
         with torch.no_grad():
             m.weight.fill_(2.0)
@@ -907,6 +933,34 @@ def test_cuda_release_does_not_block_the_host_and_the_next_user_waits_on_the_dev
 
 
 @pytest.mark.cuda
+def test_cuda_a_writer_of_live_waits_for_a_released_slots_pending_copy() -> None:
+    """The pooled set keeps its pending copy's event (wait_all covers the pool); CPU twin:
+    test_arena_twin.py::test_twin_pooled_set_goes_to_another_stream_after_its_readers."""
+    m = nn.Linear(1024, 1024).cuda()
+    arena = flatten_(m)
+    stream, other = ordered_streams(2)
+    with torch.cuda.stream(stream):
+        with torch.no_grad():
+            m.weight.fill_(2.0)
+        torch.cuda._sleep(_LONG)
+        s = arena.snapshot(microbatch=0, overlap=True)  # its copy waits for the sleep
+        assert arena.release(s, 0, stream=stream)  # pooled, the copy still pending
+    with torch.cuda.stream(other):
+        fv = flat_buffers_for(arena.params)  # other waits for the pooled set's copy
+        assert fv is not None
+        with torch.no_grad():  # (through the weight: the padding stays zero)
+            m.weight.fill_(5.0)  # without that wait this runs first and the copy reads 5.0
+        y = arena.new_slot(stream=other)  # the same set, after its copy and release
+        got = arena.slot_views(y)[0].clone()
+    assert not stream.query(), "the host waited for the copy"
+    torch.cuda.synchronize()
+    assert torch.equal(got, torch.full_like(got, 2.0))
+    assert torch.equal(m.weight.detach(), torch.full_like(got, 5.0))
+    arena.free(y)
+    assert arena.trim_pool() == arena.bytes()["live"]
+
+
+@pytest.mark.cuda
 def test_cuda_two_arenas_share_the_set_aside_through_windows() -> None:
     from engine.arena import l2
 
@@ -915,7 +969,7 @@ def test_cuda_two_arenas_share_the_set_aside_through_windows() -> None:
     if not limits["supported"] or limits["reason"]:
         pytest.skip(f"no persisting L2 here: {limits['reason']}")
     a, b = flatten_(nn.Linear(512, 512).cuda()), flatten_(nn.Linear(256, 256).cuda())
-    sa, sb = torch.cuda.Stream(), torch.cuda.Stream()
+    sa, sb = ordered_streams(2)
     share = min(limits["max_persisting_bytes"] // 4, a.buckets[0].nbytes // 2)
     got = l2.set_aside(dev, 2 * share)
     try:

@@ -105,6 +105,9 @@ TRIGGERS: dict[str, tuple[Callable[[], object], type[BaseException], str]] = {
                             "out of range"),
     "Arena.clear_l2_window": (lambda: cpu_arena().clear_l2_window(MISSING, 0), RuntimeError,
                               "out of range"),
+    "Arena.trace_start": (lambda: with_slot()[0].trace_start(False), RuntimeError,
+                          "before its first snapshot"),
+    "Arena.trace_take": (lambda: cpu_arena().trace_take(), RuntimeError, "not traced"),
 }
 
 # Bindings that throw only on a CUDA runtime failure (or never): guarded like the others,

@@ -25,6 +25,7 @@ class SwappableArena(Protocol):
     name: str
     device: Any
     _core: Any
+    _evented: bool
 
     def swap_live(self, slot: int, *, stream: Any = None) -> None: ...
     def pins(self, slot: int) -> dict[int, int]: ...
@@ -92,7 +93,7 @@ class DoubleBuffer:
             )
         with arena._on_stream(stream) as handle:
             arena._core.refresh(back, handle)
-            if not overlap and arena.device.type == "cuda":
+            if not overlap and arena._evented:
                 arena._core.wait(back, handle)
 
     def front_views(self) -> list[torch.Tensor]:

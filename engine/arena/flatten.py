@@ -125,6 +125,12 @@ def flatten_(
     Everything is validated before any tensor moves: mixed devices, non-floating dtypes,
     non-leaf or sparse tensors, duplicates, parameters another arena owns, and a bad
     ``alignment`` raise :class:`ArenaError` (or TypeError) and leave the input untouched.
+
+    On CUDA the fill and copy into the flat buffers are queued on the current stream, as any
+    torch op: before another stream touches the weights (snapshots on it included, whose
+    copy waits only for that stream) order it after this one, e.g.
+    ``s.wait_stream(torch.cuda.current_stream())``. A ``torch.cuda.Stream()`` is
+    non-blocking, so nothing else orders it after the default stream.
     """
     _check_alignment(alignment)
     arena_name = name if name is not None else f"arena{next(_ARENA_COUNTER)}"

@@ -58,6 +58,9 @@ class WeightArena:
         self._place: list[tuple[int, int]] = []  # arena index -> (bucket, position)
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, position)
         self._using = 0  # depth of use() contexts: swap_live is refused inside them
+        # engine.testing.arena_twin.ArenaTwin of a traced CPU arena: it stands in for the
+        # CUDA streams, so the CUDA paths below run (and are checked) on a CPU
+        self._twin: Any = None
 
     def __repr__(self) -> str:
         return (
@@ -119,7 +122,7 @@ class WeightArena:
         for p, q, ptr in zip(params, members, bucket.ptrs, strict=True):
             if p is not q or p.data_ptr() != ptr:
                 return None
-        if bucket.device.type == "cuda":
+        if self._evented:
             self._core.wait_all(self._stream(None))
         return bucket.flat_view
 
@@ -135,11 +138,20 @@ class WeightArena:
             )
         return bucket
 
+    @property
+    def _evented(self) -> bool:
+        """Whether snapshot copies are asynchronous and carry events that readers and
+        writers wait on: CUDA arenas, and the CPU twin of one (a traced arena)."""
+        return self.device.type == "cuda" or self._twin is not None
+
     @contextlib.contextmanager
     def _on_stream(self, stream: Any) -> Iterator[int]:
         """Make ``stream`` current (CUDA) for the call, so that the slot allocations, the
         torch copies and the event waits of one operation all happen on one stream."""
-        if self.device.type == "cuda" and stream is not None:
+        if self._twin is not None:
+            with self._twin.use(stream):
+                yield self._twin.handle(None)
+        elif self.device.type == "cuda" and stream is not None:
             with torch.cuda.stream(stream):
                 yield int(stream.cuda_stream)
         else:
@@ -147,6 +159,8 @@ class WeightArena:
 
     def _stream(self, stream: Any) -> int:
         """cudaStream_t (as int) the caller works on; 0 for CPU arenas."""
+        if self._twin is not None:
+            return int(self._twin.handle(stream))
         if self.device.type != "cuda":
             return 0
         if stream is None:
@@ -197,7 +211,7 @@ class WeightArena:
         mb = None if microbatch is None else self._check_microbatch(microbatch)
         with self._on_stream(stream) as handle:
             slot = int(self._core.snapshot(handle, mb))
-            if not overlap and self.device.type == "cuda":
+            if not overlap and self._evented:
                 self._core.wait(slot, handle)
         return slot
 
@@ -288,7 +302,7 @@ class WeightArena:
     def wait_for_snapshots(self, *, stream: Any = None) -> None:
         """Make ``stream`` (default: current) wait for every snapshot copy still reading
         the live weights; call before writing them after ``snapshot(overlap=True)``."""
-        if self.device.type == "cuda":
+        if self._evented:
             self._core.wait_all(self._stream(stream))
 
     def slot_views(self, slot: int) -> list[torch.Tensor]:

@@ -6,7 +6,8 @@ Imported by name (not re-exported here, so ``import engine.testing`` stays light
 ``engine.testing.launch_count`` (aten calls per action), ``engine.testing.stream_recorder``
 (stream events per step, on CPU), ``engine.testing.graph_twin`` (a CPU stand-in for a CUDA
 graph of a whole step: ``Pipeline(cuda_graphs="program")`` under
-``engine.runtime.exec.capture.use_backend``) and ``engine.testing.dispatch_trace`` (their recorder)."""
+``engine.runtime.exec.capture.use_backend``) and ``engine.testing.dispatch_trace`` (their recorder), ``engine.testing.arena_twin`` (a CUDA
+arena's stream/event ordering, run on a traced CPU arena and checked for races)."""
 
 from __future__ import annotations
 
