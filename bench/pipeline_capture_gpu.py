@@ -45,11 +45,12 @@ ever ran): the dense case alone measured well under 60 s at 11 rounds (19.2-21.4
 412 GFLOP a step, so ~21 TFLOP/s effective fp32). Transformer, per layer and token:
 projections 8 d^2 + feed-forward 16 d^2 + attention 4 * seq * d = 26.2 MFLOP forward at
 d = 1024, seq = 256; x 8192 tokens x 3 (forward + backward) x 8 layers = 5.2 TFLOP a step:
-~100 ms at 50 TFLOP/s, ~250 ms at the dense case's 21 TFLOP/s. Each step takes >= min_time
-(0.1 s), so one call per timed block: per schedule 5 pairs x (2 x 3 warm-up + 6 calibration
+~100 ms at 50 TFLOP/s, ~250 ms at the dense case's 21 TFLOP/s. A step of ~min_time (0.1 s)
+or more is one call per timed block: per schedule 5 pairs x (2 x 3 warm-up + 6 calibration
 + 2 x rounds) calls + ~16 set-up steps = 186 calls at 11 rounds, 372 for both schedules:
-~40-95 s; the dense case with its 4 new pairs ~30-40 s; start-up and captures ~15 s. Whole
-script: ~85-150 s at 11 rounds (~100-175 s at 15). Memory: ~100 M parameters (with gradients
+~40-95 s (a step just under 0.1 s gets two calls a block: ~60 s); the dense case, now 10
+pairs, ~30-40 s; start-up and captures ~15 s. Whole script: ~85-150 s at 11 rounds (~100-175 s
+at 15). Memory: ~100 M parameters (with gradients
 and momentum ~1.2 GB per side) and, for gpipe, ~4-5 GB of saved activations per side; sides
 of one schedule are freed before the next.
 
