@@ -5,6 +5,7 @@ do the same math, and a case whose capture falls back to eager fails the run."""
 
 from __future__ import annotations
 
+import copy
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +137,49 @@ def test_cli_refuses_an_unknown_model(capsys) -> None:
         bench.main(["--models", "mlp"])
     assert exc.value.code == 2
     assert "invalid choice: 'mlp'" in capsys.readouterr().err
+
+
+TINY_CUDA = [bench.Dense(width=64, depth=3, batch=16, chunks=2),
+             bench.Transformer(d_model=64, nhead=4, ffn=128, depth=3, batch=8, seq=16, chunks=2)]
+
+
+@pytest.mark.cuda
+def test_cuda_every_side_of_both_models_replays() -> None:
+    """The benchmark's GPU path at tiny sizes, before the benchmark phase: CUDA graphs for
+    both engine sides (real stage streams on one) and the loop, every pair of both models."""
+    rows = bench.run(torch.device("cuda"), models=TINY_CUDA, rounds=1, warmup=0, min_time=0.0,
+                     log=lambda _: None)
+    loop = "plain loop captured"
+    assert [(r.candidate, r.peer) for r in rows] == [
+        (c, loop if p == "plain loop eager" else p) for c, p in PAIRS] * 4
+    assert [r.case for r in rows[::5]] == [
+        m.case(s, "one GPU") for m in TINY_CUDA for s in ("1f1b", "gpipe")]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("model", TINY_CUDA, ids=["dense", "transformer"])
+def test_cuda_a_replay_of_the_captured_loop_is_an_eager_loop_step(model) -> None:
+    """The peer every ratio is taken against: one replay of the captured loop trains as an
+    eager step of the same loop from the same weights and momentum (its warm-up at capture
+    trains too, so compare from there)."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(3)
+    x, y = (torch.randn(*model.shape(), generator=g, device=dev) for _ in range(2))
+    net = nn.Sequential(*model.layers()).to(dev)
+    loop = bench.GraphedLoop(net, x, y, model.chunks)
+    torch.cuda.synchronize()
+    ref = nn.Sequential(*model.layers()).to(dev)
+    ref.load_state_dict(net.state_dict())
+    opt = torch.optim.SGD(ref.parameters(), lr=bench.LR, momentum=bench.MOMENTUM)
+    opt.load_state_dict(copy.deepcopy(loop.opt.state_dict()))  # (no shared momentum)
+    x2, y2 = (torch.randn(*model.shape(), generator=g, device=dev) for _ in range(2))
+    loop(x2, y2)
+    for xm, ym in zip(x2.chunk(model.chunks), y2.chunk(model.chunks), strict=True):
+        (torch.nn.functional.mse_loss(ref(xm), ym) / model.chunks).backward()
+    opt.step()
+    torch.cuda.synchronize()
+    for a, b in zip(net.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_pb_pairs_run_and_the_engine_replays() -> None:
