@@ -42,6 +42,12 @@ def steps(out: str) -> dict[str, list[str]]:
     return found
 
 
+def budgets(out: str) -> dict[str, int]:
+    """'[dry-run] PHASE/NAME (budget Ns): CMD' -> {'PHASE/NAME': N}."""
+    return {m.group(1): int(m.group(2))
+            for m in re.finditer(r"^\[dry-run\] (\S+) \(budget (\d+)s\): ", out, re.M)}
+
+
 def test_script_parses() -> None:
     proc = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -102,11 +108,24 @@ def test_each_phase_lists_its_commands_and_writes_nothing(tmp_path: Path) -> Non
     assert {k.split("/")[1] for k in listed["bench-pipeline"]} >= {"overhead", "pipeline_gloo"}
     assert set(listed["bench-capture"]) == {"bench-capture/pipeline_capture_gpu",
                                             "bench-capture/pipeline_pb_capture_gpu"}
+    # both models and the rounds named explicitly (the budget was sized for them)
+    capture = listed["bench-capture"]["bench-capture/pipeline_capture_gpu"]
+    models = capture[capture.index("--models") + 1:]
+    models = models[:next((i for i, a in enumerate(models) if a.startswith("--")), len(models))]
+    assert models == ["dense", "transformer"]
+    source = (ROOT / "bench" / "pipeline_capture_gpu.py").read_text()
+    assert all(f'"{m}": ' in source for m in models)  # its MODELS table's keys
+    assert capture[capture.index("--rounds") + 1] == "11"
     for phase in ("bench-kernels", "bench-pipeline", "bench-capture"):
         for argv in listed[phase].values():
             assert argv[argv.index("--out") + 1] == f"{out}/{phase}"
 
-    # `all` is the four phases in order
+    # each phase's step budgets add up to under 9 minutes (one command may run 10)
+    for phase in PHASES:
+        spent = budgets(run(str(out), phase).stdout)
+        assert spent and sum(spent.values()) < 9 * 60, (phase, spent)
+
+    # `all` is the six phases in order
     proc = run(str(out), "all")
     assert proc.returncode == 0, proc.stderr
     assert list(steps(proc.stdout)) == [name for phase in PHASES for name in listed[phase]]
