@@ -20,7 +20,8 @@ stage ``r % S``; see transport/layout.py). Around the executor this module adds:
   point-to-point messages under gloo, a broadcast under NCCL, which has no tags) and averaged
   over the replicas, so ``pipe.step`` returns the same value on every rank; a synchronous
   gloo step of one replica sends it through the first stage instead, with the step's verdict
-  (whether a rank aborted it, :meth:`RankRuntime.relay_verdict`);
+  (whether a rank aborted it), which then travels down the pipeline stage by stage
+  (:meth:`RankRuntime.relay_verdict`);
 * the gradient all-reduce of data-parallel replicas (mean over replicas, one collective per
   dtype per update, on the stage's data-parallel group);
 * automatic partitioning decided once, by global rank 0, and broadcast (profiled timings
@@ -284,8 +285,8 @@ class RankRuntime:
         first = lay.pipeline_ranks[0]
         if lay.holds_last and (not self.relay or not verdict):
             return  # (the last stage posts its verdict's receive when it has sent its loss)
-        if self.relay:  # the first stage hears from the last, everyone else from the first
-            src = lay.last_rank if lay.rank == first else first
+        if self.relay:  # the first stage hears from the last, every other from the one before
+            src = lay.last_rank if lay.rank == first else lay.pipeline_ranks[lay.stage - 1]
         else:
             src = lay.last_rank
         self._loss_msg = torch.zeros(4, dtype=torch.float64)
@@ -295,10 +296,18 @@ class RankRuntime:
         self, loss: Tensor | None, nonfinite: int, aborted: bool
     ) -> tuple[Tensor | None, int, bool]:
         """:meth:`share_loss` of a synchronous gloo step with abort frames (engine/runtime/
-        rank.py): the last stage sends (loss, non-finite count, its own abort) to the first,
-        which adds what it learned (every abort frame of a synchronous step reaches it: the
-        micro-batch that failed still owes it a gradient) and sends the verdict to every other
-        stage. Returns (loss or None, non-finite micro-batches, whether the step aborted)."""
+        dist/lane.py): the last stage sends (loss, non-finite count, its own abort) to the
+        first, which adds what it learned (every abort frame of a synchronous step reaches it:
+        the micro-batch that failed still owes it a gradient) and sends the verdict down the
+        pipeline: each stage forwards it to the next as soon as it has it. Returns (loss or
+        None, non-finite micro-batches, whether the step aborted).
+
+        Why a chain and not the first stage sending to every stage: the first stage finishes
+        the step last (its update and next forward are the critical path), and every message
+        it sends costs it a gloo post; down the chain a stage forwards while it waits for the
+        next step's first activation, which comes after the verdict anyway. The same number of
+        messages; measured against the star on the shared 2-core machine, not distinguishable
+        from noise (bench/README.md, issue 28)."""
         lay, tp = self.layout, self.transport
         first = lay.pipeline_ranks[0]
         for work, _out in self._loss_sends:  # the previous step's: received long ago
@@ -309,16 +318,16 @@ class RankRuntime:
             self._loss_sends.append((dist.isend(msg, first, group=lay.pipeline_group, tag=LOSS_TAG), msg))
         self.expect_loss(verdict=True)  # no-op when posted at the start of the step
         work, self._loss_work = self._loss_work, None
-        who = lay.stages - 1 if lay.rank == first else 0
+        who = lay.stages - 1 if lay.rank == first else lay.stage - 1
         tp.wait(work, "receiving the step's verdict", who)
         # one host read of the four numbers (each .item() is a dispatcher round trip)
         value, count, has_loss, verdict = self._loss_msg.tolist()
         if lay.rank == first:
             verdict = float(bool(verdict) or aborted)
-            # one tensor for every peer: nothing writes it while the sends are in flight
+        if lay.stage + 1 < len(lay.pipeline_ranks):  # on down the chain
             out = torch.tensor([value, count, has_loss, verdict], dtype=torch.float64)
-            for peer in (r for r in lay.pipeline_ranks if r != first):
-                self._loss_sends.append((dist.isend(out, peer, group=lay.pipeline_group, tag=LOSS_TAG), out))
+            nxt = lay.pipeline_ranks[lay.stage + 1]
+            self._loss_sends.append((dist.isend(out, nxt, group=lay.pipeline_group, tag=LOSS_TAG), out))
         count, aborted_any = int(count), bool(verdict)
         if has_loss < 0.5:
             return None, count, aborted_any
