@@ -102,6 +102,32 @@ class MinorFaults:
         return float(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - token)
 
 
+class ThreadCPU:
+    """CPU time of the calling thread (``time.thread_time``): the host work of a rank's main
+    thread, without its waits and without other threads (gloo's loop thread)."""
+
+    name = "thread_cpu"
+
+    def start(self) -> float:
+        return time.thread_time()
+
+    def stop(self, token: float) -> float:
+        return time.thread_time() - token
+
+
+class ProcessCPU:
+    """CPU time of the whole process, every thread (``time.process_time``): minus
+    :class:`ThreadCPU`, what the communication library's threads spent."""
+
+    name = "process_cpu"
+
+    def start(self) -> float:
+        return time.process_time()
+
+    def stop(self, token: float) -> float:
+        return time.process_time() - token
+
+
 # ------------------------------------------------------------------------------- statistics
 
 

@@ -60,7 +60,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import device_name  # noqa: E402
-from harness import RatioRow, paired, summary_line, write_ratio_csv  # noqa: E402
+from harness import ProcessCPU, RatioRow, ThreadCPU, paired, summary_line, write_ratio_csv  # noqa: E402
 
 
 def stage_module(s: int, width: int, layers: int) -> nn.Module:
@@ -213,6 +213,29 @@ def block(runner: Runner, batches: Batches) -> Callable[[], None]:
     return lambda: runner.run(batches)
 
 
+def cpu_lines(res: object, case: str, rank: int, steps: int) -> list[str]:
+    """This rank's CPU time per mini-batch over the paired rounds (``--cpu``): its main thread
+    (host work: Python, kernels, posting messages) and the rest of the process (gloo's loop
+    thread moving the payloads), candidate vs peer, medians over rounds and the paired ratio.
+    Where a candidate spends time its peer does not, on a machine whose ranks share cores."""
+    main = res.by_probe("thread_cpu")  # type: ignore[attr-defined]
+    proc = res.by_probe("process_cpu")  # type: ignore[attr-defined]
+    rest = [p - m for p, m in zip(proc.candidate_s, main.candidate_s, strict=True)]
+    rest_peer = [p - m for p, m in zip(proc.peer_s, main.peer_s, strict=True)]
+
+    def ms(xs: list[float]) -> float:
+        return float(sorted(xs)[len(xs) // 2]) * 1e3 / steps
+
+    out = []
+    for what, r, c, p in (("main thread", main, main.candidate_s, main.peer_s),
+                          ("whole process", proc, proc.candidate_s, proc.peer_s)):
+        st = r.stats
+        out.append(f"cpu {case} rank {rank} {what}: {ms(c):.2f} vs {ms(p):.2f} ms/step, "
+                   f"{st.median:.2f}x [{st.low:.2f}, {st.high:.2f}]")
+    out.append(f"cpu {case} rank {rank} other threads: {ms(rest):.2f} vs {ms(rest_peer):.2f} ms/step")
+    return out
+
+
 def plot(rows: list[RatioRow], path: Path, title: str) -> None:
     """Time ratios with their 95 % intervals; theory markers for the async schedules."""
     import matplotlib
@@ -266,6 +289,9 @@ def main() -> None:
     ap.add_argument("--cases", nargs="*", default=None,
                     help="only these cases (gpipe 1f1b zbh1 interleaved interleaved-zb looped-bfs "
                     "zbv dualpipev pipedream 2bw pb); default all but looped-bfs, zbv, dualpipev")
+    ap.add_argument("--cpu", action="store_true",
+                    help="also print every rank's CPU time per step over the same rounds: its main "
+                    "thread and its other (gloo) threads, candidate vs peer (cpu_lines)")
     ap.add_argument("--virtual", type=int, default=2,
                     help="v, stages per rank of the interleaved cases (S*v stage modules)")
     args = ap.parse_args()
@@ -355,7 +381,14 @@ def main() -> None:
         # every rank runs the same rounds in the same order (inner fixed: no per-rank
         # calibration), so the barriers inside each block line up across ranks
         res = paired(block(cand, batches), block(peer, batches), rounds=args.rounds,
-                     warmup=args.warmup, inner=1, sync=dist.barrier, units_per_call=args.steps)
+                     warmup=args.warmup, inner=1, sync=dist.barrier, units_per_call=args.steps,
+                     probes=[ThreadCPU(), ProcessCPU()] if args.cpu else ())
+        if args.cpu:
+            lines = cpu_lines(res, case, rank, args.steps)
+            every: list[list[str]] = [[] for _ in range(S)]
+            dist.all_gather_object(every, lines)
+            if rank == 0:
+                print("\n".join(line for mine in every for line in mine), flush=True)
         theory = M / (M + S - 1) if bench == "async_vs_gpipe" else 1.0
         row = res.row(bench, case, cand_label, peer_label, label=args.label, note=note,
                       extra={"theory_ratio": theory, "chunks": M,

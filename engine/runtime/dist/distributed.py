@@ -20,7 +20,8 @@ stage ``r % S``; see transport/layout.py). Around the executor this module adds:
   point-to-point messages under gloo, a broadcast under NCCL, which has no tags) and averaged
   over the replicas, so ``pipe.step`` returns the same value on every rank; a synchronous
   gloo step of one replica sends it through the first stage instead, with the step's verdict
-  (whether a rank aborted it, :meth:`RankRuntime.relay_verdict`);
+  (whether a rank aborted it), which then travels down the pipeline stage by stage
+  (:meth:`RankRuntime.relay_verdict`);
 * the gradient all-reduce of data-parallel replicas (mean over replicas, one collective per
   dtype per update, on the stage's data-parallel group);
 * automatic partitioning decided once, by global rank 0, and broadcast (profiled timings
@@ -284,8 +285,8 @@ class RankRuntime:
         first = lay.pipeline_ranks[0]
         if lay.holds_last and (not self.relay or not verdict):
             return  # (the last stage posts its verdict's receive when it has sent its loss)
-        if self.relay:  # the first stage hears from the last, everyone else from the first
-            src = lay.last_rank if lay.rank == first else first
+        if self.relay:  # the first stage hears from the last, every other from the one before
+            src = lay.last_rank if lay.rank == first else lay.pipeline_ranks[lay.stage - 1]
         else:
             src = lay.last_rank
         self._loss_msg = torch.zeros(4, dtype=torch.float64)
@@ -295,47 +296,51 @@ class RankRuntime:
         self, loss: Tensor | None, nonfinite: int, aborted: bool
     ) -> tuple[Tensor | None, int, bool]:
         """:meth:`share_loss` of a synchronous gloo step with abort frames (engine/runtime/
-        rank.py): the last stage sends (loss, non-finite count, its own abort) to the first,
-        which adds what it learned (every abort frame of a synchronous step reaches it: the
-        micro-batch that failed still owes it a gradient) and sends the verdict to every other
-        stage. Returns (loss or None, non-finite micro-batches, whether the step aborted)."""
+        dist/lane.py): the last stage sends (loss, non-finite count, its own abort) to the
+        first, which adds what it learned (every abort frame of a synchronous step reaches it:
+        the micro-batch that failed still owes it a gradient) and sends the verdict down the
+        pipeline: each stage forwards it to the next as soon as it has it. Returns (loss or
+        None, non-finite micro-batches, whether the step aborted).
+
+        Why a chain and not the first stage sending to every stage: the first stage finishes
+        the step last (its update and next forward are the critical path), and every message
+        it sends costs it a gloo post; down the chain a stage forwards while it waits for the
+        next step's first activation, which comes after the verdict anyway. The same number of
+        messages; measured against the star on the shared 2-core machine, not distinguishable
+        from noise (bench/README.md, issue 28)."""
         lay, tp = self.layout, self.transport
         first = lay.pipeline_ranks[0]
         for work, _out in self._loss_sends:  # the previous step's: received long ago
             tp.wait(work, "sending the previous step's verdict")
         self._loss_sends = []
-        msg = torch.zeros(4, dtype=torch.float64)
         if lay.holds_last:
-            msg[0] = float("nan") if loss is None else float(loss.double())
-            msg[1], msg[2], msg[3] = float(nonfinite), 0.0 if loss is None else 1.0, float(aborted)
+            msg = _verdict(loss, nonfinite, aborted)
             self._loss_sends.append((dist.isend(msg, first, group=lay.pipeline_group, tag=LOSS_TAG), msg))
         self.expect_loss(verdict=True)  # no-op when posted at the start of the step
         work, self._loss_work = self._loss_work, None
-        who = lay.stages - 1 if lay.rank == first else 0
+        who = lay.stages - 1 if lay.rank == first else lay.stage - 1
         tp.wait(work, "receiving the step's verdict", who)
-        got = self._loss_msg.clone()
+        # one host read of the four numbers (each .item() is a dispatcher round trip)
+        value, count, has_loss, verdict = self._loss_msg.tolist()
         if lay.rank == first:
-            got[3] = float(bool(got[3]) or aborted)
-            for peer in (r for r in lay.pipeline_ranks if r != first):
-                out = got.clone()
-                self._loss_sends.append((dist.isend(out, peer, group=lay.pipeline_group, tag=LOSS_TAG), out))
-        count, verdict = int(got[1].item()), bool(got[3].item())
-        if got[2].item() < 0.5:
-            return None, count, verdict
+            verdict = float(bool(verdict) or aborted)
+        if lay.stage + 1 < len(lay.pipeline_ranks):  # on down the chain
+            out = torch.tensor([value, count, has_loss, verdict], dtype=torch.float64)
+            nxt = lay.pipeline_ranks[lay.stage + 1]
+            self._loss_sends.append((dist.isend(out, nxt, group=lay.pipeline_group, tag=LOSS_TAG), out))
+        count, aborted_any = int(count), bool(verdict)
+        if has_loss < 0.5:
+            return None, count, aborted_any
         if lay.holds_last and loss is not None:
-            return loss, count, verdict  # the very tensor the local run returns
-        return got[0].float(), count, verdict
+            return loss, count, aborted_any  # the very tensor the local run returns
+        return torch.tensor(value, dtype=torch.float32), count, aborted_any
 
     def share_loss(self, loss: Tensor | None, nonfinite: int) -> tuple[Tensor | None, int]:
         """Send the last stage's (loss, non-finite count) to every stage of its replica, then
         average the loss over replicas. Returns (loss or None, non-finite micro-batches)."""
         lay, tp = self.layout, self.transport
         last = lay.holds_last
-        msg = torch.zeros(4, dtype=torch.float64)
-        if last:
-            msg[0] = float("nan") if loss is None else float(loss.double())
-            msg[1] = float(nonfinite)
-            msg[2] = 0.0 if loss is None else 1.0
+        msg = _verdict(loss, nonfinite, False) if last else torch.zeros(4, dtype=torch.float64)
         if tp.backend == "gloo":
             if last:
                 # the previous step's loss messages have arrived: every rank finished that step
@@ -369,13 +374,12 @@ class RankRuntime:
             )
             msg[0] /= lay.replicas
             msg[2] /= lay.replicas
-        msg = msg.cpu()
-        count = int(msg[1].item())
-        if msg[2].item() < 0.5:
-            return None, count
+        value, count, has_loss, _ = msg.tolist()  # one host read
+        if has_loss < 0.5:
+            return None, int(count)
         if last and lay.replicas == 1 and loss is not None:
-            return loss, count  # the very tensor the local run returns
-        return msg[0].float().to(self.device), count
+            return loss, int(count)  # the very tensor the local run returns
+        return torch.tensor(value, dtype=torch.float32, device=self.device), int(count)
 
     def pass_error(self, stage: int, mb: int) -> None:
         """After ``stage`` received an earlier stage's error in place of micro-batch ``mb``'s
@@ -396,6 +400,15 @@ class RankRuntime:
                 f"all-reducing stage {lay.stage}'s gradients over {lay.replicas} replicas",
             )
             flat.div_(lay.replicas)
+
+
+def _verdict(loss: Tensor | None, nonfinite: int, aborted: bool) -> Tensor:
+    """The loss message: (loss or nan, non-finite count, whether there is a loss, aborted),
+    float64, built in one op."""
+    value = float("nan") if loss is None else float(loss.double())
+    return torch.tensor(
+        [value, float(nonfinite), 0.0 if loss is None else 1.0, float(aborted)], dtype=torch.float64
+    )
 
 
 def _shapes(sig: trees.Signature) -> tuple[tuple[int, ...], ...]:

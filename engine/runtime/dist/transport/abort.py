@@ -22,6 +22,7 @@ waiting and the transport's bookkeeping (receives posted ahead, sends held) stay
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
@@ -78,12 +79,22 @@ def _marked(
     return t
 
 
+#: the integer type of each pattern's width, to read a received buffer's first element
+_CTYPES: dict[torch.dtype, Any] = {
+    torch.int16: ctypes.c_int16, torch.int32: ctypes.c_int32, torch.int64: ctypes.c_int64,
+}
+
+
 def frame_kind(t: Tensor) -> str:
-    """What a received gradient message is: "abort", "dropped" or "" (a gradient)."""
+    """What a received gradient message is: "abort", "dropped" or "" (a gradient).
+
+    The first element's bits are read straight from the CPU buffer (``data_ptr``: the first
+    element even of a view): a receiving rank calls this once per gradient, and the four
+    tensor ops of indexing cost ~60 us there with 4 ranks on 2 cores against ~2 us."""
     if t.dtype not in PATTERNS or t.numel() == 0 or t.device.type != "cpu":
         return ""
     bits, value = PATTERNS[t.dtype]
-    got = int(t.reshape(-1)[:1].view(bits)[0])
+    got = _CTYPES[bits].from_address(t.data_ptr()).value
     if got == value:
         return "abort"
     return "dropped" if got == DROP_PATTERNS[t.dtype][1] else ""

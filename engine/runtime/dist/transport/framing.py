@@ -20,6 +20,7 @@ ends, so it always sends the header alone (and receives it first).
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ from torch import Tensor
 
 from engine.runtime.stage.trees import LeafMeta, Signature
 
-__all__ = ["HEAD_BYTES", "INLINE_BYTES", "Posted", "inline", "frame", "head_message", "fills", "framed_buffer"]
+__all__ = ["HEAD_BYTES", "INLINE_BYTES", "Posted", "inline", "frame", "head_message", "fills", "framed_buffer", "read_header"]
 
 #: the header's room before the leaf: 8 bytes used, padded so that the leaf keeps the 64-byte
 #: alignment of torch's CPU allocations (kernels pick vector paths by alignment, and a leaf at
@@ -42,7 +43,8 @@ INLINE_BYTES = 1 << 18
 @dataclass
 class Posted:
     """Receives posted for one micro-batch: their works, the buffers the tensors are read
-    from, the Signature they were posted for, and (header inline) the header's view."""
+    from, the Signature they were posted for, and (header inline) the framed buffer whose
+    first bytes are the header (:func:`read_header`)."""
 
     works: list[Any]
     bufs: list[Tensor]
@@ -77,11 +79,22 @@ def frame(leaf: Tensor, n: int) -> Tensor:
     return torch.cat((head, leaf.reshape(-1).view(torch.uint8)))
 
 
-def framed_buffer(meta: LeafMeta, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """A receive buffer for ``[header | leaf]``: (the buffer, the header's int64 view, the
-    leaf's view)."""
+def framed_buffer(meta: LeafMeta, device: torch.device) -> tuple[Tensor, Tensor]:
+    """A receive buffer for ``[header | leaf]``: (the buffer, the leaf's view; the header is
+    :func:`read_header` of the buffer). Two tensor ops (``empty``, ``set_``) where slicing and
+    viewing took five: a rank posts one per activation it receives."""
     raw = torch.empty(HEAD_BYTES + _nbytes(meta), dtype=torch.uint8, device=device)
-    return raw, raw[:8].view(torch.int64), raw[HEAD_BYTES:].view(meta.dtype).view(meta.shape)
+    leaf = torch.empty(0, dtype=meta.dtype, device=device)
+    leaf.set_(raw.untyped_storage(), HEAD_BYTES // meta.dtype.itemsize, meta.shape)
+    return raw, leaf
+
+
+def read_header(raw: Tensor) -> int:
+    """The header ``n`` of a received ``[header | leaf]`` buffer (on the CPU read straight
+    from memory: one call per activation received)."""
+    if raw.device.type == "cpu":
+        return ctypes.c_int64.from_address(raw.data_ptr()).value
+    return int(raw[:8].view(torch.int64)[0])
 
 
 def head_message(n: int) -> Tensor:

@@ -88,7 +88,7 @@ from engine.errors import PipelineInputError
 from engine.runtime.dist.first_failure import first
 from engine.runtime.dist.transport.abort import DROP_MARK, MARK, AbortFrames, Aborted, Dropped, frame_kind
 from engine.runtime.dist.transport.base import PeerError, ShapeAgreementError, Transport
-from engine.runtime.dist.transport.framing import Posted, fills, frame, framed_buffer, head_message
+from engine.runtime.dist.transport.framing import Posted, fills, frame, framed_buffer, head_message, read_header
 from engine.runtime.dist.transport.framing import inline as inline_header
 from engine.runtime.dist.transport.handshake import Handshake
 from engine.runtime.dist.transport.trailers import take_trailers, trailer_buffers, with_trailers
@@ -346,7 +346,7 @@ class P2PTransport(AbortFrames, Handshake, Transport):
         rest = [] if posted is None else posted.works
         if posted is not None and posted.head is not None:
             self.wait(posted.works[0], what, src)
-            n, rest = int(posted.head[0]), posted.works[1:]
+            n, rest = read_header(posted.head), posted.works[1:]
             posted.works = rest
         else:
             work, head = self._heads.pop(mb, None) or self._post_head(src)
@@ -449,10 +449,10 @@ class P2PTransport(AbortFrames, Handshake, Transport):
         )
         self._wait_all(posted.works, what, src)
         bufs = posted.bufs
-        if check_head and posted.head is not None and int(posted.head[0]) != 0:
+        if check_head and posted.head is not None and read_header(posted.head) != 0:
             raise PeerError(
                 f"{self.who(self.stage)}: micro-batch {mb}'s activation from {self.who(src)} "
-                f"arrived with header {int(posted.head[0])} after its new shapes (expected 0): "
+                f"arrived with header {read_header(posted.head)} after its new shapes (expected 0): "
                 "the two ranks disagree on the transport protocol (same engine version?)"
             )
         if channel == "grad" and self.backend == "gloo":
@@ -490,7 +490,8 @@ class P2PTransport(AbortFrames, Handshake, Transport):
             bufs += trailer_buffers(self)
         msgs, head = list(bufs), None
         if channel == "act" and inline_header(self.backend, agreed):
-            msgs[0], head, bufs[0] = framed_buffer(metas[0][1], self.device)
+            head, bufs[0] = framed_buffer(metas[0][1], self.device)
+            msgs[0] = head
         if self.backend == "gloo":
             try:
                 works = [dist.irecv(b, self.ranks[src], group=self.group) for b in msgs]
