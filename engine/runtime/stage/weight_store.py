@@ -295,7 +295,7 @@ class WeightStore:
         """After the optimizer step: the live version advances; the transient holds what the
         fused step wrote into it (``wrote_transient_key``) or is stale."""
         self.version += 1
-        self.zero_grads()
+        self.retire_grads()
         self._transient_key = (
             (wrote_transient_key, self.version) if wrote_transient_key is not None else None
         )
@@ -378,6 +378,41 @@ class WeightStore:
         for g in self.grad_flats():
             g.zero_()
         self._used[:] = self._used_init
+        self.fresh.stale = False
+
+    def retire_grads(self) -> None:
+        """After an update: the next group starts from zero gradients. With fresh gradients
+        (GPU stages) no launch: the buffer is marked stale and the group's first backward
+        writes it (fresh_grads.py); otherwise AccumulateGrad adds in place: zeroed here."""
+        if self.fresh.enabled and self._grad_flats:
+            self._used[:] = self._used_init
+            self.fresh.stale = True
+        else:
+            self.zero_grads()
+
+    @property
+    def grads_stale(self) -> bool:
+        """The flat gradient buffers hold an applied update's gradients, logically zero."""
+        return self.fresh.stale
+
+    def settle_grads(self) -> None:
+        """Before reading or writing the gradient buffers outside a backward (the update,
+        the tie sum): a stale buffer -- no backward of the group wrote it -- is zeroed."""
+        if self.fresh.stale:
+            self.zero_grads()
+
+    def grad_state(self) -> list[Tensor]:
+        """Copies of the flat gradient buffers as they count (zeros while stale)."""
+        if self.fresh.stale:
+            return [torch.zeros_like(g) for g in self._grad_flats]
+        return [g.clone() for g in self._grad_flats]
+
+    def load_grads(self, saved: list[Tensor]) -> None:
+        """The flat gradient buffers from :meth:`grad_state` (they then count as written)."""
+        with torch.no_grad():
+            for g, s in zip(self._grad_flats, saved, strict=True):
+                g.copy_(s)
+        self.fresh.stale = False
 
     def scale_grads(self, factor: float) -> None:
         for g in self.grad_flats():
