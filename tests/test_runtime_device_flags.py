@@ -71,12 +71,14 @@ def _counters(pipe: Pipeline) -> tuple[int, list[int], list[int]]:
 
 def _clean_after(pipe: Pipeline) -> None:
     """Gradient buffers (the arena's flat ones) are zero after the last update, and the
-    weights are finite: the NaN gradients of the skipped updates were cleared with them."""
+    weights are finite: the NaN gradients of the skipped updates were cleared with them.
+    (Zero as they count: a GPU stage leaves them stale for the next backward to write,
+    fresh_grads.py, and so does every stage's found_inf; grad_state/state read them so.)"""
     assert pipe.flushed
     for st in pipe.stages:
-        assert all(not g.any() for g in st.store.grad_flats())
+        assert all(not g.any() for g in st.store.grad_state())
         assert all(torch.isfinite(p).all() for p in st.module.parameters())
-        assert not st.bridge.skip.found_inf.any()
+        assert not st.bridge.skip.state().any()
 
 
 def _watch_updates(pipe: Pipeline) -> list[tuple[int, int, bool, bool, bool]]:
@@ -85,11 +87,11 @@ def _watch_updates(pipe: Pipeline) -> list[tuple[int, int, bool, bool, bool]]:
     seen = []
     for st in pipe.stages:
         def update(*args, st=st, orig=st.update, **kwargs):
-            flagged = bool(st.bridge.skip.found_inf)
-            bad = any(not torch.isfinite(g).all() for g in st.store.grad_flats())
+            flagged = bool(st.bridge.skip.state())
+            bad = any(not torch.isfinite(g).all() for g in st.store.grad_state())
             u = st.updates
             orig(*args, **kwargs)
-            seen.append((st.index, u, flagged, bad, all(not g.any() for g in st.store.grad_flats())))
+            seen.append((st.index, u, flagged, bad, all(not g.any() for g in st.store.grad_state())))
         st.update = update
     return seen
 
