@@ -56,8 +56,9 @@ class SkipFlags:
     def __init__(self, device: torch.device) -> None:
         self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
         self.skipped = torch.zeros((), dtype=torch.float32, device=device)
-        #: found_inf holds a consumed group's sum (not zeroed): the next flag writes it
-        self.stale = False
+        #: found_inf holds a consumed or discarded group's sum (not zeroed): the next flag
+        #: writes it (so every group's first flag is a copy)
+        self.stale = True
 
     def add(self, flag: Tensor) -> None:
         """A backward of a flagged (or clean: 0.0) micro-batch joined the pending group: the
@@ -72,21 +73,22 @@ class SkipFlags:
             self.found_inf.add_(flag)
 
     def after_step(self) -> None:
-        """The optimizer consumed the accumulator: count a skip; the next group starts clean
-        (its first :meth:`add` writes the accumulator: no zero_ launch per update)."""
+        """The optimizer consumed the accumulator: count a skip; the next group starts clean."""
         self.skipped.add_(self.found_inf.ne(0))
+        self.clear()
+
+    def clear(self) -> None:
+        """The next group starts clean (after a step; a failed backward discarded the
+        pending gradients, and so their flags): no zero_ launch, the accumulator is marked
+        stale and the group's first :meth:`add` writes it."""
         self.stale = True
 
     def settle(self) -> None:
         """Before the accumulator is read outside a backward (the update, the data-parallel
         mean): a group no flag reached reads zero."""
         if self.stale:
-            self.clear()
-
-    def clear(self) -> None:
-        """The pending gradients were discarded (a failed backward): so are their flags."""
-        self.found_inf.zero_()
-        self.stale = False
+            self.found_inf.zero_()
+            self.stale = False
 
     def state(self) -> Tensor:
         """A copy of the accumulator as it counts (zero while stale)."""

@@ -12,16 +12,17 @@ and the new gradients are added with one ``torch._foreach_add_``: the same eleme
 what they were.
 
 **No zero_ after an update** (issue 23: pb updates every stage at every micro-batch, and
-zeroing the flat buffer was one launch per stage update the plain loop, which sets ``.grad``
-to None, does not make). The store marks its group :attr:`FreshGrads.stale` after an update
-instead of zeroing (``WeightStore.retire_grads``); the group's next backward then *writes*
-the views with one ``_foreach_copy_`` (and zeroes, with one ``_foreach_zero_``, the views of
-parameters that got no gradient in it), and later backwards of the group add as above. A
-copy of ``g`` is ``0 + g`` bit for bit but for the sign of a zero (``0 + -0`` is ``+0``; the
-copy keeps ``-0``, as torch's own ``.grad`` of a fresh backward does). Whatever reads the
-buffers before a backward wrote them (an update whose group got no gradient, the tie sum,
-a saved in-flight state) asks the store first (``WeightStore.settle_grads``): a stale
-buffer is zeroed then, off the hot path.
+zeroing the flat buffer was one launch per stage update that the plain loop, which sets
+``.grad`` to None, does not make). ``WeightStore.zero_grads`` (after an update, or a
+discarded group) marks the group :attr:`FreshGrads.stale` instead; the group's first
+backward then *writes* the views with one ``_foreach_copy_`` (and zeroes, with one
+``_foreach_zero_``, the views of parameters that got no gradient in it), later ones add as
+above. So every group's first backward is a copy whatever came before, and a captured
+window replays the same calls. A copy of ``g`` is ``0 + g`` bit for bit but for the sign of
+a zero (``0 + -0`` is ``+0``; the copy keeps ``-0``, as torch's ``.grad`` of a fresh
+backward does; ``torch.equal`` holds). Whatever reads the buffers before a backward wrote
+them (an update whose group got no gradient, the tie sum, a saved in-flight state) asks
+the store first (``settle_grads``, ``grad_state``): a stale buffer counts as zero.
 
 The price is memory: a stage's fresh gradients are alive together until the add (before,
 each was freed after its own add). So only stages with at most :data:`MAX_BYTES` of

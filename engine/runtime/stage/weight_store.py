@@ -113,6 +113,7 @@ class WeightStore:
                 self._grad_flats.append(g)
         #: one multi-tensor add per backward instead of one add_ per parameter (GPU)
         self.fresh = FreshGrads(params, self._grad_views)
+        self.fresh.stale = self.fresh.enabled  # every group's first backward writes (zero_grads)
         self._views: dict[int, list[Tensor]] = {LIVE: [p.data for p in params]}
         self._flats: dict[int, list[Tensor]] = {}
         self._active = LIVE
@@ -295,7 +296,7 @@ class WeightStore:
         """After the optimizer step: the live version advances; the transient holds what the
         fused step wrote into it (``wrote_transient_key``) or is stale."""
         self.version += 1
-        self.retire_grads()
+        self.zero_grads()
         self._transient_key = (
             (wrote_transient_key, self.version) if wrote_transient_key is not None else None
         )
@@ -375,31 +376,32 @@ class WeightStore:
         p.grad = view
 
     def zero_grads(self) -> None:
-        for g in self.grad_flats():
-            g.zero_()
+        """The gradients count as zero from here (after an update, a discarded group). With
+        fresh gradients (GPU stages) no launch: the buffer is marked stale and the group's
+        first backward writes it (fresh_grads.py) -- so every group's first backward is a
+        copy whatever came before, and a captured window replays the same calls; without
+        them AccumulateGrad adds in place, so the buffers are zeroed now."""
         self._used[:] = self._used_init
-        self.fresh.stale = False
-
-    def retire_grads(self) -> None:
-        """After an update: the next group starts from zero gradients. With fresh gradients
-        (GPU stages) no launch: the buffer is marked stale and the group's first backward
-        writes it (fresh_grads.py); otherwise AccumulateGrad adds in place: zeroed here."""
-        if self.fresh.enabled and self._grad_flats:
-            self._used[:] = self._used_init
+        if self.fresh.enabled:
             self.fresh.stale = True
         else:
-            self.zero_grads()
+            self._zero_now()
+
+    def _zero_now(self) -> None:
+        for g in self._grad_flats:
+            g.zero_()
+        self.fresh.stale = False
 
     @property
     def grads_stale(self) -> bool:
-        """The flat gradient buffers hold an applied update's gradients, logically zero."""
+        """The flat gradient buffers hold an earlier group's gradients, logically zero."""
         return self.fresh.stale
 
     def settle_grads(self) -> None:
-        """Before reading or writing the gradient buffers outside a backward (the update,
+        """Before the gradient buffers are read or written outside a backward (the update,
         the tie sum): a stale buffer -- no backward of the group wrote it -- is zeroed."""
         if self.fresh.stale:
-            self.zero_grads()
+            self._zero_now()
 
     def grad_state(self) -> list[Tensor]:
         """Copies of the flat gradient buffers as they count (zeros while stale)."""
@@ -455,6 +457,8 @@ class WeightStore:
         moved: dict[int, int] = {}
         with torch.no_grad():
             self._used[:] = bytes(sd["used"])
+            if self.fresh.enabled and self._used == bytearray(self._used_init):
+                self.fresh.stale = True  # saved between groups: the next backward writes
             for v in sd["slots"]:
                 slot = self.arena.new_slot()
                 moved[v["slot"]] = slot
