@@ -487,3 +487,28 @@ def test_gpu_steady_state_steps_never_sync_the_host(graphs: bool) -> None:
     torch.cuda.synchronize()
     if graphs:
         assert all(s["replays"] > 0 for s in pipe.stats()["cuda_graphs"])
+
+
+def test_skip_flags_count_each_skipped_group_once() -> None:
+    """The accumulator is never zeroed per update: a group's first flag is copied in, later
+    ones added. A group of one flag counts it as it is (one launch), a group of several (a
+    sum, 2 here) or one averaged over replicas (a fraction) compares it with zero: every
+    skipped group counts once, whatever its found_inf."""
+    from engine.runtime.stage.device_flags import SkipFlags
+
+    one, zero = torch.ones(()), torch.zeros(())
+    f = SkipFlags(torch.device("cpu"))
+    f.found_inf.fill_(7.0)  # a consumed group's sum: stale, never read
+    groups = [[one], [zero], [one, one], [one, zero], [zero, zero], [one]]
+    for g in groups:
+        for flag in g:
+            f.add(flag)
+        assert f.found_inf.item() == sum(x.item() for x in g)
+        f.after_step()
+    assert f.skipped.item() == 4
+    f.add(one)
+    f.averaged()  # the data-parallel mean of 1 and 0
+    f.found_inf.mul_(0.5)
+    f.after_step()
+    f.settle()  # a group no flag reached reads zero
+    assert f.skipped.item() == 5 and f.found_inf.item() == 0.0

@@ -59,6 +59,10 @@ class SkipFlags:
         #: found_inf holds a consumed or discarded group's sum (not zeroed): the next flag
         #: writes it (so every group's first flag is a copy)
         self.stale = True
+        #: found_inf is one micro-batch's flag as :meth:`DeviceFlags.mark` made it, 0.0 or
+        #: 1.0 (the group's only flag, not averaged over replicas): the skip count adds it
+        #: as it is, one launch instead of ``ne`` and ``add_`` (pb's groups of one)
+        self.single = False
 
     def add(self, flag: Tensor) -> None:
         """A backward of a flagged (or clean: 0.0) micro-batch joined the pending group: the
@@ -68,13 +72,19 @@ class SkipFlags:
         flag = flag.to(self.found_inf.device, non_blocking=True)
         if self.stale:
             self.stale = False
+            self.single = True
             self.found_inf.copy_(flag)
         else:
+            self.single = False
             self.found_inf.add_(flag)
+
+    def averaged(self) -> None:
+        """The data-parallel mean took the accumulator (a fraction where one replica flagged)."""
+        self.single = False
 
     def after_step(self) -> None:
         """The optimizer consumed the accumulator: count a skip; the next group starts clean."""
-        self.skipped.add_(self.found_inf.ne(0))
+        self.skipped.add_(self.found_inf if self.single else self.found_inf.ne(0))
         self.clear()
 
     def clear(self) -> None:
@@ -89,6 +99,7 @@ class SkipFlags:
         if self.stale:
             self.found_inf.zero_()
             self.stale = False
+            self.single = False
 
     def state(self) -> Tensor:
         """A copy of the accumulator as it counts (zero while stale)."""
@@ -98,6 +109,7 @@ class SkipFlags:
         """The accumulator from :meth:`state` (into the persistent tensor itself)."""
         self.found_inf.copy_(saved)
         self.stale = False
+        self.single = False
 
 
 class DeviceFlags:
