@@ -392,11 +392,6 @@ class WeightStore:
             g.zero_()
         self.fresh.stale = False
 
-    @property
-    def grads_stale(self) -> bool:
-        """The flat gradient buffers hold an earlier group's gradients, logically zero."""
-        return self.fresh.stale
-
     def settle_grads(self) -> None:
         """Before the gradient buffers are read or written outside a backward (the update,
         the tie sum): a stale buffer -- no backward of the group wrote it -- is zeroed."""
