@@ -72,7 +72,8 @@ class StreamTwin(StageStreams):
 
 
 def twin_factory(box: list[StreamTwin]) -> Callable[..., StreamTwin]:
-    def make(stages: list[Any], want: Any = None, l2: bool = False) -> StreamTwin:
+    def make(stages: list[Any], want: Any = None, l2: bool = False,
+             captured_async: bool = False) -> StreamTwin:
         twin = StreamTwin([st.index for st in stages])
         box.append(twin)
         return twin

@@ -56,6 +56,26 @@ def test_same_sums_as_accumulate_grad(calls: int) -> None:
     assert flat_b[-3:].eq(0).all()  # the unused parameter got nothing
 
 
+def test_a_stale_group_is_written_by_its_first_backward() -> None:
+    """After an update the store marks the group stale instead of zeroing (no launch): the
+    group's first backward copies its gradients over the old ones and zeroes the views of
+    parameters it gave none (the unused one), the second adds. Equal to zeroing first."""
+    lin_a, params_a, flat_a, _ = _setup()
+    lin_b, params_b, flat_b, views_b = _setup()
+    group = FreshGrads(params_b, views_b)
+    flat_b.normal_()  # the previous group's gradients, never zeroed
+    group.stale = True
+    g = torch.Generator().manual_seed(2)
+    for k in range(2):
+        x = torch.randn(4, 5, generator=g)
+        _backward(lin_a, x)
+        with fresh_grads([group]):
+            _backward(lin_b, x)
+        assert not group.stale
+        assert torch.equal(flat_a, flat_b), k
+    assert flat_b[-3:].eq(0).all()
+
+
 def test_an_exception_leaves_views_and_what_arrived() -> None:
     lin, params, flat, views = _setup()
     group = FreshGrads(params, views)
@@ -178,3 +198,60 @@ def test_cuda_fresh_grads_bitwise_and_fewer_launches(schedule: str, kw: dict) ->
         assert torch.equal(a, b)
     # 4 stages x 4 micro-batches, 2 layers (4-6 parameters) per stage: at least 2 fewer each
     assert launches[True] <= launches[False] - 2 * 16, launches
+
+
+def _pb_skip_update(on_cpu: bool, update_size: int = 1):
+    import torch.nn.functional as F
+
+    import engine
+    import engine.optim
+
+    fg.ON_CPU = on_cpu
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)] + [nn.Linear(4, 2)]
+    pipe = engine.Pipeline(
+        stages, schedule="pb", chunks=3, loss_fn=F.mse_loss, update_size=update_size,
+        optimizer=lambda p: engine.optim.SGD(p, lr=0.1, momentum=0.9, spike_compensation=True,
+                                             prediction="linear"),
+        weight_prediction="lwp", on_nonfinite="skip_update", checkpoint="always")  # (saved unflushed)
+    assert all(st.store.fresh.enabled == on_cpu for st in pipe.stages)
+    return pipe
+
+
+def _everything(pipe) -> list[torch.Tensor]:
+    out = []
+    for st in pipe.stages:
+        out += [f.clone() for f in st.store.live_flats()] + st.store.grad_state()
+        out += [t for s in st.bridge.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        out.append(st.bridge.skip.state())
+    return out
+
+
+@pytest.mark.parametrize("update_size", [1, 2])
+def test_skip_update_and_unflushed_resume_bit_for_bit(update_size: int) -> None:
+    """pb + SC + LWP + skip_update, a NaN micro-batch in step 1, the state saved unflushed
+    after step 2 and loaded into a new pipeline that goes on: the stale-buffer path (every
+    group's first backward writes its gradients and its found_inf) equals zeroing after
+    each update -- weights, gradients as they count, optimizer state, flags, losses."""
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)) for _ in range(5)]
+    data[1][1][2] = float("nan")  # micro-batch 1 of step 1
+    runs = {}
+    for on_cpu in (False, True):
+        a = _pb_skip_update(on_cpu, update_size)
+        losses = [a.step(x, y) for x, y in data[:3]]
+        held = a.state_dict()
+        assert "in_flight" in held
+        b = _pb_skip_update(on_cpu, update_size)
+        b.load_state_dict(held)
+        losses += [b.step(x, y) for x, y in data[3:]] + [b.flush()]
+        losses += [a.step(x, y) for x, y in data[3:]] + [a.flush()]
+        runs[on_cpu] = (losses, _everything(a), _everything(b), a.stats()["skipped_updates"])
+    ref, got = runs[False], runs[True]
+    assert ref[3] == got[3] == [1, 1, 1]  # every stage skipped its NaN group, and only it
+    assert any(x is not None and x.isnan() for x in got[0])
+    for x, y in zip(ref[0], got[0], strict=True):
+        assert (x is None and y is None) or torch.equal(x.view(torch.int32), y.view(torch.int32))
+    for x, y in zip(ref[1] + ref[2], got[1] + got[2], strict=True):
+        assert torch.equal(x, y)
+    fg.ON_CPU = False

@@ -71,12 +71,14 @@ def _counters(pipe: Pipeline) -> tuple[int, list[int], list[int]]:
 
 def _clean_after(pipe: Pipeline) -> None:
     """Gradient buffers (the arena's flat ones) are zero after the last update, and the
-    weights are finite: the NaN gradients of the skipped updates were cleared with them."""
+    weights are finite: the NaN gradients of the skipped updates were cleared with them.
+    (Zero as they count: a GPU stage leaves them stale for the next backward to write,
+    fresh_grads.py, and so does every stage's found_inf; grad_state/state read them so.)"""
     assert pipe.flushed
     for st in pipe.stages:
-        assert all(not g.any() for g in st.store.grad_flats())
+        assert all(not g.any() for g in st.store.grad_state())
         assert all(torch.isfinite(p).all() for p in st.module.parameters())
-        assert not st.bridge.skip.found_inf.any()
+        assert not st.bridge.skip.state().any()
 
 
 def _watch_updates(pipe: Pipeline) -> list[tuple[int, int, bool, bool, bool]]:
@@ -85,11 +87,11 @@ def _watch_updates(pipe: Pipeline) -> list[tuple[int, int, bool, bool, bool]]:
     seen = []
     for st in pipe.stages:
         def update(*args, st=st, orig=st.update, **kwargs):
-            flagged = bool(st.bridge.skip.found_inf)
-            bad = any(not torch.isfinite(g).all() for g in st.store.grad_flats())
+            flagged = bool(st.bridge.skip.state())
+            bad = any(not torch.isfinite(g).all() for g in st.store.grad_state())
             u = st.updates
             orig(*args, **kwargs)
-            seen.append((st.index, u, flagged, bad, all(not g.any() for g in st.store.grad_flats())))
+            seen.append((st.index, u, flagged, bad, all(not g.any() for g in st.store.grad_state())))
         st.update = update
     return seen
 
@@ -340,8 +342,8 @@ def test_failed_backward_discards_the_flags_with_the_gradients(streams: str, mon
     with pytest.raises(RuntimeError, match="backward failure"):
         pipe.step(*data[1])
     for st in pipe.stages:
-        assert 4 in st.pending_mbs and not st.bridge.skip.found_inf.any()
-        assert all(not g.any() for g in st.store.grad_flats())
+        assert 4 in st.pending_mbs and not st.bridge.skip.state().any()
+        assert all(not g.any() for g in st.store.grad_state())
     if box:
         log = box[0].log
         assert {what for what, _ in log} >= {"clear0", "clear1", "clear2", "zero0", "zero2"}
@@ -485,3 +487,28 @@ def test_gpu_steady_state_steps_never_sync_the_host(graphs: bool) -> None:
     torch.cuda.synchronize()
     if graphs:
         assert all(s["replays"] > 0 for s in pipe.stats()["cuda_graphs"])
+
+
+def test_skip_flags_count_each_skipped_group_once() -> None:
+    """The accumulator is never zeroed per update: a group's first flag is copied in, later
+    ones added. A group of one flag counts it as it is (one launch), a group of several (a
+    sum, 2 here) or one averaged over replicas (a fraction) compares it with zero: every
+    skipped group counts once, whatever its found_inf."""
+    from engine.runtime.stage.device_flags import SkipFlags
+
+    one, zero = torch.ones(()), torch.zeros(())
+    f = SkipFlags(torch.device("cpu"))
+    f.found_inf.fill_(7.0)  # a consumed group's sum: stale, never read
+    groups = [[one], [zero], [one, one], [one, zero], [zero, zero], [one]]
+    for g in groups:
+        for flag in g:
+            f.add(flag)
+        assert f.found_inf.item() == sum(x.item() for x in g)
+        f.after_step()
+    assert f.skipped.item() == 4
+    f.add(one)
+    f.averaged()  # the data-parallel mean of 1 and 0
+    f.found_inf.mul_(0.5)
+    f.after_step()
+    f.settle()  # a group no flag reached reads zero
+    assert f.skipped.item() == 5 and f.found_inf.item() == 0.0

@@ -353,6 +353,8 @@ class TiedGradients:
             for g, present in zip(self.groups, self._local, strict=True):
                 if not present or not present[0][1].requires_grad:
                     continue
+                for store, _, _ in present:
+                    store.settle_grads()  # a holder no backward wrote this step: zeros
                 grads = [p.grad for _, p, _ in present]
                 if any(t is None for t in grads):
                     raise PipelineConfigError(

@@ -28,6 +28,7 @@ from engine.runtime.exec.placement import RankPlacement
 from engine.runtime.dist.rank import RankExecutor
 from engine.runtime.build.step_features import attach as attach_features
 from engine.runtime.exec.streams import StageStreams
+from engine.runtime.stage.device_flags import SkipFlags
 
 __all__ = ["build_rank"]
 
@@ -139,7 +140,7 @@ def build_rank(req: BuildRequest) -> PipelineParts:
         reduce = (rank.per_stage[st.index] if virtual else rank).reduce_gradients
         skip = st.bridge.skip if st.bridge is not None else None
         if skip is not None:  # one replica's flag skips the update on every replica
-            reduce = _with_flag(reduce, skip.found_inf)
+            reduce = _with_flag(reduce, skip)
         st.grad_hook = reduce
     if made.device_flags:
         for t in tps.values():
@@ -162,7 +163,11 @@ def build_rank(req: BuildRequest) -> PipelineParts:
     )
 
 
-def _with_flag(reduce: Callable[[list[Tensor]], None], found_inf: Tensor) -> Callable[[list[Tensor]], None]:
+def _with_flag(reduce: Callable[[list[Tensor]], None], skip: SkipFlags) -> Callable[[list[Tensor]], None]:
     """The data-parallel gradient mean, with the stage's found_inf accumulator averaged along
     (non-zero on every replica when it is on any: they skip the same updates)."""
-    return lambda flats: reduce([*flats, found_inf])
+    def hook(flats: list[Tensor]) -> None:
+        reduce([*flats, skip.found_inf])
+        skip.averaged()  # no longer a 0/1 flag: the skip count compares it with 0
+
+    return hook

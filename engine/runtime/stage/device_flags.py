@@ -10,8 +10,9 @@ stall of the whole CPU-side schedule on a GPU. Here the last stage turns each lo
   persistent 0-dim tensor, the same object every step so a CUDA graph can capture it);
 * the stage's update hands the accumulator to the optimizer as AMP's ``found_inf``
   (``opt.step(found_inf=...)``): engine.optim skips the whole update -- weights and state --
-  on the device when it is non-zero; then the accumulator is cleared, the gradient buffers
-  are zeroed as after any update, and the update count advances;
+  on the device when it is non-zero; then the accumulator counts as cleared (the group's
+  first flag is copied in, not added: no zero_ per update), the gradient buffers likewise
+  (fresh_grads.py), and the update count advances;
 * under gloo/NCCL (one stage per process) the flag travels from the last stage to the first
   as one more 1-element message with each micro-batch's gradient (transport/p2p.py), still on
   the device; with data-parallel replicas the accumulators are averaged with the gradients
@@ -55,21 +56,60 @@ class SkipFlags:
     def __init__(self, device: torch.device) -> None:
         self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
         self.skipped = torch.zeros((), dtype=torch.float32, device=device)
+        #: found_inf holds a consumed or discarded group's sum (not zeroed): the next flag
+        #: writes it (so every group's first flag is a copy)
+        self.stale = True
+        #: found_inf is one micro-batch's flag as :meth:`DeviceFlags.mark` made it, 0.0 or
+        #: 1.0 (the group's only flag, not averaged over replicas): the skip count adds it
+        #: as it is, one launch instead of ``ne`` and ``add_`` (pb's groups of one)
+        self.single = False
 
     def add(self, flag: Tensor) -> None:
-        """A backward of a flagged (or clean: 0.0) micro-batch joined the pending group."""
+        """A backward of a flagged (or clean: 0.0) micro-batch joined the pending group: the
+        group's first flag is copied in (``0 + flag`` without the zero_), later ones added."""
         # (with stage streams the flag was made on the last stage's stream: the executor
         # holds its storage until every stage stream is past this add, StageStreams.shared)
-        self.found_inf.add_(flag.to(self.found_inf.device, non_blocking=True))
+        flag = flag.to(self.found_inf.device, non_blocking=True)
+        if self.stale:
+            self.stale = False
+            self.single = True
+            self.found_inf.copy_(flag)
+        else:
+            self.single = False
+            self.found_inf.add_(flag)
+
+    def averaged(self) -> None:
+        """The data-parallel mean took the accumulator (a fraction where one replica flagged)."""
+        self.single = False
 
     def after_step(self) -> None:
-        """The optimizer consumed the accumulator: count a skip, start the next group clean."""
-        self.skipped.add_(self.found_inf.ne(0))
-        self.found_inf.zero_()
+        """The optimizer consumed the accumulator: count a skip; the next group starts clean."""
+        self.skipped.add_(self.found_inf if self.single else self.found_inf.ne(0))
+        self.clear()
 
     def clear(self) -> None:
-        """The pending gradients were discarded (a failed backward): so are their flags."""
-        self.found_inf.zero_()
+        """The next group starts clean (after a step; a failed backward discarded the
+        pending gradients, and so their flags): no zero_ launch, the accumulator is marked
+        stale and the group's first :meth:`add` writes it."""
+        self.stale = True
+
+    def settle(self) -> None:
+        """Before the accumulator is read outside a backward (the update, the data-parallel
+        mean): a group no flag reached reads zero."""
+        if self.stale:
+            self.found_inf.zero_()
+            self.stale = False
+            self.single = False
+
+    def state(self) -> Tensor:
+        """A copy of the accumulator as it counts (zero while stale)."""
+        return torch.zeros_like(self.found_inf) if self.stale else self.found_inf.clone()
+
+    def load(self, saved: Tensor) -> None:
+        """The accumulator from :meth:`state` (into the persistent tensor itself)."""
+        self.found_inf.copy_(saved)
+        self.stale = False
+        self.single = False
 
 
 class DeviceFlags:

@@ -11,6 +11,19 @@ and the new gradients are added with one ``torch._foreach_add_``: the same eleme
 ``view + grad`` in the same order as AccumulateGrad's ``+=``, so the sums are bit for bit
 what they were.
 
+**No zero_ after an update** (issue 23: pb updates every stage at every micro-batch, and
+zeroing the flat buffer was one launch per stage update that the plain loop, which sets
+``.grad`` to None, does not make). ``WeightStore.zero_grads`` (after an update, or a
+discarded group) marks the group :attr:`FreshGrads.stale` instead; the group's first
+backward then *writes* the views with one ``_foreach_copy_`` (and zeroes, with one
+``_foreach_zero_``, the views of parameters that got no gradient in it), later ones add as
+above. So every group's first backward is a copy whatever came before, and a captured
+window replays the same calls. A copy of ``g`` is ``0 + g`` bit for bit but for the sign of
+a zero (``0 + -0`` is ``+0``; the copy keeps ``-0``, as torch's ``.grad`` of a fresh
+backward does; ``torch.equal`` holds). Whatever reads the buffers before a backward wrote
+them (an update whose group got no gradient, the tie sum, a saved in-flight state) asks
+the store first (``settle_grads``, ``grad_state``): a stale buffer counts as zero.
+
 The price is memory: a stage's fresh gradients are alive together until the add (before,
 each was freed after its own add). So only stages with at most :data:`MAX_BYTES` of
 gradients take this path -- the small, launch-bound stages it is for; big stages are
@@ -42,7 +55,7 @@ ON_CPU = False
 class FreshGrads:
     """One stage's parameters that hold gradient views, and whether they take this path."""
 
-    __slots__ = ("params", "views", "enabled", "peers")
+    __slots__ = ("params", "views", "enabled", "peers", "stale")
 
     def __init__(self, params: Iterable[Any], views: Iterable[Tensor | None]) -> None:
         pairs = [(p, v) for p, v in zip(params, views, strict=True) if v is not None]
@@ -58,6 +71,9 @@ class FreshGrads:
         #: the other stages' groups a chained backward of this stage runs through
         #: (a synchronous step in one process; set by the executor)
         self.peers: tuple[FreshGrads, ...] = ()
+        #: the views hold an applied update's gradients (not zeroed): the next backward
+        #: writes them instead of adding (set by the store, only when ``enabled``)
+        self.stale = False
 
     def detach(self) -> None:
         for p in self.params:
@@ -87,6 +103,23 @@ def _add(views: list[Tensor], grads: list[Tensor]) -> None:
             torch._foreach_add_(views, grads)
 
 
+def _write(group: FreshGrads, views: list[Tensor], grads: list[Tensor]) -> None:
+    """The first backward of an update group into a stale buffer: the views that got a
+    gradient take it (a copy), the others are zeroed; as a zeroed buffer plus :func:`_add`."""
+    with torch.no_grad():
+        if len(views) < len(group.views):
+            got = {id(v) for v in views}
+            torch._foreach_zero_([v for v in group.views if id(v) not in got])
+        if not grads:
+            return
+        if any(g.is_sparse or g.dtype != v.dtype for g, v in zip(grads, views)):  # noqa: B905
+            for v, g in zip(views, grads):  # noqa: B905 - rare: zero and add, as before
+                v.zero_()
+                v.add_(g)
+        else:
+            torch._foreach_copy_(views, grads)
+
+
 @contextlib.contextmanager
 def fresh_grads(groups: Iterable[FreshGrads]) -> Iterator[None]:
     """Around one autograd call: the enabled ``groups`` receive fresh gradients, added to
@@ -99,8 +132,12 @@ def fresh_grads(groups: Iterable[FreshGrads]) -> Iterator[None]:
         yield
     finally:
         got = [g.restore() for g in active]  # every .grad a view again before any add
-        for views, grads in got:
-            _add(views, grads)
+        for g, (views, grads) in zip(active, got):  # noqa: B905 - same length
+            if g.stale:
+                g.stale = False
+                _write(g, views, grads)
+            else:
+                _add(views, grads)
 
 
 def backward(roots: list[Tensor], grads: list[Any], groups: Iterable[FreshGrads], **kwargs: Any) -> None:

@@ -70,6 +70,7 @@ class StageUpdates:
         with label:
             store = self.store
             policy = self.policy
+            self._settle()  # a group no backward wrote reads zeros (fresh_grads.py)
             store.before_update(policy.keep_live_at_update(self))
             w = self.pending_weight
             written = None
@@ -116,11 +117,19 @@ class StageUpdates:
         w = self.pending_weight
         if w <= 0.0 or self.bridge is None:
             return
+        self._settle()
         if expected_weight is not None and not math.isclose(w, expected_weight, rel_tol=1e-9):
             self.store.scale_grads(expected_weight / w)
         if self.grad_hook is not None:
             self.grad_hook(self.store.grad_flats())
         self._prepared = True
+
+    def _settle(self) -> None:
+        """Gradients and skip flags as they count before anything reads them: stale ones
+        (an update left them for the next group's first backward to write) are zeroed."""
+        self.store.settle_grads()
+        if self.bridge is not None and self.bridge.skip is not None:
+            self.bridge.skip.settle()
 
     def _account(self, mbs: list[int]) -> None:
         for n in mbs:

@@ -113,6 +113,7 @@ class WeightStore:
                 self._grad_flats.append(g)
         #: one multi-tensor add per backward instead of one add_ per parameter (GPU)
         self.fresh = FreshGrads(params, self._grad_views)
+        self.fresh.stale = self.fresh.enabled  # every group's first backward writes (zero_grads)
         self._views: dict[int, list[Tensor]] = {LIVE: [p.data for p in params]}
         self._flats: dict[int, list[Tensor]] = {}
         self._active = LIVE
@@ -375,9 +376,40 @@ class WeightStore:
         p.grad = view
 
     def zero_grads(self) -> None:
-        for g in self.grad_flats():
-            g.zero_()
+        """The gradients count as zero from here (after an update, a discarded group). With
+        fresh gradients (GPU stages) no launch: the buffer is marked stale and the group's
+        first backward writes it (fresh_grads.py) -- so every group's first backward is a
+        copy whatever came before, and a captured window replays the same calls; without
+        them AccumulateGrad adds in place, so the buffers are zeroed now."""
         self._used[:] = self._used_init
+        if self.fresh.enabled:
+            self.fresh.stale = True
+        else:
+            self._zero_now()
+
+    def _zero_now(self) -> None:
+        for g in self._grad_flats:
+            g.zero_()
+        self.fresh.stale = False
+
+    def settle_grads(self) -> None:
+        """Before the gradient buffers are read or written outside a backward (the update,
+        the tie sum): a stale buffer -- no backward of the group wrote it -- is zeroed."""
+        if self.fresh.stale:
+            self._zero_now()
+
+    def grad_state(self) -> list[Tensor]:
+        """Copies of the flat gradient buffers as they count (zeros while stale)."""
+        if self.fresh.stale:
+            return [torch.zeros_like(g) for g in self._grad_flats]
+        return [g.clone() for g in self._grad_flats]
+
+    def load_grads(self, saved: list[Tensor]) -> None:
+        """The flat gradient buffers from :meth:`grad_state` (they then count as written)."""
+        with torch.no_grad():
+            for g, s in zip(self._grad_flats, saved, strict=True):
+                g.copy_(s)
+        self.fresh.stale = False
 
     def scale_grads(self, factor: float) -> None:
         for g in self.grad_flats():
@@ -420,6 +452,8 @@ class WeightStore:
         moved: dict[int, int] = {}
         with torch.no_grad():
             self._used[:] = bytes(sd["used"])
+            if self.fresh.enabled and self._used == bytearray(self._used_init):
+                self.fresh.stale = True  # saved between groups: the next backward writes
             for v in sd["slots"]:
                 slot = self.arena.new_slot()
                 moved[v["slot"]] = slot

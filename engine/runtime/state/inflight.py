@@ -115,10 +115,10 @@ def _stage_state(parts: PipelineParts, st: Stage) -> dict[str, Any]:
         "pending_weight": st.pending_weight,
         "pending_mbs": list(st.pending_mbs),
         "t_f": [[n, t] for n, t in st.versions_read.items()],
-        "grads": [g.clone() for g in store.grad_flats()],
+        "grads": store.grad_state(),  # zeros where an update left them stale
         **store.kept_state(),  # used, slots, transient, live_pins, held
         "stash": stash,
-        "found_inf": skip.found_inf.clone() if skip is not None else None,
+        "found_inf": skip.state() if skip is not None else None,
     }
 
 
@@ -229,9 +229,7 @@ def _shapes_ok(shapes: Any) -> bool:
 def _restore_store(st: Stage, sd: dict[str, Any]) -> dict[int, int]:
     """Pending gradients and kept buffers (into fresh arena slots); returns saved slot id ->
     new slot id."""
-    with torch.no_grad():
-        for g, saved in zip(st.store.grad_flats(), sd["grads"], strict=True):
-            g.copy_(saved)
+    st.store.load_grads(sd["grads"])
     return st.store.load_kept_state(sd)
 
 
@@ -300,5 +298,5 @@ def _rebuild(st: Stage, sd: dict[str, Any], moved: dict[int, int], n_base: int) 
             entry.flag = e["flag"]
     skip = st.bridge.skip if st.bridge is not None else None
     if skip is not None and sd.get("found_inf") is not None:
-        skip.found_inf.copy_(sd["found_inf"])  # into the persistent accumulator itself
+        skip.load(sd["found_inf"])  # into the persistent accumulator itself
     st.versions_read = {int(n): int(t) for n, t in sd["t_f"]}
