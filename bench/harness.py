@@ -482,6 +482,26 @@ def summary_line(row: RatioRow) -> str:
     )
 
 
+def whole_step_graph(body: Callable[[], None], opt: torch.optim.Optimizer,
+                     warmup: int = 3) -> torch.cuda.CUDAGraph:
+    """PyTorch's whole-network capture recipe, the peer a careful user writes at batch 1:
+    ``warmup`` steps of ``body`` (forward, backward, ``opt.step()``) on a side stream, each
+    from gradients set to None, then one capture from None gradients, so that backward
+    allocates them in the graph's pool and every replay's first backward writes them."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            opt.zero_grad(set_to_none=True)
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    opt.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    return graph
+
+
 def gpu_ratio_arguments(ap: argparse.ArgumentParser, csv_name: str) -> None:
     """``--out``, ``--rounds``, ``--warmup``, ``--min-time``, ``--quick``, ``--label``: the
     options of a GPU ratio benchmark (run with :func:`run_gpu_ratios`)."""

@@ -81,7 +81,8 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import (  # noqa: E402
-    RatioRow, gpu_ratio_arguments, paired, run_gpu_ratios, summary_line, write_ratio_csv,
+    RatioRow, gpu_ratio_arguments, paired, run_gpu_ratios, summary_line, whole_step_graph,
+    write_ratio_csv,
 )
 
 import engine  # noqa: E402
@@ -190,16 +191,7 @@ class GraphedLoop:
         self.x, self.y = x.clone(), y.clone()
         self.graph: torch.cuda.CUDAGraph | None = None
         if x.device.type == "cuda":
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    self._body()
-            torch.cuda.current_stream().wait_stream(side)
-            self.opt.zero_grad(set_to_none=True)  # backward allocates grads in the graph's pool
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self._body()
+            self.graph = whole_step_graph(self._body, self.opt)
 
     def _body(self) -> None:
         for xm, ym in zip(self.x.chunk(self.chunks), self.y.chunk(self.chunks), strict=True):

@@ -50,7 +50,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import (  # noqa: E402
-    RatioRow, gpu_ratio_arguments, paired, run_gpu_ratios, summary_line,
+    RatioRow, gpu_ratio_arguments, paired, run_gpu_ratios, summary_line, whole_step_graph,
 )
 from overhead import MOMENTUM, PB1_LR, PB1_MITIGATIONS, M, S, digits_data, stepper  # noqa: E402
 from overhead_peers import PerSampleLoop  # noqa: E402
@@ -90,17 +90,7 @@ class GraphedSampleLoop:
         self.x, self.y = x[:1].clone(), y[:1].clone()
         self.graph: torch.cuda.CUDAGraph | None = None
         if x.device.type == "cuda":
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    self.opt.zero_grad(set_to_none=True)
-                    self._body()
-            torch.cuda.current_stream().wait_stream(side)
-            self.opt.zero_grad(set_to_none=True)  # backward allocates grads in the graph's pool
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self._body()
+            self.graph = whole_step_graph(self._body, self.opt)
 
     def _body(self) -> None:
         F.cross_entropy(self.net(self.x), self.y).backward()
