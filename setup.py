@@ -24,6 +24,7 @@ docs/building.md for wheels per GPU arch and the CMake route.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -148,8 +149,9 @@ def _prebuilt_info(path: str) -> dict:
     return dict(module.build_info())
 
 
+@functools.cache
 def _cxx_runtime():
-    """engine/cxx_runtime.py, loaded by path (engine itself is not importable yet)."""
+    """engine/cxx_runtime.py, loaded by path (engine itself is not importable yet), once."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("_pe_cxx_runtime", ROOT / "engine" / "cxx_runtime.py")
@@ -223,11 +225,9 @@ class _BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
             return
         super().build_extension(ext)
         built = Path(self.get_ext_fullpath(ext.name))
-        if sys.platform.startswith("linux") and not _cxx_runtime().links_shared(built):
-            sys.exit(f"pipeline-engine: {built} links libstdc++ statically and would crash the "
-                     "process on its first error message (engine/cxx_runtime.py); set CXX and "
-                     "CC to a compiler whose libstdc++ is shared, e.g. CXX=/usr/bin/g++ "
-                     "CC=/usr/bin/gcc, and rebuild")
+        runtime = _cxx_runtime()
+        if sys.platform.startswith("linux") and not runtime.links_shared(built):
+            sys.exit(f"pipeline-engine: {runtime.static_problem(built)}")
 
 
 if not os.environ.get("PE_PREBUILT_C", "").strip():

@@ -29,7 +29,8 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["compiler_links_shared", "links_shared", "needed_libraries", "pick_compilers"]
+__all__ = ["compiler_links_shared", "links_shared", "needed_libraries", "pick_compilers",
+           "static_problem"]
 
 _DT_NULL, _DT_NEEDED, _DT_STRTAB = 0, 1, 5
 _PT_LOAD, _PT_DYNAMIC = 1, 2
@@ -155,14 +156,20 @@ def pick_compilers(environ: Mapping[str, str] = os.environ) -> tuple[dict[str, s
         "shared -- the one torch was built with, e.g. CXX=/usr/bin/g++ CC=/usr/bin/gcc")
 
 
+def static_problem(path: str | Path) -> str:
+    """What is wrong with a module at ``path`` that names no libstdc++, and the fix: one
+    message for the build's check, CMake's post-build step and ``python -m engine info``."""
+    return (f"{path}: libstdc++ is linked in statically (no libstdc++.so among its NEEDED "
+            "libraries), so the process holds two C++ runtimes and this module crashes it on "
+            "its first error message (engine/cxx_runtime.py). Rebuild with a compiler whose "
+            "libstdc++ is shared: CXX=/usr/bin/g++ CC=/usr/bin/gcc")
+
+
 def main(argv: list[str]) -> int:
     """``python engine/cxx_runtime.py FILE...``: 1 (with the fix) if a file is static."""
     bad = [p for p in argv if not links_shared(p)]
     for p in bad:
-        print(f"{p}: libstdc++ is linked in statically (no libstdc++.so among its NEEDED "
-              "libraries): this module would crash the process on its first error message. "
-              "Rebuild with a compiler whose libstdc++ is shared (CXX=/usr/bin/g++ CC=/usr/bin/gcc).",
-              file=sys.stderr)
+        print(static_problem(p), file=sys.stderr)
     return 1 if bad else 0
 
 

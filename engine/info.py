@@ -65,17 +65,13 @@ def collect() -> dict[str, Any]:
 def libstdcxx_linkage(path: str) -> str:
     """"shared" when the extension at ``path`` uses the process's libstdc++ (as it must),
     else what is wrong and what to do (engine.cxx_runtime: why)."""
-    from engine.cxx_runtime import links_shared
+    from engine.cxx_runtime import links_shared, static_problem
 
     try:
         shared = links_shared(path)
     except (OSError, ValueError) as exc:
         return f"unknown ({exc})"
-    if shared:
-        return "shared"
-    return ("STATIC: libstdc++ is linked into engine._C, so the process holds two C++ runtimes "
-            "and the first error the extension formats can crash it; rebuild without "
-            "a compiler whose libstdc++ is shared, e.g. CXX=/usr/bin/g++ (engine/cxx_runtime.py)")
+    return "shared" if shared else f"STATIC: {static_problem(path)}"
 
 
 def format_facts(facts: dict[str, Any]) -> str:
