@@ -119,15 +119,20 @@ def _workspace(like: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- prediction
 
 
-def predict(param: Tensor, direction: Tensor, coeff: float | Tensor) -> Tensor:
-    """``w - coeff * direction`` as a new tensor in the param's dtype (fp32 math). A Tensor
-    ``coeff`` (from a device lr, ``engine.update_rules.lr_product``) stays on the device:
-    no host read, so a captured window can recompute a prediction."""
-    check_like("direction", direction, param, None)
+def _minus_scaled(param: Tensor, direction: Tensor, coeff: float | Tensor,
+                  out: Tensor | None = None) -> Tensor:
+    """``param - coeff * direction`` in one op. A Tensor ``coeff`` (from a device lr,
+    ``engine.update_rules.lr_product``) stays on the device: no host read, so a captured
+    window can recompute a prediction."""
     if isinstance(coeff, Tensor):
-        out = torch.addcmul(_as_f32(param), _as_f32(direction), coeff.neg())
-    else:
-        out = torch.add(_as_f32(param), _as_f32(direction), alpha=-coeff)
+        return torch.addcmul(param, direction, coeff.neg(), out=out)
+    return torch.add(param, direction, alpha=-coeff, out=out)
+
+
+def predict(param: Tensor, direction: Tensor, coeff: float | Tensor) -> Tensor:
+    """``w - coeff * direction`` as a new tensor in the param's dtype (fp32 math)."""
+    check_like("direction", direction, param, None)
+    out = _minus_scaled(_as_f32(param), _as_f32(direction), coeff)
     return out if out.dtype == param.dtype else out.to(param.dtype)
 
 
@@ -135,10 +140,7 @@ def predict_into(out: Tensor, param: Tensor, direction: Tensor, coeff: float | T
     """:func:`predict` written into ``out`` (the param's dtype and shape), without a
     temporary when everything is fp32 (the same single op, so bit-identical)."""
     if param.dtype == direction.dtype == out.dtype and param.dtype in _NATIVE:
-        if isinstance(coeff, Tensor):
-            torch.addcmul(param, direction, coeff.neg(), out=out)
-        else:
-            torch.add(param, direction, alpha=-coeff, out=out)
+        _minus_scaled(param, direction, coeff, out=out)
     else:
         out.copy_(predict(param, direction, coeff))
 
