@@ -15,8 +15,12 @@ records every action run inside the block and writes one JSON file in the Trace 
   ``wait_sends`` and the data-parallel ``allreduce``;
 * ``pid`` is the rank (0 locally), ``tid`` the stage; the process and thread names are
   metadata events. Under gloo/NCCL every rank records its own events and rank 0 writes the
-  merged file: timestamps count from the barrier every rank passes when the trace starts, so
-  the ranks share one clock (to within the barrier's exit skew).
+  merged file: timestamps count from the barrier every rank passes when the trace starts.
+  Ranks on one host share one clock exactly: ``perf_counter`` is the host's monotonic clock,
+  so they all count from the host's earliest exit from that barrier (a rank the scheduler
+  let out of it a millisecond late would otherwise see its events shifted a millisecond
+  early -- before the forward whose activation they received); across hosts the clocks
+  agree to within the barrier's exit skew.
 
 Times are the host's: on a GPU an action's span is the time its kernels took to enqueue (a
 stall shows where the host waited); record ``torch.profiler`` alongside for device times --
@@ -100,6 +104,18 @@ def _wrap_rank(stages: list[Any], ex: Any, tl: Timeline) -> list[tuple[Any, str,
     return saved
 
 
+def _host_origin(mine: int) -> int:
+    """The earliest barrier exit among the ranks on this host (module docstring)."""
+    import socket
+
+    import torch.distributed as dist
+
+    host = socket.gethostname()
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (host, mine))
+    return min(origin for h, origin in gathered if h == host)
+
+
 @contextlib.contextmanager
 def trace(
     path: str | os.PathLike[str], stages: list[Any], executor: Any, rank: int | None = None
@@ -117,6 +133,8 @@ def trace(
 
         dist.barrier()  # the common origin of every rank's clock
     tl = Timeline(rank)
+    if distributed:
+        tl.origin = _host_origin(tl.origin)
     saved = _wrap_rank(stages, executor, tl) if distributed else []
     ACTIVE = tl
     try:
