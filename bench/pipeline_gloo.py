@@ -19,6 +19,10 @@ stages), the same micro-batches and the same optimizer (SGD with momentum):
   as a V: rank r holds stages r and 2S-1-r) vs torch's ``ScheduleZBVZeroBubble`` /
   ``ScheduleDualPipeV`` on the same modules and placement (not in the default list; DualPipeV
   needs M >= 2S). No activation recomputation on either side.
+  Each side runs as its users get it: torch's schedules on the default process group, the
+  engine on groups of its own whose gloo network thread it runs under SCHED_BATCH
+  (engine/runtime/dist/transport/groups.py). ``--peer-net-batch`` gives torch's side that
+  scheduling too: what is left is the runners' own difference.
 * ``async_vs_gpipe``: ``engine`` ``pipedream`` / ``2bw`` / ``pb`` vs ``engine`` ``gpipe``, next
   to the theoretical time ratio M/(M+S-1) (``extra.theory_ratio``): GPipe's bubble per
   mini-batch when every stage takes the same time and communication is free. Async schedules
@@ -294,6 +298,10 @@ def main() -> None:
                     "thread and its other (gloo) threads, candidate vs peer (cpu_lines)")
     ap.add_argument("--virtual", type=int, default=2,
                     help="v, stages per rank of the interleaved cases (S*v stage modules)")
+    ap.add_argument("--peer-net-batch", action="store_true",
+                    help="run torch's side with the default group's gloo network thread under "
+                    "SCHED_BATCH too, as the engine runs its own groups' (engine/runtime/dist/"
+                    "transport/groups.py): the comparison without that advantage")
     args = ap.parse_args()
     if "RANK" not in os.environ:
         # started as a plain script (e.g. by .ci/gpu): launch ourselves under torchrun
@@ -304,6 +312,11 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     S, rank = dist.get_world_size(), dist.get_rank()
+    if args.peer_net_batch:  # the default group's thread is the only one so far: torch's side
+        from engine.runtime.dist.transport.groups import batch_network_threads
+
+        if batch_network_threads() == 0:
+            ap.error("--peer-net-batch: no gloo network thread could be put under SCHED_BATCH")
     M, b = args.chunks, args.micro_batch
     batches = data(args.steps, M * b, args.width)
 
@@ -390,6 +403,8 @@ def main() -> None:
             if rank == 0:
                 print("\n".join(line for mine in every for line in mine), flush=True)
         theory = M / (M + S - 1) if bench == "async_vs_gpipe" else 1.0
+        if args.peer_net_batch and bench == "vs_torch":
+            peer_label += " (gloo thread SCHED_BATCH)"
         row = res.row(bench, case, cand_label, peer_label, label=args.label, note=note,
                       extra={"theory_ratio": theory, "chunks": M,
                              "stages": S // 2 if case == "tp" else S,

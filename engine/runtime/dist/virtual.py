@@ -48,6 +48,7 @@ from torch import nn
 from engine.errors import PipelineConfigError, PipelineInputError
 from engine.runtime.dist.distributed import RankRuntime
 from engine.runtime.exec.placement import RankPlacement
+from engine.runtime.dist.transport.groups import new_group
 from engine.runtime.dist.transport.layout import Layout
 from engine.runtime.dist.transport.local_link import LocalLink
 from engine.runtime.dist.transport.p2p import P2PTransport
@@ -206,7 +207,7 @@ def virtual_transports(
     for d in range(layout.replicas):
         of = [d * R + place.rank_of(s) for s in range(V)]  # global rank of each stage in replica d
         made = [
-            None if place.same_rank(b) else dist.new_group(sorted({of[b], of[b + 1]}))
+            None if place.same_rank(b) else new_group(sorted({of[b], of[b + 1]}))
             for b in range(V - 1)
         ]
         if d == layout.replica:

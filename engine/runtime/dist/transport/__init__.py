@@ -2,7 +2,8 @@
 
 ``gloo`` (one process per stage, CPU tensors) and ``nccl`` (one process per stage and GPU)
 run each rank's list of the compiled step programs through the :class:`Transport`
-interface; ``layout`` maps processes to (replica, stage) and builds the process groups;
+interface; ``layout`` maps processes to (replica, stage) and builds the process groups,
+which ``groups`` creates (the engine's own, their gloo network thread under SCHED_BATCH);
 ``abort`` holds the frames a rank sends in place of what it owes when its step aborts;
 ``trailers`` the 1-element messages that ride behind a gradient (flag, loss scale). In
 one process there is no transport: the executor hands tensors between stages directly (with

@@ -8,8 +8,10 @@ of a stage runs across replicas once per update.
 
 Groups: one pipeline group per replica (its S ranks; point-to-point traffic and the loss
 broadcast use it) and one data-parallel group per stage (its R ranks; the gradient
-all-reduce). ``torch.distributed.new_group`` is collective over the whole world, so every
-rank creates every group in the same order here.
+all-reduce). The engine creates them, under gloo the pipeline group too when there is one
+replica (not the default group, which the user may also use: transport/groups.py).
+``torch.distributed.new_group`` is collective over the whole world, so every rank creates
+every group in the same order here.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from engine.runtime.dist.transport.groups import new_group
 
 __all__ = ["Layout", "make_layout", "init_distributed"]
 
@@ -120,18 +124,19 @@ def make_layout(stages: int, replicas: int) -> Layout:
     dp_group: Any = None
     pipe_ranks: tuple[int, ...] = ()
     dp_ranks: tuple[int, ...] = ()
-    if replicas == 1:
+    if replicas == 1:  # gloo: a group of its own, not the default one (transport/groups.py)
         pipe_ranks = tuple(range(stages))
-        pipeline_group = dist.group.WORLD
+        gloo = dist.get_backend() == "gloo"
+        pipeline_group = new_group(list(pipe_ranks)) if gloo else dist.group.WORLD
     else:
         for d in range(replicas):  # every rank creates every group, in the same order
             ranks = tuple(d * stages + s for s in range(stages))
-            g = dist.new_group(list(ranks))
+            g = new_group(list(ranks))
             if d == replica:
                 pipe_ranks, pipeline_group = ranks, g
         for s in range(stages):
             ranks = tuple(d * stages + s for d in range(replicas))
-            g = dist.new_group(list(ranks))
+            g = new_group(list(ranks))
             if s == stage:
                 dp_ranks, dp_group = ranks, g
     if not dp_ranks:

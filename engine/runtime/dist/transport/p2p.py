@@ -90,6 +90,7 @@ from engine.runtime.dist.transport.abort import DROP_MARK, MARK, AbortFrames, Ab
 from engine.runtime.dist.transport.base import PeerError, ShapeAgreementError, Transport
 from engine.runtime.dist.transport.framing import Posted, fills, frame, framed_buffer, head_message, read_header
 from engine.runtime.dist.transport.framing import inline as inline_header
+from engine.runtime.dist.transport.groups import GroupCalls
 from engine.runtime.dist.transport.handshake import Handshake
 from engine.runtime.dist.transport.trailers import take_trailers, trailer_buffers, with_trailers
 from engine.runtime.stage.trees import Signature, flatten
@@ -159,8 +160,8 @@ class P2PTransport(AbortFrames, Handshake, Transport):
         #: how many metadata messages (new Signatures) this rank sent since the handshake
         self.shape_changes = 0
         self.comm_stream: Any = None
-        #: gradients carry trailers (trailers.py): the non-finite flag (skip_update) and the
-        #: loss scale (asynchronous float16); received ones wait in ``arrived_*`` per micro-batch
+        self._gloo = GroupCalls(group)  # point-to-point calls on it (gloo)
+        #: gradients carry trailers (trailers.py: skip_update's flag, float16's loss scale)
         self.flags = self.scales = False
         self.arrived_flags: dict[int, Tensor] = {}
         self.arrived_scales: dict[int, Tensor] = {}
@@ -316,7 +317,7 @@ class P2PTransport(AbortFrames, Handshake, Transport):
 
     def _isend_raw(self, ts: list[Tensor], tags: list[int], peer: int) -> list[Any]:
         if self.backend == "gloo":
-            return [dist.isend(t, peer, group=self.group, tag=g) for t, g in zip(ts, tags, strict=True)]
+            return [self._gloo.send(t, peer, g) for t, g in zip(ts, tags, strict=True)]
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.comm_stream):
@@ -328,7 +329,7 @@ class P2PTransport(AbortFrames, Handshake, Transport):
     def _irecv(self, buf: Tensor, src: int, tag: int) -> Any:
         if self.backend == "gloo":
             try:
-                return dist.irecv(buf, self.ranks[src], group=self.group, tag=tag)
+                return self._gloo.recv(buf, self.ranks[src], tag)
             except RuntimeError as exc:
                 raise self.peer_error(exc, "receiving", src) from exc
         with torch.cuda.stream(self.comm_stream):
@@ -494,7 +495,7 @@ class P2PTransport(AbortFrames, Handshake, Transport):
             msgs[0] = head
         if self.backend == "gloo":
             try:
-                works = [dist.irecv(b, self.ranks[src], group=self.group) for b in msgs]
+                works = [self._gloo.recv(b, self.ranks[src], 0) for b in msgs]
             except RuntimeError as exc:
                 raise self.peer_error(exc, f"receiving the {channel} of micro-batch {mb}", src) from exc
             return Posted(works, bufs, agreed, head)
@@ -538,6 +539,7 @@ class P2PTransport(AbortFrames, Handshake, Transport):
         self.close()
 
     def close(self) -> None:
+        self._gloo.forget()  # (release_groups: the transport must not keep the group alive)
         self._sends.clear()
         self._posted.clear()
         self._heads.clear()
