@@ -147,3 +147,10 @@ def test_only_the_engines_network_thread_runs_under_sched_batch(two_ranks: list[
         got = _res(two_ranks, rank)
         assert got["world_policies"] and set(got["world_policies"]) == {os.SCHED_OTHER}, (rank, got)
         assert got["own_policies"] and set(got["own_policies"]) == {os.SCHED_BATCH}, (rank, got)
+
+
+def test_group_calls_refuse_after_the_group_was_released() -> None:
+    calls = groups.GroupCalls(object())
+    calls.forget()
+    with pytest.raises(RuntimeError, match="released at exit"):
+        calls.send(torch.zeros(1), 0, 0)  # not silently on the default group

@@ -98,10 +98,13 @@ class GroupCalls:
         self.group = group  # None: the default group
         self._pg: Any = None
         self._rank_in: dict[int, int] = {}
+        self._forgotten = False
 
     def _in_group(self, rank: int) -> int:
         got = self._rank_in.get(rank)
         if got is None:
+            if self._forgotten:  # (not the default group in its place)
+                raise RuntimeError("this transport's process group was released at exit")
             if self._pg is None:
                 self._pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
             got = self._rank_in[rank] = dist.get_group_rank(self._pg, rank)
@@ -119,3 +122,4 @@ class GroupCalls:
         """Drop every reference to the group (the transport's teardown)."""
         self.group = self._pg = None
         self._rank_in.clear()
+        self._forgotten = True
