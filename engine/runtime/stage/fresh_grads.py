@@ -92,11 +92,17 @@ class FreshGrads:
         return views, grads
 
 
+def _per_tensor(views: list[Tensor], grads: list[Tensor]) -> bool:
+    """Whether a gradient is sparse or of another dtype than its view: then one op per
+    tensor (what AccumulateGrad does), not one foreach op for all."""
+    return any(g.is_sparse or g.dtype != v.dtype for g, v in zip(grads, views))  # noqa: B905
+
+
 def _add(views: list[Tensor], grads: list[Tensor]) -> None:
     if not grads:
         return
     with torch.no_grad():
-        if any(g.is_sparse or g.dtype != v.dtype for g, v in zip(grads, views)):  # noqa: B905
+        if _per_tensor(views, grads):
             for v, g in zip(views, grads):  # noqa: B905 - rare: what AccumulateGrad would do
                 v.add_(g)
         else:
@@ -112,7 +118,7 @@ def _write(group: FreshGrads, views: list[Tensor], grads: list[Tensor]) -> None:
             torch._foreach_zero_([v for v in group.views if id(v) not in got])
         if not grads:
             return
-        if any(g.is_sparse or g.dtype != v.dtype for g, v in zip(grads, views)):  # noqa: B905
+        if _per_tensor(views, grads):
             for v, g in zip(views, grads):  # noqa: B905 - rare: zero and add, as before
                 v.zero_()
                 v.add_(g)
