@@ -90,9 +90,11 @@ def new_group(ranks: list[int]) -> Any:
 class GroupCalls:
     """``dist.isend`` / ``dist.irecv`` on one gloo group as the group's own calls.
 
-    Why: torch's wrappers resolve the group and the peer's rank in it on every call (~3-10 us
-    of host time), and a pipeline posts two messages per micro-batch and stage; here both are
-    resolved once per peer. Peers are global ranks, as for the wrappers."""
+    Why: torch's wrappers resolve the group and the peer's rank in it on every call (up to
+    ~5 us of host time a call: a 2-rank ping-pong took 33.6-44.0 us of CPU per round trip
+    through them, 32.1-32.8 us through the group), and a pipeline posts two messages per
+    micro-batch and stage; here both are resolved once per peer. Peers are global ranks, as
+    for the wrappers."""
 
     def __init__(self, group: Any) -> None:
         self.group = group  # None: the default group
