@@ -6,6 +6,8 @@
   as the local run does.
 * That group's gloo network thread runs under SCHED_BATCH; the default group's (the user's)
   keeps its policy; ``ENGINE_GLOO_BATCH=0`` keeps the default policy everywhere.
+* The loss messages go through the group's own calls into two reused buffers: steps that
+  switch between the verdict path and the plain loss path keep the local run's losses.
 
 Cost: one 2-process spawn, ~5 s on 2 cores.
 """
@@ -20,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_support import _local, _train, spawn, stage_factories
+from distributed_support import _local, _train, batch, spawn, stage_factories
 from torch import nn
 
 from engine.runtime.dist.transport import groups
@@ -118,9 +120,30 @@ def phase_own_group(rank: int, S: int) -> dict[str, Any]:
     }
 
 
+def phase_verdict_paths(rank: int, S: int) -> dict[str, Any]:
+    """Steps whose loss travels alternately through the verdict path and the plain loss path
+    (bench/step_verdict.py switches between them the same way): the loss messages' two
+    receive buffers (distributed.py) are reused across both, each relayed send waited for
+    once; every step's loss equals the local run's."""
+    from engine import Pipeline
+
+    kw = dict(schedule="1f1b", chunks=2, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    pipe = Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo",
+                    timeout=30, **kw)
+    ex = pipe._executor
+    pattern = [True, True, False, False, False, True, False, True]
+    losses = []
+    for t, relay in enumerate(pattern):
+        ex.rank.relay = ex.runner.aborts = relay
+        losses.append(pipe.step(*batch(t)).detach().clone())
+    _ref, ref_losses = _local(S, kw, len(pattern))
+    return {"losses_equal": all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True))}
+
+
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict[str, Any]]:
-    return spawn(2, [("test_transport_groups:own_group", dict(S=2))], timeout=120)
+    return spawn(2, [("test_transport_groups:own_group", dict(S=2)),
+                     ("test_transport_groups:verdict_paths", dict(S=2))], timeout=120)
 
 
 def _res(results: list[dict[str, Any]], rank: int) -> dict[str, Any]:
@@ -154,3 +177,12 @@ def test_group_calls_refuse_after_the_group_was_released() -> None:
     calls.forget()
     with pytest.raises(RuntimeError, match="released at exit"):
         calls.send(torch.zeros(1), 0, 0)  # not silently on the default group
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_steps_switching_between_the_verdict_and_the_loss_path(two_ranks: list[dict[str, Any]]) -> None:
+    for rank in range(2):
+        res = two_ranks[rank]
+        assert res and "fatal" not in res, f"rank {rank}: {res.get('fatal', 'no result')}"
+        assert res["test_transport_groups:verdict_paths"]["losses_equal"], rank

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from engine.errors import PipelineInputError
 from engine.runtime.stage import trees
 from engine.runtime.stage.inputs import describe, first_layer_expectation, one_dim_hint
+from engine.runtime.dist.transport.groups import GroupCalls
 from engine.runtime.dist.transport.layout import Layout
 from engine.runtime.dist.transport.p2p import P2PTransport
 
@@ -61,7 +62,13 @@ class RankRuntime:
         self.handshaken = False
         self._loss_work: Any = None
         self._loss_msg = torch.zeros(4, dtype=torch.float64)
+        #: gloo: the loss message's receive buffers, one per step parity -- a relaying rank
+        #: sends on what it received while the next step's receive fills the other one (that
+        #: send is waited for before its buffer is posted again)
+        self._loss_bufs = (self._loss_msg, torch.zeros(4, dtype=torch.float64))
         self._loss_sends: list[Any] = []
+        #: the loss messages' gloo calls on the pipeline group (groups.GroupCalls)
+        self._calls = GroupCalls(layout.pipeline_group)
         #: synchronous gloo steps of one replica: the step's verdict (loss, non-finite count,
         #: whether a rank aborted) comes from the first stage, which every abort frame reaches
         #: (:meth:`relay_verdict`); set by the rank's executor
@@ -263,6 +270,7 @@ class RankRuntime:
         by the interpreter's finalization or never (seen: every one of those threads still ran
         after the teardown). Dropped here, the group dies inside ``destroy_process_group``,
         on the main thread, while the interpreter is whole."""
+        self._calls.forget()
         lay = self.layout
         for name in ("pipeline_group", "dp_group"):
             if getattr(lay, name, None) is not None:
@@ -289,8 +297,16 @@ class RankRuntime:
             src = lay.last_rank if lay.rank == first else lay.pipeline_ranks[lay.stage - 1]
         else:
             src = lay.last_rank
-        self._loss_msg = torch.zeros(4, dtype=torch.float64)
-        self._loss_work = dist.irecv(self._loss_msg, src, group=lay.pipeline_group, tag=LOSS_TAG)
+        buf = self._loss_bufs[self._loss_msg is self._loss_bufs[0]]  # (the other one)
+        pending = []
+        for work, out in self._loss_sends:
+            if out is buf:  # relayed two steps ago: waited for here, once (gloo's wait is not
+                tp.wait(work, "sending the previous step's verdict")  # idempotent)
+            else:
+                pending.append((work, out))
+        self._loss_sends = pending
+        self._loss_msg = buf
+        self._loss_work = self._calls.recv(buf, src, LOSS_TAG)
 
     def relay_verdict(
         self, loss: Tensor | None, nonfinite: int, aborted: bool
@@ -315,19 +331,19 @@ class RankRuntime:
         self._loss_sends = []
         if lay.holds_last:
             msg = _verdict(loss, nonfinite, aborted)
-            self._loss_sends.append((dist.isend(msg, first, group=lay.pipeline_group, tag=LOSS_TAG), msg))
+            self._loss_sends.append((self._calls.send(msg, first, LOSS_TAG), msg))
         self.expect_loss(verdict=True)  # no-op when posted at the start of the step
         work, self._loss_work = self._loss_work, None
         who = lay.stages - 1 if lay.rank == first else lay.stage - 1
         tp.wait(work, "receiving the step's verdict", who)
+        got = self._loss_msg
         # one host read of the four numbers (each .item() is a dispatcher round trip)
-        value, count, has_loss, verdict = self._loss_msg.tolist()
-        if lay.rank == first:
-            verdict = float(bool(verdict) or aborted)
-        if lay.stage + 1 < len(lay.pipeline_ranks):  # on down the chain
-            out = torch.tensor([value, count, has_loss, verdict], dtype=torch.float64)
+        value, count, has_loss, verdict = got.tolist()
+        if lay.rank == first and aborted and not verdict:
+            got[3] = verdict = 1.0
+        if lay.stage + 1 < len(lay.pipeline_ranks):  # on down the chain, the buffer itself
             nxt = lay.pipeline_ranks[lay.stage + 1]
-            self._loss_sends.append((dist.isend(out, nxt, group=lay.pipeline_group, tag=LOSS_TAG), out))
+            self._loss_sends.append((self._calls.send(got, nxt, LOSS_TAG), got))
         count, aborted_any = int(count), bool(verdict)
         if has_loss < 0.5:
             return None, count, aborted_any
