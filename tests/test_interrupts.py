@@ -1,0 +1,113 @@
+"""A real Ctrl-C (SIGINT) during a local step (engine/runtime/exec/interrupts.py): deferred to
+the next action boundary (a synchronous step rolls back there), a second one at once, the
+program's own handler left alone, and SIGINT's handler as it was after every step. (engine.testing's FaultInjector raises
+KeyboardInterrupt from the action hook instead; this is the signal path itself.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from engine import Pipeline
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "kill"), reason="needs os.kill")
+
+
+class _Sigint(nn.Module):
+    """A Linear whose next forward sends this process ``times`` SIGINTs (or raises)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.times = 0
+        self.boom = False  # raise ValueError instead
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.boom:
+            raise ValueError("injected failure in the user's forward")
+        for _ in range(self.times):
+            os.kill(os.getpid(), signal.SIGINT)
+        self.times = 0
+        return self.lin(x)
+
+
+def _pipe() -> Pipeline:
+    """After one step: the first step's dry run calls the modules outside any step."""
+    torch.manual_seed(0)
+    pipe = Pipeline(
+        [_Sigint(), nn.Linear(4, 4)], schedule="gpipe", chunks=2,
+        loss_fn=nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+    )
+    pipe.step(*_batch())
+    return pipe
+
+
+def _weights(pipe: Pipeline) -> list[torch.Tensor]:
+    return [p.detach().clone() for st in pipe.stages for p in st.module.parameters()]
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)
+
+
+def _raised_inside_the_forward(info: pytest.ExceptionInfo[BaseException]) -> bool:
+    return any(e.name == "forward" and str(e.path).endswith("test_interrupts.py") for e in info.traceback)
+
+
+def test_a_ctrl_c_stops_at_the_next_action_and_rolls_the_step_back() -> None:
+    pipe = _pipe()
+    before = _weights(pipe)
+    pipe.stages[0].module.times = 1
+    with pytest.raises(KeyboardInterrupt) as info:
+        pipe.step(*_batch())
+    assert not _raised_inside_the_forward(info)  # deferred: the forward completed
+    assert "the step was rolled back" in "\n".join(getattr(info.value, "__notes__", []))
+    assert pipe.steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, _weights(pipe), strict=True))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    pipe.step(*_batch())  # and it goes on
+    assert pipe.steps == 2
+
+
+def test_a_second_ctrl_c_interrupts_at_once_and_rolls_back() -> None:
+    pipe = _pipe()
+    before = _weights(pipe)
+    pipe.stages[0].module.times = 2
+    with pytest.raises(KeyboardInterrupt) as info:
+        pipe.step(*_batch())
+    assert _raised_inside_the_forward(info)
+    assert pipe.steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, _weights(pipe), strict=True))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_the_programs_own_handler_is_left_alone() -> None:
+    calls: list[int] = []
+
+    def mine(signum: int, frame: Any) -> None:
+        calls.append(signum)
+
+    previous = signal.signal(signal.SIGINT, mine)
+    try:
+        pipe = _pipe()
+        pipe.stages[0].module.times = 1
+        pipe.step(*_batch())  # no KeyboardInterrupt: the program handles SIGINT itself
+        assert calls == [signal.SIGINT]
+        assert pipe.steps == 2
+        assert signal.getsignal(signal.SIGINT) is mine
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_sigint_is_restored_after_a_step_that_raised() -> None:
+    pipe = _pipe()
+    pipe.stages[0].module.boom = True
+    with pytest.raises(ValueError, match="user's forward"):
+        pipe.step(*_batch())
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
