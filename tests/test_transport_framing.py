@@ -38,3 +38,18 @@ def test_which_activations_carry_their_header_inline() -> None:
     large = Signature.of(torch.zeros(framing.INLINE_BYTES // 4 + 1))
     assert framing.inline("gloo", small) and not framing.inline("gloo", large)
     assert not framing.inline("nccl", small)  # NCCL: the header always travels alone
+
+
+def test_a_framed_receive_posts_no_buffer_of_its_own_for_leaf_0() -> None:
+    """framed_buffers: leaf 0 lives in the framed buffer (the message gloo fills), the other
+    leaves are posted as they are; what a tree's sender frames reads back leaf by leaf."""
+    tree = (_leaf((3, 4), torch.float32), _leaf((5,), torch.int64), _leaf((2, 2), torch.bool))
+    sig = Signature.of(tree)
+    metas = sig.metas(False)
+    bufs, msgs, head = framing.framed_buffers(metas, torch.device("cpu"))
+    assert len(bufs) == len(msgs) == 3 and msgs[0] is head and msgs[1:] == bufs[1:]
+    assert bufs[0].untyped_storage().data_ptr() == head.untyped_storage().data_ptr()
+    for msg, sent in zip(msgs, [framing.frame(tree[0], 0), tree[1], tree[2]], strict=True):
+        msg.copy_(sent.view(msg.dtype).reshape(msg.shape))  # what gloo does with each message
+    assert framing.read_header(head) == 0
+    assert all(torch.equal(b, t) and b.dtype == t.dtype for b, t in zip(bufs, tree, strict=True))

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from engine.runtime.stage.trees import LeafMeta, Signature
 
-__all__ = ["HEAD_BYTES", "INLINE_BYTES", "Posted", "inline", "frame", "head_message", "fills", "framed_buffer", "read_header"]
+__all__ = ["HEAD_BYTES", "INLINE_BYTES", "Posted", "inline", "frame", "head_message", "fills", "framed_buffer", "framed_buffers", "read_header"]
 
 #: the header's room before the leaf: 8 bytes used, padded so that the leaf keeps the 64-byte
 #: alignment of torch's CPU allocations (kernels pick vector paths by alignment, and a leaf at
@@ -87,6 +87,17 @@ def framed_buffer(meta: LeafMeta, device: torch.device) -> tuple[Tensor, Tensor]
     leaf = torch.empty(0, dtype=meta.dtype, device=device)
     leaf.set_(raw.untyped_storage(), HEAD_BYTES // meta.dtype.itemsize, meta.shape)
     return raw, leaf
+
+
+def framed_buffers(
+    metas: list[tuple[Any, LeafMeta]], device: torch.device
+) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    """The receive of an activation framed with its header (``metas``: its leaves): (the
+    leaves' tensors, the buffers to post, the framed buffer). Leaf 0 is a view of the framed
+    buffer and gets no buffer of its own (one 16 KiB allocation less per activation)."""
+    head, first = framed_buffer(metas[0][1], device)
+    rest = [torch.empty(m.shape, dtype=m.dtype, device=device) for _, m in metas[1:]]
+    return [first, *rest], [head, *rest], head
 
 
 def read_header(raw: Tensor) -> int:

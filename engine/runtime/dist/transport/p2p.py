@@ -88,7 +88,7 @@ from engine.errors import PipelineInputError
 from engine.runtime.dist.first_failure import first
 from engine.runtime.dist.transport.abort import DROP_MARK, MARK, AbortFrames, Aborted, Dropped, frame_kind
 from engine.runtime.dist.transport.base import PeerError, ShapeAgreementError, Transport
-from engine.runtime.dist.transport.framing import Posted, fills, frame, framed_buffer, head_message, read_header
+from engine.runtime.dist.transport.framing import Posted, fills, frame, framed_buffers, head_message, read_header
 from engine.runtime.dist.transport.framing import inline as inline_header
 from engine.runtime.dist.transport.groups import GroupCalls
 from engine.runtime.dist.transport.handshake import Handshake
@@ -485,14 +485,14 @@ class P2PTransport(AbortFrames, Handshake, Transport):
                 self._wait_all(sent[0], sent[2], peer)
 
     def _post(self, channel: str, mb: int, agreed: Signature, src: int) -> Posted:
-        metas = agreed.metas(grad=channel == "grad")
-        bufs = [torch.empty(meta.shape, dtype=meta.dtype, device=self.device) for _, meta in metas]
-        if channel == "grad":
-            bufs += trailer_buffers(self)
-        msgs, head = list(bufs), None
         if channel == "act" and inline_header(self.backend, agreed):
-            head, bufs[0] = framed_buffer(metas[0][1], self.device)
-            msgs[0] = head
+            bufs, msgs, head = framed_buffers(agreed.metas(grad=False), self.device)
+        else:
+            metas = agreed.metas(grad=channel == "grad")
+            bufs = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for _, m in metas]
+            if channel == "grad":
+                bufs += trailer_buffers(self)
+            msgs, head = list(bufs), None
         if self.backend == "gloo":
             try:
                 works = [self._gloo.recv(b, self.ranks[src], 0) for b in msgs]
