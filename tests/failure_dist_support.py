@@ -158,18 +158,25 @@ def phase_recover(rank: int, S: int, names: list[str]) -> dict[str, Any]:
 
 
 class _Boom(nn.Module):
-    """A stage that raises ValueError in its forward (or its backward) when armed."""
+    """A stage that raises ValueError in its forward (or its backward) when armed;
+    "last-backward": in the backward of the last micro-batch of the step it is armed for
+    (``chunks`` forwards), the first stage's last action: every other rank's lane has ended."""
 
-    def __init__(self, inner: nn.Module, where: str) -> None:
+    def __init__(self, inner: nn.Module, where: str, chunks: int = 4) -> None:
         super().__init__()
         self.inner, self.where, self.armed = inner, where, False
         self.once = False  # disarm at the first failure (a transient error)
+        self.chunks, self.armed_forwards = chunks, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.armed and self.where == "forward":
             self.armed = not self.once
             raise ValueError("injected failure in the user's forward")
         y = self.inner(x)
+        if self.armed and self.where == "last-backward":
+            self.armed_forwards += 1
+            if self.armed_forwards % self.chunks == 0:
+                return _RaiseInBackward.apply(y)
         if self.armed and self.where == "backward":
             self.armed = not self.once
             return _RaiseInBackward.apply(y)
@@ -214,8 +221,9 @@ def phase_stage_error(
 def _boom_pipe(S: int, name: str, where: str, **extra: Any) -> Any:
     from engine import Pipeline
 
-    stages = [lambda f=f: _Boom(f(), where) for f in stage_factories(S)]
-    return Pipeline(stages, loss_fn=nn.functional.mse_loss, **dict(configs(S)[name], **extra))
+    kw = dict(configs(S)[name], **extra)
+    stages = [lambda f=f: _Boom(f(), where, kw["chunks"]) for f in stage_factories(S)]
+    return Pipeline(stages, loss_fn=nn.functional.mse_loss, **kw)
 
 
 def _boom_step(pipe: Any, module: Any, t: int) -> tuple[Any, ...] | None:

@@ -12,7 +12,7 @@
   rank sends abort frames for what it still owes, every rank rolls the step back; the failing
   rank raises the user's error, every other rank a PeerStepError; the step is retried and the
   run continues to the local run's weights (the same exception, rolled back, retried) bit for
-  bit;
+  bit; also in the first stage's last backward, once every other rank's lane has ended;
 * the same in an asynchronous step: the failing rank drops that micro-batch as the local run
   does, tells its peers with dropped frames, finishes the step and raises the user's error;
   the others go on; after a forward's failure the weights are the local run's bit for bit
@@ -48,7 +48,8 @@ def two() -> list[dict[str, Any]]:
     return spawn(2, [
         ("failure_dist_support:recover", dict(S=2, names=NAMES)),
         ("failure_dist_support:stage_recover", dict(
-            S=2, names=["gpipe", "1f1b-adam"], cases=[[0, "forward"], [1, "backward"]]
+            S=2, names=["gpipe", "1f1b-adam"],
+            cases=[[0, "forward"], [1, "backward"], [0, "last-backward"]],
         )),
         ("failure_dist_support:async_drop", dict(
             S=2, names=["pb", "pipedream"], cases=[[0, "forward"], [1, "backward"]]
@@ -61,7 +62,8 @@ def four() -> list[dict[str, Any]]:
     return spawn(4, [
         ("failure_dist_support:recover", dict(S=4, names=["1f1b-adam", "pb"])),
         ("failure_dist_support:stage_recover", dict(
-            S=4, names=["1f1b-adam", "gpipe"], cases=[[2, "backward"], [1, "forward"]]
+            S=4, names=["1f1b-adam", "gpipe"],
+            cases=[[2, "backward"], [1, "forward"], [0, "last-backward"]],
         )),
         ("failure_dist_support:async_drop", dict(
             S=4, names=["pb", "pipedream"], cases=[[2, "backward"], [1, "forward"]]
@@ -128,7 +130,8 @@ def _check_stage_recover(results: list[dict[str, Any]]) -> None:
             assert got["raised"] is not None, at  # every rank raised at the failing step
             kind, message, notes = got["raised"]
             if rank == int(victim):
-                assert kind == "ValueError" and f"user's {where}" in message, at
+                said = "backward" if where == "last-backward" else where
+                assert kind == "ValueError" and f"user's {said}" in message, at
             else:
                 assert kind == "PeerStepError" and "another rank's stage raised" in message, at
             assert "the step was rolled back" in notes and "consistent" in notes, at
