@@ -8,7 +8,10 @@ peer measured in the same run on the same device, never absolute numbers from el
 from __future__ import annotations
 
 import csv
+import os
 import platform
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
@@ -46,6 +49,17 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def under_torchrun(ranks: int, script: str) -> None:
+    """Started as a plain script (no ``RANK`` in the environment, e.g. by .ci/gpu): run
+    ``script`` again under torchrun with ``ranks`` processes, with this process's arguments,
+    and exit with its status. Under torchrun: return."""
+    if "RANK" in os.environ:
+        return
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc-per-node", str(ranks), script, *sys.argv[1:]]
+    raise SystemExit(subprocess.call(cmd))
 
 
 def versions() -> dict[str, str]:

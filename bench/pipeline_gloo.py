@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -63,7 +62,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import device_name  # noqa: E402
+from common import device_name, under_torchrun  # noqa: E402
 from harness import ProcessCPU, RatioRow, ThreadCPU, paired, summary_line, write_ratio_csv  # noqa: E402
 
 
@@ -303,11 +302,7 @@ def main() -> None:
                     "SCHED_BATCH too, as the engine runs its own groups' (engine/runtime/dist/"
                     "transport/groups.py): the comparison without that advantage")
     args = ap.parse_args()
-    if "RANK" not in os.environ:
-        # started as a plain script (e.g. by .ci/gpu): launch ourselves under torchrun
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += ["--nproc-per-node", str(args.ranks), __file__, *sys.argv[1:]]
-        raise SystemExit(subprocess.call(cmd))
+    under_torchrun(args.ranks, __file__)
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import under_torchrun  # noqa: E402
 from harness import paired, summary_line  # noqa: E402
 from pipeline_gloo import EngineRunner, data  # noqa: E402
 
@@ -41,10 +41,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--cases", nargs="*", default=["gpipe", "1f1b"])
     args = ap.parse_args()
-    if "RANK" not in os.environ:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += ["--nproc-per-node", str(args.ranks), __file__, *sys.argv[1:]]
-        raise SystemExit(subprocess.call(cmd))
+    under_torchrun(args.ranks, __file__)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     S, rank = dist.get_world_size(), dist.get_rank()
