@@ -79,8 +79,9 @@ def by_step(events: list[Event]) -> list[list[Event]]:
     return out
 
 
-def hops(per_rank: list[list[Event]], M: int, skip: int = 1) -> dict[str, list[list[float]]]:
-    """Median hop latencies in ms (module docstring), one list per stage pair s -> s+1:
+def hops(per_rank: list[list[Event]], M: int, skip: int = 1) -> dict[str, list[float | None]]:
+    """Median hop latencies in ms (module docstring), one per stage pair s, s+1 (None: no
+    sample):
     ``act0`` micro-batch 0's activation, ``act`` the others', ``grad`` every gradient but the
     last, ``grad_last`` the last micro-batch's. One stage per rank, ``M`` micro-batches a
     step; the first ``skip`` steps and the last are left out."""
@@ -97,7 +98,7 @@ def hops(per_rank: list[list[Event]], M: int, skip: int = 1) -> dict[str, list[l
             for m in range(M):
                 out["act0" if m == 0 else "act"][s].append(f_next[m][1] - f_here[m][2])
                 out["grad_last" if m == M - 1 else "grad"][s].append(b_here[m][1] - b_next[m][2])
-    return {k: [[1e3 * statistics.median(x)] if x else [] for x in v] for k, v in out.items()}
+    return {k: [1e3 * statistics.median(x) if x else None for x in v] for k, v in out.items()}
 
 
 def cpu_split(events: list[Event], total: float, steps: int) -> dict[str, float]:
@@ -158,7 +159,7 @@ def main() -> None:
             print(f"  rank {r} main-thread CPU {1e3 * cpu / args.steps:.2f} ms/step: "
                   + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
         got = hops([ev for ev, _ in gathered], args.chunks)
-        fmt: Callable[[list[list[float]]], str] = lambda v: " ".join(f"{x[0]:.2f}" if x else "-" for x in v)
+        fmt: Callable[[list[float | None]], str] = lambda v: " ".join("-" if x is None else f"{x:.2f}" for x in v)
         for key, what in (("act0", "activation hop, micro-batch 0 (the step boundary)"),
                           ("act", "activation hop, the others"),
                           ("grad", "gradient hop, all but the last"),

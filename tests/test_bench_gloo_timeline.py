@@ -25,10 +25,10 @@ def _timeline(step_len: float = 100.0, steps: int = 3) -> list[list[tuple[str, f
 def test_hops_between_two_stages() -> None:
     tl = load_bench("gloo_timeline")
     got = tl.hops(_timeline(), M=2)
-    assert got["act0"][0] == [pytest.approx(500.0)]  # F0 ends at t+1, starts on s1 at t+1.5
-    assert got["act"][0] == [pytest.approx(1000.0)]  # F1: t+2 -> t+3
-    assert got["grad"][0] == [pytest.approx(250.0)]  # B0 ends on s1 at t+5, starts on s0 at t+5.25
-    assert got["grad_last"][0] == [pytest.approx(500.0)]  # B1: t+6 -> t+6.5
+    assert got["act0"] == [pytest.approx(500.0)]  # F0 ends at t+1, starts on s1 at t+1.5
+    assert got["act"] == [pytest.approx(1000.0)]  # F1: t+2 -> t+3
+    assert got["grad"] == [pytest.approx(250.0)]  # B0 ends on s1 at t+5, starts on s0 at t+5.25
+    assert got["grad_last"] == [pytest.approx(500.0)]  # B1: t+6 -> t+6.5
 
 
 def test_steps_are_cut_at_each_update_and_cpu_is_split_by_kind() -> None:

@@ -60,31 +60,31 @@ def _raised_inside_the_forward(info: pytest.ExceptionInfo[BaseException]) -> boo
     return any(e.name == "forward" and str(e.path).endswith("test_interrupts.py") for e in info.traceback)
 
 
-def test_a_ctrl_c_stops_at_the_next_action_and_rolls_the_step_back() -> None:
+def _interrupted_step(times: int) -> tuple[Pipeline, pytest.ExceptionInfo[BaseException]]:
+    """A step whose first stage's forward sends ``times`` SIGINTs: it raises KeyboardInterrupt
+    and rolls back (no step counted, weights as before), SIGINT's handler restored."""
     pipe = _pipe()
     before = _weights(pipe)
-    pipe.stages[0].module.times = 1
+    pipe.stages[0].module.times = times
     with pytest.raises(KeyboardInterrupt) as info:
         pipe.step(*_batch())
-    assert not _raised_inside_the_forward(info)  # deferred: the forward completed
-    assert "the step was rolled back" in "\n".join(getattr(info.value, "__notes__", []))
     assert pipe.steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before, _weights(pipe), strict=True))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    return pipe, info
+
+
+def test_a_ctrl_c_stops_at_the_next_action_and_rolls_the_step_back() -> None:
+    pipe, info = _interrupted_step(1)
+    assert not _raised_inside_the_forward(info)  # deferred: the forward completed
+    assert "the step was rolled back" in "\n".join(getattr(info.value, "__notes__", []))
     pipe.step(*_batch())  # and it goes on
     assert pipe.steps == 2
 
 
 def test_a_second_ctrl_c_interrupts_at_once_and_rolls_back() -> None:
-    pipe = _pipe()
-    before = _weights(pipe)
-    pipe.stages[0].module.times = 2
-    with pytest.raises(KeyboardInterrupt) as info:
-        pipe.step(*_batch())
+    _, info = _interrupted_step(2)
     assert _raised_inside_the_forward(info)
-    assert pipe.steps == 1
-    assert all(torch.equal(a, b) for a, b in zip(before, _weights(pipe), strict=True))
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_the_programs_own_handler_is_left_alone() -> None:

@@ -94,7 +94,8 @@ def framed_buffers(
 ) -> tuple[list[Tensor], list[Tensor], Tensor]:
     """The receive of an activation framed with its header (``metas``: its leaves): (the
     leaves' tensors, the buffers to post, the framed buffer). Leaf 0 is a view of the framed
-    buffer and gets no buffer of its own (one 16 KiB allocation less per activation)."""
+    buffer and gets no buffer of its own (one allocation of the leaf's size less per
+    activation received)."""
     head, first = framed_buffer(metas[0][1], device)
     rest = [torch.empty(m.shape, dtype=m.dtype, device=device) for _, m in metas[1:]]
     return [first, *rest], [head, *rest], head
