@@ -127,6 +127,7 @@ def build_rank(req: BuildRequest) -> PipelineParts:
             cfg.transport, mine[0], list(layout.pipeline_ranks), layout.pipeline_group, device,
             cfg.timeout,
         )
+        tp.use_shared_memory()  # collective: neighbours on this host talk through rings
         rank = RankRuntime(layout, tp, cfg.timeout)
         tps = {mine[0]: tp}
     from engine.runtime.dist.transport.teardown import track

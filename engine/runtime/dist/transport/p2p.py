@@ -31,7 +31,7 @@ header arrives; a change completes them with the header and fills of at most one
 leaf, then the tensors of the new shapes follow. NCCL needs equal sizes at both ends and
 posts nothing ahead, so it receives the header (always a message of its own) first.
 
-gloo specifics (measured on 4 ranks time-sharing 2 CPU cores, see bench/README.md):
+gloo specifics (4 ranks sharing 2 cores, bench/README.md; one host's neighbours: shm.py):
 
 * gloo's TCP transport is a rendezvous protocol: a send whose receive is not posted yet only
   announces itself, and the payload leaves later from the *sender's* gloo thread once the
@@ -92,6 +92,7 @@ from engine.runtime.dist.transport.framing import Posted, fills, frame, framed_b
 from engine.runtime.dist.transport.framing import inline as inline_header
 from engine.runtime.dist.transport.groups import GroupCalls
 from engine.runtime.dist.transport.handshake import Handshake
+from engine.runtime.dist.transport.shm import SharedMemorySetup
 from engine.runtime.dist.transport.trailers import take_trailers, trailer_buffers, with_trailers
 from engine.runtime.stage.trees import Signature, flatten
 
@@ -101,7 +102,7 @@ __all__ = ["P2PTransport", "HEADER_TAG", "META_TAG"]
 HEADER_TAG, META_TAG = 8, 9
 
 
-class P2PTransport(AbortFrames, Handshake, Transport):
+class P2PTransport(AbortFrames, Handshake, SharedMemorySetup, Transport):
     """Blocking receives / asynchronous sends to the neighbouring stages' ranks.
 
     Args:
@@ -119,12 +120,7 @@ class P2PTransport(AbortFrames, Handshake, Transport):
     prepost = 2
 
     def __init__(
-        self,
-        backend: str,
-        stage: int,
-        ranks: list[int],
-        group: Any,
-        device: torch.device,
+        self, backend: str, stage: int, ranks: list[int], group: Any, device: torch.device,
         timeout: float,
     ) -> None:
         if backend not in ("gloo", "nccl"):
