@@ -21,8 +21,9 @@ stages), the same micro-batches and the same optimizer (SGD with momentum):
   needs M >= 2S). No activation recomputation on either side.
   Each side runs as its users get it: torch's schedules on the default process group, the
   engine on groups of its own whose gloo network thread it runs under SCHED_BATCH
-  (engine/runtime/dist/transport/groups.py). ``--peer-net-batch`` gives torch's side that
-  scheduling too: what is left is the runners' own difference.
+  (engine/runtime/dist/transport/groups.py), its neighbours' messages through shared-memory
+  rings when they share the host (transport/shm.py; ``ENGINE_SHM=0``: gloo for everything).
+  ``--peer-net-batch`` gives torch's side the scheduling too.
 * ``async_vs_gpipe``: ``engine`` ``pipedream`` / ``2bw`` / ``pb`` vs ``engine`` ``gpipe``, next
   to the theoretical time ratio M/(M+S-1) (``extra.theory_ratio``): GPipe's bubble per
   mini-batch when every stage takes the same time and communication is free. Async schedules

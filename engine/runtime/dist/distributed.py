@@ -67,8 +67,11 @@ class RankRuntime:
         #: send is waited for before its buffer is posted again)
         self._loss_bufs = (self._loss_msg, torch.zeros(4, dtype=torch.float64))
         self._loss_sends: list[Any] = []
-        #: the loss messages' gloo calls on the pipeline group (groups.GroupCalls)
-        self._calls = GroupCalls(layout.pipeline_group)
+        #: the loss messages' calls on the pipeline group: the transport's when it talks on
+        #: that group (then shared memory between neighbours on one host: transport/shm.py)
+        calls = getattr(transport, "calls", None)
+        same = calls is not None and getattr(transport, "group", None) is layout.pipeline_group
+        self._calls = calls if same else GroupCalls(layout.pipeline_group)
         #: synchronous gloo steps of one replica: the step's verdict (loss, non-finite count,
         #: whether a rank aborted) comes from the first stage, which every abort frame reaches
         #: (:meth:`relay_verdict`); set by the rank's executor
@@ -368,7 +371,7 @@ class RankRuntime:
                 self._loss_sends = []
                 for peer in (r for r in lay.pipeline_ranks if r != lay.last_rank):
                     out = msg.clone()  # msg is all-reduced below while this may still be sent
-                    work = dist.isend(out, peer, group=lay.pipeline_group, tag=LOSS_TAG)
+                    work = self._calls.send(out, peer, LOSS_TAG)
                     self._loss_sends.append((work, out))
             else:
                 self.expect_loss()  # no-op when posted at the start of the step

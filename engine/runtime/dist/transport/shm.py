@@ -129,7 +129,13 @@ class Ring:
             if create:
                 os.posix_fallocate(fd, 0, _HDR + size)  # ENOSPC here, not SIGBUS later
             self.size = os.fstat(fd).st_size - _HDR
+            if self.size < 1024 or self.size % 16:
+                raise OSError(f"{path}: not a ring ({self.size} bytes)")
             self.mm = mmap.mmap(fd, _HDR + self.size)
+        except BaseException:
+            if create:
+                _unlink(path)
+            raise
         finally:
             os.close(fd)
         self.path = path
@@ -438,6 +444,13 @@ class SharedMemorySetup:
     ranks: list[int]
     stage: int
     _gloo: Any
+
+    @property
+    def calls(self) -> Any:
+        """This transport's point-to-point calls on its group: a GroupCalls, or the
+        SharedMemoryCalls in front of it (the rank's loss and verdict messages use them too,
+        so both ends of a pair always take the same path)."""
+        return self._gloo
 
     def use_shared_memory(self) -> bool:
         """Collective over the pipeline group (every rank calls it once, after building its
