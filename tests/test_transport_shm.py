@@ -8,7 +8,8 @@
   one is a broken connection within a fraction of a second, not after the timeout.
 * In a gloo pipeline on one host the neighbours' messages go through rings and the run
   equals the local run bit for bit, also with a ring so small that most activations are
-  redirected; ``ENGINE_SHM=0`` keeps gloo; a bad ring size is a clear error.
+  redirected; ``ENGINE_SHM=0`` keeps gloo, and where only one end can share memory both
+  ends agree on gloo; a bad ring size is a clear error.
 
 Cost: one 2-process spawn, ~6 s on 2 cores; the rest runs in one process.
 """
@@ -222,7 +223,13 @@ def phase_switched_off(rank: int, S: int) -> dict[str, Any]:
     return _rings(S, None, 0, "0")
 
 
-PHASES = ("default_ring", "small_ring", "switched_off")
+def phase_one_end_off(rank: int, S: int) -> dict[str, Any]:
+    """Only rank 0 has ``ENGINE_SHM=0`` (as a rank on another host, or without /dev/shm room,
+    would be): the pair agrees on gloo at both ends instead of waiting on a ring."""
+    return _rings(S, None, 0, "0" if rank == 0 else "1")
+
+
+PHASES = ("default_ring", "small_ring", "switched_off", "one_end_off")
 
 
 @pytest.fixture(scope="module")
@@ -239,10 +246,11 @@ def test_neighbours_on_one_host_talk_through_rings_and_train_as_the_local_run(
     for rank in range(2):
         res = two_ranks[rank]
         assert res and "fatal" not in res, f"rank {rank}: {res.get('fatal', 'no result')}"
-        default, small, off = (res[f"test_transport_shm:{name}"] for name in PHASES)
+        default, small, off, one = (res[f"test_transport_shm:{name}"] for name in PHASES)
         assert default["calls"] == "SharedMemoryCalls" and default["peers"] == [1 - rank], default
         assert default["equal"] and default["redirected"] == 0, (rank, default)
         # 32/4 x 4096 floats = 128 KiB activations and gradients, more than a 128 KiB ring
         # takes beside its reserve: each goes through gloo behind a redirect record, in order
         assert small["equal"] and small["redirected"] > 0, (rank, small)
         assert off["calls"] == "GroupCalls" and off["equal"], (rank, off)
+        assert one["equal"] and one["peers"] == [], (rank, one)  # rank 1 holds no ring either
