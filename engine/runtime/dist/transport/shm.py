@@ -294,7 +294,8 @@ class SharedMemoryCalls:
             return _SENT
         deadline = time.monotonic() + 60.0
         while not out.put(REDIRECT, tag, None, data.numel(), 0):
-            # the reserve is full too: thousands of records unread (no schedule does that)
+            # the reserve is full too: 4096 records unread, which no schedule leaves (a peer
+            # that stopped reading for good is an error after a minute)
             if time.monotonic() > deadline or _start_time(out.owner()[0]) is None:
                 raise RuntimeError(f"shared-memory ring to rank {peer} stayed full (the peer stopped reading)")
             time.sleep(0.001)
