@@ -148,6 +148,20 @@ def test_a_dead_peer_is_a_broken_connection_at_once(tmp_shm: str) -> None:
 
 
 @needs_shm
+def test_a_ring_whose_reader_stopped_fills_up_and_the_send_says_so(
+    tmp_shm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, _b = _pair(tmp_shm, kb=128)
+    monkeypatch.setattr(shm, "RESERVE", 128 * 1024)  # every message is redirected ...
+    monkeypatch.setattr(shm, "FULL_WAIT_S", 0.2)
+    for _ in range(128 * 1024 // 16):  # ... until the ring is full of redirect records
+        a.send(torch.zeros(2), 1, 0)
+    assert a.redirected == 128 * 1024 // 16
+    with pytest.raises(RuntimeError, match="ring to rank 1 stayed full for 0.2s"):
+        a.send(torch.zeros(2), 1, 0)
+
+
+@needs_shm
 def test_released_calls_refuse(tmp_shm: str) -> None:
     a, _b = _pair(tmp_shm)
     a.forget()

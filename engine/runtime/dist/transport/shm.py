@@ -61,6 +61,8 @@ _REC = struct.Struct("<iiq")  # kind, tag, payload bytes
 _HDR = 128  # ring header: head u64 @0, tail u64 @8, seq u32 @16, pid u32 @20, start u64 @24, token @32
 #: bytes kept free in a ring for redirect records (a data record may not use them)
 RESERVE = 64 * 1024
+#: seconds a send waits for room for even a redirect record before it raises
+FULL_WAIT_S = 60.0
 #: x86-64 only: its stores become visible in program order (TSO), which the ring relies on
 #: (a payload before the head that publishes it); weaker memory models keep gloo
 _FUTEX = {"x86_64": 202, "AMD64": 202}.get(platform.machine())
@@ -292,12 +294,16 @@ class SharedMemoryCalls:
         data = _as_bytes(t)
         if out.put(DATA, tag, data, data.numel(), RESERVE):
             return _SENT
-        deadline = time.monotonic() + 60.0
+        deadline = time.monotonic() + FULL_WAIT_S
         while not out.put(REDIRECT, tag, None, data.numel(), 0):
             # the reserve is full too: 4096 records unread, which no schedule leaves (a peer
-            # that stopped reading for good is an error after a minute)
-            if time.monotonic() > deadline or _start_time(out.owner()[0]) is None:
-                raise RuntimeError(f"shared-memory ring to rank {peer} stayed full (the peer stopped reading)")
+            # that stopped reading for good is an error after FULL_WAIT_S)
+            pid, start = pair[1].owner()
+            if time.monotonic() > deadline or _start_time(pid) != start:
+                raise RuntimeError(
+                    f"the shared-memory ring to rank {peer} stayed full for {FULL_WAIT_S:g}s: "
+                    "the peer stopped reading (or exited)"
+                )
             time.sleep(0.001)
         self.redirected += 1
         return self.gloo.send(t, peer, REDIRECT_TAG + tag)
