@@ -9,7 +9,8 @@
 * In a gloo pipeline on one host the neighbours' messages go through rings and the run
   equals the local run bit for bit, also with a ring so small that most activations are
   redirected; ``ENGINE_SHM=0`` keeps gloo, and where only one end can share memory both
-  ends agree on gloo; a bad ring size is a clear error.
+  ends agree on gloo; virtual stages across processes (interleaved) get rings per boundary;
+  a bad ring size is a clear error.
 
 Cost: one 2-process spawn, ~6 s on 2 cores; the rest runs in one process.
 """
@@ -243,7 +244,29 @@ def phase_one_end_off(rank: int, S: int) -> dict[str, Any]:
     return _rings(S, None, 0, "0" if rank == 0 else "1")
 
 
-PHASES = ("default_ring", "small_ring", "switched_off", "one_end_off")
+def phase_virtual(rank: int, S: int) -> dict[str, Any]:
+    """Interleaved 1F1B, 2 virtual stages per rank: each boundary between the two ranks is a
+    transport of its own, set up in increasing boundary order on both ranks, with rings."""
+    from engine import Pipeline
+
+    os.environ["ENGINE_SHM"] = "1"
+    os.environ.pop("ENGINE_SHM_RING_KB", None)
+    kw = dict(schedule="interleaved", virtual_stages=2, chunks=4,
+              optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    factories = stage_factories(2 * S)
+    pipe = Pipeline(factories, loss_fn=nn.functional.mse_loss, transport="gloo", timeout=30, **kw)
+    ref = Pipeline([f() for f in factories], loss_fn=nn.functional.mse_loss, **kw)
+    g = torch.Generator().manual_seed(7)
+    data = [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(3)]
+    equal = all(torch.equal(pipe.step(x, y), ref.step(x, y)) for x, y in data)
+    for st in pipe.stages:
+        mine, theirs = st.module.parameters(), ref.stages[st.index].module.parameters()
+        equal &= all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+    sides = [side for tp in pipe._rank.transports.values() for side in tp.sides]
+    return {"equal": equal, "calls": sorted(type(getattr(t, "calls", t)).__name__ for t in sides)}
+
+
+PHASES = ("default_ring", "small_ring", "switched_off", "one_end_off", "virtual")
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +283,7 @@ def test_neighbours_on_one_host_talk_through_rings_and_train_as_the_local_run(
     for rank in range(2):
         res = two_ranks[rank]
         assert res and "fatal" not in res, f"rank {rank}: {res.get('fatal', 'no result')}"
-        default, small, off, one = (res[f"test_transport_shm:{name}"] for name in PHASES)
+        default, small, off, one, virtual = (res[f"test_transport_shm:{name}"] for name in PHASES)
         assert default["calls"] == "SharedMemoryCalls" and default["peers"] == [1 - rank], default
         assert default["equal"] and default["redirected"] == 0, (rank, default)
         # 32/4 x 4096 floats = 128 KiB activations and gradients, more than a 128 KiB ring
@@ -268,3 +291,6 @@ def test_neighbours_on_one_host_talk_through_rings_and_train_as_the_local_run(
         assert small["equal"] and small["redirected"] > 0, (rank, small)
         assert off["calls"] == "GroupCalls" and off["equal"], (rank, off)
         assert one["equal"] and one["peers"] == [], (rank, one)  # rank 1 holds no ring either
+        # stages 0-3 on ranks 0, 1, 0, 1: three boundaries, each side between the two ranks
+        assert virtual["equal"], (rank, virtual)
+        assert virtual["calls"] == ["SharedMemoryCalls"] * 3, (rank, virtual)

@@ -217,10 +217,18 @@ def virtual_transports(
         LocalLink(b, ranks, device, timeout, backend) if g is None else g
         for b, g in enumerate(groups)
     ]
-    return {
+    tps = {
         s: VirtualStageTransport(backend, s, ranks, groups, device, timeout)
         for s in place.held(layout.stage)
     }
+    # shared-memory rings per boundary (transport/shm.py): each setup is collective over the
+    # boundary's two ranks, so every rank sets its boundaries up in increasing order -- the
+    # lowest boundary not yet set up then always has both its ranks at it (no deadlock)
+    sides = {(s if t is tp.down else s - 1): t for s, tp in tps.items() for t in tp.sides}
+    for b in sorted(sides):
+        if isinstance(sides[b], P2PTransport):  # (a LocalLink stays in-process)
+            sides[b].use_shared_memory([ranks[b + 1] if ranks[b] == layout.rank else ranks[b]])
+    return tps
 
 
 class VirtualRankRuntime(RankRuntime):

@@ -8,15 +8,17 @@ steps are chains of such hops, so on a machine whose ranks share cores the hop l
 the step time (bench/README.md, "Shared memory"). Here a message is one copy into a ring in
 shared memory and one futex wake of the thread that waits for it.
 
-What it is: one ring per direction of each neighbour pair (``/dev/shm``, unlinked once both
-ends have mapped it, so nothing is left behind by a crash). The sender appends a record
+What it is: one ring per direction of each neighbour pair -- with virtual stages, of each
+boundary between two ranks (virtual.py) -- in ``/dev/shm``, unlinked once both ends have
+mapped it, so nothing is left behind by a crash. The sender appends a record
 (kind, tag, size, payload) and wakes the receiver; the receiver matches records to its
 receives in posting order per (peer, tag), as gloo does, keeps a record that arrives before
 its receive, and accepts a message shorter than the posted buffer (gloo does too: the
 transport's fills rely on it, framing.py). :class:`SharedMemoryCalls` has the interface of
 :class:`~engine.runtime.dist.transport.groups.GroupCalls` and stands in for it in
-:class:`~engine.runtime.dist.transport.p2p.P2PTransport`; everything else (handshake,
-loss and verdict messages, collectives) stays on gloo, which also carries:
+:class:`~engine.runtime.dist.transport.p2p.P2PTransport` (whose rank also sends its loss
+and verdict messages through it); the handshake and the collectives stay on gloo, which
+also carries:
 
 * a message the ring has no room for: a small *redirect* record takes its place in the
   ring, and the payload travels through gloo on its own tag, which the receiver posts when
@@ -459,12 +461,16 @@ class SharedMemorySetup:
         so both ends of a pair always take the same path)."""
         return self._gloo
 
-    def use_shared_memory(self) -> bool:
-        """Collective over the pipeline group (every rank calls it once, after building its
-        transport). True when at least one neighbour's messages now go through a ring."""
+    def use_shared_memory(self, neighbours: list[int] | None = None) -> bool:
+        """Collective over this transport's group (every rank of it calls once, after
+        building its transport). ``neighbours``: the global ranks it exchanges messages with
+        (default: the stages before and after). True when at least one of them now goes
+        through a ring."""
         if self.backend != "gloo" or self.device.type != "cpu":
             return False
-        near = [self.ranks[s] for s in (self.stage - 1, self.stage + 1) if 0 <= s < len(self.ranks)]
+        near = neighbours if neighbours is not None else [
+            self.ranks[s] for s in (self.stage - 1, self.stage + 1) if 0 <= s < len(self.ranks)
+        ]
         calls = attach(self._gloo, self.group, self.ranks[self.stage], near)
         if calls is not None:
             self._gloo = calls
