@@ -266,12 +266,35 @@ def phase_virtual(rank: int, S: int) -> dict[str, Any]:
     return {"equal": equal, "calls": sorted(type(getattr(t, "calls", t)).__name__ for t in sides)}
 
 
+def phase_bad_size_on_one_rank(rank: int, S: int) -> dict[str, Any]:
+    """Rank 1 alone has a bad ``ENGINE_SHM_RING_KB``: it raises naming the setting after the
+    setup's collective calls, so rank 0 is not left waiting in them (it fails at its first
+    step, when rank 1 is gone, instead of hanging). The last phase: rank 1 leaves after it."""
+    from engine import Pipeline
+
+    os.environ["ENGINE_SHM"] = "1"
+    os.environ["ENGINE_SHM_RING_KB"] = "64" if rank == 1 else "4096"
+    t0 = time.perf_counter()
+    try:
+        pipe = Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo",
+                        timeout=60, schedule="1f1b", chunks=2,
+                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+        built = time.perf_counter() - t0
+        if rank == 0:
+            g = torch.Generator().manual_seed(7)
+            pipe.step(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g))
+        return {"built": built, "error": None}
+    except Exception as exc:  # noqa: BLE001 -- what each rank saw is the result
+        return {"built": None, "error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0}
+
+
 PHASES = ("default_ring", "small_ring", "switched_off", "one_end_off", "virtual")
 
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict[str, Any]]:
-    return spawn(2, [(f"test_transport_shm:{name}", dict(S=2)) for name in PHASES], timeout=150)
+    phases = [*PHASES, "bad_size_on_one_rank"]
+    return spawn(2, [(f"test_transport_shm:{name}", dict(S=2)) for name in phases], timeout=150)
 
 
 @pytest.mark.distributed
@@ -294,3 +317,17 @@ def test_neighbours_on_one_host_talk_through_rings_and_train_as_the_local_run(
         # stages 0-3 on ranks 0, 1, 0, 1: three boundaries, each side between the two ranks
         assert virtual["equal"], (rank, virtual)
         assert virtual["calls"] == ["SharedMemoryCalls"] * 3, (rank, virtual)
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+@needs_shm
+def test_a_bad_ring_size_on_one_rank_is_named_there_and_leaves_no_peer_waiting(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    bad = two_ranks[1]["test_transport_shm:bad_size_on_one_rank"]
+    assert bad["error"] is not None and "ENGINE_SHM_RING_KB='64'" in bad["error"], bad
+    other = two_ranks[0]["test_transport_shm:bad_size_on_one_rank"]
+    # built (the setup's collectives completed), then its first step found rank 1 gone
+    assert other["error"] is not None and "PeerError" in other["error"], other
+    assert other["seconds"] < 50, other  # a broken connection, not the 60 s timeout

@@ -398,15 +398,24 @@ class SharedMemoryCalls:
             ring.sleep(seq, LIVENESS_S if end is None else max(1e-4, min(LIVENESS_S, end - now)))
 
 
-def attach(calls: Any, group: Any, me: int, neighbours: list[int]) -> SharedMemoryCalls | None:
+def attach(
+    calls: Any, group: Any, me: int, neighbours: list[int], usable: bool = True
+) -> SharedMemoryCalls | None:
     """Set up rings with the ``neighbours`` (global ranks) that share this host's memory;
-    collective over ``group`` (every rank of it calls, with its own neighbours). Returns the
-    calls to use in place of ``calls`` (a GroupCalls), or None when no pair can share memory.
-    Never raises for a machine that cannot share memory: those pairs stay on gloo."""
+    collective over ``group`` (every rank of it calls, with its own neighbours, also one
+    that cannot use rings: ``usable`` False). Returns the calls to use in place of ``calls``
+    (a GroupCalls), or None when no pair can share memory. Never raises for a machine that
+    cannot share memory (those pairs stay on gloo); a bad ``ENGINE_SHM_RING_KB`` raises here
+    after the collective calls, so the other ranks go on instead of waiting."""
     made: dict[int, Ring] = {}
-    ok_here = enabled()
+    ok_here = usable and enabled()
+    bad: ValueError | None = None
     if ok_here:
-        size = _ring_bytes()  # (a bad setting is an error, not a silent fallback)
+        try:
+            size = _ring_bytes()
+        except ValueError as exc:
+            bad, ok_here = exc, False
+    if ok_here:
         try:
             tag = secrets.token_hex(8)
             for peer in neighbours:
@@ -434,6 +443,8 @@ def attach(calls: Any, group: Any, me: int, neighbours: list[int]) -> SharedMemo
     dist.all_gather_object(answers, (me, sorted(opened)), group=group)
     for ring in made.values():  # every end that could map it has: nothing stays on disk
         _unlink(ring.path)
+    if bad is not None:
+        raise bad
     took = {r: set(got) for r, got in answers}
     rings = {
         peer: (made[peer], opened[peer])
@@ -466,12 +477,13 @@ class SharedMemorySetup:
         building its transport). ``neighbours``: the global ranks it exchanges messages with
         (default: the stages before and after). True when at least one of them now goes
         through a ring."""
-        if self.backend != "gloo" or self.device.type != "cpu":
+        if self.backend != "gloo":  # (the same on every rank of a pipeline)
             return False
         near = neighbours if neighbours is not None else [
             self.ranks[s] for s in (self.stage - 1, self.stage + 1) if 0 <= s < len(self.ranks)
         ]
-        calls = attach(self._gloo, self.group, self.ranks[self.stage], near)
+        # a rank whose tensors live on a GPU joins the setup too (its peers wait for it)
+        calls = attach(self._gloo, self.group, self.ranks[self.stage], near, self.device.type == "cpu")
         if calls is not None:
             self._gloo = calls
         return calls is not None
