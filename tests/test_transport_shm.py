@@ -196,16 +196,21 @@ class Wide(nn.Module):
         return torch.tanh(self.lin(x))
 
 
+def _shm_env(on: str, ring_kb: str | None = None) -> None:
+    """This rank's shared-memory settings for the pipeline a phase builds next."""
+    os.environ["ENGINE_SHM"] = on
+    os.environ.pop("ENGINE_SHM_RING_KB", None)
+    if ring_kb is not None:
+        os.environ["ENGINE_SHM_RING_KB"] = ring_kb
+
+
 def _rings(S: int, ring_kb: str | None, width: int, on: str) -> dict[str, Any]:
     """A 1F1B run over rings of ``ring_kb`` KiB (None: the default) against the local run."""
     import functools
 
     from engine import Pipeline
 
-    os.environ["ENGINE_SHM"] = on
-    os.environ.pop("ENGINE_SHM_RING_KB", None)
-    if ring_kb is not None:
-        os.environ["ENGINE_SHM_RING_KB"] = ring_kb
+    _shm_env(on, ring_kb)
     kw = dict(schedule="1f1b", chunks=4, optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
     factories = [functools.partial(Wide, s, width) for s in range(S)] if width else stage_factories(S)
     pipe = Pipeline(factories, loss_fn=nn.functional.mse_loss, transport="gloo", timeout=30, **kw)
@@ -216,7 +221,7 @@ def _rings(S: int, ring_kb: str | None, width: int, on: str) -> dict[str, Any]:
     ref_losses = [ref.step(x, y).detach().clone() for x, y in data]
     mine = list(pipe.stages[0].module.parameters())
     theirs = list(ref.stages[pipe.layout.stage].module.parameters())
-    calls = pipe._rank.transport._gloo
+    calls = pipe._rank.transport.calls
     return {
         "equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
         and all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)),
@@ -249,8 +254,7 @@ def phase_virtual(rank: int, S: int) -> dict[str, Any]:
     transport of its own, set up in increasing boundary order on both ranks, with rings."""
     from engine import Pipeline
 
-    os.environ["ENGINE_SHM"] = "1"
-    os.environ.pop("ENGINE_SHM_RING_KB", None)
+    _shm_env("1")
     kw = dict(schedule="interleaved", virtual_stages=2, chunks=4,
               optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
     factories = stage_factories(2 * S)
@@ -272,20 +276,18 @@ def phase_bad_size_on_one_rank(rank: int, S: int) -> dict[str, Any]:
     step, when rank 1 is gone, instead of hanging). The last phase: rank 1 leaves after it."""
     from engine import Pipeline
 
-    os.environ["ENGINE_SHM"] = "1"
-    os.environ["ENGINE_SHM_RING_KB"] = "64" if rank == 1 else "4096"
+    _shm_env("1", "64" if rank == 1 else "4096")
     t0 = time.perf_counter()
     try:
         pipe = Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo",
                         timeout=60, schedule="1f1b", chunks=2,
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-        built = time.perf_counter() - t0
         if rank == 0:
             g = torch.Generator().manual_seed(7)
             pipe.step(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g))
-        return {"built": built, "error": None}
+        return {"error": None}
     except Exception as exc:  # noqa: BLE001 -- what each rank saw is the result
-        return {"built": None, "error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0}
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0}
 
 
 PHASES = ("default_ring", "small_ring", "switched_off", "one_end_off", "virtual")

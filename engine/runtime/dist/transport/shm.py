@@ -118,6 +118,11 @@ def _start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
+def _record_bytes(kind: int, nbytes: int) -> int:
+    """Ring bytes of one record: its header, and a data record's payload rounded up to 16."""
+    return _REC.size + (-(-nbytes // 16) * 16 if kind == DATA else 0)
+
+
 class Ring:
     """One direction of a pair: a byte ring in a shared mapping with a futex word.
 
@@ -157,17 +162,21 @@ class Ring:
         return bytes(self.mm[32:48])
 
     def owner(self) -> tuple[int, int]:
+        """The (pid, kernel start time) of the process that created the ring: its writer."""
         pid, start = struct.unpack_from("<IQ", self.mm, 20)
         return pid, start
 
-    # ------------------------------------------------------------------ producer
+    def owner_alive(self) -> bool:
+        """Whether the ring's writer still runs (same PID and start time: not a reused PID;
+        False when this process cannot see it, e.g. another PID namespace)."""
+        pid, start = self.owner()
+        return start != 0 and _start_time(pid) == start
 
-    def free(self) -> int:
-        return self.size - (self._head.value - self._tail.value)
+    # ------------------------------------------------------------------ producer
 
     def put(self, kind: int, tag: int, payload: Tensor | None, nbytes: int, reserve: int) -> bool:
         """Append one record if it fits with ``reserve`` bytes to spare; False if not."""
-        need = _REC.size + (-(-nbytes // 16) * 16 if payload is not None else 0)
+        need = _record_bytes(kind, nbytes)
         head = self._head.value
         off = head % self.size
         wrap = self.size - off if off + need > self.size else 0
@@ -178,7 +187,7 @@ class Ring:
             head += wrap
             off = 0
         _REC.pack_into(self.mm, _HDR + off, kind, tag, nbytes)
-        if payload is not None and nbytes:
+        if kind == DATA and nbytes:
             start = _HDR + off + _REC.size
             self.bytes[start:start + nbytes].copy_(payload)
         self._head.value = head + need
@@ -205,8 +214,7 @@ class Ring:
             return kind, tag, nbytes, _HDR + off + _REC.size
 
     def pop(self, kind: int, nbytes: int) -> None:
-        need = _REC.size + (-(-nbytes // 16) * 16 if kind == DATA else 0)
-        self._tail.value = self._tail.value + need
+        self._tail.value = self._tail.value + _record_bytes(kind, nbytes)
 
     def sleep(self, seq: int, seconds: float) -> None:
         """Until the producer publishes after ``seq`` was read, at most ``seconds``."""
@@ -300,8 +308,7 @@ class SharedMemoryCalls:
         while not out.put(REDIRECT, tag, None, data.numel(), 0):
             # the reserve is full too: 4096 records unread, which no schedule leaves (a peer
             # that stopped reading for good is an error after FULL_WAIT_S)
-            pid, start = pair[1].owner()
-            if time.monotonic() > deadline or _start_time(pid) != start:
+            if time.monotonic() > deadline or not pair[1].owner_alive():
                 raise RuntimeError(
                     f"the shared-memory ring to rank {peer} stayed full for {FULL_WAIT_S:g}s: "
                     "the peer stopped reading (or exited)"
@@ -341,7 +348,6 @@ class SharedMemoryCalls:
         if payload is None:
             work.inner = self.gloo.recv(work.buf, work.src, REDIRECT_TAG + work.tag)
             return
-        dst = _as_bytes(work.buf) if work.buf.is_contiguous() else None
         room = work.buf.numel() * work.buf.element_size()
         if payload.numel() > room:
             work.error = (
@@ -349,8 +355,8 @@ class SharedMemoryCalls:
                 f"{room}-byte receive: the two ranks disagree on the message sizes"
             )
             return
-        if dst is not None:
-            dst[: payload.numel()].copy_(payload)
+        if work.buf.is_contiguous():
+            _as_bytes(work.buf)[: payload.numel()].copy_(payload)
         else:  # (a receive into a strided view: through a contiguous copy)
             tmp = work.buf.contiguous()
             _as_bytes(tmp)[: payload.numel()].copy_(payload)
@@ -375,7 +381,6 @@ class SharedMemoryCalls:
 
     def _until_matched(self, work: _Received, end: float | None, seconds: float | None) -> None:
         ring = self.rings[work.src][1]
-        pid, start = ring.owner()
         checked = time.monotonic()
         while True:
             seq = ring.seq()
@@ -389,10 +394,10 @@ class SharedMemoryCalls:
                     "(shared memory)"
                 )
             if now - checked >= LIVENESS_S:
-                if _start_time(pid) != start:
+                if not ring.owner_alive():
                     raise RuntimeError(
-                        f"Connection closed by peer: rank {work.src} (pid {pid}) exited "
-                        "(shared memory)"
+                        f"Connection closed by peer: rank {work.src} (pid {ring.owner()[0]}) "
+                        "exited (shared memory)"
                     )
                 checked = now
             ring.sleep(seq, LIVENESS_S if end is None else max(1e-4, min(LIVENESS_S, end - now)))
@@ -436,8 +441,7 @@ def attach(
             ring = Ring(path, 0, create=False)
         except (OSError, ValueError):
             continue
-        pid, start = ring.owner()
-        if ring.token == token and _start_time(pid) == start and start:  # same memory and PIDs
+        if ring.token == token and ring.owner_alive():  # the same memory, and PIDs we can see
             opened[src] = ring
     answers: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(answers, (me, sorted(opened)), group=group)
