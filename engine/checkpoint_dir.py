@@ -74,12 +74,13 @@ def _exchange(pipe: Pipeline, digest: str, error: str) -> list[tuple[str, str]]:
     text = error.encode()[:_TEXT]
     if text:
         msg[_HASH : _HASH + len(text)] = torch.tensor(list(text), dtype=torch.uint8)
-    dev = pipe.device if pipe.transport == "nccl" else torch.device("cpu")
-    parts = [torch.empty_like(msg, device=dev) for _ in range(pipe.layout.world)]
-    dist.all_gather(parts, msg.to(dev))
+    from engine.runtime.dist.transport.control import world_group
+
+    parts = [torch.empty_like(msg) for _ in range(pipe.layout.world)]
+    dist.all_gather(parts, msg, group=world_group())  # host bytes: the control plane (gloo)
     out = []
     for p in parts:
-        b = bytes(p.cpu().tolist())
+        b = p.numpy().tobytes()
         out.append((b[:_HASH].rstrip(b"\0").decode(), b[_HASH:].rstrip(b"\0").decode(errors="replace")))
     return out
 
@@ -165,9 +166,10 @@ def save_dir(pipe: Pipeline, path: str | os.PathLike[str]) -> None:
     path = os.fspath(path)
     lay = pipe.layout
     # one fresh name suffix for the whole checkpoint, never from torch's RNG (part of the state)
-    dev = pipe.device if pipe.transport == "nccl" else torch.device("cpu")
-    nonce = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=dev)
-    dist.broadcast(nonce, 0)
+    from engine.runtime.dist.transport.control import world_group
+
+    nonce = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
+    dist.broadcast(nonce, 0, group=world_group())  # a host value: the control plane (gloo)
     name = f"rank{lay.rank:05d}-{int(nonce.item()):016x}.safetensors"
     target = os.path.join(path, name)
     digest, error = "", ""

@@ -348,9 +348,9 @@ def test_the_wire_signature_names_what_changed() -> None:
     assert "['h'] does not require grad" in sig.mismatch({**ok, "h": h.detach()})
     assert "instead of the agreed structure" in sig.mismatch((h, ok["mask"], 2))
     assert sig.grad_mismatch([torch.zeros(2, 3)]) == "" and "2 gradients instead of 1" in sig.grad_mismatch([h, h])
-    from engine.runtime.dist.transport.p2p import P2PTransport
+    from engine.runtime.dist.transport.gloo import GlooTransport
 
-    tp = P2PTransport("gloo", 0, [0, 1], None, torch.device("cpu"), 5.0)
+    tp = GlooTransport(0, [0, 1], None, torch.device("cpu"), 5.0)
     tp._agree("act", "send", sig)
     with pytest.raises(ShapeAgreementError, match=r"stage 0 \(rank 0\) produced an activation for micro-batch 4 .* \['n'\] is 3 instead of 2"):
         tp.send("act", 0, 4, {**ok, "n": 3})

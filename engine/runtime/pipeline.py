@@ -414,7 +414,12 @@ class Pipeline:
 
         p = self.parts
         rank = p.layout.rank if p.layout is not None else None
-        return trace(path, p.stages, p.executor, rank)
+        group = None
+        if rank is not None:  # host objects: the world's gloo control group (NCCL included)
+            from engine.runtime.dist.transport.control import world_group
+
+            group = world_group()
+        return trace(path, p.stages, p.executor, rank, group)
 
     def evaluate(self, inputs: Tensor, chunks: int | None = None) -> Tensor:
         """Forward only: the last stage's module outputs for ``inputs`` (before ``loss_fn``),

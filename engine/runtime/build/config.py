@@ -132,7 +132,7 @@ def check_options(
     if cuda_streams and distributed:
         raise PipelineConfigError(
             "cuda_streams is for the local transport; under NCCL each rank has one compute "
-            "stream and the transport its communication stream"
+            "stream, and NCCL's own stream overlaps the transfers with it"
         )
     if not isinstance(trace, bool):
         raise PipelineConfigError(f"trace={trace!r} must be True or False")

@@ -366,7 +366,8 @@ class TiedGradients:
                     if u:
                         total.add_(t)
                 if g.process_group is not None:
-                    any_used = torch.tensor([float(any(used))])
+                    # on the gradients' device: an NCCL tie group carries device tensors only
+                    any_used = torch.tensor([float(any(used))], device=total.device)
                     torch.distributed.all_reduce(total, group=g.process_group)
                     torch.distributed.all_reduce(any_used, group=g.process_group)
                     if any_used.item() == 0.0:

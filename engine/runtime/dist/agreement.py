@@ -15,11 +15,11 @@ import json
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from engine.errors import PipelineConfigError
 from engine.mitigations import MITIGATION_OPTIONS
+from engine.runtime.dist.transport.control import all_gather_bytes
 
 __all__ = ["fingerprint", "agree"]
 
@@ -59,27 +59,20 @@ def fingerprint(
     }
 
 
-def _all_gather_json(obj: Any, world: int, device: torch.device) -> list[Any]:
-    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size)
-    longest = int(max(int(s) for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: data.numel()] = data.to(device)
-    chunks = [torch.zeros_like(padded) for _ in range(world)]
-    dist.all_gather(chunks, padded)
-    return [json.loads(bytes(c[: int(n)].cpu().tolist()).decode()) for c, n in zip(chunks, sizes, strict=True)]
+def _all_gather_json(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` as JSON over the world's control group (gloo, host memory)."""
+    return [json.loads(b.decode()) for b in all_gather_bytes(json.dumps(obj).encode())]
 
 
 def agree(
     mine: dict[str, Any], rank: int, stages: int, device: torch.device, stage_of: Any = None
 ) -> None:
-    """Exchange fingerprints with every rank; raise on every rank at the first difference.
+    """Exchange fingerprints with every rank (on the world's control group; ``device`` is
+    where the rank's stage lives, unused by the exchange); raise on every rank at the first
+    difference.
     ``stage_of``: rank -> (stage, replica, tp rank) under a mesh (runtime/dist/mesh.py); the ranks
     that compare parameters are then those with the same stage and tp rank."""
-    world = dist.get_world_size()
-    prints = _all_gather_json(mine, world, device)
+    prints = _all_gather_json(mine)
     keys: list[str] = []
     for fp in prints:
         keys += [k for k, _ in fp["pipeline"] if k not in keys]

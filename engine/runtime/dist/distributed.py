@@ -17,17 +17,20 @@ stage ``r % S``; see transport/layout.py). Around the executor this module adds:
   the others when a new Signature arrives) and raises a clear error, passed downstream,
   instead of failing inside a step.
 * the loss: the last stage's mean loss is sent to every stage of its replica (tagged
-  point-to-point messages under gloo, a broadcast under NCCL, which has no tags) and averaged
-  over the replicas, so ``pipe.step`` returns the same value on every rank; a synchronous
-  gloo step of one replica sends it through the first stage instead, with the step's verdict
-  (whether a rank aborted it), which then travels down the pipeline stage by stage
-  (:meth:`RankRuntime.relay_verdict`);
+  point-to-point messages on the pipeline's gloo group) and averaged over the replicas, so
+  ``pipe.step`` returns the same value on every rank; a synchronous gloo step of one replica
+  sends it through the first stage instead, with the step's verdict (whether a rank aborted
+  it), which then travels down the pipeline stage by stage (:meth:`RankRuntime.relay_verdict`).
+  Under NCCL every rank contributes its own verdict (a failure there is not visible in band)
+  to one gloo all-reduce over the world's control group (:meth:`RankRuntime.nccl_verdict`);
+* under NCCL, the per-step shape notice of the first stage (transport/shape_notice.py);
 * the gradient all-reduce of data-parallel replicas (mean over replicas, one collective per
   dtype per update, on the stage's data-parallel group);
 * automatic partitioning decided once, by global rank 0, and broadcast (profiled timings
   differ between processes, and all ranks must cut the model at the same layers).
 
-Every wait has the pipeline's ``timeout``.
+Every wait has the pipeline's ``timeout``. Host messages travel on the control plane, gloo
+under both transports (transport/control.py).
 """
 
 from __future__ import annotations
@@ -42,23 +45,28 @@ from torch import Tensor, nn
 from engine.errors import PipelineInputError
 from engine.runtime.stage import trees
 from engine.runtime.stage.inputs import describe, first_layer_expectation, one_dim_hint
+from engine.runtime.dist.transport.control import LOSS_TAG, world_group
 from engine.runtime.dist.transport.groups import GroupCalls
 from engine.runtime.dist.transport.layout import Layout
 from engine.runtime.dist.transport.p2p import P2PTransport
+from engine.runtime.dist.transport.shape_notice import ShapeNotices
 
 __all__ = ["RankRuntime", "broadcast_balance", "LOSS_TAG"]
-
-#: gloo tag of the per-step loss message (activations and gradients use tag 0)
-LOSS_TAG = 7
 
 
 class RankRuntime:
     """The collectives and the handshake of one rank (see the module docstring)."""
 
-    def __init__(self, layout: Layout, transport: P2PTransport, timeout: float) -> None:
+    def __init__(
+        self, layout: Layout, transport: P2PTransport, timeout: float, first_index: int = 0,
+        chunks: int = 1,
+    ) -> None:
         self.layout = layout
         self.transport = transport
         self.timeout = timeout
+        #: NCCL: host messages on the pipeline's gloo control group, the step's verdict by
+        #: one all-reduce, shape notices before each step
+        self.nccl = transport.backend == "nccl"
         self.handshaken = False
         self._loss_work: Any = None
         self._loss_msg = torch.zeros(4, dtype=torch.float64)
@@ -71,7 +79,17 @@ class RankRuntime:
         #: that group (then shared memory between neighbours on one host: transport/shm.py)
         calls = getattr(transport, "calls", None)
         same = calls is not None and getattr(transport, "group", None) is layout.pipeline_group
-        self._calls = calls if same else GroupCalls(layout.pipeline_group)
+        if self.nccl:
+            self._calls = GroupCalls(layout.control_group)
+        else:
+            self._calls = calls if same else GroupCalls(layout.pipeline_group)
+        #: NCCL: which micro-batches' activations travel with a header (shape_notice.py)
+        self.notices: ShapeNotices | None = None
+        if self.nccl:
+            ranks = list(layout.pipeline_ranks)
+            self.notices = ShapeNotices(
+                self._calls, ranks, ranks[first_index], layout.rank, chunks, self._wait_host
+            )
         #: synchronous gloo steps of one replica: the step's verdict (loss, non-finite count,
         #: whether a rank aborted) comes from the first stage, which every abort frame reaches
         #: (:meth:`relay_verdict`); set by the rank's executor
@@ -83,6 +101,10 @@ class RankRuntime:
     @property
     def device(self) -> torch.device:
         return self.transport.device
+
+    def _wait_host(self, work: Any, what: str, peer: int | None = None) -> None:
+        """A control-plane (gloo) work, waited for on the host with the pipeline's timeout."""
+        getattr(self.transport, "wait_host", self.transport.wait)(work, what, peer)
 
     # ------------------------------------------------------------------ handshake
 
@@ -139,16 +161,17 @@ class RankRuntime:
         lay, tp = self.layout, self.transport
         real = [p for p in problems if p and p != "upstream"]
         code = 1 if real else (2 if any(problems) else 0)
-        codes = torch.tensor([code]).to(self.device if tp.backend == "nccl" else "cpu")  # NCCL: CUDA only
-        tp.wait(
-            dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=lay.pipeline_group, async_op=True),
+        codes = torch.tensor([code])
+        group = lay.control_group
+        self._wait_host(
+            dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=group, async_op=True),
             "agreeing the handshake",
         )
         if int(codes.item()) == 0:
             self.handshaken = True
             return
         messages: list[Any] = [None] * lay.stages
-        dist.all_gather_object(messages, real[0] if real else "", group=lay.pipeline_group)
+        dist.all_gather_object(messages, real[0] if real else "", group=group)
         first = next(m for m in messages if m)
         raise PipelineInputError(f"handshake failed, no weight changed: {first}")
 
@@ -257,6 +280,8 @@ class RankRuntime:
 
         settle([work for work, _out in self._loss_sends])
         self._loss_sends = []
+        if self.notices is not None:
+            settle(self.notices.settle())
         self._loss_work = None  # (a receive: ends with the group)
         for tp in {id(t): t for t in getattr(self, "transports", {0: self.transport}).values()}.values():
             for side in getattr(tp, "sides", [tp]):
@@ -275,9 +300,11 @@ class RankRuntime:
         on the main thread, while the interpreter is whole."""
         self._calls.forget()
         lay = self.layout
-        for name in ("pipeline_group", "dp_group"):
+        for name in ("pipeline_group", "dp_group", "control_group"):
             if getattr(lay, name, None) is not None:
                 object.__setattr__(lay, name, None)  # frozen dataclass; the groups are gone
+        if lay.channel_groups:
+            lay.channel_groups.clear()
 
     # ------------------------------------------------------------------ loss
 
@@ -327,6 +354,8 @@ class RankRuntime:
         next step's first activation, which comes after the verdict anyway. The same number of
         messages; measured against the star on the shared 2-core machine, not distinguishable
         from noise (bench/README.md, issue 28)."""
+        if self.nccl:
+            return self.nccl_verdict(loss, nonfinite, aborted)
         lay, tp = self.layout, self.transport
         first = lay.pipeline_ranks[0]
         for work, _out in self._loss_sends:  # the previous step's: received long ago
@@ -357,36 +386,30 @@ class RankRuntime:
     def share_loss(self, loss: Tensor | None, nonfinite: int) -> tuple[Tensor | None, int]:
         """Send the last stage's (loss, non-finite count) to every stage of its replica, then
         average the loss over replicas. Returns (loss or None, non-finite micro-batches)."""
+        if self.nccl:
+            got, count, _ = self.nccl_verdict(loss, nonfinite, False)
+            return got, count
         lay, tp = self.layout, self.transport
         last = lay.holds_last
         msg = _verdict(loss, nonfinite, False) if last else torch.zeros(4, dtype=torch.float64)
-        if tp.backend == "gloo":
-            if last:
-                # the previous step's loss messages have arrived: every rank finished that step
-                # (it waits for the loss) before its forwards of this step, which reached this
-                # rank. Waiting returns at once; gloo's is_completed() cannot tell (it stays
-                # False until wait()), so without it the list grew by S-1 works every step.
-                for work, _out in self._loss_sends:
-                    tp.wait(work, "sending the previous step's loss")
-                self._loss_sends = []
-                for peer in (r for r in lay.pipeline_ranks if r != lay.last_rank):
-                    out = msg.clone()  # msg is all-reduced below while this may still be sent
-                    work = self._calls.send(out, peer, LOSS_TAG)
-                    self._loss_sends.append((work, out))
-            else:
-                self.expect_loss()  # no-op when posted at the start of the step
-                work, self._loss_work = self._loss_work, None
-                tp.wait(work, "receiving the step's loss", lay.stages - 1)
-                msg = self._loss_msg
+        if last:
+            # the previous step's loss messages have arrived: every rank finished that step
+            # (it waits for the loss) before its forwards of this step, which reached this
+            # rank. Waiting returns at once; gloo's is_completed() cannot tell (it stays
+            # False until wait()), so without it the list grew by S-1 works every step.
+            for work, _out in self._loss_sends:
+                tp.wait(work, "sending the previous step's loss")
+            self._loss_sends = []
+            for peer in (r for r in lay.pipeline_ranks if r != lay.last_rank):
+                out = msg.clone()  # msg is all-reduced below while this may still be sent
+                work = self._calls.send(out, peer, LOSS_TAG)
+                self._loss_sends.append((work, out))
         else:
-            msg = msg.to(self.device)
-            tp.wait(
-                dist.broadcast(msg, lay.last_rank, group=lay.pipeline_group, async_op=True),
-                "receiving the step's loss",
-                lay.stages - 1,
-            )
+            self.expect_loss()  # no-op when posted at the start of the step
+            work, self._loss_work = self._loss_work, None
+            tp.wait(work, "receiving the step's loss", lay.stages - 1)
+            msg = self._loss_msg
         if lay.replicas > 1:
-            msg = msg.to(self.device if tp.backend == "nccl" else "cpu")
             tp.wait(
                 dist.all_reduce(msg, group=lay.dp_group, async_op=True),
                 "averaging the loss over data-parallel replicas",
@@ -399,6 +422,38 @@ class RankRuntime:
         if last and lay.replicas == 1 and loss is not None:
             return loss, int(count)  # the very tensor the local run returns
         return torch.tensor(value, dtype=torch.float32, device=self.device), int(count)
+
+    def nccl_verdict(
+        self, loss: Tensor | None, nonfinite: int, failed: bool
+    ) -> tuple[Tensor | None, int, bool]:
+        """The step's end under NCCL: one gloo all-reduce over the world's control group of
+        (loss, non-finite count, has a loss, failed) -- the loss and the count from each
+        replica's last stage (its first tensor-parallel rank), a failure from every rank.
+
+        Why every rank, and the world: under NCCL a failure is not visible in band (reading a
+        mark would be a device synchronisation per message, transport/nccl.py), and the
+        replicas of a synchronous step must commit or roll back together. The last stage
+        reads its loss on the host here, once per step, as the local run does. Returns (the
+        loss averaged over replicas or None, non-finite micro-batches, whether any rank
+        failed)."""
+        lay = self.layout
+        speaks = lay.holds_last and getattr(lay, "tp_rank", 0) == 0 and loss is not None
+        msg = torch.tensor(
+            [float(loss.double()) if speaks else 0.0,  # type: ignore[union-attr]
+             float(nonfinite) if lay.holds_last and getattr(lay, "tp_rank", 0) == 0 else 0.0,
+             1.0 if speaks else 0.0, 1.0 if failed else 0.0],
+            dtype=torch.float64,
+        )
+        self._wait_host(
+            dist.all_reduce(msg, group=world_group(), async_op=True), "agreeing the step's verdict"
+        )
+        value, count, has_loss, bad = msg.tolist()  # one host read
+        if has_loss < 0.5:
+            return None, int(count), bad > 0
+        if speaks and lay.replicas == 1:
+            return loss, int(count), bad > 0  # the very tensor the local run returns
+        value = value / lay.replicas
+        return torch.tensor(value, dtype=torch.float32, device=self.device), int(count), bad > 0
 
     def pass_error(self, stage: int, mb: int) -> None:
         """After ``stage`` received an earlier stage's error in place of micro-batch ``mb``'s
@@ -453,7 +508,7 @@ def broadcast_balance(compute: Callable[[], list[int]], timeout: float) -> list[
             box[0] = ("ok", list(compute()))
         except Exception as exc:  # forwarded to every rank below, then raised there
             box[0] = ("error", f"{type(exc).__name__}: {exc}")
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=world_group())  # host objects: gloo
     kind, value = box[0]
     if kind == "error":
         raise ValueError(f"rank 0 could not partition the model: {value}")

@@ -17,8 +17,20 @@ never come), so:
 * in an asynchronous gloo step the failing rank applies the local run's outcome to what its
   action touched, sends *dropped frames* in place of that micro-batch's messages (its peers
   drop it too and go on), finishes the step and raises the user's exception at its end;
-* elsewhere (NCCL, data-parallel replicas, virtual stages) such an exception stops the rank
+* under NCCL (one replica, one stage per rank) nothing can be marked in band without a
+  device synchronisation per message: the failing rank runs the rest of its lane's
+  communication sending zeros of the agreed shapes (an input a stage refuses is handled
+  alike), and the step's verdict on the control plane (:meth:`RankRuntime.nccl_verdict`)
+  tells every rank. A synchronous step then rolls back on every rank, as under gloo; an
+  asynchronous one cannot drop the micro-batch on the other ranks, which computed on the
+  zeros: every rank raises at the step's end, saying so. Every message of the step was
+  still sent and received, so no rank waits and no NCCL operation stays pending;
+* elsewhere (data-parallel replicas, virtual stages) such an exception stops the rank
   (``RANK_STOPPED``).
+
+Under NCCL a rank also receives, at the end of each asynchronous step, every message its
+neighbours sent in the step that it has not received yet (:meth:`RankLane._receive_in_transit`),
+so no NCCL operation stays pending across a step boundary (transport/nccl.py says why).
 """
 
 from __future__ import annotations
@@ -73,6 +85,10 @@ class RankLane:
         #: an asynchronous step drops a micro-batch whose action raised, as locally, and
         #: tells its peers with dropped frames (gloo, one replica, one stage per rank)
         self.drops = False
+        #: NCCL: an asynchronous step whose action raised completes its communication with
+        #: zeros, and every rank raises at its end (module docstring)
+        self.async_abort = False
+        self.nccl = getattr(self.transport, "backend", None) == "nccl"
         #: this step's abort: the user's exception here, or the frame a peer sent
         self.failure: BaseException | None = None
         self.origin: BaseException | None = None  # the user's exception, once raised
@@ -102,6 +118,9 @@ class RankLane:
                 self._rank_ops(prog, k, base, skip_updates=not updates)
                 return
             except Exception as exc:  # (a second Ctrl-C, a BaseException, stops at once)
+                if updates and self.async_abort and self._contained(exc):
+                    self._abort_async(prog, base, exc)
+                    return
                 if not (updates and self.drops and self.in_action):
                     self._abort(prog, base, updates, exc)
                     return
@@ -145,25 +164,62 @@ class RankLane:
         exc, self.failure = self.failure, None
         return exc
 
+    def _contained(self, exc: BaseException) -> bool:
+        """Whether the lane finishes the step's communication after ``exc`` instead of
+        stopping: the user's stage raised, an abort frame came, or (NCCL) this stage
+        refused an input's shapes or produced shapes the notice did not announce."""
+        return self.in_action or isinstance(exc, Aborted) or (
+            self.nccl and isinstance(exc, PipelineInputError)
+        )
+
     def _abort(self, prog: StepProgram, base: int, updates: bool, exc: Exception) -> None:
         """A synchronous step aborts (module docstring), or the exception propagates."""
-        if not (self.aborts and not updates and (self.in_action or isinstance(exc, Aborted))):
+        if not (self.aborts and not updates and self._contained(exc)):
             raise exc
         at, inside = self.pc, self.in_action
         self.failure = exc
-        lay = self.rank.layout
-        text = str(exc) if isinstance(exc, Aborted) else (
-            f"rank {lay.rank} ({self.transport.who(self.s)}): {type(exc).__name__}: {exc}"
-        )
-        if not isinstance(exc, Aborted):
-            report(lay.rank, exc)  # the first failure's note, before any frame leaves
-        self._abort_ops(prog, at + 1, base, text)
+        text = self._failure_text(exc)
+        self._abort_ops(prog, self._resume_at(prog, at, exc), base, text)
         self.pc, self.in_action = at, inside
+
+    def _abort_async(self, prog: StepProgram, base: int, exc: Exception) -> None:
+        """NCCL, an asynchronous step: finish its communication with zeros (no update,
+        nothing computed); the step's verdict makes every rank raise (module docstring)."""
+        at, inside = self.pc, self.in_action
+        self.failure = exc
+        self._abort_ops(prog, self._resume_at(prog, at, exc), base, self._failure_text(exc))
+        self.pc, self.in_action = at, inside
+
+    def _failure_text(self, exc: BaseException) -> str:
+        if isinstance(exc, Aborted):
+            return str(exc)
+        lay = self.rank.layout
+        report(lay.rank, exc)  # the first failure's note, before any frame leaves
+        return f"rank {lay.rank} ({self.transport.who(self.s)}): {type(exc).__name__}: {exc}"
+
+    def _resume_at(self, prog: StepProgram, at: int, exc: BaseException) -> int:
+        """Where the aborted lane's communication continues: after the failed op -- or at it
+        when it is an NCCL send refused before anything was posted (its receiver still
+        expects the message)."""
+        if self.nccl and not self.in_action and isinstance(exc, PipelineInputError):
+            s, pc = prog.lanes[self.lane][at]
+            if prog.stages[s][pc][0] in (SF, SB):
+                return at
+        return at + 1
 
     def _abort_ops(self, prog: StepProgram, start: int, base: int, text: str) -> None:
         """The rest of the lane's communication, computing nothing: an abort frame in place of
         every message this rank owes, every message it expects received (and dropped)."""
         lane = prog.lanes[self.lane]
+        for tp in self.transports.values():
+            tp.aborting = True  # (NCCL: new shapes are taken without the acceptance check)
+        try:
+            self._abort_comm(prog, lane, start, base, text)
+        finally:
+            for tp in self.transports.values():
+                tp.aborting = False
+
+    def _abort_comm(self, prog: StepProgram, lane: Any, start: int, base: int, text: str) -> None:
         for k in range(start, len(lane)):
             s, pc = lane[k]
             op, rel = prog.stages[s][pc]
@@ -190,13 +246,22 @@ class RankLane:
 
     def _raise_aborted(self) -> None:
         """Every rank agreed the step aborted: the rank whose stage raised raises the user's
-        exception, every other rank a PeerStepError naming it (the protocol rolls back)."""
+        exception, every other rank a PeerStepError naming it (a synchronous step rolls back;
+        an asynchronous one under NCCL cannot: module docstring)."""
         exc, self.failure = self.failure, None
         if exc is not None and not isinstance(exc, Aborted):
             self.origin = exc
             raise exc
         lay = self.rank.layout
         said = f": {exc.text}" if isinstance(exc, Aborted) and exc.text else ""
+        if not self.p.sync:
+            raise PeerStepError(
+                f"{self.transport.who(self.s)}: another rank's stage raised inside this "
+                f"asynchronous step{said}. Under transport='nccl' its micro-batch could not be "
+                "dropped on the other ranks (that needs a mark in every message, a device "
+                "synchronisation each): this step's updates used zeros in its place. Restore "
+                "the last checkpoint (engine.load) before going on." + first(lay.rank)
+            )
         raise PeerStepError(
             f"{self.transport.who(self.s)}: another rank's stage raised inside this step{said}. "
             "Every rank rolled the step back (no weight, gradient, optimizer state, RNG state or "
@@ -228,7 +293,17 @@ class RankLane:
     def share(self, result: StepResult) -> StepResult:
         """The last stage's loss and non-finite count, on every rank of the pipeline (every
         rank words its error alike: the count, not the last stage's ids); with abort frames,
-        whether any rank aborted the step (then it raises here, on every rank)."""
+        whether any rank aborted the step (then it raises here, on every rank). Under NCCL
+        an asynchronous step first receives what is still in transit (module docstring)."""
+        if self.nccl:
+            if not self.p.sync:
+                self._receive_in_transit()
+            loss, nonfinite, aborted = self.rank.nccl_verdict(
+                result.loss, result.nonfinite, self.failure is not None
+            )
+            if aborted:
+                self._raise_aborted()
+            return StepResult(loss, nonfinite, [])
         if self.rank.relay:
             loss, nonfinite, aborted = self.rank.relay_verdict(
                 result.loss, result.nonfinite, self.failure is not None
@@ -421,16 +496,13 @@ class RankLane:
             got.update(base + rel for op, rel in prog.stages[s] if op == recv)
         return sorted(sent - got)
 
-    def wire_state(self) -> dict[str, Any]:
-        """Messages at a step boundary, for the in-flight state (:mod:`~engine.runtime.state.inflight`;
-        every rank calls it at the same step): what the neighbours sent and this rank has not
-        received is received now and kept for its RF/RB op (the run does not change), this
-        rank's own sends are waited for (its neighbours receive them in their call), and the
-        outbox holds what it will send. A rank loading the result starts with those."""
+    def _receive_in_transit(self) -> None:
+        """Receive now what the neighbours sent in this segment's steps and this rank has not
+        received, keeping it for its RF/RB op (the run does not change)."""
         tp = self.transport
         for channel in ("act", "grad"):
             for mb in self._in_transit(channel):
-                if (channel, mb) not in self._early:  # (an earlier save received it)
+                if (channel, mb) not in self._early:  # (an earlier call received it)
                     value = tp.recv(channel, self.s, mb)
                     if channel == "grad" and self.p.flags is not None:
                         self._flag_arrived(self.stage, tp, mb)
@@ -438,6 +510,15 @@ class RankLane:
                         self._scale_arrived(self.s, tp, mb)
                     if value is not None:  # None: no leaf carries a gradient, nothing travels
                         self._early[(channel, mb)] = value
+
+    def wire_state(self) -> dict[str, Any]:
+        """Messages at a step boundary, for the in-flight state (:mod:`~engine.runtime.state.inflight`;
+        every rank calls it at the same step): what the neighbours sent and this rank has not
+        received is received now and kept for its RF/RB op (the run does not change), this
+        rank's own sends are waited for (its neighbours receive them in their call), and the
+        outbox holds what it will send. A rank loading the result starts with those."""
+        tp = self.transport
+        self._receive_in_transit()
         tp.wait_sends()
         mail = [("received", self._early), ("outbox", self._outbox)]
         # the shapes the gradients of activations in flight travel with (a resumed rank has
@@ -459,7 +540,9 @@ class RankLane:
         self.transport.restore_wire_shapes(state.get("shapes", {}))
         for key, box in (("received", self._early), ("outbox", self._outbox)):
             box.clear()
+            device = self.transport.device  # (saved tensors load on the CPU)
             for d in state[key]:
-                box[(d["channel"], d["mb"])] = trees.with_grad_flags(d["value"], d["grad"])
+                value = trees.map_tensors(lambda t: t.to(device), d["value"])
+                box[(d["channel"], d["mb"])] = trees.with_grad_flags(value, d["grad"])
                 if d.get("flag") is not None:
                     self._out_flags[(self.s, d["mb"])] = d["flag"].to(self.transport.device)

@@ -7,7 +7,9 @@ DTensor). A missing ``dp`` or ``tp`` dimension has size 1. Why one mesh: the 3-D
 large runs (Megatron, torchtitan) put each dimension's ranks where the links suit it
 (tensor parallelism inside a node), and torch's ``init_device_mesh`` already creates every
 dimension's process groups, collectively and in one order on every rank. The engine uses
-them as they are: the stage transport and the loss message on ``pp``'s groups, the gradient
+them as they are: under gloo the stage transport and the loss message on ``pp``'s groups
+(under NCCL ``pp``'s groups carry device collectives, and the engine adds a gloo control group
+and two channel groups per boundary for each pipeline, transport/layout.py), the gradient
 all-reduce on ``dp``'s, and a stage factory that accepts a ``tp_mesh`` keyword is called with
 its ``tp`` sub-mesh, so that the user shards the stage with torch's ``parallelize_module``
 (what then happens to DTensor weights: :mod:`engine.runtime.stage.tensor_parallel`).
@@ -29,7 +31,7 @@ from torch import nn
 
 from engine.errors import PipelineConfigError
 from engine.runtime.build.mesh_option import MESH_DIMS, check_mesh, mesh_sizes
-from engine.runtime.dist.transport.layout import Layout
+from engine.runtime.dist.transport.layout import Layout, pipeline_groups
 
 __all__ = ["MESH_DIMS", "MeshLayout", "check_mesh", "mesh_layout", "with_tp_mesh"]
 
@@ -85,9 +87,17 @@ def mesh_layout(mesh: Any, ranks: int) -> MeshLayout:
     pipe_ranks, pipe_group = line("pp")
     dp_ranks, dp_group = line("dp")
     tp_mesh = mesh["tp"] if "tp" in names else None
+    lines: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for r, (st, rep, tpr) in enumerate(places):  # every pipeline, in one order on every rank
+        lines.setdefault((rep, tpr), []).append((st, r))
+    nccl = dist.get_backend() != "gloo"
+    control, channels = pipeline_groups(
+        [[r for _, r in sorted(v)] for _, v in sorted(lines.items())], rank, nccl
+    )
     return MeshLayout(
         rank, world, ranks, sizes["dp"], stage, replica, pipe_ranks, pipe_group, dp_ranks,
-        dp_group if sizes["dp"] > 1 else None, tp=sizes["tp"], tp_rank=tp_rank, tp_mesh=tp_mesh,
+        dp_group if sizes["dp"] > 1 else None, control_group=control if nccl else pipe_group,
+        channel_groups=channels, tp=sizes["tp"], tp_rank=tp_rank, tp_mesh=tp_mesh,
         tp_group=None if tp_mesh is None else tp_mesh.get_group(), places=tuple(places),
     )
 

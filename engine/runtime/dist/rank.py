@@ -42,16 +42,20 @@ class RankExecutor(StepProtocol):
         self.runner: RankLane = RankLane(self, rank, transports, lane)
         lay = rank.layout
         # a user stage that raises mid-step is rolled back on every rank (synchronous) or its
-        # micro-batch dropped (asynchronous), with abort/dropped frames (transport/abort.py):
-        # gloo steps of one replica, one stage per rank
+        # micro-batch dropped (asynchronous gloo), with abort/dropped frames
+        # (transport/abort.py; under NCCL zeros and the verdict: lane.py): steps of one
+        # replica, one stage per rank
+        backend = getattr(rank.transport, "backend", None)
         frames = (
-            getattr(rank.transport, "backend", None) == "gloo" and lay.replicas == 1
+            backend in ("gloo", "nccl") and lay.replicas == 1
             and len(transports) == 1 and hasattr(rank.transport, "send_abort")
             and lay.last_rank != lay.pipeline_ranks[0]
         )
         rank.relay = self.runner.aborts = frames and self.sync
         # an asynchronous step drops the micro-batch of an action that raised, as locally
-        self.runner.drops = frames and not self.sync
+        self.runner.drops = frames and not self.sync and backend == "gloo"
+        # NCCL cannot: the step completes its communication with zeros, every rank raises
+        self.runner.async_abort = frames and not self.sync and backend == "nccl"
 
     def wire_state(self) -> dict[str, Any]:
         """The lane's messages at a step boundary, for the in-flight state (RankLane.wire_state)."""

@@ -36,8 +36,9 @@ __all__ = ["build_rank"]
 def build_rank(req: BuildRequest) -> PipelineParts:
     """This rank's stages, transport, gradient reduction and executor (module docstring)."""
     from engine.runtime.dist.distributed import RankRuntime, broadcast_balance
-    from engine.runtime.dist.transport.layout import init_distributed, make_layout
-    from engine.runtime.dist.transport.p2p import P2PTransport
+    from engine.runtime.dist.transport.groups import GroupCalls
+    from engine.runtime.dist.transport.layout import init_distributed, make_layout, transport_device
+    from engine.runtime.dist.transport import make_transport
 
     cfg = req.config
     try:
@@ -57,6 +58,14 @@ def build_rank(req: BuildRequest) -> PipelineParts:
             raise PipelineConfigError(str(exc)) from exc
     specs = resolve_stage_specs(req.stages, balance)
     spec = resolve_spec(req, len(specs))
+    if cfg.transport == "nccl" and cfg.cuda_graphs == "optimizer" and not spec.synchronous:
+        raise PipelineConfigError(
+            f"cuda_graphs='optimizer' with the asynchronous {spec.describe()} and "
+            "transport='nccl': capturing an optimizer step synchronises the device in the "
+            "middle of a step, while sends whose receives the neighbours post later are still "
+            "pending (a hang). Use a synchronous schedule, cuda_graphs=False, or "
+            "transport='local'"
+        )
     virtual = spec.program is not None and spec.program.rank_order is not None
     ranks = spec.stages
     if virtual:  # v stages per rank (engine/runtime/dist/virtual.py)
@@ -70,7 +79,7 @@ def build_rank(req: BuildRequest) -> PipelineParts:
             refuse_with_mesh(virtual, req.ties, req.stages)
             layout = mesh_layout(req.mesh, ranks)
         else:
-            layout = make_layout(ranks, cfg.data_parallel)
+            layout = make_layout(ranks, cfg.data_parallel, cfg.transport)
     except ValueError as exc:
         per = f" (interleaved: the {spec.stages} virtual stages run on {ranks} ranks)" if virtual else ""
         raise PipelineConfigError(f"{exc}{per}") from None
@@ -82,10 +91,9 @@ def build_rank(req: BuildRequest) -> PipelineParts:
 
     modules = stage_modules(req, spec, [with_tp_mesh(f, layout) for f in specs], mine)
     tp_stages = localize_stages(modules, mine, layout, spec.stages)  # DTensor weights -> shards
-    device = torch.device("cpu")
+    device = transport_device(cfg.transport)  # (NCCL: this rank's GPU; the CPU under the twin)
     for s, module in zip(mine, modules, strict=True):
         if cfg.transport == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
             module.to(device)
         elif any(p.is_cuda for p in module.parameters()):
             raise PipelineConfigError(
@@ -121,15 +129,22 @@ def build_rank(req: BuildRequest) -> PipelineParts:
         from engine.runtime.dist.virtual import VirtualRankRuntime, virtual_transports
 
         tps = virtual_transports(cfg.transport, layout, spec.stages, device, cfg.timeout, place)
-        rank = VirtualRankRuntime(layout, tps, cfg.timeout)
+        rank = VirtualRankRuntime(layout, tps, cfg.timeout, first_index=place.first, chunks=spec.chunks)
     else:
-        tp = P2PTransport(
-            cfg.transport, mine[0], list(layout.pipeline_ranks), layout.pipeline_group, device,
-            cfg.timeout,
+        nccl = cfg.transport == "nccl"
+        tp = make_transport(
+            cfg.transport, mine[0], list(layout.pipeline_ranks),
+            layout.channel_groups if nccl else layout.pipeline_group, device, cfg.timeout,
+            control=GroupCalls(layout.control_group) if nccl else None,
         )
-        tp.use_shared_memory()  # collective: neighbours on this host talk through rings
-        rank = RankRuntime(layout, tp, cfg.timeout)
+        if not nccl:
+            tp.use_shared_memory()  # collective: neighbours on this host talk through rings
+        rank = RankRuntime(layout, tp, cfg.timeout, first_index=place.first, chunks=spec.chunks)
         tps = {mine[0]: tp}
+    if rank.notices is not None:  # NCCL: which activations carry a header
+        for t in tps.values():
+            for side in getattr(t, "sides", [t]):
+                side.notices = rank.notices
     from engine.runtime.dist.transport.teardown import track
 
     track(rank)  # its pending communication is settled at exit, before finalization
@@ -152,6 +167,7 @@ def build_rank(req: BuildRequest) -> PipelineParts:
         spec, stages, on_nonfinite=cfg.on_nonfinite, streams=streams, rank=rank,
         transports=tps, lane=layout.stage if virtual else mine[0], device_flags=made.device_flags,
     )
+    executor.rng_device = device  # (a rolled-back step restores this GPU's RNG: NCCL)
     attach_ties(executor, ties, stages)
     attach_features(req.features, executor, stages, spec, device, ties, layout.pipeline_group)
     finish_stages(stages, tp_stages, layout, req.features, executor, rank)  # tensor parallelism

@@ -58,14 +58,29 @@ def rank_step(parts: PipelineParts, inputs: Any, targets: Any) -> Tensor:
     else:
         xs, ts, sizes = [None] * M, [None] * M, [1] * M
     rk = parts.rank
+    ex = parts.executor
+    base = ex.j * M if ex.active else 0  # the step's first micro-batch in the segment
+    notices = getattr(rk, "notices", None)  # NCCL (transport/shape_notice.py)
     try:
         with parts.autocast():  # the dry runs see the dtypes autocast gives
             if not rk.handshaken:
                 st = parts.stages[0]
                 rk.handshake(st.module, xs[0], ts[0], st.loss_fn)
+                if first and notices is not None:
+                    notices.seen(xs[0])
             elif first:  # new shapes: a clear error before the step instead of one inside it
-                rk.check_inputs(parts.stages[0].module, xs, parts.executor.j * M)
-        result = parts.executor.run_step(xs, ts, sizes)
+                try:
+                    rk.check_inputs(parts.stages[0].module, xs, base)
+                except PipelineInputError as exc:
+                    if notices is not None:  # every rank raises it, before the step
+                        notices.announce([], base, error=str(exc))
+                    raise
+        if notices is not None:
+            if first:
+                notices.announce(xs, base)
+            else:
+                notices.receive(base)
+        result = ex.run_step(xs, ts, sizes)
     except BaseException as exc:  # the first rank to fail is named in its peers' errors
         report(lay.rank, exc)
         mine = sorted(held)

@@ -8,8 +8,9 @@ and 1, in both directions -- and gloo matches a receive to the first message of 
 (group, peer, tag). So every boundary b (between virtual stages b and b+1) gets its own
 process group of its two ranks, and each virtual stage one transport per side
 (:class:`VirtualStageTransport`): the *up* side on boundary s-1 (activations in, gradients
-out), the *down* side on boundary s (activations out, gradients in). Each side is a plain
-:class:`~engine.runtime.dist.transport.p2p.P2PTransport`, whose state is already per boundary
+out), the *down* side on boundary s (activations out, gradients in). Under NCCL each
+boundary gets two groups, one per channel direction (transport/nccl.py says why). Each side
+is a plain :class:`~engine.runtime.dist.transport.p2p.P2PTransport`, whose state is already per boundary
 (the agreed Signature, the shapes each micro-batch travelled with, the sends it holds), so its
 rules carry over unchanged: on one boundary messages travel in micro-batch order (a virtual
 stage runs its forwards, and its backwards, in micro-batch order), which is what pre-posting
@@ -48,9 +49,11 @@ from torch import nn
 from engine.errors import PipelineConfigError, PipelineInputError
 from engine.runtime.dist.distributed import RankRuntime
 from engine.runtime.exec.placement import RankPlacement
-from engine.runtime.dist.transport.groups import new_group
+from engine.runtime.dist.transport.gloo import GlooTransport
+from engine.runtime.dist.transport.groups import GroupCalls, new_group
 from engine.runtime.dist.transport.layout import Layout
 from engine.runtime.dist.transport.local_link import LocalLink
+from engine.runtime.dist.transport.nccl import NCCLTransport
 from engine.runtime.dist.transport.p2p import P2PTransport
 from engine.schedule.spec import ScheduleSpec
 
@@ -78,15 +81,28 @@ def check_virtual(spec: ScheduleSpec, data_parallel: int) -> int:
     return R
 
 
-class _UpSide(P2PTransport):
-    """The side that receives activations: an error it must pass downstream (a shape its
-    stage cannot accept, or one from upstream) leaves through the stage's down side."""
+class _GlooUpSide(GlooTransport):
+    """The side that receives activations (gloo): an error it must pass downstream (a shape
+    its stage cannot accept, or one from upstream) leaves through the stage's down side.
+    (NCCL passes no error in band: its up side is a plain NCCLTransport.)"""
 
     onward: P2PTransport | None = None
 
     def poison(self, message: str) -> None:
         if self.onward is not None:
             self.onward.poison(message)
+
+
+def _side(
+    backend: str, stage: int, ranks: list[int], groups: Any, device: torch.device,
+    timeout: float, control: Any, up: bool,
+) -> P2PTransport:
+    """One side of a boundary crossing processes (``groups``: its gloo group, or its NCCL
+    channel groups)."""
+    if backend == "nccl":
+        return NCCLTransport(stage, ranks, groups, control, device, timeout)
+    cls = _GlooUpSide if up else GlooTransport
+    return cls(stage, ranks, groups, device, timeout)
 
 
 class VirtualStageTransport:
@@ -104,6 +120,7 @@ class VirtualStageTransport:
         groups: list[Any],
         device: torch.device,
         timeout: float,
+        control: Any = None,
     ) -> None:
         V = len(ranks)
         self.stage = stage
@@ -114,15 +131,16 @@ class VirtualStageTransport:
             below = groups[stage]
             self.down = (
                 below.down if isinstance(below, LocalLink)
-                else P2PTransport(backend, stage, ranks, below, device, timeout)
+                else _side(backend, stage, ranks, below, device, timeout, control, up=False)
             )
         if stage > 0:
             above = groups[stage - 1]
             self.up = (
                 above.up if isinstance(above, LocalLink)
-                else _UpSide(backend, stage, ranks, above, device, timeout)
+                else _side(backend, stage, ranks, above, device, timeout, control, up=True)
             )
-            self.up.onward = self.down
+            if hasattr(self.up, "onward"):
+                self.up.onward = self.down
         self.sides = [t for t in (self.up, self.down) if t is not None]
         main = self.sides[0]
         self.backend, self.device, self.timeout = main.backend, main.device, main.timeout
@@ -158,6 +176,10 @@ class VirtualStageTransport:
 
     def wait(self, work: Any, what: str, peer: int | None = None) -> None:
         self.sides[0].wait(work, what, peer)
+
+    def wait_host(self, work: Any, what: str, peer: int | None = None) -> None:
+        side = self.sides[0]
+        getattr(side, "wait_host", side.wait)(work, what, peer)
 
     def who(self, stage: int) -> str:
         return self.sides[0].who(stage)
@@ -203,13 +225,19 @@ def virtual_transports(
     which stage (default round-robin, stage s on rank s % R)."""
     R = layout.stages
     place = placement or RankPlacement(tuple(s % R for s in range(V)), R)
+    nccl = backend == "nccl"
     groups: list[Any] = []
     for d in range(layout.replicas):
         of = [d * R + place.rank_of(s) for s in range(V)]  # global rank of each stage in replica d
-        made = [
-            None if place.same_rank(b) else new_group(sorted({of[b], of[b + 1]}))
-            for b in range(V - 1)
-        ]
+        made: list[Any] = []
+        for b in range(V - 1):
+            pair = sorted({of[b], of[b + 1]})
+            if place.same_rank(b):
+                made.append(None)
+            elif nccl:  # one group per channel direction (transport/nccl.py)
+                made.append({(c, b): new_group(pair) for c in ("act", "grad")})
+            else:
+                made.append(new_group(pair))
         if d == layout.replica:
             groups = made
     ranks = [layout.pipeline_ranks[place.rank_of(s)] for s in range(V)]
@@ -217,8 +245,9 @@ def virtual_transports(
         LocalLink(b, ranks, device, timeout, backend) if g is None else g
         for b, g in enumerate(groups)
     ]
+    control = GroupCalls(layout.control_group) if nccl else None
     tps = {
-        s: VirtualStageTransport(backend, s, ranks, groups, device, timeout)
+        s: VirtualStageTransport(backend, s, ranks, groups, device, timeout, control)
         for s in place.held(layout.stage)
     }
     # shared-memory rings per boundary (transport/shm.py): each setup is collective over the
@@ -226,7 +255,7 @@ def virtual_transports(
     # lowest boundary not yet set up then always has both its ranks at it (no deadlock)
     sides = {(s if t is tp.down else s - 1): t for s, tp in tps.items() for t in tp.sides}
     for b in sorted(sides):
-        if isinstance(sides[b], P2PTransport):  # (a LocalLink stays in-process)
+        if isinstance(sides[b], GlooTransport):  # (a LocalLink stays in-process; NCCL: no rings)
             sides[b].use_shared_memory([ranks[b + 1] if ranks[b] == layout.rank else ranks[b]])
     return tps
 
@@ -237,9 +266,12 @@ class VirtualRankRuntime(RankRuntime):
     checks (each sees the pipeline as V stages: its ``layout`` is the virtual one)."""
 
     def __init__(
-        self, layout: Layout, transports: dict[int, VirtualStageTransport], timeout: float
+        self, layout: Layout, transports: dict[int, VirtualStageTransport], timeout: float,
+        first_index: int = 0, chunks: int = 1,
     ) -> None:
-        super().__init__(layout, transports[min(transports)], timeout)  # type: ignore[arg-type]
+        super().__init__(
+            layout, transports[min(transports)], timeout, first_index, chunks  # type: ignore[arg-type]
+        )
         self.transports = transports
         V = len(next(iter(transports.values())).ranks)
         self.per_stage = {
@@ -276,7 +308,10 @@ class VirtualRankRuntime(RankRuntime):
         """An error that stops a step before it starts goes down the virtual stages in place
         of the step's first activation, so it comes back through this rank's later stages:
         each receives it there and passes it on, leaving no message in flight (the group
-        stays usable) and no sender waiting for a receive."""
+        stays usable) and no sender waiting for a receive. Under NCCL errors travel on the
+        control plane (the shape notice): nothing to pass."""
+        if self.nccl:
+            return
         for s in sorted(self.transports):
             if s > stage:
                 try:

@@ -166,6 +166,8 @@ class StepProtocol:
         self.clipper: Any = None
         #: float16 dynamic loss scaling (engine.runtime.stage.amp), synchronous schedules
         self.loss_scaler: Any = None
+        #: the GPU of a rank without stage streams (NCCL), whose RNG a rollback restores
+        self.rng_device: torch.device | None = None
 
     # ------------------------------------------------------------------ segments
 
@@ -337,11 +339,16 @@ class StepProtocol:
     # ------------------------------------------------------------------ synchronous steps
 
     def _cuda_devices(self) -> list[int]:
+        """The GPUs whose RNG state a synchronous step's rollback point keeps: the stage
+        streams' device, or the rank's GPU (one stage per rank under NCCL runs on the
+        caller's stream, with no stage streams)."""
         # a captured step reads no RNG state inside its window (engine.runtime.exec.capture)
-        if not self.streams.cuda or self.device_check is not None:
+        if self.device_check is not None:
             return []
-        dev = self.streams.device
-        return [dev.index if dev is not None and dev.index is not None else torch.cuda.current_device()]
+        dev = self.streams.device if self.streams.cuda else self.rng_device
+        if dev is None or dev.type != "cuda":
+            return []
+        return [dev.index if dev.index is not None else torch.cuda.current_device()]
 
     def _sync_step(
         self, prog: StepProgram, base: int, xs: list[Any], targets: list[Any], samples: list[int],

@@ -371,10 +371,7 @@ def connect_transport(transport: Any, tp: TensorParallelStage | None, module: nn
     of activations sends stage s's output placements after the Signature, its ``recv_meta``
     receives them, and the receiving stage's module gets a pre-hook that wraps the agreed
     leaves of its input into DTensors."""
-    import torch.distributed as dist
-
     send_meta, recv_meta = transport.send_meta, transport.recv_meta
-    dev = torch.device("cpu") if transport.backend != "nccl" else transport.device
     receiver = _InputPlacements(stage, mesh)
     module.register_forward_pre_hook(receiver, with_kwargs=True)
     _INPUTS_OF[module] = receiver  # (what was agreed)
@@ -387,21 +384,20 @@ def connect_transport(transport: Any, tp: TensorParallelStage | None, module: nn
         data = _encode(tp.out_placements if tp is not None and tree is not None else None)
         head = torch.tensor([len(data)], dtype=torch.int64)
         body = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        for t in (head, body):
-            transport.wait(dist.isend(t.to(dev), transport.ranks[peer], group=transport.group),
-                           "sending the output placements", peer)
+        for t in (head, body):  # host messages: the transport's metadata path (control plane)
+            transport.wait_host(transport.meta_send(t, peer), "sending the output placements", peer)
 
     def recv(channel: str) -> Any:
         sig = recv_meta(channel)
         if channel != "act":
             return sig
         peer = transport.peer_stage(channel, "recv")
-        head = torch.zeros(1, dtype=torch.int64, device=dev)
+        head = torch.zeros(1, dtype=torch.int64)
         what = "receiving the input placements"
-        transport.wait(dist.irecv(head, transport.ranks[peer], group=transport.group), what, peer)
-        body = torch.empty(int(head.cpu()[0]), dtype=torch.uint8, device=dev)
-        transport.wait(dist.irecv(body, transport.ranks[peer], group=transport.group), what, peer)
-        receiver.placements = _decode(body.cpu().numpy().tobytes())
+        transport.wait_host(transport.meta_recv(head, peer), what, peer)
+        body = torch.empty(int(head[0]), dtype=torch.uint8)
+        transport.wait_host(transport.meta_recv(body, peer), what, peer)
+        receiver.placements = _decode(body.numpy().tobytes())
         return sig
 
     transport.send_meta, transport.recv_meta = send, recv

@@ -104,7 +104,7 @@ def _wrap_rank(stages: list[Any], ex: Any, tl: Timeline) -> list[tuple[Any, str,
     return saved
 
 
-def _host_origin(mine: int) -> int:
+def _host_origin(mine: int, group: Any) -> int:
     """The earliest barrier exit among the ranks on this host (module docstring)."""
     import socket
 
@@ -112,17 +112,19 @@ def _host_origin(mine: int) -> int:
 
     host = socket.gethostname()
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (host, mine))
+    dist.all_gather_object(gathered, (host, mine), group=group)
     return min(origin for h, origin in gathered if h == host)
 
 
 @contextlib.contextmanager
 def trace(
-    path: str | os.PathLike[str], stages: list[Any], executor: Any, rank: int | None = None
+    path: str | os.PathLike[str], stages: list[Any], executor: Any, rank: int | None = None,
+    group: Any = None,
 ) -> Iterator[Timeline]:
     """Record the actions run inside the block; write ``path`` at its end (module docstring).
     Under gloo/NCCL (``rank``: this process's global rank) every rank must enter and leave the
-    block (a barrier and a gather); ``stages`` and ``executor`` are the ones this process runs."""
+    block (a barrier and a gather over ``group``: the world's gloo control group, None for the
+    default group); ``stages`` and ``executor`` are the ones this process runs."""
     global ACTIVE
     if ACTIVE is not None:
         raise RuntimeError("a pipeline trace is already being recorded in this process")
@@ -131,10 +133,10 @@ def trace(
     if distributed:
         import torch.distributed as dist
 
-        dist.barrier()  # the common origin of every rank's clock
+        dist.barrier(group=group)  # the common origin of every rank's clock
     tl = Timeline(rank)
     if distributed:
-        tl.origin = _host_origin(tl.origin)
+        tl.origin = _host_origin(tl.origin, group)
     saved = _wrap_rank(stages, executor, tl) if distributed else []
     ACTIVE = tl
     try:
@@ -151,7 +153,7 @@ def trace(
         import torch.distributed as dist
 
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, events)
+        dist.all_gather_object(gathered, events, group=group)
         if rank != 0:
             return
         events = [e for part in gathered for e in part]

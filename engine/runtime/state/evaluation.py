@@ -13,6 +13,7 @@ under the pipeline's autocast state, as a step's forward does (engine/runtime/st
 from __future__ import annotations
 
 import contextlib
+import pickle
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -119,17 +120,28 @@ def _group(parts: PipelineParts) -> Any:
     return group
 
 
+def _p2p(op: Any, t: Tensor, peer: int, group: Any) -> None:
+    """One message as a batch of its own on ``group``'s communicator (an unbatched
+    send/recv would make NCCL create a two-rank communicator per pair), waited for: under
+    NCCL the caller's stream waits, under gloo the host."""
+    for work in torch.distributed.batch_isend_irecv([torch.distributed.P2POp(op, t, peer, group)]):
+        work.wait()
+
+
 def _send(t: Any, dst: int, group: Any, device: torch.device) -> None:
     """A tensor (a header, then the data), or a tree of them (a header saying so, the tree's
-    structure and constants as one object message, then each tensor leaf): what stages pass,
+    structure and constants as one pickled message, then each tensor leaf): what stages pass,
     e.g. the value of a tied weight an asynchronous schedule carries (tie_carry.py)."""
+    isend = torch.distributed.isend
     if not isinstance(t, Tensor):
         leaves, spec = trees.flatten(t)
-        header = torch.full((_HEADER,), _TREE, dtype=torch.int64)
-        torch.distributed.send(header.to(device), dst, group=group)
         meta = [spec, [None if isinstance(x, Tensor) else x for x in leaves],
                 [isinstance(x, Tensor) for x in leaves]]
-        torch.distributed.send_object_list([meta], dst, group=group, device=device)
+        body = pickle.dumps(meta)
+        header = torch.full((_HEADER,), _TREE, dtype=torch.int64)
+        header[1] = len(body)
+        _p2p(isend, header.to(device), dst, group)
+        _p2p(isend, torch.frombuffer(bytearray(body), dtype=torch.uint8).to(device), dst, group)
         for x in leaves:
             if isinstance(x, Tensor):
                 _send(x, dst, group, device)
@@ -142,24 +154,25 @@ def _send(t: Any, dst: int, group: Any, device: torch.device) -> None:
     header = torch.zeros(_HEADER, dtype=torch.int64)
     header[0], header[1] = t.dim(), _DTYPES.index(t.dtype)
     header[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    torch.distributed.send(header.to(device), dst, group=group)
-    torch.distributed.send(t.contiguous().to(device), dst, group=group)
+    _p2p(isend, header.to(device), dst, group)
+    _p2p(isend, t.contiguous().to(device), dst, group)
 
 
 def _recv(src: int, group: Any, device: torch.device) -> Any:
+    irecv = torch.distributed.irecv
     header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
-    torch.distributed.recv(header, src, group=group)
-    header = header.cpu()
+    _p2p(irecv, header, src, group)
+    header = header.cpu()  # (a host read: evaluation is not the hot path)
     if int(header[0]) == _TREE:
-        got: list[Any] = [None]
-        torch.distributed.recv_object_list(got, src, group=group, device=device)
-        spec, consts, is_tensor = got[0]
+        body = torch.empty(int(header[1]), dtype=torch.uint8, device=device)
+        _p2p(irecv, body, src, group)
+        spec, consts, is_tensor = pickle.loads(body.cpu().numpy().tobytes())
         leaves = [_recv(src, group, device) if t else c for c, t in zip(consts, is_tensor, strict=True)]
         return trees.unflatten(leaves, spec)
     n = int(header[0])
     shape = [int(v) for v in header[2 : 2 + n]]
     buf = torch.empty(shape, dtype=_DTYPES[int(header[1])], device=device)
-    torch.distributed.recv(buf, src, group=group)
+    _p2p(irecv, buf, src, group)
     return buf
 
 

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from engine.errors import PeerError, ShapeAgreementError
 
-__all__ = ["Transport", "PeerError", "ShapeAgreementError", "CHANNELS", "DTYPES"]
+__all__ = ["Transport", "PeerError", "ShapeAgreementError", "CHANNELS", "DTYPES", "NCCL_DTYPES"]
 
 #: "act": stage s -> s+1 (forward activations); "grad": stage s -> s-1 (input gradients)
 CHANNELS = ("act", "grad")
@@ -36,6 +36,8 @@ DTYPES: tuple[torch.dtype, ...] = (
     torch.uint8,
     torch.bool,
 )
+#: what NCCL carries (ProcessGroupNCCL has no 16-bit integer type; bool travels as uint8)
+NCCL_DTYPES: tuple[torch.dtype, ...] = tuple(d for d in DTYPES if d is not torch.int16)
 
 
 class Transport(ABC):

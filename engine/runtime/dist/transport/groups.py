@@ -79,11 +79,12 @@ def batch_network_threads(tids: set[int] | None = None) -> int:
     return done
 
 
-def new_group(ranks: list[int]) -> Any:
-    """``dist.new_group(ranks)`` (collective over the world), its gloo network thread under
-    SCHED_BATCH on the ranks it connects (module docstring)."""
+def new_group(ranks: list[int], backend: str | None = None) -> Any:
+    """``dist.new_group(ranks, backend=backend)`` (collective over the world; None: the
+    default group's backend), its gloo network thread under SCHED_BATCH on the ranks it
+    connects (module docstring)."""
     before = _threads()
-    group = dist.new_group(list(ranks))
+    group = dist.new_group(list(ranks), backend=backend)
     batch_network_threads(_threads() - before)
     return group
 

@@ -22,7 +22,7 @@ import pickle
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch import Tensor
 
 from engine.runtime.dist.transport.base import DTYPES
 from engine.runtime.stage.trees import LeafMeta, Signature, unflatten
@@ -34,17 +34,19 @@ _ERROR = -1  # length of a meta message that says "the sender failed its dry run
 
 class Handshake:
     """The handshake methods of :class:`~engine.runtime.dist.transport.p2p.P2PTransport` (which
-    provides ``stage``, ``ranks``, ``group``, ``backend``, ``device``, ``meta``, ``who`` and
-    ``wait``)."""
+    provides ``stage``, ``ranks``, ``meta``, ``who`` and ``wait``; each transport says how a
+    metadata message travels: ``meta_send``/``meta_recv``, CPU tensors on the pipeline's
+    gloo group or on NCCL's control plane)."""
 
+    #: the dtypes this transport's messages can carry
+    dtypes: tuple[torch.dtype, ...] = DTYPES
     stage: int
     ranks: list[int]
-    group: Any
-    backend: str
-    device: torch.device
+    name: str
     meta: dict[tuple[str, str], Signature]
     who: Any
     wait: Any
+    wait_host: Any
     peer_stage: Any
     _sent_sigs: dict[int, Signature]
     _recv_sigs: dict[int, Signature]
@@ -55,11 +57,12 @@ class Handshake:
     def unsupported(self, tree: Any) -> str:
         """Why the tensors of ``tree`` cannot travel on this transport ("" when they can)."""
         for path, meta in Signature.of(tree).metas(grad=False):
-            if meta.dtype not in DTYPES:
+            if meta.dtype not in self.dtypes:
                 at = f"{path} " if path else ""
                 return (
                     f"{self.who(self.stage)} would send {at}{meta.shape} {meta.dtype} to "
-                    f"{self.who(self.stage + 1)}: supported dtypes are {[str(d) for d in DTYPES]}"
+                    f"{self.who(self.stage + 1)} over {self.name}: supported dtypes are "
+                    f"{[str(d).replace('torch.', '') for d in self.dtypes]}"
                 )
         return ""
 
@@ -74,25 +77,24 @@ class Handshake:
             payload = pickle.dumps(sig.skeleton)
             self._agree(channel, "send", sig)
         head = torch.tensor([len(payload) if tree is not None else _ERROR], dtype=torch.int64)
-        works = [dist.isend(head.to(self._meta_device()), self.ranks[peer], group=self.group)]
+        works = [self.meta_send(head, peer)]
         if payload:
-            body = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            works.append(dist.isend(body.to(self._meta_device()), self.ranks[peer], group=self.group))
+            works.append(self.meta_send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), peer))
         for work in works:
-            self.wait(work, f"sending the {channel} handshake", peer)
+            self.wait_host(work, f"sending the {channel} handshake", peer)
 
     def recv_meta(self, channel: str) -> Signature | None:
         """Receive the peer's announcement on ``channel``; None if the peer failed."""
         peer = self.peer_stage(channel, "recv")
-        head = torch.zeros(1, dtype=torch.int64, device=self._meta_device())
+        head = torch.zeros(1, dtype=torch.int64)
         what = f"receiving the {channel} handshake"
-        self.wait(dist.irecv(head, self.ranks[peer], group=self.group), what, peer)
-        n = int(head.cpu()[0])
+        self.wait_host(self.meta_recv(head, peer), what, peer)
+        n = int(head[0])
         if n == _ERROR:
             return None
-        body = torch.empty(n, dtype=torch.uint8, device=self._meta_device())
-        self.wait(dist.irecv(body, self.ranks[peer], group=self.group), what, peer)
-        sig = Signature(pickle.loads(body.cpu().numpy().tobytes()))
+        body = torch.empty(n, dtype=torch.uint8)
+        self.wait_host(self.meta_recv(body, peer), what, peer)
+        sig = Signature(pickle.loads(body.numpy().tobytes()))
         self._agree(channel, "recv", sig)
         return sig
 
@@ -123,8 +125,13 @@ class Handshake:
             for d in ("send", "recv")
         }
 
-    def _meta_device(self) -> torch.device:
-        return self.device if self.backend == "nccl" else torch.device("cpu")
+    def meta_send(self, t: Tensor, peer: int) -> Any:
+        """Post the metadata message ``t`` (a CPU tensor) to stage ``peer``: its work."""
+        raise NotImplementedError
+
+    def meta_recv(self, buf: Tensor, peer: int) -> Any:
+        """Post the receive of a metadata message from stage ``peer`` into ``buf``: its work."""
+        raise NotImplementedError
 
 
 def _with_shapes(sig: Signature, shapes: list[list[int]]) -> Signature:

@@ -54,7 +54,25 @@ class LocalEnd:
     """One stage's side of a :class:`LocalLink` (the P2PTransport calls the runtime makes)."""
 
     blocking = True
-    wait = P2PTransport.wait  # collectives the rank's runtime waits on through a stage's side
+    peer_error = P2PTransport.peer_error
+
+    def wait(self, work: Any, what: str, peer: int | None = None) -> None:
+        """A collective the rank's runtime waits on through a stage's side: under NCCL the
+        caller's stream waits (no host wait), under gloo the host, at most ``timeout``."""
+        try:
+            if self.backend == "nccl":
+                work.wait()
+            else:
+                work.wait(self._td)
+        except Exception as exc:
+            raise self.peer_error(exc, what, peer) from exc
+
+    def wait_host(self, work: Any, what: str, peer: int | None = None) -> None:
+        """A control-plane (gloo) work, waited for on the host, at most ``timeout``."""
+        try:
+            work.wait(self._td)
+        except Exception as exc:
+            raise self.peer_error(exc, what, peer) from exc
 
     def __init__(
         self,

@@ -140,6 +140,9 @@ def teardown() -> None:
             pass
     _LIVE.clear()
     exit_rendezvous()
+    from engine.runtime.dist.transport.control import forget_world_group
+
+    forget_world_group()  # (the NCCL job's gloo control group: no reference may outlive it)
     if _STATE["created"] and dist.is_available() and dist.is_initialized():
         try:
             release_captured_world()
