@@ -31,6 +31,18 @@ STEPS = 10
 RANKS = int(os.environ.get("ENGINE_TEST_RANKS", "4"))
 
 
+def transport_under_test() -> str:
+    """The transport the multi-process phases run: "gloo", or "nccl" (over the NCCL twin on a
+    machine without GPUs); :func:`spawn` sets it for its ranks."""
+    return os.environ.get("ENGINE_TEST_TRANSPORT", "gloo")
+
+
+def device_under_test() -> str:
+    """Where a rank's tensors live: its GPU under real NCCL, else the CPU (the twin too)."""
+    nccl = transport_under_test() == "nccl"
+    return "cuda" if nccl and os.environ.get("ENGINE_NCCL_TWIN") != "1" else "cpu"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -147,12 +159,14 @@ def _local(
 
 
 def phase_equal(
-    rank: int, S: int, names: list[str] | None, transport: str = "gloo"
+    rank: int, S: int, names: list[str] | None, transport: str | None = None
 ) -> dict[str, Any]:
     """Every configuration under gloo (or NCCL) vs the local run: weights and losses."""
     from engine import Pipeline
 
-    device = "cuda" if transport == "nccl" else "cpu"
+    transport = transport or transport_under_test()
+    device = device_under_test() if transport == transport_under_test() else (
+        "cuda" if transport == "nccl" else "cpu")
 
     out: dict[str, Any] = {}
     for name, kw in configs(S).items():
@@ -217,7 +231,7 @@ def phase_handles(rank: int, S: int, names: list[str], steps: int) -> dict[str, 
             pipe = Pipeline(
                 stage_factories(S),
                 loss_fn=nn.functional.mse_loss,
-                transport="gloo",
+                transport=transport_under_test(),
                 timeout=30,
                 **kw,
             )
@@ -265,7 +279,7 @@ def phase_data_parallel(rank: int, S: int, R: int) -> dict[str, Any]:
             pipe = Pipeline(
                 stage_factories(S * v),
                 loss_fn=nn.functional.mse_loss,
-                transport="gloo",
+                transport=transport_under_test(),
                 data_parallel=R,
                 timeout=30,
                 **kw,
@@ -315,7 +329,7 @@ def phase_balance(rank: int, S: int) -> dict[str, Any]:
     x0, _ = batch(0)
     kw = dict(schedule="1f1b", chunks=4, loss_fn=nn.functional.mse_loss, optimizer=_sgd())
     pipe = Pipeline(
-        model(), balance="time", num_stages=S, sample=x0[:2], transport="gloo", timeout=30, **kw
+        model(), balance="time", num_stages=S, sample=x0[:2], transport=transport_under_test(), timeout=30, **kw
     )
     losses = _train(pipe, 3)
     ref = Pipeline(model(), balance=pipe.balance, **kw)
@@ -343,7 +357,7 @@ def phase_handshake_mismatch(rank: int, S: int) -> dict[str, Any]:
         chunks=4,
         loss_fn=nn.functional.mse_loss,
         optimizer=_sgd(),
-        transport="gloo",
+        transport=transport_under_test(),
         timeout=20,
     )
     before = [p.detach().clone() for p in pipe.stages[0].module.parameters()]
@@ -370,7 +384,7 @@ def phase_kill(rank: int, S: int, victim: int, timeout: float) -> dict[str, Any]
         chunks=4,
         loss_fn=nn.functional.mse_loss,
         optimizer=_sgd(),
-        transport="gloo",
+        transport=transport_under_test(),
         timeout=timeout,
     )
     t0 = time.perf_counter()
@@ -400,7 +414,7 @@ def phase_stall(rank: int, S: int, victim: int, timeout: float) -> dict[str, Any
         chunks=4,
         loss_fn=nn.functional.mse_loss,
         optimizer=_sgd(),
-        transport="gloo",
+        transport=transport_under_test(),
         timeout=timeout,
     )
     t0 = time.perf_counter()
@@ -466,7 +480,7 @@ def phase_ties(rank: int, S: int) -> dict[str, Any]:
         kw = dict(schedule=schedule, chunks=4, loss_fn=nn.functional.cross_entropy,
                   optimizer=lambda p: torch.optim.SGD(p, lr=0.2, momentum=0.9))
         try:
-            pipe = Pipeline(tied_stages(S), transport="gloo", timeout=30, **kw)
+            pipe = Pipeline(tied_stages(S), transport=transport_under_test(), timeout=30, **kw)
             ref = Pipeline(tied_stages(S), **kw)
             for t in range(4):
                 x, y = token_batch(t)
@@ -494,7 +508,7 @@ def phase_evaluate(rank: int, S: int) -> dict[str, Any]:
 
     kw = dict(schedule="pb", chunks=4, optimizer=_sgd())
     try:
-        pipe = Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo",
+        pipe = Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport=transport_under_test(),
                         timeout=30, **kw)
         ref = Pipeline([f() for f in stage_factories(S)], loss_fn=nn.functional.mse_loss, **kw)
         x_eval = batch(99)[0]
@@ -617,7 +631,7 @@ def phase_trees(rank: int, S: int) -> dict[str, Any]:
         first = TreeFeatures if variant == "nograd" else TreeEmbed
         kw = dict(schedule=schedule, chunks=4, loss_fn=_tree_loss, optimizer=_sgd())
         try:
-            pipe = Pipeline(tree_factories(first), transport="gloo", timeout=30, **kw)
+            pipe = Pipeline(tree_factories(first), transport=transport_under_test(), timeout=30, **kw)
             ref = Pipeline([f() for f in tree_factories(first)], **kw)
             out[name] = _against_local(pipe, ref, tree_batch, 4)
             tp = pipe._rank.transport
@@ -652,7 +666,7 @@ def phase_disagree(rank: int, S: int, key: str) -> dict[str, Any]:
         kw.update(schedule="pb")
     t0 = time.perf_counter()
     try:
-        Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo", timeout=30, **kw)
+        Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport=transport_under_test(), timeout=30, **kw)
         return {"error": None, "seconds": time.perf_counter() - t0}
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0}
@@ -687,7 +701,7 @@ def phase_bad_starts(rank: int, S: int, names: list[str]) -> dict[str, Any]:
         before = [p.detach().clone() for m in stages for p in m.parameters()]
         t0 = time.perf_counter()
         try:
-            pipe = Pipeline(stages, loss_fn=nn.functional.mse_loss, transport="gloo", **kw)
+            pipe = Pipeline(stages, loss_fn=nn.functional.mse_loss, transport=transport_under_test(), **kw)
             if name == "stage_shapes":  # a wiring error shows at the first step's handshake
                 pipe.step(*batch(0))
             out[name] = {"error": None}
@@ -713,7 +727,7 @@ def phase_parameterless(rank: int, S: int) -> dict[str, Any]:
 
     kw = dict(schedule="1f1b", chunks=4, optimizer=_sgd(spike_compensation=False))
     try:
-        pipe = Pipeline(stages(), loss_fn=nn.functional.mse_loss, transport="gloo", timeout=30, **kw)
+        pipe = Pipeline(stages(), loss_fn=nn.functional.mse_loss, transport=transport_under_test(), timeout=30, **kw)
         ref = Pipeline(stages(), loss_fn=nn.functional.mse_loss, **kw)
         for t in range(3):
             x, y = batch(t)
@@ -735,7 +749,7 @@ def _gloo(S: int, kw: dict[str, Any], timeout: float = 30) -> Any:
     from engine import Pipeline
 
     return Pipeline(
-        stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo", timeout=timeout, **kw
+        stage_factories(S), loss_fn=nn.functional.mse_loss, transport=transport_under_test(), timeout=timeout, **kw
     )
 
 
@@ -862,15 +876,17 @@ def phase_first_failure(rank: int, S: int, victim: int) -> dict[str, Any]:
 class LenEmbed(nn.Module):
     """Stage 0 of the variable-length model: token ids and a padding mask in, trimmed to the
     micro-batch's longest sequence (so lengths change between micro-batches as well as
-    between steps), a dict with a float and a bool leaf and a constant out."""
+    between steps; ``trim=False``: the batch's length, so they change between steps only),
+    a dict with a float and a bool leaf and a constant out."""
 
-    def __init__(self, w: nn.Parameter) -> None:
+    def __init__(self, w: nn.Parameter, trim: bool = True) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
         self.embed.weight = w
+        self.trim = trim
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
-        n = int(mask.sum(1).max())
+        n = int(mask.sum(1).max()) if self.trim else ids.shape[1]
         return {"h": torch.tanh(self.embed(ids[:, :n])), "mask": mask[:, :n], "scale": 0.5}
 
 
@@ -899,10 +915,10 @@ class LenHead(nn.Module):
         return scale * pooled @ self.weight.t()
 
 
-def varlen_stages(S: int, tied: bool) -> list[nn.Module]:
+def varlen_stages(S: int, tied: bool, trim: bool = True) -> list[nn.Module]:
     torch.manual_seed(88)
     w = nn.Parameter(torch.randn(VOCAB, DIM) * 0.3)
-    return [LenEmbed(w), *[LenMiddle() for _ in range(S - 2)], LenHead(w if tied else None)]
+    return [LenEmbed(w, trim), *[LenMiddle() for _ in range(S - 2)], LenHead(w if tied else None)]
 
 
 def varlen_batch(step: int, B: int = 8) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -915,36 +931,42 @@ def varlen_batch(step: int, B: int = 8) -> tuple[dict[str, torch.Tensor], torch.
     return {"ids": ids, "mask": mask}, torch.randint(0, VOCAB, (B,), generator=g)
 
 
-def _length_changes(steps: int, M: int) -> int:
-    """How many times the trimmed length changes from one micro-batch to the next."""
+def _length_changes(steps: int, M: int, trim: bool = True) -> int:
+    """How many times the (trimmed) length changes from one micro-batch to the next."""
     lengths = [
-        int(mask.sum(1).max())
+        int(mask.sum(1).max()) if trim else mask.shape[1]
         for t in range(steps)
         for mask in varlen_batch(t)[0]["mask"].chunk(M)
     ]
     return sum(a != b for a, b in zip(lengths, lengths[1:], strict=False))
 
 
-def phase_varlen(rank: int, S: int, names: list[str], steps: int = 4) -> dict[str, Any]:
-    """Random sequence lengths (between steps and micro-batches) with trees, masks and, on
-    the synchronous schedules, a tied weight: gloo vs the local run, bit for bit."""
+def phase_varlen(
+    rank: int, S: int, names: list[str], steps: int = 4, trim: bool = True,
+    activation_shapes: str = "inputs",
+) -> dict[str, Any]:
+    """Random sequence lengths (between steps and micro-batches; ``trim=False``: between
+    steps only, so they follow from the input's shapes) with trees, masks and, on the
+    synchronous schedules, a tied weight: gloo (or NCCL) vs the local run, bit for bit."""
     from engine import Pipeline
 
-    out: dict[str, Any] = {"expected_changes": _length_changes(steps, 4)}
+    out: dict[str, Any] = {"expected_changes": _length_changes(steps, 4, trim)}
     for name in names:
         schedule, _, tie = name.partition("-")
         kw = dict(schedule=schedule, chunks=4, loss_fn=nn.functional.cross_entropy,
                   optimizer=_sgd())
         try:
-            pipe = Pipeline(varlen_stages(S, bool(tie)), transport="gloo", timeout=30, **kw)
-            ref = Pipeline(varlen_stages(S, bool(tie)), **kw)
+            pipe = Pipeline(varlen_stages(S, bool(tie), trim), transport=transport_under_test(),
+                            timeout=30, activation_shapes=activation_shapes, **kw)
+            ref = Pipeline(varlen_stages(S, bool(tie), trim), **kw)
             out[name] = _against_local(pipe, ref, varlen_batch, steps)
             tp = pipe._rank.transport
+            notices = getattr(pipe._rank, "notices", None)
             out[name] |= {
                 "ties": len(pipe.ties),
                 "shape_changes": tp.shape_changes,
-                "leftovers": len(tp._sends) + len(tp._posted) + len(tp._heads)
-                + len(tp._sent_sigs) + len(tp._recv_sigs),
+                "leftovers": tp.held(),
+                "notices": None if notices is None else notices.count,
             }
         except Exception:
             out[name] = {"error": traceback.format_exc()}
@@ -988,7 +1010,7 @@ def _reject(rank: int, S: int, step2: tuple[int, int], timeout: float) -> dict[s
         return build
 
     pipe = Pipeline([make(s) for s in range(S)], schedule="gpipe", chunks=4,
-                    loss_fn=nn.functional.mse_loss, optimizer=_sgd(), transport="gloo",
+                    loss_fn=nn.functional.mse_loss, optimizer=_sgd(), transport=transport_under_test(),
                     timeout=timeout)
     g = torch.Generator().manual_seed(6)
     pipe.step(torch.randn(8, 4, DIM, generator=g), torch.randn(8, OUT, generator=g))
@@ -1031,17 +1053,26 @@ def phase_reject_later(rank: int, S: int) -> dict[str, Any]:
 
 
 def _worker(
-    rank: int, world: int, port: int, phases: list[tuple[str, dict[str, Any]]], outdir: str
+    rank: int, world: int, port: int, phases: list[tuple[str, dict[str, Any]]], outdir: str,
+    transport: str = "gloo", twin: bool = False,
 ) -> None:
     torch.set_num_threads(1)
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+        ENGINE_TEST_TRANSPORT=transport,
     )
+    if twin:
+        os.environ["ENGINE_NCCL_TWIN"] = "1"
     results: dict[str, Any] = {}
     path = os.path.join(outdir, f"rank{rank}.pt")
-    backend = "nccl" if any(kw.get("transport") == "nccl" for _, kw in phases) else "gloo"
+    nccl = transport == "nccl" or any(kw.get("transport") == "nccl" for _, kw in phases)
+    backend = "nccl" if nccl else "gloo"
     try:
-        if backend == "nccl":
+        if nccl and twin:
+            import engine.testing.nccl_twin  # noqa: F401 -- registers the backend
+
+            backend = "nccl_twin"
+        elif nccl:
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
         for name, kw in phases:
@@ -1077,14 +1108,20 @@ def _phase(name: str) -> Callable[..., Any]:
 
 
 def spawn(
-    world: int, phases: list[tuple[str, dict[str, Any]]], timeout: float = 240.0
+    world: int, phases: list[tuple[str, dict[str, Any]]], timeout: float = 240.0,
+    transport: str = "gloo", twin: bool | None = None,
 ) -> list[dict[str, Any]]:
-    """Run ``phases`` on ``world`` gloo ranks; return each rank's results (missing: {})."""
+    """Run ``phases`` on ``world`` ranks; return each rank's results (missing: {}).
+    ``transport``: what the phases run ("gloo", or "nccl": over the NCCL twin unless
+    ``twin=False``, on one GPU per rank)."""
+    if twin is None:
+        twin = transport == "nccl" and torch.cuda.device_count() < world
     outdir = tempfile.mkdtemp(prefix="engine-dist-")
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world, port, phases, outdir)) for r in range(world)
+        ctx.Process(target=_worker, args=(r, world, port, phases, outdir, transport, twin))
+        for r in range(world)
     ]
     for p in procs:
         p.start()
@@ -1137,9 +1174,9 @@ def phase_resume_inflight(
             def make(kw: dict[str, Any] = kw, tree: bool = tree) -> Any:
                 if tree:  # dict activations with a mask and a constant, random lengths
                     return Pipeline(varlen_stages(S, tied=False), loss_fn=nn.functional.cross_entropy,
-                                    transport="gloo", timeout=30, **kw)
+                                    transport=transport_under_test(), timeout=30, **kw)
                 return Pipeline(
-                    stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo",
+                    stage_factories(S), loss_fn=nn.functional.mse_loss, transport=transport_under_test(),
                     timeout=30, **kw,
                 )
 
@@ -1276,7 +1313,7 @@ def phase_interleaved(rank: int, R: int, v: int = 2, steps: int = 2) -> dict[str
     for name, (stages, loss_fn, batches) in cases.items():
         t0 = time.perf_counter()
         try:
-            pipe = Pipeline(stages(), loss_fn=loss_fn, transport="gloo", timeout=30, **kw)
+            pipe = Pipeline(stages(), loss_fn=loss_fn, transport=transport_under_test(), timeout=30, **kw)
             ref = Pipeline(
                 [f() if not isinstance(f, nn.Module) else f for f in stages()], loss_fn=loss_fn, **kw
             )
@@ -1307,7 +1344,7 @@ def phase_interleaved(rank: int, R: int, v: int = 2, steps: int = 2) -> dict[str
                 x_eval = batch(99)[0]
                 out[name]["evaluate_equal"] = torch.equal(pipe.evaluate(x_eval), ref.evaluate(x_eval))
             if name == "mlp":  # a checkpoint of the v stages resumes the run exactly
-                fresh = Pipeline(stages(), loss_fn=loss_fn, transport="gloo", timeout=30, **kw)
+                fresh = Pipeline(stages(), loss_fn=loss_fn, transport=transport_under_test(), timeout=30, **kw)
                 fresh.load_state_dict(pipe.state_dict())
                 x, y = batches(steps)
                 out[name]["resumed_equal"] = torch.equal(fresh.step(x, y), ref.step(x, y)) and all(
@@ -1318,7 +1355,7 @@ def phase_interleaved(rank: int, R: int, v: int = 2, steps: int = 2) -> dict[str
         except Exception:
             out[name] = {"error": traceback.format_exc()}
     try:  # an input stage 0 cannot take stops the step on every rank; the next one runs
-        pipe = Pipeline(stage_factories(V), loss_fn=nn.functional.mse_loss, transport="gloo",
+        pipe = Pipeline(stage_factories(V), loss_fn=nn.functional.mse_loss, transport=transport_under_test(),
                         timeout=20, **kw)
         ref = Pipeline([f() for f in stage_factories(V)], loss_fn=nn.functional.mse_loss, **kw)
         x, y = batch(0)
@@ -1347,7 +1384,7 @@ def phase_interleaved(rank: int, R: int, v: int = 2, steps: int = 2) -> dict[str
     stages = [f() for f in stage_factories(v)]  # one rank per replica: refused
     before = [p.detach().clone() for m in stages for p in m.parameters()]
     try:
-        Pipeline(stages, loss_fn=nn.functional.mse_loss, transport="gloo", data_parallel=R, **kw)
+        Pipeline(stages, loss_fn=nn.functional.mse_loss, transport=transport_under_test(), data_parallel=R, **kw)
         out["refused"] = {"error": f"{v} stages on one rank per replica were accepted"}
     except PipelineConfigError as exc:
         after = [p.detach() for m in stages for p in m.parameters()]
@@ -1406,7 +1443,7 @@ def phase_rank_programs(rank: int, R: int, csvs: dict[str, str]) -> dict[str, An
         if program == "looped_bfs":
             kw["virtual_stages"] = 2
         try:
-            pipe = Pipeline(stage_factories(V), transport="gloo", timeout=30, **kw)
+            pipe = Pipeline(stage_factories(V), transport=transport_under_test(), timeout=30, **kw)
             ref = Pipeline([f() for f in stage_factories(V)], **kw)
             same = True
             for t in range(2):
@@ -1424,7 +1461,7 @@ def phase_rank_programs(rank: int, R: int, csvs: dict[str, str]) -> dict[str, An
                 x_eval = batch(99, 2 * M)[0]
                 out[name]["evaluate_equal"] = torch.equal(pipe.evaluate(x_eval), ref.evaluate(x_eval))
             if name == "dualpipev":  # a checkpoint of the V's stages resumes the run exactly
-                fresh = Pipeline(stage_factories(V), transport="gloo", timeout=30, **kw)
+                fresh = Pipeline(stage_factories(V), transport=transport_under_test(), timeout=30, **kw)
                 fresh.load_state_dict(pipe.state_dict())
                 x, y = batch(2, 2 * M)
                 out[name]["resumed_equal"] = torch.equal(fresh.step(x, y), ref.step(x, y)) and (
@@ -1447,7 +1484,7 @@ def phase_rank_programs(rank: int, R: int, csvs: dict[str, str]) -> dict[str, An
         kw = dict(schedule=programs[name], chunks=M, optimizer=_sgd(),
                   loss_fn=nn.functional.cross_entropy)
         try:
-            pipe = Pipeline(varlen_stages(V, True), transport="gloo", timeout=30, **kw)
+            pipe = Pipeline(varlen_stages(V, True), transport=transport_under_test(), timeout=30, **kw)
             ref = Pipeline(varlen_stages(V, True), **kw)
             same = True
             for t in range(3):
@@ -1472,7 +1509,7 @@ def phase_v_data_parallel(rank: int, R: int, dp: int) -> dict[str, Any]:
     for name, program in (("zbv", zbv(R, M)), ("dualpipev", dualpipev(R, M))):
         kw = dict(schedule=program, chunks=M, optimizer=_sgd())
         try:
-            pipe = Pipeline(stage_factories(V), loss_fn=nn.functional.mse_loss, transport="gloo",
+            pipe = Pipeline(stage_factories(V), loss_fn=nn.functional.mse_loss, transport=transport_under_test(),
                             data_parallel=dp, timeout=30, **kw)
             shard = replica_rows(pipe.layout.replica, dp, b)
             losses = _train(pipe, 3, B=dp * b * M, shard=shard)

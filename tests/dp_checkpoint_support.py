@@ -9,6 +9,8 @@ transformer of tests/tp_support.py on TP=2 x PP=2 x DP=2.
 
 from __future__ import annotations
 
+from distributed_support import transport_under_test
+
 import os
 import secrets
 import traceback
@@ -55,7 +57,7 @@ def _maker(S: int, R: int, name: str, shape: tuple[int, int, int] | None) -> Cal
 
     if shape is None:
         kw = dict(configs(S)[name], chunks=M)
-        return lambda: Pipeline(bn_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo",
+        return lambda: Pipeline(bn_factories(S), loss_fn=nn.functional.mse_loss, transport=transport_under_test(),
                                 data_parallel=R, timeout=60, **kw)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -64,7 +66,7 @@ def _maker(S: int, R: int, name: str, shape: tuple[int, int, int] | None) -> Cal
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
     kw = dict(tp_support.configs()[name], chunks=M)
     return lambda: Pipeline(tp_support.factories(S), loss_fn=nn.functional.mse_loss,
-                            transport="gloo", mesh=mesh, timeout=60, **kw)
+                            transport=transport_under_test(), mesh=mesh, timeout=60, **kw)
 
 
 def _state(pipe: Any) -> list[torch.Tensor]:
@@ -185,7 +187,7 @@ def phase_dp_checkpoint(
         from engine import Pipeline
 
         other = init_device_mesh("cpu", (shape[1], shape[0], shape[2]), mesh_dim_names=("dp", "pp", "tp"))
-        c = Pipeline(tp_support.factories(S), loss_fn=nn.functional.mse_loss, transport="gloo",
+        c = Pipeline(tp_support.factories(S), loss_fn=nn.functional.mse_loss, transport=transport_under_test(),
                      mesh=other, timeout=60, **dict(tp_support.configs()[names[0]], chunks=M))
         try:
             engine.load(c, os.path.join(root, names[0]))

@@ -7,6 +7,7 @@ phases by the name ``failure_dist_support:<phase>``."""
 
 from __future__ import annotations
 
+from distributed_support import transport_under_test
 import os
 import signal
 import tempfile
@@ -116,7 +117,7 @@ def phase_recover(rank: int, S: int, names: list[str]) -> dict[str, Any]:
             key = f"{name}/{case}"
             try:
                 extra = {"on_nonfinite": "raise"} if case == "nonfinite" else {}
-                pipe = _pipe(S, name, transport="gloo", timeout=15, **extra)
+                pipe = _pipe(S, name, transport=transport_under_test(), timeout=15, **extra)
                 raised = None
                 for t in range(STEPS):
                     x, y = batch(t)
@@ -204,7 +205,7 @@ def phase_stage_error(
     kw = dict(configs(S)[name], data_parallel=R)
     factories = stage_factories(S)
     stages = [lambda f=f: _Boom(f(), where) for f in factories]
-    pipe = Pipeline(stages, loss_fn=nn.functional.mse_loss, transport="gloo", timeout=4, **kw)
+    pipe = Pipeline(stages, loss_fn=nn.functional.mse_loss, transport=transport_under_test(), timeout=4, **kw)
     try:
         for t in range(STEPS):
             if t == AT and rank == victim:
@@ -255,7 +256,7 @@ def phase_stage_recover(rank: int, S: int, names: list[str], cases: list[list[An
         for victim, where in cases:
             key = f"{name}/{victim}/{where}"
             try:
-                pipe = _boom_pipe(S, name, where, transport="gloo", timeout=20)
+                pipe = _boom_pipe(S, name, where, transport=transport_under_test(), timeout=20)
                 raised = None
                 for t in range(STEPS):
                     if t != AT:
@@ -298,7 +299,7 @@ def phase_async_drop(rank: int, S: int, names: list[str], cases: list[list[Any]]
             try:
                 runs = []
                 for gloo in (True, False):
-                    extra = dict(transport="gloo", timeout=20) if gloo else {}
+                    extra = dict(transport=transport_under_test(), timeout=20) if gloo else {}
                     pipe = _boom_pipe(S, name, where, **extra)
                     raised = None
                     for t in range(STEPS):

@@ -5,6 +5,8 @@ by the name ``features_dist_support:<phase>`` (:func:`spawn` here adds the prefi
 
 from __future__ import annotations
 
+from distributed_support import transport_under_test
+
 import traceback
 from typing import Any
 
@@ -34,7 +36,7 @@ def phase_clip(rank: int, S: int, R: int = 1) -> dict[str, Any]:
         if R > 1 and name not in ("gpipe", "pipedream"):
             continue
         try:
-            pipe = Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo",
+            pipe = Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport=transport_under_test(),
                             data_parallel=R, timeout=30, **kw)
             shard = replica_rows(pipe.layout.replica, R, B // kw["chunks"]) if R > 1 else None
             losses = _train(pipe, STEPS, B=R * B, shard=shard)
@@ -87,7 +89,7 @@ def phase_amp(rank: int, S: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, kw in _amp_configs(S).items():
         try:
-            pipe = Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo",
+            pipe = Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport=transport_under_test(),
                             timeout=30, **kw)
             losses = _train(pipe, 6)
             ref, ref_losses = _local(S, kw, 6)
@@ -127,7 +129,7 @@ def phase_trace(rank: int, S: int, path: str) -> dict[str, Any]:
     from engine import Pipeline
 
     kw = dict(configs(S)["1f1b-adam"])
-    pipe = Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo",
+    pipe = Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport=transport_under_test(),
                     timeout=30, **kw)
     ref, _ = _local(S, kw, 3)
     with pipe.trace(path):

@@ -13,6 +13,8 @@ next gradient into them.
 
 from __future__ import annotations
 
+from distributed_support import transport_under_test
+
 import os
 import traceback
 from collections.abc import Callable
@@ -49,7 +51,7 @@ def _make(S: int, kw: dict[str, Any], R: int) -> Any:
 
     kw = {"checkpoint": "except_last", **kw}  # live weights save unflushed only when recomputed
     return Pipeline(
-        stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo", timeout=30,
+        stage_factories(S), loss_fn=nn.functional.mse_loss, transport=transport_under_test(), timeout=30,
         data_parallel=R, **kw,
     )
 
@@ -162,7 +164,7 @@ def _mlp(S: int, schedule: str) -> Any:
 
     return Pipeline(
         mlp_factories(S), schedule=schedule, chunks=4, loss_fn=nn.functional.mse_loss,
-        optimizer=lambda p: eo.SGD(p, lr=0.1, momentum=0.9), transport="gloo", timeout=30,
+        optimizer=lambda p: eo.SGD(p, lr=0.1, momentum=0.9), transport=transport_under_test(), timeout=30,
         checkpoint="except_last",  # live weights save unflushed only when recomputed
     )
 

@@ -8,6 +8,8 @@ another call's) whose values equal the embedding's; the tie exists only by decla
 
 from __future__ import annotations
 
+from distributed_support import transport_under_test
+
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -52,7 +54,7 @@ def declared(rank: int, S: int, steps: int = 4) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for schedule in ("gpipe", "1f1b", "pipedream"):
         try:
-            pipe = Pipeline(tied_factories(S, head_seed=5), transport="gloo", timeout=30,
+            pipe = Pipeline(tied_factories(S, head_seed=5), transport=transport_under_test(), timeout=30,
                             ties=declaration(S), **_kw(schedule))
             ref = Pipeline(tied_stages(S), **_kw(schedule))
             for t in range(steps):
@@ -77,7 +79,7 @@ def declared(rank: int, S: int, steps: int = 4) -> dict[str, Any]:
                     return m
 
                 factories[S - 1] = wider
-            Pipeline(factories, transport="gloo", timeout=30, ties=declaration(S),
+            Pipeline(factories, transport=transport_under_test(), timeout=30, ties=declaration(S),
                      **_kw("gpipe"))
             out[case] = {"error": "not refused"}
         except Exception as exc:
@@ -136,11 +138,11 @@ def ties_async(rank: int, S: int, steps: int = 4, only: list[str] | None = None)
                   optimizer=lambda p, c=case: eo.SGD(p, lr=0.2, momentum=0.9, weight_decay=0.01, **c))
         try:
             if decl:
-                pipe = Pipeline(tied_factories(S, head_seed=5), transport="gloo", timeout=30,
+                pipe = Pipeline(tied_factories(S, head_seed=5), transport=transport_under_test(), timeout=30,
                                 ties=declaration(S), **kw)
             else:
                 pipe = Pipeline((module_tied_stages if module else tied_stages)(S),
-                                transport="gloo", timeout=30, **kw)
+                                transport=transport_under_test(), timeout=30, **kw)
             ref = Pipeline((module_tied_stages if module else tied_stages)(S), **kw)
             losses = []
             for t in range(steps):
@@ -178,7 +180,7 @@ def ties_replicas(rank: int, S: int, R: int, steps: int = 4) -> dict[str, Any]:
         kw = dict(schedule=schedule, chunks=4, loss_fn=nn.functional.cross_entropy,
                   optimizer=lambda p: eo.SGD(p, lr=0.2, momentum=0.9))
         try:
-            pipe = Pipeline(tied_stages(S), transport="gloo", data_parallel=R, timeout=30, **kw)
+            pipe = Pipeline(tied_stages(S), transport=transport_under_test(), data_parallel=R, timeout=30, **kw)
             ref = Pipeline(tied_stages(S), **kw)
             shard = replica_rows(pipe.layout.replica, R, B // 4)
             for t in range(steps):

@@ -10,6 +10,8 @@ from the same weights.
 
 from __future__ import annotations
 
+from distributed_support import transport_under_test
+
 import os
 from collections.abc import Callable
 from typing import Any
@@ -234,7 +236,7 @@ def phase_tp_train(
         kw = dict(configs()[name], chunks=M)
         try:
             make = model(name)
-            pipe = Pipeline(make(S), loss_fn=nn.functional.mse_loss, transport="gloo",
+            pipe = Pipeline(make(S), loss_fn=nn.functional.mse_loss, transport=transport_under_test(),
                             mesh=mesh, timeout=60, **kw)
             shard = replica_rows(pipe.layout.replica, dp, B // M) if dp > 1 else None
             losses = []
@@ -305,7 +307,7 @@ def phase_tp_refusals(rank: int) -> dict[str, Any]:
         ("float16", factories(2), sgd(), dict(autocast=torch.float16)),
     ):
         try:
-            kw: dict[str, Any] = {**dict(transport="gloo", mesh=mesh, timeout=30), **extra}
+            kw: dict[str, Any] = {**dict(transport=transport_under_test(), mesh=mesh, timeout=30), **extra}
             Pipeline(stages, schedule="gpipe", chunks=2, loss_fn=nn.functional.mse_loss,
                      optimizer=opt, **kw)
             out[name] = "built"
@@ -314,7 +316,7 @@ def phase_tp_refusals(rank: int) -> dict[str, Any]:
     try:  # the last stage ends column-parallel with a DTensor output: loss_fn cannot take it
         pipe = Pipeline([split_factories(2)[0], _sharded_last],
                         schedule="gpipe", chunks=2, loss_fn=nn.functional.mse_loss,
-                        optimizer=sgd(), transport="gloo", mesh=mesh, timeout=30)
+                        optimizer=sgd(), transport=transport_under_test(), mesh=mesh, timeout=30)
         pipe.step(*batch(0))
         out["sharded_last"] = "ran"
     except Exception as exc:
@@ -347,7 +349,7 @@ def phase_tp_checkpoint(rank: int, root: str) -> dict[str, Any]:
         import engine.optim as eo
 
         return Pipeline(factories(2), schedule="1f1b", chunks=2, loss_fn=nn.functional.mse_loss,
-                        optimizer=lambda p: eo.Adam(p, lr=1e-2), transport="gloo", mesh=m,
+                        optimizer=lambda p: eo.Adam(p, lr=1e-2), transport=transport_under_test(), mesh=m,
                         timeout=60)
 
     try:
@@ -374,7 +376,7 @@ def phase_tp_checkpoint(rank: int, root: str) -> dict[str, Any]:
     try:  # unflushed: pipedream's micro-batches in flight (local parts on the wire) are saved
         def make_async() -> Any:
             return Pipeline(factories(2), schedule="pipedream", chunks=2,
-                            loss_fn=nn.functional.mse_loss, optimizer=sgd(), transport="gloo",
+                            loss_fn=nn.functional.mse_loss, optimizer=sgd(), transport=transport_under_test(),
                             mesh=mesh, timeout=60)
 
         a = make_async()

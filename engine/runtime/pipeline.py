@@ -149,6 +149,14 @@ class Pipeline:
             ``[["0:tok.weight", "3:head.weight"]]``: checked at build, trained as an object tie
             (runtime/build/ties.py).
         mesh: a DeviceMesh with dims pp, dp, tp (gloo/NCCL; tensor parallelism: runtime/dist/mesh.py).
+        activation_shapes: how a multi-process pipeline learns each activation's shapes.
+            "inputs" (default): they follow from the first stage's input shapes (static
+            shapes, or a sequence length that changes with the batch); under NCCL the first
+            stage announces, once per step, the micro-batches whose input shapes change, and
+            activations travel without a header or a host read. "any": they may also depend
+            on the data (a stage that trims padding); under NCCL each activation's shapes
+            then travel first as a host message on the control plane (one message each, no
+            device synchronisation). gloo handles both alike (transport/gloo.py).
     """
 
     def __init__(
@@ -189,6 +197,7 @@ class Pipeline:
         offload_activations: bool = False,
         ties: Sequence[Sequence[Any]] | None = None,
         mesh: Any = None,
+        activation_shapes: str = "inputs",
     ) -> None:
         fam = FAMILIES.get(schedule) if isinstance(schedule, str) else None
         self._meter = StepMeter()  # stats()["throughput"]
@@ -204,6 +213,7 @@ class Pipeline:
             synchronous_hint=None if fam is None else fam.synchronous,
             schedule_name=schedule if isinstance(schedule, str) else "",
             l2_persistence=l2_persistence, cuda_graphs=cuda_graphs, mesh=mesh,
+            activation_shapes=activation_shapes,
         )
         request = BuildRequest(
             stages=stages, schedule=schedule, chunks=chunks, loss_fn=loss_fn,

@@ -37,6 +37,8 @@ CHECKPOINT_MODES = ("never", "except_last", "always")
 DEFAULT_CHECKPOINT = "never"
 TRANSPORTS = ("local", "gloo", "nccl")
 NONFINITE = ("raise", "skip", "skip_update")
+#: how a multi-process pipeline learns each activation's shapes (NCCL: transport/nccl.py)
+ACTIVATION_SHAPES = ("inputs", "any")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,9 @@ class PipelineConfig:
     #: False, "optimizer" (each stage's optimizer step, engine.runtime.stage.graphs; True means
     #: this) or "program" (whole synchronous steps, engine.runtime.exec.capture)
     cuda_graphs: bool | str = False
+    #: "inputs": activation shapes follow from the first stage's input shapes; "any": they
+    #: may depend on the data (NCCL then sends each activation's shapes on the control plane)
+    activation_shapes: str = "inputs"
 
     @property
     def distributed(self) -> bool:
@@ -94,6 +99,7 @@ def check_options(
     l2_persistence: object = False,
     cuda_graphs: object = False,
     mesh: object = None,
+    activation_shapes: object = "inputs",
 ) -> PipelineConfig:
     """Validate the stage-independent options (``synchronous_hint``: whether the schedule
     name is a synchronous family, None when not known yet)."""
@@ -104,6 +110,9 @@ def check_options(
             "(GPU, one process per stage)"
         )
     _choice("checkpoint", checkpoint, CHECKPOINT_MODES, "activation recomputation is one of")
+    _choice("activation_shapes", activation_shapes, ACTIVATION_SHAPES,
+            "choose 'inputs' (shapes follow from the first stage's input shapes) or 'any' "
+            "(shapes may depend on the data)")
     _choice("on_nonfinite", on_nonfinite, NONFINITE, "choose")
     if not isinstance(data_parallel, int) or isinstance(data_parallel, bool) or data_parallel < 1:
         raise PipelineConfigError(f"data_parallel={data_parallel!r} must be an int >= 1")
@@ -197,6 +206,7 @@ def check_options(
         correction_decay=float(correction_decay),
         l2_persistence=l2_fraction,
         cuda_graphs=cuda_graphs,
+        activation_shapes=str(activation_shapes),
     )
 
 

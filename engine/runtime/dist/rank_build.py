@@ -116,6 +116,7 @@ def build_rank(req: BuildRequest) -> PipelineParts:
         weight_prediction=req.weight_prediction,
         discrepancy_correction=req.discrepancy_correction,
         deferred_batch_norm=req.deferred_batch_norm,
+        activation_shapes=cfg.activation_shapes,
         **req.features.describe(),
         **tie_shapes,  # compared among the ranks holding each declared tie
         **({"tensor_parallel": layout.tp} if req.mesh is not None else {}),
@@ -145,6 +146,7 @@ def build_rank(req: BuildRequest) -> PipelineParts:
         for t in tps.values():
             for side in getattr(t, "sides", [t]):
                 side.notices = rank.notices
+                side.every_header = cfg.activation_shapes == "any"
     from engine.runtime.dist.transport.teardown import track
 
     track(rank)  # its pending communication is settled at exit, before finalization

@@ -36,7 +36,9 @@ How the transport keeps them, by construction:
   message on the control plane (0: the previous activation's shapes; n > 0: a new Signature
   of n bytes follows), so not even then does the device synchronise. An unannounced
   activation whose shapes differ from the agreed ones (shapes that depend on the data, not
-  only on the input's shapes) is refused with an error naming the stage.
+  only on the input's shapes) is refused with an error naming the stage, unless the pipeline
+  was built with ``activation_shapes="any"``: then every activation's header travels first
+  (one host message each, still no device synchronisation).
 * **Sends held until complete**: each sent tensor stays referenced until its work reports
   completion (polled), so the caching allocator never recycles a buffer NCCL still reads.
 * **Nothing pending across a step boundary**: the rank's lane receives, at the end of each
@@ -97,6 +99,9 @@ class NCCLTransport(P2PTransport):
         self.group = None  # (no group of its own carries both directions)
         #: the rank's shape notices (shape_notice.py): which activations carry a header
         self.notices: Any = None
+        #: Pipeline(activation_shapes="any"): every activation carries a header (shapes may
+        #: depend on the data, not only on the first stage's input shapes)
+        self.every_header = False
         #: set by the lane while it completes an aborted step's communication: new shapes
         #: are taken without the acceptance check
         self.aborting = False
@@ -139,7 +144,7 @@ class NCCLTransport(P2PTransport):
             raise self.peer_error(exc, what, peer) from exc
 
     def _header(self, mb: int) -> bool:
-        return self.notices is not None and self.notices.header(mb)
+        return self.every_header or (self.notices is not None and self.notices.header(mb))
 
     # ------------------------------------------------------------------ sending
 
@@ -173,8 +178,10 @@ class NCCLTransport(P2PTransport):
                     f"{agreed.changes(new)}, though the first stage's input shapes did not "
                     "change for this micro-batch: under transport='nccl' a stage's output "
                     "shapes must follow from its input shapes (activations travel without a "
-                    "header while the input shapes stay the same). Make the stage's output "
-                    "shape independent of the data (pad it), or use transport='gloo'."
+                    "header while the input shapes stay the same). Pass "
+                    "Pipeline(activation_shapes='any') when shapes depend on the data (each "
+                    "activation's shapes then travel first, as a host message), or make the "
+                    "stage's output shape independent of the data (pad it)."
                 )
             self._sent_sigs[mb] = agreed
             return
@@ -284,12 +291,16 @@ class NCCLTransport(P2PTransport):
         """NCCL forgets sends by polling their completion (:meth:`_reap`)."""
 
     def wait_sends(self) -> None:
-        """The headers sent on the control plane have left (a host wait; their receivers post
-        them within the same step), and completed sends are forgotten. Device sends stay
-        held until they complete: nothing here waits on the GPU."""
+        """The end of a synchronous step or a flush: the headers sent on the control plane
+        have left (a host wait; their receivers post them within the same step), the
+        caller's stream is ordered after every send (no host wait: a stream-side
+        ``work.wait()``; their receivers posted them in the same step), and completed
+        sends are forgotten."""
         for work, _t in self._shape_sends:
             self.wait_host(work, "sending an activation's shapes", self.stage + 1)
         self._shape_sends.clear()
+        for works, _t, what in self._sends.values():
+            self._wait_all(works, what)
         self._reap()
 
     def held(self) -> int:
