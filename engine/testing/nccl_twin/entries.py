@@ -14,14 +14,17 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from engine.testing.nccl_twin.dtypes import short
 
-if TYPE_CHECKING:
-    from engine.testing.nccl_twin.work import TwinWork
+
+class Handle(Protocol):
+    """An entry's work, as the hub sees it (engine.testing.nccl_twin.work.TwinWork)."""
+
+    def settle(self) -> None: ...
 
 #: (numel, dtype name, shape): what the two ends of a point-to-point op must agree on
 Meta = tuple[int, str, tuple[int, ...]]
@@ -96,7 +99,7 @@ class Entry:
     posted: float = field(default_factory=time.monotonic)
     state: str = "queued"  # queued -> running -> done | failed
     error: BaseException | None = None
-    work: TwinWork | None = None
+    work: Handle | None = None
 
     @property
     def finished(self) -> bool:

@@ -32,7 +32,16 @@ import torch.distributed as dist
 
 from engine.testing.nccl_twin import wire as W
 from engine.testing.nccl_twin.dtypes import as_bytes
-from engine.testing.nccl_twin.entries import P2P, Coll, Comm, Entry, GroupInfo, meta, meta_text
+from engine.testing.nccl_twin.entries import (
+    P2P,
+    Coll,
+    Comm,
+    Entry,
+    GroupInfo,
+    Handle,
+    meta,
+    meta_text,
+)
 from engine.testing.nccl_twin.errors import (
     DeadlockError,
     MismatchError,
@@ -60,7 +69,7 @@ class Hub:
         self.waiting: dict[object, Entry] = {}
         self.outbox: dict[int, list[bytes]] = defaultdict(list)
         self.dirty: set[int] = set()
-        self.settled: list[TwinWork] = []
+        self.settled: list[Handle] = []
         self.closed = False
         self.poll_s = min(0.5, max(0.05, limit / 5))
         prefix = f"nccl_twin/{gen}/"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,12 @@ from torch.futures import Future
 
 if TYPE_CHECKING:
     from engine.testing.nccl_twin.entries import Entry
-    from engine.testing.nccl_twin.hub import Hub
+
+
+class Waiter(Protocol):
+    """What blocks a wait (engine.testing.nccl_twin.hub.Hub)."""
+
+    def wait(self, work: TwinWork, timeout: float | None) -> None: ...
 
 
 def seconds(timeout: object) -> float | None:
@@ -35,7 +40,7 @@ def seconds(timeout: object) -> float | None:
 
 
 class TwinWork(dist._Work):
-    def __init__(self, hub: Hub, entry: Entry) -> None:
+    def __init__(self, hub: Waiter, entry: Entry) -> None:
         super().__init__()
         self.hub = hub
         self.entry = entry
