@@ -113,31 +113,32 @@ class Wire:
     def flush(self, peer: int, take: Callable[[int], list[bytes]]) -> None:
         """Send ``peer`` every frame ``take(peer)`` hands out, in order, until it hands none.
         Whoever queued frames calls this after releasing the hub's lock; the per-peer lock
-        keeps one sender at a time, so frames leave in the order they were queued."""
+        keeps one sender at a time, so frames leave in the order they were queued. A peer
+        found gone is reported after the per-peer lock is released."""
         with self.send_lock(peer):
-            sock = self._connected(peer)
-            while True:
-                frames = take(peer)
-                if not frames:
-                    return
+            sock, why = self._connected(peer)
+            while frames := take(peer):
                 try:
                     sock.sendall(b"".join(frames))
                 except OSError as exc:
-                    self._lost(peer, f"sending to it failed ({exc})")
-                    sock = _Dead()
+                    why = f"sending to it failed ({exc})"
+                    sock = self._dead(peer)
+        if why is not None and not self.closing:
+            self.receiver.on_gone(peer, why)
 
     def connected(self) -> set[int]:
         """The peers this rank opened a connection to (or found gone)."""
         with self.mu:
             return set(self.out)
 
-    def _connected(self, peer: int) -> socket.socket:
+    def _connected(self, peer: int) -> tuple[socket.socket, str | None]:
+        """The connection to ``peer`` (opened now if need be), or a dead one and why."""
         with self.mu:
             sock = self.out.get(peer)
         if sock is not None:
-            return sock
+            return sock, None
         if self.closing:
-            return _Dead()  # type: ignore[return-value]
+            return _Dead(), None  # type: ignore[return-value]
         try:
             host, port = self.lookup(peer).rsplit(":", 1)
             sock = socket.create_connection((host, int(port)), timeout=30)
@@ -145,20 +146,20 @@ class Wire:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(frame(("hello", self.rank, self.gen)))
         except Exception as exc:  # refused, reset, or the store could not say where
-            self._lost(peer, f"connecting to it failed ({type(exc).__name__}: {exc})")
-            return _Dead()  # type: ignore[return-value]
+            return self._dead(peer), f"connecting to it failed ({type(exc).__name__}: {exc})"
         with self.mu:
             self.out[peer] = sock
         threading.Thread(
             target=self._watch_out, args=(peer, sock), name=f"nccl-twin-out-{peer}", daemon=True
         ).start()
-        return sock
+        return sock, None
 
-    def _lost(self, peer: int, why: str) -> None:
+    def _dead(self, peer: int) -> socket.socket:
+        """Send nothing more to ``peer``: what is queued for it is dropped."""
+        dead = _Dead()
         with self.mu:
-            self.out[peer] = _Dead()  # type: ignore[assignment]  # send nothing more to it
-        if not self.closing:
-            self.receiver.on_gone(peer, why)
+            self.out[peer] = dead  # type: ignore[assignment]
+        return dead  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ reading
 
@@ -208,8 +209,9 @@ class Wire:
         time.sleep(0.3)
         with self.mu:
             reported_elsewhere = peer in self.incoming
-        if not reported_elsewhere:
-            self._lost(peer, "its process exited or closed its twin (its connection closed)")
+        if not reported_elsewhere and not self.closing:
+            self._dead(peer)
+            self.receiver.on_gone(peer, "its process exited or closed its twin (its connection closed)")
 
     def close(self) -> None:
         self.closing = True
