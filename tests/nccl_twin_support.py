@@ -67,7 +67,11 @@ def case_lone_isends(rank: int, ctx: Ctx) -> dict[str, Any]:
     with labelled(f"act mb {rank}"):
         s = dist.isend(a, peer, group=g)
     r = dist.irecv(b, peer, group=g)
-    return outcome(r.wait) | {"send": outcome(s.wait)}
+    polled = s.is_completed()  # before the report: still pending
+    return outcome(r.wait) | {
+        "send": outcome(s.wait), "polled": polled, "completed": s.is_completed(),
+        "exception": type(s.exception()).__name__, "future": outcome(lambda: s.get_future().wait()),
+    }
 
 
 def case_lone_batches(rank: int, ctx: Ctx) -> dict[str, Any]:
@@ -88,7 +92,9 @@ def case_fused(rank: int, ctx: Ctx) -> dict[str, Any]:
     ])
     for w in works:
         w.wait()
-    return {"works": len(works), "b1": b1, "b2": b2}
+    done = works[0]
+    return {"works": len(works), "b1": b1, "b2": b2, "future": done.get_future().wait(),
+            "completed": done.is_completed(), "exception": done.exception()}
 
 
 def case_two_groups(rank: int, ctx: Ctx) -> dict[str, Any]:

@@ -57,7 +57,7 @@ def _deadlocked(runs: list[dict[str, Any]], case: str) -> list[str]:
         got = res[case]
         assert got["raised"] == "DeadlockError", (r, case, got)
         assert got["message"].startswith("NCCL twin: deadlock"), got["message"]  # this case's
-        assert DEADLOCK_S <= got["seconds"] < DEADLOCK_S + 5, (r, case, got["seconds"])
+        assert DEADLOCK_S <= got["seconds"] < DEADLOCK_S + 10, (r, case, got["seconds"])
         msgs.append(got["message"])
     return msgs
 
@@ -76,7 +76,9 @@ def test_lone_isends_deadlock_naming_every_head(runs: list[dict[str, Any]]) -> N
                              rf"\(global ranks {min(q, p)}, {max(q, p)}", msg), msg
             assert f"send to rank {p} #0, float32[3], label 'act mb {q}' [running; waits for rank {p} to run the matching recv]" in msg, (r, q, msg)
         assert f"Raised on rank {r} for its entry #1" in msg
-        assert runs[r]["lone_isends"]["send"]["raised"] == "DeadlockError"
+        got = runs[r]["lone_isends"]
+        assert got["send"]["raised"] == got["future"]["raised"] == got["exception"] == "DeadlockError"
+        assert not got["polled"] and got["completed"]  # rule 7: a failed work is completed
 
 
 def test_single_op_batches_deadlock_like_lone_ops(runs: list[dict[str, Any]]) -> None:
@@ -91,12 +93,18 @@ def test_single_op_batches_deadlock_like_lone_ops(runs: list[dict[str, Any]]) ->
 
 def test_fused_batch_completes_with_the_right_data(runs: list[dict[str, Any]]) -> None:
     """Rule 4: the same sends and receives in one ``batch_isend_irecv`` list progress together
-    and complete; two sends to one peer match its two receives in order."""
+    and complete; two sends to one peer match its two receives in order. Rule 7: one work for
+    the list, completed, its future holding the list's tensors."""
     for r, res in enumerate(runs):
         got, p = res["fused"], peer_of(r)
         assert got["works"] == 1
         assert torch.equal(got["b1"], torch.arange(3.0) + 10 * p)
         assert torch.equal(got["b2"], torch.arange(5.0) + 100 * p)
+        # rule 7: the list's one work, its future holding the list's tensors
+        assert got["completed"] and got["exception"] is None
+        assert [t.tolist() for t in got["future"]] == [
+            (torch.arange(3.0) + 10 * r).tolist(), (torch.arange(5.0) + 100 * r).tolist(),
+            got["b1"].tolist(), got["b2"].tolist()]
 
 
 def test_communicators_are_independent_queues(runs: list[dict[str, Any]]) -> None:
@@ -192,7 +200,7 @@ def test_group_timeout_and_wait_timeout(runs: list[dict[str, Any]]) -> None:
         for what, limit in (("group", 1.5), ("wait", 0.5)):
             assert got[what]["raised"] == "TwinTimeoutError", got
             assert "timed out" in got[what]["message"] and f"recv from rank {r + 1}" in got[what]["message"]
-            assert limit <= got[what]["seconds"] < limit + 1.5, got[what]
+            assert limit <= got[what]["seconds"] < limit + 3, got[what]
 
 
 def test_abort_fails_own_waits_and_tells_the_peer(runs: list[dict[str, Any]]) -> None:
@@ -216,7 +224,7 @@ def test_a_peer_that_exits_is_named_within_seconds(runs: list[dict[str, Any]]) -
         got = runs[r]["peer_exit"]
         assert got["raised"] == "PeerLeftError", got
         assert f"rank {r + 1} left the job" in got["message"]
-        assert got["seconds"] < 4.0, got
+        assert got["seconds"] < 5.0, got
 
 
 def _fold(xs: list[torch.Tensor], op: str) -> torch.Tensor:
