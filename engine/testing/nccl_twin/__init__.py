@@ -47,7 +47,9 @@ Rules it enforces
   ``ENGINE_NCCL_TWIN_DEADLOCK_S`` seconds (default 10) while every rank waited in a twin wait,
   every waiting rank raises a :class:`DeadlockError` naming each rank's queue head on each
   communicator with pending entries: op, peer, group, sequence numbers, shape and dtype, and
-  the label the poster set with :func:`engine.op_label.labelled`.
+  the label the poster set with :func:`engine.op_label.labelled`. A rank counts as waiting
+  while one of its threads is inside a twin work's ``wait()`` (a rank that polls
+  ``is_completed()``, or waits on gloo, counts as busy: only the timeout stops it).
 * **A rank that leaves** (its process exits, or it destroys or aborts the group) fails the
   ops its peers still need at once with a :class:`PeerLeftError` naming it. ``pg.abort()`` and
   ``shutdown()`` fail the rank's own pending ops.
