@@ -188,6 +188,18 @@ def case_dtypes(rank: int, ctx: Ctx) -> dict[str, Any]:
     return out | {"bool or": bools, "bool recv": brecv, "complex recv": crecv, "complex sum": csum}
 
 
+def case_alone(rank: int, ctx: Ctx) -> dict[str, Any]:
+    """A one-rank group: its collectives need nobody; a list sending to itself completes."""
+    mine = [dist.new_group([q]) for q in range(WORLD)][rank]
+    t = torch.full((3,), float(rank))
+    dist.all_reduce(t, group=mine)
+    a, b = torch.arange(4.0) + rank, torch.zeros(4)
+    for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, a, rank, mine),
+                                     dist.P2POp(dist.irecv, b, rank, mine)]):
+        w.wait()
+    return {"sum": t, "b": b}
+
+
 # ---------------------------------------------------------------------- failures
 
 

@@ -20,7 +20,7 @@ pytestmark = [
 
 CASES = [
     "fused", "lone_isends", "lone_batches", "two_groups", "cross_comm", "coll_behind_send",
-    "coll_other_group", "tags", "mismatch", "dtypes", "collectives", "dtensor", "timeout",
+    "coll_other_group", "tags", "mismatch", "dtypes", "alone", "collectives", "dtensor", "timeout",
     "abort", "peer_exit",  # peer_exit ends the odd ranks: last
 ]
 
@@ -189,6 +189,15 @@ def test_dtypes_and_tensors_as_process_group_nccl(runs: list[dict[str, Any]]) ->
         assert torch.equal(got["bool recv"], torch.tensor([True, False, p % 2 == 0]))
         assert torch.equal(got["complex recv"], torch.complex(torch.arange(3.0) + p, -torch.arange(3.0)))
         assert torch.equal(got["complex sum"], torch.complex(torch.tensor([6.0]), torch.tensor([8.0])))
+
+
+def test_a_one_rank_group_runs_alone(runs: list[dict[str, Any]]) -> None:
+    """Rules 4 and 5 at their edge: a one-rank group's all_reduce completes with no frames,
+    and a ``batch_isend_irecv`` list sending to its own rank matches within the list."""
+    for r, res in enumerate(runs):
+        got = res["alone"]
+        assert torch.equal(got["sum"], torch.full((3,), float(r)))
+        assert torch.equal(got["b"], torch.arange(4.0) + r)
 
 
 def test_group_timeout_and_wait_timeout(runs: list[dict[str, Any]]) -> None:

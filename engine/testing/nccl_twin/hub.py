@@ -102,11 +102,11 @@ class Hub:
             return self.outbox.pop(peer, [])
 
     def _emit(self, peer: int, header: tuple[Any, ...], payload: bytes = b"") -> None:
-        if peer == self.rank:
+        if peer == self.rank:  # stored only: the entry being started reads it next
             data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else (
                 torch.empty(0, dtype=torch.uint8)
             )
-            self._deliver(peer, header, data)
+            self._store(peer, header, data)
         else:
             self.outbox[peer].append(W.frame(header, payload))
             self.dirty.add(peer)
@@ -294,7 +294,7 @@ class Hub:
                     f"hang or corrupt memory. This rank's {entry.describe()}"
                 )
             parts.append(tensors)
-        del comm.contrib[coll.seq]
+        comm.contrib.pop(coll.seq, None)
         try:
             coll.take(parts)
         except MismatchError as exc:
@@ -326,20 +326,24 @@ class Hub:
         self._run(self._deliver, src, header, payload)
 
     def _deliver(self, src: int, header: tuple[Any, ...], payload: torch.Tensor) -> None:
-        kind = header[0]
-        if kind == "left":
+        if header[0] == "left":
             self._group_left(src, header[1], header[2])
             return
-        comm = self._comm(header[1])
+        comm = self._store(src, header, payload)
+        if comm.queue:
+            self._advance(comm.queue[0])
+            self._pump(comm)
+
+    def _store(self, src: int, header: tuple[Any, ...], payload: torch.Tensor) -> Comm:
+        """Keep what ``src`` sent ahead until the matching entry here runs."""
+        kind, comm = header[0], self._comm(header[1])
         if kind == "data":
             comm.data[(src, header[2])] = (header[3], payload)
         elif kind == "cts":
             comm.cts[(src, header[2])] = header[3]
         elif kind == "coll":
             comm.contrib.setdefault(header[2], {})[src] = (header[3], W.unpack(payload, header[4]))
-        if comm.queue:
-            self._advance(comm.queue[0])
-            self._pump(comm)
+        return comm
 
     def on_gone(self, rank: int, why: str) -> None:
         self._run(self._gone, rank, why)
