@@ -7,7 +7,9 @@ Imported by name (not re-exported here, so ``import engine.testing`` stays light
 (stream events per step, on CPU), ``engine.testing.graph_twin`` (a CPU stand-in for a CUDA
 graph of a whole step: ``Pipeline(cuda_graphs="program")`` under
 ``engine.runtime.exec.capture.use_backend``) and ``engine.testing.dispatch_trace`` (their recorder), ``engine.testing.arena_twin`` (a CUDA
-arena's stream/event ordering, run on a traced CPU arena and checked for races)."""
+arena's stream/event ordering, run on a traced CPU arena and checked for races) and
+``engine.testing.nccl_twin`` (a ``torch.distributed`` backend, ``"nccl_twin"``, that enforces
+NCCL's ordering rules on CPU tensors and reports deadlocks)."""
 
 from __future__ import annotations
 
