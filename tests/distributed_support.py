@@ -643,7 +643,7 @@ def phase_trees(rank: int, S: int) -> dict[str, Any]:
                     (p, m.shape, m.dtype, m.requires_grad) for p, m in sent.metas(grad=False)
                 ],
                 "grads_sent": None if grads is None else [p for p, _ in grads.metas(grad=True)],
-                "leftovers": len(tp._sends) + len(tp._posted),
+                "leftovers": len(tp._sends) + len(getattr(tp, "_posted", {})),
                 "shape_changes": tp.shape_changes,
             }
         except Exception:
@@ -1174,7 +1174,8 @@ def phase_resume_inflight(
             def make(kw: dict[str, Any] = kw, tree: bool = tree) -> Any:
                 if tree:  # dict activations with a mask and a constant, random lengths
                     return Pipeline(varlen_stages(S, tied=False), loss_fn=nn.functional.cross_entropy,
-                                    transport=transport_under_test(), timeout=30, **kw)
+                                    transport=transport_under_test(), timeout=30,
+                                    activation_shapes="any", **kw)  # (trimmed by their data)
                 return Pipeline(
                     stage_factories(S), loss_fn=nn.functional.mse_loss, transport=transport_under_test(),
                     timeout=30, **kw,
@@ -1228,7 +1229,7 @@ def nan_batch(step: int, B: int = 8, M: int = 4) -> tuple[torch.Tensor, torch.Te
 
 
 def phase_skip_update(
-    rank: int, S: int, names: list[str], R: int = 1, transport: str = "gloo"
+    rank: int, S: int, names: list[str], R: int = 1, transport: str | None = None
 ) -> dict[str, Any]:
     """on_nonfinite="skip_update" under gloo (the flags travel with the gradients) vs the
     local run with the same flags: weights, losses (NaN where the local one is NaN) and the
@@ -1239,7 +1240,10 @@ def phase_skip_update(
 
     out: dict[str, Any] = {}
     B, M = (8, 4) if R == 1 else (4, 2)
-    device = "cuda" if transport == "nccl" else "cpu"
+    if transport is None:
+        transport, device = transport_under_test(), device_under_test()
+    else:
+        device = "cuda" if transport == "nccl" else "cpu"
     for name in names:
         kw = dict(configs(S)[name.removeprefix("first-")], on_nonfinite="skip_update", chunks=M)
         factories = stage_factories(S)
@@ -1312,8 +1316,10 @@ def phase_interleaved(rank: int, R: int, v: int = 2, steps: int = 2) -> dict[str
     out: dict[str, Any] = {}
     for name, (stages, loss_fn, batches) in cases.items():
         t0 = time.perf_counter()
-        try:
-            pipe = Pipeline(stages(), loss_fn=loss_fn, transport=transport_under_test(), timeout=30, **kw)
+        try:  # (varlen trims its inputs by their data: shapes the input's do not decide)
+            shapes = "any" if name.startswith("varlen") else "inputs"
+            pipe = Pipeline(stages(), loss_fn=loss_fn, transport=transport_under_test(), timeout=30,
+                            activation_shapes=shapes, **kw)
             ref = Pipeline(
                 [f() if not isinstance(f, nn.Module) else f for f in stages()], loss_fn=loss_fn, **kw
             )

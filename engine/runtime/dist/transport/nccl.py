@@ -64,6 +64,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from engine.errors import PipelineInputError
+from engine.op_label import labelled
 from engine.runtime.dist.transport.base import NCCL_DTYPES, PeerError
 from engine.runtime.dist.transport.control import HANDSHAKE_TAG, SHAPE_TAG
 from engine.runtime.dist.transport.p2p import P2PTransport
@@ -135,11 +136,14 @@ class NCCLTransport(P2PTransport):
     def meta_recv(self, buf: Tensor, peer: int) -> Any:
         return self.control.recv(buf, self.ranks[peer], HANDSHAKE_TAG)
 
-    def _post(self, ops: list[Any], what: str, peer: int) -> list[Any]:
+    def _post(self, ops: list[Any], what: str, peer: int, label: str) -> list[Any]:
+        """One batch (an NCCL group) of ``ops``, labelled for deadlock reports and profilers
+        (engine.op_label)."""
         if not ops:
             return []
         try:
-            return dist.batch_isend_irecv(ops)
+            with labelled(label):
+                return dist.batch_isend_irecv(ops)
         except RuntimeError as exc:  # a broken communicator, a refused dtype
             raise self.peer_error(exc, what, peer) from exc
 
@@ -163,7 +167,8 @@ class NCCLTransport(P2PTransport):
         ts = [t.detach().contiguous() for t in tensors]
         group, dst = self._group(channel, "send"), self.ranks[peer]
         what = f"sending the {channel} of micro-batch {mb}"
-        works = self._post([dist.P2POp(dist.isend, t, dst, group) for t in ts], what, peer)
+        label = f"{channel} mb {mb} stage {self.stage}->{peer}"
+        works = self._post([dist.P2POp(dist.isend, t, dst, group) for t in ts], what, peer, label)
         self._sends[(channel, mb)] = (works, ts, what)
         self._reap()
 
@@ -240,7 +245,8 @@ class NCCLTransport(P2PTransport):
         name = "activation" if channel == "act" else "gradient"
         what = f"receiving the {name} of micro-batch {mb}"
         group, peer = self._group(channel, "recv"), self.ranks[src]
-        works = self._post([dist.P2POp(dist.irecv, b, peer, group) for b in bufs], what, src)
+        label = f"{channel} mb {mb} stage {src}->{self.stage}"
+        works = self._post([dist.P2POp(dist.irecv, b, peer, group) for b in bufs], what, src, label)
         self._wait_all(works, what, src)
         if refused:  # received all the same: the communicator stays in step
             raise PipelineInputError(refused)
