@@ -33,8 +33,7 @@ from dataclasses import dataclass
 
 from engine.cli import CLIError
 from engine.mitigations import WEIGHT_PREDICTIONS
-from engine.schedule.catalog import FAMILIES, SYNCHRONOUS, Family, family
-from engine.schedule.catalog import SCHEDULES as _CATALOG
+from engine.schedule.catalog import AUTO, NAMES, ROWS, Family, family, lookup, unknown_schedule
 from engine.runtime.build.config import DEFAULT_CHECKPOINT
 
 __all__ = [
@@ -47,8 +46,9 @@ __all__ = [
     "check_config",
 ]
 
-#: every schedule family of the catalog (a new family is trainable from the command line)
-SCHEDULES: tuple[str, ...] = _CATALOG
+#: every schedule family of the catalog, in its order (a new family is trainable from the command
+#: line), then the choosers 'auto' and 'auto-async'
+SCHEDULES: tuple[str, ...] = NAMES + AUTO
 #: --prediction's choices: the pipeline's weight predictions (engine.mitigations)
 PREDICTIONS: tuple[str, ...] = WEIGHT_PREDICTIONS
 OPTIMIZERS = ("sgd", "adam", "adamw", "nadam", "muon", "basis-rotation")
@@ -176,7 +176,7 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.dataset not in DATASETS:
         raise CLIError(f"unknown dataset {cfg.dataset!r}; choose one of {', '.join(DATASETS)}")
     if cfg.schedule not in SCHEDULES:
-        raise CLIError(f"unknown schedule {cfg.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        raise CLIError(unknown_schedule(cfg.schedule, choosers=True))
     try:
         even_balance(cfg.layers, cfg.stages)
     except ModelError as exc:
@@ -201,7 +201,7 @@ def check_config(cfg: TrainConfig) -> None:
         ("--update-size", cfg.update_size is not None, _free_update_size),
     ):
         if on and not applies(family(cfg.schedule)):
-            names = " and ".join(n for n, f in FAMILIES.items() if applies(f))
+            names = " and ".join(f.name for f in ROWS if applies(f))
             why = (
                 f", which updates once per {cfg.chunks} --chunks micro-batches"
                 if applies is _free_update_size
@@ -241,9 +241,9 @@ def _check_delay_compensation(cfg: TrainConfig) -> None:
         raise CLIError(f"--delay-compensation {lam} must be a finite number >= 0 (0: off)")
     if not lam:
         return
-    if cfg.schedule in SYNCHRONOUS:
+    if family(cfg.schedule).synchronous:
         raise CLIError(f"--delay-compensation compensates delayed gradients; --schedule "
-                       f"{cfg.schedule} has no delay (use {', '.join(n for n in _CATALOG if n not in SYNCHRONOUS)})")
+                       f"{cfg.schedule} has no delay (use {', '.join(f.name for f in ROWS if not f.synchronous)})")
     if cfg.optimizer == "muon":
         raise CLIError("--delay-compensation applies to --optimizer sgd, adam, adamw and nadam; "
                        "engine.optim.Muon has no delay compensation (its gradient is "

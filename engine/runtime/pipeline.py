@@ -34,7 +34,7 @@ from engine.runtime.build.config import DEFAULT_CHECKPOINT, PipelineConfig, chec
 from engine.runtime.parts import BuildRequest, PipelineParts
 from engine.runtime.build.step_features import StepFeatures, check_step_features
 from engine.runtime.state.throughput import StepMeter, batch_size
-from engine.schedule.catalog import FAMILIES
+from engine.schedule.catalog import lookup
 from engine.schedule.spec import ScheduleSpec
 
 if TYPE_CHECKING:
@@ -67,12 +67,17 @@ class Pipeline:
             leaf carries a gradient back only when it requires grad at the producer; masks,
             integer ids and other tensors that need no gradient travel with the activations
             (engine/runtime/stage/trees.py).
-        schedule: a family name -- "naive", "gpipe", "1f1b" (synchronous: gradients equal an
-            unpipelined model's), "pipedream" (weight stashing), "2bw" (double buffering) or
-            "pb" (pipelined backprop with live weights), "interleaved" (with
-            ``virtual_stages``) -- or a schedule *program*: an
-            :class:`engine.schedule.Schedule` or its text form (see ``engine.schedule.parse``),
-            compute-only or with communication; it is lowered, validated and compiled once.
+        schedule: a family of the catalog (``engine.schedule.NAMES``; one row each in
+            engine/schedule/catalog.py): "naive", "gpipe", "1f1b", "zbh1" (synchronous:
+            gradients equal an unpipelined model's), "pipedream" (weight stashing), "2bw"
+            (double buffering), "pb" (pipelined backprop with live weights), and the
+            synchronous rank programs "interleaved" and "looped_bfs" (with
+            ``virtual_stages``), "zbv", "vhalf", "vmin" and "dualpipev" (two stages per rank
+            as a V); or "auto" / "auto-async", the fastest (synchronous / any) family whose
+            predicted memory fits ``memory_cap_bytes`` (engine/schedule/auto.py); or a
+            schedule *program*: an :class:`engine.schedule.Schedule` or its text form (see
+            ``engine.schedule.parse``), compute-only or with communication; it is lowered,
+            validated and compiled once.
         chunks: M, micro-batches per mini-batch (per ``step()``); a program fixes its own.
         loss_fn: ``loss_fn(output, target) -> scalar``, the *mean* over the micro-batch's samples.
         optimizer: ``params -> optimizer``, called once per stage with that stage's parameters
@@ -190,7 +195,7 @@ class Pipeline:
         ties: Sequence[Sequence[Any]] | None = None,
         mesh: Any = None,
     ) -> None:
-        fam = FAMILIES.get(schedule) if isinstance(schedule, str) else None
+        fam = lookup(schedule)
         self._meter = StepMeter()  # stats()["throughput"]
         features: StepFeatures = check_step_features(
             clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type, autocast=autocast,

@@ -27,6 +27,7 @@ Importing this package does not import torch or matplotlib.
 
 from __future__ import annotations
 
+from engine.schedule.catalog import NAMES, family
 from engine.schedule.analysis import (
     MicroBatchRecord,
     ScheduleReport,
@@ -45,9 +46,10 @@ from engine.schedule.text import format_schedule, parse
 from engine.schedule.validate import activation_bound, validate
 from engine.schedule.versions import Versions, stage_versions
 from engine.schedule.tdp import from_csv, to_csv
-from engine.schedule.vshape import dualpipev, looped_bfs, zbv
+from engine.schedule.vshape import dualpipev, looped_bfs, vhalf, vmin, zbv
 
 __all__ = [
+    "NAMES",
     "SCHEDULES",
     "Action",
     "Costs",
@@ -62,6 +64,7 @@ __all__ = [
     "analyze",
     "chrome_trace",
     "dualpipev",
+    "family",
     "format_schedule",
     "from_csv",
     "generate",
@@ -78,5 +81,7 @@ __all__ = [
     "to_csv",
     "truncate",
     "validate",
+    "vhalf",
+    "vmin",
     "zbv",
 ]

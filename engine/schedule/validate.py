@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.schedule.catalog import FAMILIES
+from engine.schedule.catalog import lookup
 from engine.schedule.errors import ScheduleError
 from engine.schedule.ir import Action, Kind, Schedule
 from engine.schedule.simulate import Costs, Timeline, remote_dependency, simulate
@@ -46,14 +46,8 @@ from engine.schedule.versions import stage_versions
 def activation_bound(schedule: Schedule, stage: int) -> int | None:
     """ALGORITHMS.md's bound on micro-batches whose activations ``stage`` holds, or None for a
     schedule that is not a built-in family (give ``activation_bounds`` to check it)."""
-    fam = FAMILIES.get(schedule.name)
-    if fam is None:
-        from engine.schedule.vshape import activation_bound as program_bound
-
-        if schedule.order != schedule.name:
-            return None
-        return program_bound(schedule.name, schedule.stages, stage, schedule.chunks)
-    if schedule.order not in fam.orders:
+    fam = lookup(schedule.name)
+    if fam is None or schedule.order not in fam.orders:
         return None
     return fam.activation_bound(schedule.stages, stage, schedule.chunks, schedule.order)
 
