@@ -47,7 +47,14 @@ def stage_footprint(
     fam = family(schedule)
     order = fam.check_order(order)
     fam.check(stages, chunks, None)
-    return [
-        (fam.weight_versions(stages, s), fam.activation_bound(stages, s, chunks, order))
-        for s in range(stages)
-    ]
+    out = []
+    for s in range(stages):
+        held = fam.activation_bound(stages, s, chunks, order)
+        if held is None:
+            raise ValueError(
+                f"schedule {schedule!r} states no per-stage activation bound to partition "
+                "under; partition for a family that does (e.g. '1f1b') and run it with these "
+                "layer counts"
+            )
+        out.append((fam.weight_versions(stages, s), held))
+    return out

@@ -34,6 +34,7 @@ from engine.runtime.build.config import DEFAULT_CHECKPOINT, PipelineConfig, chec
 from engine.runtime.parts import BuildRequest, PipelineParts
 from engine.runtime.build.step_features import StepFeatures, check_step_features
 from engine.runtime.state.throughput import StepMeter, batch_size
+from engine.schedule.auto import CHOOSERS, Choice
 from engine.schedule.catalog import lookup
 from engine.schedule.spec import ScheduleSpec
 
@@ -195,8 +196,22 @@ class Pipeline:
         ties: Sequence[Sequence[Any]] | None = None,
         mesh: Any = None,
     ) -> None:
-        fam = lookup(schedule)
         self._meter = StepMeter()  # stats()["throughput"]
+        #: what schedule="auto" chose and why (stats()["schedule_choice"]); None otherwise
+        self.schedule_choice: Choice | None = None
+        if isinstance(schedule, str) and schedule in CHOOSERS:
+            from engine.runtime.build.auto_schedule import choose_for_pipeline
+
+            self.schedule_choice = choose_for_pipeline(
+                stages, schedule, chunks=chunks, memory_cap_bytes=memory_cap_bytes,
+                balance=balance, sample=sample, profile=balance_profile,
+                repeats=balance_repeats, distributed=transport in ("gloo", "nccl"),
+                given=dict(virtual_stages=virtual_stages, order=order, update_size=update_size),
+            )
+            schedule = self.schedule_choice.family
+            virtual_stages = self.schedule_choice.virtual_stages
+            order = self.schedule_choice.order
+        fam = lookup(schedule)
         features: StepFeatures = check_step_features(
             clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type, autocast=autocast,
             grad_scaler=grad_scaler, offload_activations=offload_activations,
@@ -460,7 +475,10 @@ class Pipeline:
         described in :func:`engine.runtime.state.pipeline_stats.pipeline_stats`."""
         from engine.runtime.state.pipeline_stats import pipeline_stats
 
-        return pipeline_stats(self.parts, self._meter)
+        out = pipeline_stats(self.parts, self._meter)
+        choice = self.schedule_choice
+        out["schedule_choice"] = None if choice is None else choice.as_dict()
+        return out
 
     def reset_stats(self) -> None:
         """Restart the clock and peak counters (e.g. after warm-up)."""
