@@ -40,10 +40,17 @@ from engine.schedule.catalog import ROWS, Family
 from engine.schedule.ir import Schedule
 from engine.schedule.simulate import Costs
 
-__all__ = ["CHOOSERS", "Candidate", "Choice", "NoScheduleFits", "StageCosts", "choose_schedule"]
+__all__ = ["AUTO_FACTS", "CHOOSERS", "Candidate", "Choice", "NoScheduleFits", "StageCosts",
+           "choose_schedule"]
 
 #: the names Pipeline(schedule=...) accepts for a choice: synchronous families only, or any
 CHOOSERS: tuple[str, ...] = ("auto", "auto-async")
+#: what every choice of ``"auto"`` shares, for checks made before the choice (the command
+#: line's options): synchronous, live weights, k = M, no order to pick. Not a catalog row.
+AUTO_FACTS = Family(
+    CHOOSERS[0], True, (CHOOSERS[0],), "live", True, False,
+    "the fastest synchronous family whose predicted peak fits the memory cap",
+)
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,6 @@ from engine.schedule.vblocks import VHALF_BLOCK, VMIN_BLOCK, block_peak, vhalf, 
 from engine.schedule.vshape_orders import dualpipev, looped_bfs, zbv
 
 __all__ = [
-    "AUTO",
     "FAMILIES",
     "Family",
     "NAMES",
@@ -354,10 +353,6 @@ _BY_NAME: dict[str, Family] = {f.name: f for f in ROWS}
 
 #: every built-in family, in the order the API, the command line and the docs list them
 NAMES: tuple[str, ...] = tuple(_BY_NAME)
-#: the choosers ``Pipeline(schedule=...)`` and ``--schedule`` accept besides the families
-#: (engine.schedule.auto: the fastest synchronous family whose memory fits; with -async, any)
-AUTO: tuple[str, ...] = ("auto", "auto-async")
-
 # Derived views kept for their importers; each is a filter of ROWS.
 #: the per-stage stream families, in catalog order
 FAMILIES: dict[str, Family] = {f.name: f for f in ROWS if not f.is_program}
@@ -371,15 +366,16 @@ PROGRAM_FAMILIES: dict[str, tuple[str, str]] = {
 }
 
 
-def unknown_schedule(name: object, *, choosers: bool = False) -> str:
-    """The one message for a name that is not a family: every known name in catalog order
-    (``choosers``: and 'auto'/'auto-async'), and the closest names when some are close."""
-    known = NAMES + (AUTO if choosers else ())
+def unknown_schedule(name: object, also: tuple[str, ...] = ()) -> str:
+    """The one message for a name that is not a family: every family in catalog order, the
+    other names the caller accepts (``also``, e.g. 'auto'), and the closest when some are."""
     close = (
-        difflib.get_close_matches(name, known, n=2, cutoff=0.6) if isinstance(name, str) else []
+        difflib.get_close_matches(name, NAMES + also, n=2, cutoff=0.6)
+        if isinstance(name, str) else []
     )
     hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-    return f"unknown schedule {name!r}; known schedules: {', '.join(known)}{hint}"
+    more = f" (or {', '.join(map(repr, also))})" if also else ""
+    return f"unknown schedule {name!r}; known schedules: {', '.join(NAMES)}{more}{hint}"
 
 
 def lookup(name: object) -> Family | None:

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.schedule.catalog import ROWS, family, lookup
+from engine.schedule.auto import CHOOSERS
+from engine.schedule.catalog import ROWS, lookup, unknown_schedule
 from engine.schedule.ir import Kind, Schedule
 from engine.schedule.lower import add_comms, flushes_every_minibatch
 from engine.schedule.text import parse
@@ -102,7 +103,9 @@ def resolve_schedule(
             "schedule must be a family name such as 'pb', a engine.schedule.Schedule program "
             f"or its text form, got {type(schedule).__name__}"
         )
-    fam = family(schedule)
+    fam = lookup(schedule)
+    if fam is None:  # the pipeline also takes its choosers (engine/schedule/auto.py)
+        raise ValueError(unknown_schedule(schedule, also=CHOOSERS))
     if chunks is None:
         raise ValueError(f"schedule={schedule!r} needs chunks=M (micro-batches per step)")
     order = fam.check_order(order)
