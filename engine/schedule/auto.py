@@ -41,7 +41,7 @@ from engine.schedule.ir import Schedule
 from engine.schedule.simulate import Costs
 
 __all__ = ["AUTO_FACTS", "CHOOSERS", "Candidate", "Choice", "NoScheduleFits", "StageCosts",
-           "choose_schedule"]
+           "candidates", "choose_schedule", "pick"]
 
 #: the names Pipeline(schedule=...) accepts for a choice: synchronous families only, or any
 CHOOSERS: tuple[str, ...] = ("auto", "auto-async")
@@ -230,15 +230,31 @@ def choose_schedule(
     every rank (module docstring); :class:`NoScheduleFits` when none does."""
     if not costs:
         raise ValueError("choose_schedule needs the costs of at least one stage")
-    if memory_cap_bytes is not None and not (
-        isinstance(memory_cap_bytes, (int, float)) and not isinstance(memory_cap_bytes, bool)
-        and math.isfinite(memory_cap_bytes) and memory_cap_bytes > 0
-    ):
-        raise ValueError(f"memory_cap_bytes must be a positive number, got {memory_cap_bytes!r}")
+    _check_cap(memory_cap_bytes)
     tried, skipped = candidates(costs, chunks=chunks, ranks=ranks, asynchronous=asynchronous)
     if not tried:
         why = "; ".join(f"{n}: {w}" for n, w in skipped)
         raise ValueError(f"no family runs {len(costs)} stages with chunks={chunks}: {why}")
+    return pick(tried, memory_cap_bytes, skipped=skipped, asynchronous=asynchronous)
+
+
+def _check_cap(cap: object) -> None:
+    if cap is not None and not (
+        isinstance(cap, (int, float)) and not isinstance(cap, bool) and math.isfinite(cap)
+        and cap > 0
+    ):
+        raise ValueError(f"memory_cap_bytes must be a positive number, got {cap!r}")
+
+
+def pick(
+    tried: Sequence[Candidate],
+    memory_cap_bytes: float | None,
+    *,
+    skipped: Sequence[tuple[str, str]] = (),
+    asynchronous: bool = False,
+) -> Choice:
+    """Step 3 of the module docstring over simulated ``tried`` candidates."""
+    _check_cap(memory_cap_bytes)
     fits = [c for c in tried if memory_cap_bytes is None or c.peak <= memory_cap_bytes]
     if not fits:
         least = min(tried, key=lambda c: (c.peak, c.step_time))
