@@ -69,13 +69,14 @@ class Pipeline:
             integer ids and other tensors that need no gradient travel with the activations
             (engine/runtime/stage/trees.py).
         schedule: a family of the catalog (``engine.schedule.NAMES``; one row each in
-            engine/schedule/catalog.py): "naive", "gpipe", "1f1b", "zbh1" (synchronous:
-            gradients equal an unpipelined model's), "pipedream" (weight stashing), "2bw"
-            (double buffering), "pb" (pipelined backprop with live weights), and the
-            synchronous rank programs "interleaved" and "looped_bfs" (with
+            engine/schedule/catalog.py): the synchronous ones (gradients equal an unpipelined
+            model's) "naive", "gpipe", "1f1b", "zbh1", "interleaved" and "looped_bfs" (with
             ``virtual_stages``), "zbv", "vhalf", "vmin" and "dualpipev" (two stages per rank
-            as a V); or "auto" / "auto-async", the fastest (synchronous / any) family whose
-            predicted memory fits ``memory_cap_bytes`` (engine/schedule/auto.py); or a
+            as a V), and the asynchronous "pipedream" (weight stashing), "2bw" (double
+            buffering), "pb" (pipelined backprop with live weights); or "auto" / "auto-async",
+            the fastest (synchronous / any) family whose predicted memory per rank fits
+            ``memory_cap_bytes``, from the stages' costs profiled on ``sample`` or read from
+            ``balance_profile`` (engine/schedule/auto.py; refused under gloo/NCCL); or a
             schedule *program*: an :class:`engine.schedule.Schedule` or its text form (see
             ``engine.schedule.parse``), compute-only or with communication; it is lowered,
             validated and compiled once.

@@ -23,7 +23,7 @@ from dataclasses import replace
 
 from engine._checks import check_positive_int
 from engine.schedule.catalog import SCHEDULES, family
-from engine.schedule.ir import Action, Kind, Schedule
+from engine.schedule.ir import Action, Schedule
 from engine.schedule.simulate import unit_ticks
 from engine.schedule.streams import stage_ticks, truncate_ticks
 

@@ -27,9 +27,10 @@ Rules, in the order they are checked:
 6. Activation memory (micro-batches between F and B on a stage) stays within the bound of
    ALGORITHMS.md for the schedule: gpipe M; 1f1b, pipedream, 2bw (and pb in 1f1b order) S-s;
    pb in dataflow order 2(S-1-s)+1; naive 1; zbh1 min(M, S) (a split backward holds its
-   activations until W); zbv and dualpipev min(M, S-s), looped_bfs M (programs named and
-   ordered so, e.g. generated). Schedules with other names are checked
-   against ``activation_bounds`` only if given.
+   activations until W); zbv and dualpipev min(M, S-s), vmin and vhalf min(M, their block's
+   rank peak), looped_bfs M (programs named and ordered so, e.g. generated): the bound of the
+   family's catalog row. Schedules with other names are checked against
+   ``activation_bounds`` only if given.
 """
 
 from __future__ import annotations
