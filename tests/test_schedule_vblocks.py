@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 
 from engine.schedule import analyze, family, from_csv, generate, to_csv, validate, vhalf, vmin, zbv
-from engine.schedule.vblocks import VHALF_BLOCK, VMIN_BLOCK, block_peak, block_slots
+from engine.schedule.vblocks import vhalf_block, vmin_block, block_peak, block_slots
 
 BUILDERS = {"vmin": vmin, "vhalf": vhalf}
 #: the paper's peak, in micro-batches of one rank's layers (two V stages each)
 CLAIM = {"vmin": lambda R: (R + 4) // 3, "vhalf": lambda R: (R + 2) // 2}
 
 
-@pytest.mark.parametrize("block", [VMIN_BLOCK, VHALF_BLOCK], ids=["vmin", "vhalf"])
+@pytest.mark.parametrize("block", [vmin_block, vhalf_block], ids=["vmin", "vhalf"])
 def test_block_repeats_every_six_slots_without_collision(block) -> None:  # noqa: ANN001
     for R in range(1, 13):
         rows, gap = block_slots(block, R)
@@ -25,8 +25,8 @@ def test_block_repeats_every_six_slots_without_collision(block) -> None:  # noqa
         if gap:
             smaller = [block(R, r, gap - 1) for r in range(R)]
             assert any(len({t % 6 for t in row}) < 4 for row in smaller), (R, gap)
-    assert [block_slots(VMIN_BLOCK, R)[1] for R in (3, 4, 6)] == [2, 0, 2]
-    assert [block_slots(VHALF_BLOCK, R)[1] for R in (3, 4, 5)] == [0, 3, 0]
+    assert [block_slots(vmin_block, R)[1] for R in (3, 4, 6)] == [2, 0, 2]
+    assert [block_slots(vhalf_block, R)[1] for R in (3, 4, 5)] == [0, 3, 0]
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))
@@ -38,7 +38,7 @@ def test_peak_memory_is_the_papers(name: str) -> None:
         for M in (2 * R, 3 * R + 1):
             peaks = analyze(build(R, M)).rank_activation_peak
             assert min(peaks) == max(peaks) == 2 * CLAIM[name](R), (name, R, M, peaks)
-            assert max(peaks) == block_peak(VMIN_BLOCK if name == "vmin" else VHALF_BLOCK, R, M)
+            assert max(peaks) == block_peak(vmin_block if name == "vmin" else vhalf_block, R, M)
     for R in (4, 8):
         assert max(analyze(zbv(R, 2 * R)).rank_activation_peak) == 2 * R
     # p = 8, m = 16: 0.5x and 0.625x of 1F1B's R = 8 micro-batches of a rank's layers

@@ -46,7 +46,7 @@ from engine._checks import check_positive_int
 from engine.schedule import orders
 from engine.schedule.interleaved import interleaved
 from engine.schedule.ir import Schedule
-from engine.schedule.vblocks import VHALF_BLOCK, VMIN_BLOCK, block_peak, vhalf, vmin
+from engine.schedule.vblocks import vhalf_block, vmin_block, block_peak, vhalf, vmin
 from engine.schedule.vshape_orders import dualpipev, looped_bfs, zbv
 
 __all__ = [
@@ -331,10 +331,10 @@ ROWS: tuple[Family, ...] = (
            placement=V_SHAPE, program=zbv, bound=_flushed),
     Family("vhalf", True, ("vhalf",), "live", True, False,
            "V-Half: the V from a block of half 1F1B's activation lifespan", split_backward=True,
-           placement=V_SHAPE, program=vhalf, bound=_block(VHALF_BLOCK)),
+           placement=V_SHAPE, program=vhalf, bound=_block(vhalf_block)),
     Family("vmin", True, ("vmin",), "live", True, False,
            "V-Min: the V from the block of least lifespan, a third of 1F1B's activations",
-           split_backward=True, placement=V_SHAPE, program=vmin, bound=_block(VMIN_BLOCK)),
+           split_backward=True, placement=V_SHAPE, program=vmin, bound=_block(vmin_block)),
     Family("dualpipev", True, ("dualpipev",), "live", True, False,
            "DualPipeV: a forward overlapped with another's backward", split_backward=True,
            placement=V_SHAPE, program=dualpipev, bound=_flushed),

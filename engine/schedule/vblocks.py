@@ -15,7 +15,7 @@ bubble; the block's shape alone decides the memory:
 * **V-Half**: the forwards run every other slot down the V and back to back up it, the
   backwards every other slot down its second half and back to back up its first half (rank r:
   F at 2r and 3R-2-r, B at 3R-1+g+2r and 6R-2+g-r): peak (R+2)//2, with less bubble than
-  V-Min (the issue's table: about R/(2M) against V-Min's 2R/(3M) and 1F1B's R/M).
+  V-Min (the paper: bubble about R/(2M) against V-Min's 2R/(3M) and 1F1B's R/M).
 
 The gap g is the smallest that makes the block *repeat without collision* (on every rank its
 four F/B slots fall in distinct residues mod 6), found by search, not typed in: 2 for V-Min
@@ -45,7 +45,7 @@ from engine._checks import check_positive_int
 from engine.schedule.ir import Action, Kind, Schedule
 from engine.schedule.ranked import Unit, build, v_placement
 
-__all__ = ["VHALF_BLOCK", "VMIN_BLOCK", "Block", "block_peak", "block_slots", "vblock_rank_orders",
+__all__ = ["vhalf_block", "vmin_block", "Block", "block_peak", "block_slots", "vblock_rank_orders",
            "vhalf", "vmin"]
 
 #: one repetition of the block: six passes per rank (F, B, W of two stages)
@@ -57,12 +57,12 @@ _Key = tuple[int, Kind, int]  # (stage, kind, micro-batch)
 Block = Callable[[int, int, int], tuple[int, int, int, int]]
 
 
-def VMIN_BLOCK(R: int, r: int, g: int) -> tuple[int, int, int, int]:  # noqa: N802 - a constant
+def vmin_block(R: int, r: int, g: int) -> tuple[int, int, int, int]:
     """V-Min's block: forwards and backwards back to back (module docstring)."""
     return (r, 2 * R - 1 - r, 2 * R + g + r, 4 * R + g - 1 - r)
 
 
-def VHALF_BLOCK(R: int, r: int, g: int) -> tuple[int, int, int, int]:  # noqa: N802 - a constant
+def vhalf_block(R: int, r: int, g: int) -> tuple[int, int, int, int]:
     """V-Half's block: every other slot on one half of the V each way (module docstring)."""
     return (2 * r, 3 * R - 2 - r, 3 * R - 1 + g + 2 * r, 6 * R - 2 + g - r)
 
@@ -71,9 +71,8 @@ def block_slots(block: Block, ranks: int) -> tuple[tuple[tuple[int, int, int, in
     """``block`` on R = ``ranks``: per rank its four F/B slots for micro-batch 0, with the
     smallest gap g that makes the block repeat every 6 slots without collision."""
     R = check_positive_int("ranks", ranks, "a pipeline needs at least one rank")
-    rule = block
     for g in range(INTERVAL * 2):
-        rows = tuple(rule(R, r, g) for r in range(R))
+        rows = tuple(block(R, r, g) for r in range(R))
         if all(len({t % INTERVAL for t in row}) == len(row) for row in rows):
             return rows, g
     raise AssertionError(f"no collision-free gap for block {block.__name__} on {R} ranks")
@@ -209,9 +208,9 @@ def _build(name: str, block: Block, ranks: int, chunks: int, steps: int) -> Sche
 
 def vmin(ranks: int, chunks: int, steps: int = 1) -> Schedule:
     """V-Min on R = ``ranks`` ranks (2R stages as a V), M = ``chunks``, T = ``steps``."""
-    return _build("vmin", VMIN_BLOCK, ranks, chunks, steps)
+    return _build("vmin", vmin_block, ranks, chunks, steps)
 
 
 def vhalf(ranks: int, chunks: int, steps: int = 1) -> Schedule:
     """V-Half on R = ``ranks`` ranks (2R stages as a V), M = ``chunks``, T = ``steps``."""
-    return _build("vhalf", VHALF_BLOCK, ranks, chunks, steps)
+    return _build("vhalf", vhalf_block, ranks, chunks, steps)
