@@ -83,7 +83,7 @@ def _load(args: argparse.Namespace):  # noqa: ANN202
             return from_csv(path, name=path.stem.replace(" ", "_") or "csv", drop_fsdp=args.drop_fsdp)
         return parse(path.read_text())
     if row is None:
-        raise CLIError(f"{unknown_schedule(name)}; or give a .csv or text-form file")
+        raise CLIError(unknown_schedule(name, note="or give a .csv or text-form file"))
     if args.virtual_stages is not None and not row.takes_virtual_stages:
         raise CLIError(f"--virtual-stages is only for {_TAKE_V}, not {name!r}")
     if row.is_program:

@@ -85,7 +85,7 @@ class Candidate:
     def label(self) -> str:
         what = self.family + (f" (order {self.order})" if self.order else "")
         v = f", v={self.virtual_stages}" if self.virtual_stages else ""
-        return f"{what} on {self.ranks} ranks{v}"
+        return f"{what} on {self.ranks} rank{'s' if self.ranks != 1 else ''}{v}"
 
 
 @dataclass(frozen=True)

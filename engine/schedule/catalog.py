@@ -73,9 +73,6 @@ class Placement:
     per_rank: int | None
     rule: str
 
-    def ranks(self, stages: int, virtual_stages: int) -> int:
-        return stages // (self.per_rank or virtual_stages)
-
 
 ONE_PER_RANK = Placement("one per rank", 1, "stage s on rank s")
 V_SHAPE = Placement("V, 2 per rank", 2, "rank r holds stages r and 2R-1-r")
@@ -235,6 +232,8 @@ class Family:
         """The program over ``stages`` stage modules, checking the pipeline's options: k = M,
         no foreign order, v (round-robin: required, >= 2, dividing ``stages``; the V: 2)."""
         name = self.name
+        if self.program is None:
+            raise ValueError(f"schedule {name!r} is a per-stage stream family, not a program")
         if self.takes_virtual_stages:
             v = virtual_stages
             if v is None:
@@ -266,7 +265,6 @@ class Family:
                 f"(M={chunks}), got {update_size}; drop update_size"
             )
         self.check_order(order)
-        assert self.program is not None
         return self.rank_program(stages // v, chunks, steps, v if self.takes_virtual_stages else None)
 
 
@@ -366,15 +364,17 @@ PROGRAM_FAMILIES: dict[str, tuple[str, str]] = {
 }
 
 
-def unknown_schedule(name: object, also: tuple[str, ...] = ()) -> str:
+def unknown_schedule(name: object, also: tuple[str, ...] = (), note: str = "") -> str:
     """The one message for a name that is not a family: every family in catalog order, the
-    other names the caller accepts (``also``, e.g. 'auto'), and the closest when some are."""
+    other names the caller accepts (``also``, e.g. 'auto') and what else it takes (``note``),
+    and the closest names when some are close."""
     close = (
         difflib.get_close_matches(name, NAMES + also, n=2, cutoff=0.6)
         if isinstance(name, str) else []
     )
     hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
     more = f" (or {', '.join(map(repr, also))})" if also else ""
+    more += f"; {note}" if note else ""
     return f"unknown schedule {name!r}; known schedules: {', '.join(NAMES)}{more}{hint}"
 
 
