@@ -57,6 +57,8 @@ def _rows(path: Path) -> list[dict[str, str]]:
         ["--schedule", "1f1b"],
         ["--schedule", "pipedream"],
         ["--schedule", "2bw"],
+        ["--schedule", "vmin"],
+        ["--schedule", "looped_bfs", "--virtual-stages", "2"],
         ["--schedule", "pb", "--spike-compensation", "--prediction", "lwp"],
         ["--schedule", "pb", "--prediction", "spectrain"],
         ["--schedule", "pb", "--pipemare-lr", "--discrepancy-correction"],

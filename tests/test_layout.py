@@ -2,7 +2,7 @@
 (function-level imports included; counting type-only imports, no more circles than recorded),
 no module found through ``sys.modules`` or ``__import__``, files of a few hundred lines, every
 public error reachable as ``engine.<Name>`` from the one leaf module ``engine.errors``, no
-schedule name decoded outside ``engine.schedule``, and every failure note an ``Outcome``.
+schedule name decoded outside the catalog, and every failure note an ``Outcome``.
 Each fact-gate has a twin test feeding it a bad sample, so a gate that cannot fail shows."""
 
 from __future__ import annotations
@@ -321,11 +321,14 @@ def test_every_public_error_is_reachable_from_engine() -> None:
 
 
 def _family_names() -> frozenset[str]:
-    """Every built-in schedule name: the catalog's rows and the per-rank program builders."""
+    """Every built-in schedule name: the catalog's rows."""
     from engine.schedule import catalog
-    from engine.schedule.interleaved import NAME
 
-    return frozenset({*catalog.SCHEDULES, NAME, *getattr(catalog, "PROGRAM_FAMILIES", ())})
+    return frozenset(catalog.NAMES)
+
+
+#: the one module that reads family names: the catalog, where each row is defined
+CATALOG = "engine.schedule.catalog"
 
 
 def _strings(node: ast.AST) -> set[str]:
@@ -342,14 +345,28 @@ def _named_weights(node: ast.AST) -> bool:
     )
 
 
+def _export_lists(tree: ast.AST) -> set[int]:
+    """ids of the collections assigned to ``__all__`` (function names that share a family's
+    name, such as ``zbv``, are exported, not decoded)."""
+    return {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+    }
+
+
 def schedule_name_decoding(source: str, names: frozenset[str]) -> list[str]:
     """Where ``source`` decodes a schedule name by hand: a comparison with a family-name
     literal, or a hand-written collection of two or more family names (a subset that drifts,
     like the ``SYNC_SCHEDULES`` that lacked zbh1). The catalog answers those questions
     (engine/schedule/catalog.py). A comparison with a value named ``weights`` compares the IR
-    weight policy, whose ``"2bw"`` shares a family's name."""
+    weight policy, whose ``"2bw"`` shares a family's name; ``__all__`` lists exports. A dict
+    keyed by two or more family names is a second registry and counts too."""
+    tree = ast.parse(source)
+    exports = _export_lists(tree)
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
             if any(_named_weights(x) for x in sides):
@@ -357,19 +374,29 @@ def schedule_name_decoding(source: str, names: frozenset[str]) -> list[str]:
             if any(_strings(x) & names for x in sides):
                 found.append(f"{node.lineno}: {ast.unparse(node)}")
         elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(_strings(node) & names) >= 2:
-            found.append(f"{node.lineno}: {ast.unparse(node)}")
+            if id(node) not in exports:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Dict):  # a table keyed by family names: a second registry
+            keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+            if len(keys & names) >= 2:
+                found.append(f"{node.lineno}: {ast.unparse(node)[:80]}")
     return sorted(set(found))
 
 
-def test_only_the_schedule_package_decodes_schedule_names() -> None:
-    names = _family_names()
-    offenders = {
+def name_decoders(modules: dict[str, str], names: frozenset[str]) -> dict[str, list[str]]:
+    """The modules (name -> source) other than the catalog that decode a family name."""
+    return {
         name: hits
-        for name, path in _modules().items()
-        if not name.startswith("engine.schedule")
-        if (hits := schedule_name_decoding(path.read_text(), names))
+        for name, source in modules.items()
+        if name != CATALOG
+        if (hits := schedule_name_decoding(source, names))
     }
-    assert offenders == {}, "ask engine.schedule.catalog.family(name) instead"
+
+
+def test_only_the_catalog_decodes_schedule_names() -> None:
+    """The generators, the resolver, the runtime, the CLI and the partitioner ask the row."""
+    sources = {name: path.read_text() for name, path in _modules().items()}
+    assert name_decoders(sources, _family_names()) == {}, "ask engine.schedule.catalog.family(name)"
 
 
 def test_schedule_name_gate_can_fail() -> None:
@@ -379,10 +406,19 @@ def test_schedule_name_gate_can_fail() -> None:
         'tie = cfg.schedule in ("naive", "gpipe")\n'
         'if schedule == "2bw":\n    pass\n'
         'k = 1 if name != "pb" else 2\n'
+        'BUILD = {"zbv": zbv, "vmin": vmin}\n'
     )
-    assert {h.split(":")[0] for h in schedule_name_decoding(bad, names)} == {"1", "2", "3", "5"}
-    fine = 'tie = family(cfg.schedule).synchronous\nif spec.weights == "2bw":\n    pass\n'
+    assert {h.split(":")[0] for h in schedule_name_decoding(bad, names)} == {"1", "2", "3", "5", "6"}
+    fine = (
+        'tie = family(cfg.schedule).synchronous\nif spec.weights == "2bw":\n    pass\n'
+        '__all__ = ["zbv", "vmin", "vhalf"]\n'
+    )
     assert schedule_name_decoding(fine, names) == []
+    # a module inside engine.schedule (the generators' own package) is caught as well; the
+    # catalog itself is the one place that may compare names
+    inside = 'def build(name):\n    return zbv() if name == "zbv" else vmin()\n'
+    found = name_decoders({"engine.schedule.vshape": inside, CATALOG: inside}, names)
+    assert list(found) == ["engine.schedule.vshape"]
 
 
 def note_kinds_outside_the_enum(source: str, members: set[str], may_write: bool) -> list[str]:

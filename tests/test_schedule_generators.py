@@ -109,7 +109,8 @@ def test_one_f_one_b_warm_up() -> None:
         (
             dict(name="zb-h1", stages=2, chunks=2),
             ValueError,
-            "unknown schedule 'zb-h1'; known schedules: naive, gpipe, 1f1b, zbh1, pipedream, 2bw, pb",
+            "unknown schedule 'zb-h1'; known schedules: naive, gpipe, 1f1b, zbh1, interleaved, "
+            "looped_bfs, zbv, vhalf, vmin, dualpipev, pipedream, 2bw, pb; did you mean 'zbh1'",
         ),
         (
             dict(name="gpipe", stages=2, chunks=2, order="dataflow"),

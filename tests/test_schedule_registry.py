@@ -3,6 +3,10 @@ subsets mean what their names say."""
 
 from __future__ import annotations
 
+import argparse
+import re
+from pathlib import Path
+
 import pytest
 from schedules import (
     ALL,
@@ -18,7 +22,9 @@ from schedules import (
     variant,
 )
 
-from engine.schedule.catalog import FAMILIES, SCHEDULES, SYNCHRONOUS
+from engine.cli.config import SCHEDULES as CLI
+from engine.cli.schedule import add_arguments
+from engine.schedule.catalog import FAMILIES, NAMES, SCHEDULES, SYNCHRONOUS
 
 
 def test_subsets_partition_the_catalog() -> None:
@@ -39,3 +45,21 @@ def test_variants_cover_every_order() -> None:
     with pytest.raises(ValueError, match="not a schedule variant"):
         variant("pb-sideways")
     assert chunks_for("2bw", 4, 2) == 4 and chunks_for("pb", 4, 2) == 2
+
+
+def test_one_list_of_names_everywhere() -> None:
+    """The API's error, the command line, README and ALGORITHMS.md list the catalog's families
+    in the catalog's order (the API's message: tests/test_schedule_auto.py)."""
+    root = Path(__file__).resolve().parents[1]
+    readme = root.joinpath("README.md").read_text()
+    listed = readme.split("same thirteen in the same order):", 1)[1].split("; or", 1)[0]
+    assert tuple(re.findall(r"`([\w-]+)`", listed)) == NAMES
+    algorithms = root.joinpath("docs", "ALGORITHMS.md").read_text()
+    table = algorithms.split("## Schedules (what runs when)", 1)[1].split("\n\n", 2)[1]
+    rows = list(dict.fromkeys(re.findall(r"^\| `([\w-]+)`", table, flags=re.M)))
+    assert tuple(rows) == NAMES
+    assert CLI[: len(NAMES)] == NAMES and CLI[len(NAMES):] == ("auto",)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    name_help = next(a.help for a in p._actions if a.dest == "name")
+    assert ", ".join(NAMES) in name_help

@@ -12,7 +12,7 @@ import pytest
 
 from engine.schedule import Action, ScheduleError, generate, interleaved, validate
 from engine.schedule.tdp import from_csv, to_csv
-from engine.schedule.vshape import dualpipev, looped_bfs, zbv
+from engine.schedule.vshape import dualpipev, looped_bfs, vhalf, vmin, zbv
 
 torch = pytest.importorskip("torch")
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
@@ -85,9 +85,10 @@ def test_fsdp_cells_are_refused_naming_the_cell(tmp_path: Path) -> None:
         lambda: dualpipev(3, 7), lambda: looped_bfs(2, 2, 4), lambda: interleaved(2, 2, 4),
         lambda: interleaved(4, 2, 8), lambda: generate("1f1b", 4, 8),
         lambda: generate("zbh1", 3, 5), lambda: generate("gpipe", 2, 3),
+        lambda: vmin(4, 8), lambda: vmin(3, 5), lambda: vhalf(4, 8), lambda: vhalf(3, 5),
     ],
     ids=["zbv-2-4", "zbv-4-8", "zbv-3-2", "dpv-2-4", "dpv-3-7", "bfs", "int-2", "int-4", "1f1b",
-         "zbh1", "gpipe"],
+         "zbh1", "gpipe", "vmin-4-8", "vmin-3-5", "vhalf-4-8", "vhalf-3-5"],
 )
 @pytest.mark.parametrize("fmt", ["compute_only", "compute_comms"])
 def test_ours_round_trip_to_the_identical_program(make, fmt: str, tmp_path: Path) -> None:  # noqa: ANN001
@@ -100,8 +101,9 @@ def test_ours_round_trip_to_the_identical_program(make, fmt: str, tmp_path: Path
 
 @pytest.mark.parametrize("fmt", ["compute_only", "compute_comms"])
 @pytest.mark.parametrize("make", [lambda: zbv(2, 4), lambda: dualpipev(2, 6),
-                                  lambda: looped_bfs(2, 2, 4), lambda: interleaved(2, 2, 4)],
-                         ids=["zbv", "dualpipev", "looped_bfs", "interleaved"])
+                                  lambda: looped_bfs(2, 2, 4), lambda: interleaved(2, 2, 4),
+                                  lambda: vmin(3, 6), lambda: vhalf(2, 4)],
+                         ids=["zbv", "dualpipev", "looped_bfs", "interleaved", "vmin", "vhalf"])
 def test_ours_load_into_torch_runtime(make, fmt: str, tmp_path: Path) -> None:  # noqa: ANN001
     ours = make()
     path = tmp_path / "ours.csv"

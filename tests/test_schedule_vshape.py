@@ -22,6 +22,8 @@ from engine.schedule import (
     parse,
     to_csv,
     validate,
+    vhalf,
+    vmin,
     zbv,
 )
 from engine.schedule.render import describe, timeline_figure
@@ -34,6 +36,8 @@ CASES = {
     "zbv-R2-M4": lambda: zbv(2, 4), "zbv-R4-M8": lambda: zbv(4, 8),
     "dualpipev-R2-M4": lambda: dualpipev(2, 4), "dualpipev-R4-M8": lambda: dualpipev(4, 8),
     "looped_bfs-R2-v2-M4": lambda: looped_bfs(2, 2, 4),
+    "vmin-R2-M4": lambda: vmin(2, 4), "vmin-R4-M8": lambda: vmin(4, 8),
+    "vhalf-R2-M4": lambda: vhalf(2, 4), "vhalf-R4-M8": lambda: vhalf(4, 8),
 }
 
 

@@ -33,12 +33,13 @@ from dataclasses import dataclass
 
 from engine.cli import CLIError
 from engine.mitigations import WEIGHT_PREDICTIONS
-from engine.schedule.catalog import FAMILIES, SYNCHRONOUS, Family, family
-from engine.schedule.catalog import SCHEDULES as _CATALOG
+from engine.schedule.auto import AUTO_FACTS
+from engine.schedule.catalog import NAMES, ROWS, Family, family, unknown_schedule
 from engine.runtime.build.config import DEFAULT_CHECKPOINT
 
 __all__ = [
     "SCHEDULES",
+    "schedule_facts",
     "PREDICTIONS",
     "TASKS",
     "TASK_DEFAULTS",
@@ -47,8 +48,14 @@ __all__ = [
     "check_config",
 ]
 
-#: every schedule family of the catalog (a new family is trainable from the command line)
-SCHEDULES: tuple[str, ...] = _CATALOG
+#: every schedule family of the catalog, in its order (a new family is trainable from the command
+#: line), then 'auto': the fastest synchronous family whose predicted memory fits --memory-cap
+SCHEDULES: tuple[str, ...] = NAMES + (AUTO_FACTS.name,)
+
+
+def schedule_facts(name: str) -> Family:
+    """The catalog row of ``name``; for 'auto', the facts every synchronous choice shares."""
+    return AUTO_FACTS if name == AUTO_FACTS.name else family(name)
 #: --prediction's choices: the pipeline's weight predictions (engine.mitigations)
 PREDICTIONS: tuple[str, ...] = WEIGHT_PREDICTIONS
 OPTIMIZERS = ("sgd", "adam", "adamw", "nadam", "muon", "basis-rotation")
@@ -75,6 +82,8 @@ class TrainConfig:
     batch_size: int = 1
     update_size: int | None = None
     order: str | None = None
+    virtual_stages: int | None = None
+    memory_cap: float | None = None
     optimizer: str = "sgd"
     lr: float = 0.03
     momentum: float = 0.9
@@ -105,7 +114,7 @@ class TrainConfig:
 
     def samples_per_update(self) -> int:
         """B: samples whose gradients one optimizer step applies."""
-        if family(self.schedule).per_minibatch:
+        if schedule_facts(self.schedule).per_minibatch:
             k = self.chunks
         else:
             k = self.update_size or 1
@@ -176,7 +185,7 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.dataset not in DATASETS:
         raise CLIError(f"unknown dataset {cfg.dataset!r}; choose one of {', '.join(DATASETS)}")
     if cfg.schedule not in SCHEDULES:
-        raise CLIError(f"unknown schedule {cfg.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        raise CLIError(unknown_schedule(cfg.schedule, also=(AUTO_FACTS.name,)))
     try:
         even_balance(cfg.layers, cfg.stages)
     except ModelError as exc:
@@ -200,8 +209,8 @@ def check_config(cfg: TrainConfig) -> None:
         ("--order", cfg.order is not None, _chooses_order),
         ("--update-size", cfg.update_size is not None, _free_update_size),
     ):
-        if on and not applies(family(cfg.schedule)):
-            names = " and ".join(n for n, f in FAMILIES.items() if applies(f))
+        if on and not applies(schedule_facts(cfg.schedule)):
+            names = " and ".join(f.name for f in ROWS if applies(f))
             why = (
                 f", which updates once per {cfg.chunks} --chunks micro-batches"
                 if applies is _free_update_size
@@ -210,6 +219,16 @@ def check_config(cfg: TrainConfig) -> None:
             raise CLIError(
                 f"{flag} applies to --schedule {names} only (got --schedule {cfg.schedule}{why})"
             )
+    row = schedule_facts(cfg.schedule)
+    if cfg.virtual_stages is not None and not row.takes_virtual_stages:
+        takes = " and ".join(f.name for f in ROWS if f.takes_virtual_stages)
+        raise CLIError(f"--virtual-stages applies to --schedule {takes} only (got --schedule "
+                       f"{cfg.schedule})")
+    if cfg.memory_cap is not None:
+        if row is not AUTO_FACTS:
+            raise CLIError(f"--memory-cap applies to --schedule auto only (got --schedule {cfg.schedule})")
+        if not (math.isfinite(cfg.memory_cap) and cfg.memory_cap > 0):
+            raise CLIError(f"--memory-cap {cfg.memory_cap} must be a positive number of bytes")
     if cfg.checkpoint_every is not None and cfg.checkpoint_every < 1:
         raise CLIError(f"--checkpoint-every {cfg.checkpoint_every} must be >= 1 (steps)")
     if cfg.pipemare_warmup is not None and cfg.pipemare_warmup < 0:
@@ -241,14 +260,14 @@ def _check_delay_compensation(cfg: TrainConfig) -> None:
         raise CLIError(f"--delay-compensation {lam} must be a finite number >= 0 (0: off)")
     if not lam:
         return
-    if cfg.schedule in SYNCHRONOUS:
+    if schedule_facts(cfg.schedule).synchronous:
         raise CLIError(f"--delay-compensation compensates delayed gradients; --schedule "
-                       f"{cfg.schedule} has no delay (use {', '.join(n for n in _CATALOG if n not in SYNCHRONOUS)})")
+                       f"{cfg.schedule} has no delay (use {', '.join(f.name for f in ROWS if not f.synchronous)})")
     if cfg.optimizer == "muon":
         raise CLIError("--delay-compensation applies to --optimizer sgd, adam, adamw and nadam; "
                        "engine.optim.Muon has no delay compensation (its gradient is "
                        "orthogonalised after momentum, which the correction's derivation does not cover)")
-    if family(cfg.schedule).live_async and not cfg.discrepancy_correction:
+    if schedule_facts(cfg.schedule).live_async and not cfg.discrepancy_correction:
         raise CLIError("--delay-compensation with --schedule pb needs --discrepancy-correction "
                        "(PipeMare T2's backward weights give the gradient the lag it removes)")
 

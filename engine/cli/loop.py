@@ -30,9 +30,11 @@ from typing import Any
 
 from engine.cli import CLIError, CLIFailure
 from engine.cli.config import TrainConfig, check_config
+from engine.schedule.auto import AUTO_FACTS
 from engine.cli.runlog import (
     CHECKPOINT_FILE,
     METRICS_FILE,
+    STAGE_COSTS_FILE,
     commit_epoch,
     read_metrics,
     read_state,
@@ -124,9 +126,12 @@ def _steps_per_epoch(cfg: TrainConfig, n_train: int) -> int:
 
 
 def build_pipeline(
-    cfg: TrainConfig, num_features: int, num_classes: int, updates_per_epoch: int
+    cfg: TrainConfig, num_features: int, num_classes: int, updates_per_epoch: int,
+    sample: Any = None,
 ) -> tuple[Any, list[Any], _AccuracyLoss]:
     """(pipeline, stage modules, loss) for ``cfg``; the stage modules stay usable for eval.
+    ``sample`` (one micro-batch of inputs) is what ``--schedule auto`` profiles the stages on;
+    their costs are kept in ``--out`` (stage_costs.json), so a resumed run chooses the same.
 
     The stages come from ``engine.partition.split_sequential``, so they keep the model's layer
     names: stage 1's first tensor is ``"2.…"`` at 16 layers in 8 stages, not ``"0.…"``, and a
@@ -136,7 +141,7 @@ def build_pipeline(
 
     import engine
     from engine.models import even_balance, gpt, residual_mlp, split_layers
-    from engine.schedule.catalog import family
+    from engine.cli.config import schedule_facts
 
     torch.manual_seed(cfg.seed)
     if cfg.task == "lm":  # tied head on every schedule (asynchronous ones: runtime/build/tie_carry.py)
@@ -179,6 +184,14 @@ def build_pipeline(
             return engine.optim.PipeMareLR(o, warm)
 
     loss = _AccuracyLoss()
+    facts = schedule_facts(cfg.schedule)
+    choose: dict[str, Any] = {}
+    if facts.takes_virtual_stages:
+        choose["virtual_stages"] = cfg.virtual_stages or 2
+    if facts is AUTO_FACTS:  # the chooser profiles the stages once per --out
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+        choose.update(sample=sample, memory_cap_bytes=cfg.memory_cap,
+                      balance_profile=str(Path(cfg.out) / STAGE_COSTS_FILE))
     pipe = engine.Pipeline(
         modules,
         schedule=cfg.schedule,
@@ -186,8 +199,9 @@ def build_pipeline(
         loss_fn=loss,
         optimizer=make_optimizer,
         checkpoint=cfg.checkpoint,
-        update_size=None if family(cfg.schedule).per_minibatch else cfg.update_size,
+        update_size=None if facts.per_minibatch else cfg.update_size,
         order=cfg.order,
+        **choose,
         weight_prediction=cfg.prediction,
         discrepancy_correction=cfg.discrepancy_correction or None,
         correction_decay=cfg.correction_decay,
@@ -277,10 +291,13 @@ def train(
     updates_per_epoch = max(1, mbs_per_epoch * cfg.batch_size // cfg.samples_per_update())
     try:
         pipe, modules, loss_fn = build_pipeline(
-            cfg, data.num_features, data.num_classes, updates_per_epoch
+            cfg, data.num_features, data.num_classes, updates_per_epoch,
+            sample=data.train_x[: cfg.batch_size],
         )
     except ValueError as exc:  # PipelineConfigError: an invalid option combination
         raise CLIError(str(exc)) from None
+    if pipe.schedule_choice is not None:  # the run's first line: what auto chose and why
+        print(pipe.schedule_choice.reason(), flush=True)
     lr, momentum = cfg.effective_hparams()
     result = TrainResult(cfg, lr=lr, momentum=momentum)
     result.stage_param_bytes = [

@@ -40,6 +40,8 @@ __all__ = [
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
 STATE_FILE = "train_state.json"
+#: --schedule auto: the stage costs it chose from, reused by a resumed run
+STAGE_COSTS_FILE = "stage_costs.json"
 METRICS_FILE = "metrics.csv"
 METRIC_FIELDS = (
     "epoch",

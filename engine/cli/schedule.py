@@ -8,8 +8,9 @@ row per stage, cut into blocks of tick columns that fit ``--width``) and the ana
 (per-stage delays, weight versions, activation peak, bubble fraction; per rank the bubble
 ratio and activation peak when ranks hold several stages).
 
-NAME is a catalog family (``1f1b``, ``pb``, ...), a rank-program family (``interleaved``,
-``zbv``, ``dualpipev``, ``looped_bfs``; ``--stages`` then counts ranks) or a file: a TDP CSV
+NAME is a family of the catalog (``engine.schedule.catalog.NAMES``: per-stage families such as
+``1f1b`` or ``pb``, and the rank-program families ``interleaved``, ``zbv``, ``vhalf``, ``vmin``,
+``dualpipev``, ``looped_bfs``, for which ``--stages`` counts ranks) or a file: a TDP CSV
 (``.csv``, as torch.distributed.pipelining, torchtitan and NeMo read them) or the text form.
 """
 
@@ -21,28 +22,27 @@ import textwrap
 from pathlib import Path
 
 from engine.cli import CLIError
-from engine.schedule.catalog import PROGRAM_FAMILIES
-from engine.schedule.catalog import SCHEDULES as NAMES  # the catalog is torch-free
-from engine.schedule.vshape import TAKES_VIRTUAL_STAGES
+from engine.schedule.catalog import NAMES, ROWS, lookup, unknown_schedule  # torch-free
 
 __all__ = ["add_arguments", "run", "wrap_schedule_text"]
 
-PROGRAMS = tuple(PROGRAM_FAMILIES)
+_PROGRAMS = ", ".join(f.name for f in ROWS if f.is_program)
+_TAKE_V = " and ".join(f.name for f in ROWS if f.takes_virtual_stages)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "name",
-        help=f"schedule: one of {', '.join(NAMES + PROGRAMS)}, or a file (.csv: TDP's CSV, "
+        help=f"schedule: one of {', '.join(NAMES)}, or a file (.csv: TDP's CSV, "
         "else the text form)",
     )
     p.add_argument(
         "-S", "--stages", type=int, default=4,
-        help="pipeline stages; ranks for interleaved, zbv, dualpipev, looped_bfs (default 4)",
+        help=f"pipeline stages; ranks for {_PROGRAMS} (default 4)",
     )
     p.add_argument(
         "-v", "--virtual-stages", type=int, default=None,
-        help="interleaved and looped_bfs: stages per rank (default 2)",
+        help=f"{_TAKE_V}: stages per rank (default 2)",
     )
     p.add_argument(
         "-M", "--chunks", type=int, default=8, help="micro-batches per mini-batch (default 8)"
@@ -72,29 +72,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _load(args: argparse.Namespace):  # noqa: ANN202
     from engine.schedule import from_csv, generate, parse
-    from engine.schedule.vshape import rank_program
 
     name = args.name
     path = Path(name)
-    if name not in NAMES + PROGRAMS and (path.suffix or path.exists()):
+    row = lookup(name)
+    if row is None and (path.suffix or path.exists()):
         if not path.is_file():
             raise CLIError(f"no schedule file {name!r} (and no schedule family of that name)")
         if path.suffix.lower() == ".csv":
             return from_csv(path, name=path.stem.replace(" ", "_") or "csv", drop_fsdp=args.drop_fsdp)
         return parse(path.read_text())
-    if name not in NAMES + PROGRAMS:
-        raise CLIError(
-            f"unknown schedule {name!r}; choose one of {', '.join(NAMES + PROGRAMS)} or give a "
-            ".csv or text-form file"
-        )
-    if args.virtual_stages is not None and name not in TAKES_VIRTUAL_STAGES:
-        raise CLIError(
-            f"--virtual-stages is only for {' and '.join(TAKES_VIRTUAL_STAGES)}, not {name!r}"
-        )
-    if name in PROGRAMS:
+    if row is None:
+        raise CLIError(unknown_schedule(name, note="or give a .csv or text-form file"))
+    if args.virtual_stages is not None and not row.takes_virtual_stages:
+        raise CLIError(f"--virtual-stages is only for {_TAKE_V}, not {name!r}")
+    if row.is_program:
         if args.update_size is not None or args.order is not None:
             raise ValueError(f"{name} takes neither --update-size nor --order")
-        return rank_program(name, args.stages, args.chunks, args.steps, args.virtual_stages)
+        return row.rank_program(args.stages, args.chunks, args.steps, args.virtual_stages)
     order = None if args.order == "dataflow" else args.order
     return generate(name, args.stages, args.chunks, args.steps, args.update_size, order)
 

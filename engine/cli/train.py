@@ -214,7 +214,21 @@ def add_hparam_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
-    p.add_argument("--schedule", default="pb", help=f"one of {', '.join(SCHEDULES)} (default pb)")
+    p.add_argument(
+        "--schedule", default="pb",
+        help=f"one of {', '.join(SCHEDULES)} (default pb); auto: the fastest synchronous family "
+        "whose predicted memory per rank fits --memory-cap (stage costs profiled once and kept "
+        "in --out)",
+    )
+    p.add_argument(
+        "--virtual-stages", type=_positive("--virtual-stages"), default=None,
+        help="interleaved and looped_bfs: stages per rank v (default 2)",
+    )
+    p.add_argument(
+        "--memory-cap", type=float, default=None, metavar="BYTES",
+        help="--schedule auto: the most bytes a rank may hold (weights, gradients, optimizer "
+        "state, saved activations)",
+    )
     p.add_argument(
         "--stages", type=_positive("--stages"), default=None,
         help=f"pipeline stages S (default {_per_task('stages')})",

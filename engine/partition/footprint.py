@@ -1,9 +1,9 @@
 """What each stage holds under each schedule: weight versions and micro-batches of activations.
 
-Why this is its own file: it is a property of the **schedules**, not of the solver. It changes
-when a schedule is added or its memory behaviour changes, and it is meant to move into one
-schedule catalog (with ``engine.schedule``'s names and ``validate``'s activation bound) without
-taking the cost model or the solver along. It needs neither torch nor the rest of the package.
+Why this is its own file: it is a property of the **schedules**, not of the solver: the
+counts are the rows of the schedule catalog (:mod:`engine.schedule.catalog`, which the
+validator reads too), turned into the per-stage pairs the cost model takes. It needs neither
+torch nor the rest of the package.
 
 What a stage holds depends on the **schedule** and on the stage's **position**: PipeDream
 stashes S-s weight versions at stage s, 2BW keeps two, GPipe keeps the activations of all M
@@ -42,12 +42,25 @@ def stage_footprint(
     pipedream  S-s            S-s (async: never drains)
     2bw        2              S-s (needs M >= S)
     pb         1              2(S-1-s)+1 (dataflow), S-s (``order="1f1b"``)
+    zbh1       1              min(M, S)
+    zbv        1              min(M, S-s) (S = 2R stages as a V)
+    vhalf      1              min(M, 2((R+2)//2)): the rank's peak
+    vmin       1              min(M, 2((R+4)//3)): the rank's peak
     ========== ============== ========================
+
+    A family whose row states no per-stage bound (interleaved) is refused.
     """
     fam = family(schedule)
     order = fam.check_order(order)
     fam.check(stages, chunks, None)
-    return [
-        (fam.weight_versions(stages, s), fam.activation_bound(stages, s, chunks, order))
-        for s in range(stages)
-    ]
+    out = []
+    for s in range(stages):
+        held = fam.activation_bound(stages, s, chunks, order)
+        if held is None:
+            raise ValueError(
+                f"schedule {schedule!r} states no per-stage activation bound to partition "
+                "under; partition for a family that does (e.g. '1f1b') and run it with these "
+                "layer counts"
+            )
+        out.append((fam.weight_versions(stages, s), held))
+    return out

@@ -78,7 +78,9 @@ def profile_layers(
         raise TypeError(f"sample must be a tensor (one micro-batch), got {type(sample).__name__}")
     repeats = check_positive_int("repeats", repeats, "measure at least once")
     dev = torch.device(device) if device is not None else sample.device
-    x: Tensor = sample.detach().to(dev)
+    # a copy of its own: a micro-batch cut from a larger batch (x[:8]) is a view whose storage
+    # is the whole batch, which the byte count (distinct storages) would charge to layer 0
+    x: Tensor = sample.detach().to(dev).clone()
     x.requires_grad_(sample.requires_grad)
     out_costs: list[LayerCost] = []
     rng_devices = [dev] if dev.type == "cuda" else []

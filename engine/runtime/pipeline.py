@@ -34,7 +34,8 @@ from engine.runtime.build.config import DEFAULT_CHECKPOINT, PipelineConfig, chec
 from engine.runtime.parts import BuildRequest, PipelineParts
 from engine.runtime.build.step_features import StepFeatures, check_step_features
 from engine.runtime.state.throughput import StepMeter, batch_size
-from engine.schedule.catalog import FAMILIES
+from engine.schedule.auto import CHOOSERS, Choice
+from engine.schedule.catalog import lookup
 from engine.schedule.spec import ScheduleSpec
 
 if TYPE_CHECKING:
@@ -67,12 +68,18 @@ class Pipeline:
             leaf carries a gradient back only when it requires grad at the producer; masks,
             integer ids and other tensors that need no gradient travel with the activations
             (engine/runtime/stage/trees.py).
-        schedule: a family name -- "naive", "gpipe", "1f1b" (synchronous: gradients equal an
-            unpipelined model's), "pipedream" (weight stashing), "2bw" (double buffering) or
-            "pb" (pipelined backprop with live weights), "interleaved" (with
-            ``virtual_stages``) -- or a schedule *program*: an
-            :class:`engine.schedule.Schedule` or its text form (see ``engine.schedule.parse``),
-            compute-only or with communication; it is lowered, validated and compiled once.
+        schedule: a family of the catalog (``engine.schedule.NAMES``; one row each in
+            engine/schedule/catalog.py): the synchronous ones (gradients equal an unpipelined
+            model's) "naive", "gpipe", "1f1b", "zbh1", "interleaved" and "looped_bfs" (with
+            ``virtual_stages``), "zbv", "vhalf", "vmin" and "dualpipev" (two stages per rank
+            as a V), and the asynchronous "pipedream" (weight stashing), "2bw" (double
+            buffering), "pb" (pipelined backprop with live weights); or "auto" / "auto-async",
+            the fastest (synchronous / any) family whose predicted memory per rank fits
+            ``memory_cap_bytes``, from the stages' costs profiled on ``sample`` or read from
+            ``balance_profile`` (engine/schedule/auto.py; refused under gloo/NCCL); or a
+            schedule *program*: an :class:`engine.schedule.Schedule` or its text form (see
+            ``engine.schedule.parse``), compute-only or with communication; it is lowered,
+            validated and compiled once.
         chunks: M, micro-batches per mini-batch (per ``step()``); a program fixes its own.
         loss_fn: ``loss_fn(output, target) -> scalar``, the *mean* over the micro-batch's samples.
         optimizer: ``params -> optimizer``, called once per stage with that stage's parameters
@@ -199,8 +206,22 @@ class Pipeline:
         mesh: Any = None,
         activation_shapes: str = "inputs",
     ) -> None:
-        fam = FAMILIES.get(schedule) if isinstance(schedule, str) else None
         self._meter = StepMeter()  # stats()["throughput"]
+        #: what schedule="auto" chose and why (stats()["schedule_choice"]); None otherwise
+        self.schedule_choice: Choice | None = None
+        if isinstance(schedule, str) and schedule in CHOOSERS:
+            from engine.runtime.build.auto_schedule import choose_for_pipeline
+
+            self.schedule_choice = choose_for_pipeline(
+                stages, schedule, chunks=chunks, memory_cap_bytes=memory_cap_bytes,
+                balance=balance, sample=sample, profile=balance_profile,
+                repeats=balance_repeats, distributed=transport in ("gloo", "nccl"),
+                given=dict(virtual_stages=virtual_stages, order=order, update_size=update_size),
+            )
+            schedule = self.schedule_choice.family
+            virtual_stages = self.schedule_choice.virtual_stages
+            order = self.schedule_choice.order
+        fam = lookup(schedule)
         features: StepFeatures = check_step_features(
             clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type, autocast=autocast,
             grad_scaler=grad_scaler, offload_activations=offload_activations,
@@ -470,7 +491,10 @@ class Pipeline:
         described in :func:`engine.runtime.state.pipeline_stats.pipeline_stats`."""
         from engine.runtime.state.pipeline_stats import pipeline_stats
 
-        return pipeline_stats(self.parts, self._meter)
+        out = pipeline_stats(self.parts, self._meter)
+        choice = self.schedule_choice
+        out["schedule_choice"] = None if choice is None else choice.as_dict()
+        return out
 
     def reset_stats(self) -> None:
         """Restart the clock and peak counters (e.g. after warm-up)."""

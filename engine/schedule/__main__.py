@@ -17,7 +17,8 @@ import sys
 
 from engine.schedule.analysis import analyze
 from engine.schedule.errors import ScheduleError
-from engine.schedule.generators import SCHEDULES, generate
+from engine.schedule.catalog import NAMES
+from engine.schedule.generators import generate
 from engine.schedule.ir import Schedule
 from engine.schedule.render import chrome_trace, render_timeline
 from engine.schedule.text import format_schedule, parse
@@ -27,7 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m engine.schedule", description=__doc__.split("\n")[0]
     )
-    p.add_argument("name", nargs="?", choices=SCHEDULES, help="schedule to generate")
+    p.add_argument(
+        "name", nargs="?", choices=NAMES,
+        help="schedule to generate (a rank-program family over -S stages: the V on S/2 ranks)",
+    )
     p.add_argument("-S", "--stages", type=int, default=4)
     p.add_argument("-M", "--chunks", type=int, default=8)
     p.add_argument("-T", "--steps", type=int, default=1)

@@ -40,7 +40,7 @@ Definitions used (per stage s):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.schedule.catalog import family
@@ -116,6 +116,32 @@ class ScheduleReport:
                 for r, (b, p) in enumerate(zip(self.rank_bubble, self.rank_activation_peak, strict=True))
             )
         return "\n".join(lines)
+
+
+def rank_activation_bytes(schedule: Schedule, stage_bytes: Sequence[int]) -> tuple[int, ...]:
+    """Per rank, the most bytes of saved activations it holds at once: walking the rank's
+    order, a micro-batch counts ``stage_bytes[s]`` from its forward on stage s until the action
+    that releases it (its W when the backward is split, else its B). With one byte per stage
+    this is :attr:`ScheduleReport.rank_activation_peak`, in micro-batches; with each stage's
+    saved bytes per micro-batch it is the rank's predicted activation memory (what
+    bench/schedule_memory.py measures, and schedule="auto" compares with the cap)."""
+    if len(stage_bytes) != schedule.stages:
+        raise ValueError(
+            f"stage_bytes gives {len(stage_bytes)} values for {schedule.stages} stages"
+        )
+    peaks = []
+    for r in range(schedule.ranks):
+        held = peak = 0
+        splits = {st: schedule.split_mbs(st) for st in schedule.rank_stages(r)}
+        for st, i in schedule.rank_sequence(r):
+            a = schedule.actions[st][i]
+            if a.kind is Kind.FORWARD:
+                held += stage_bytes[st]
+                peak = max(peak, held)
+            elif schedule.releases_activations(st, a, splits[st]):
+                held -= stage_bytes[st]
+        peaks.append(peak)
+    return tuple(peaks)
 
 
 def as_costs(costs: Costs | Mapping[str, object] | None) -> Costs:
@@ -233,18 +259,7 @@ def analyze(
     rank_bubble = tuple((makespan - b) / b if b > 0 else 0.0 for b in rank_busy)
     R = schedule.ranks
     bubble = 1.0 - busy_total / (R * makespan) if makespan > 0 else 0.0
-    rank_peaks = []
-    for r in range(R):
-        held, peak = 0, 0
-        splits = {st: schedule.split_mbs(st) for st in schedule.rank_stages(r)}
-        for st, i in schedule.rank_sequence(r):
-            a = schedule.actions[st][i]
-            if a.kind is Kind.FORWARD:
-                held += 1
-                peak = max(peak, held)
-            elif schedule.releases_activations(st, a, splits[st]):
-                held -= 1
-        rank_peaks.append(peak)
+    rank_peaks = rank_activation_bytes(schedule, [1] * S)
     return ScheduleReport(
         schedule=schedule,
         costs=cost,

@@ -23,43 +23,11 @@ from dataclasses import replace
 
 from engine._checks import check_positive_int
 from engine.schedule.catalog import SCHEDULES, family
-from engine.schedule.ir import Action, Kind, Schedule
-from engine.schedule.simulate import UNIT_COSTS, UNIT_SPLIT_COSTS, simulate
+from engine.schedule.ir import Action, Schedule
+from engine.schedule.simulate import unit_ticks
 from engine.schedule.streams import stage_ticks, truncate_ticks
 
 __all__ = ["SCHEDULES", "generate"]
-
-
-def _unit_ticks(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
-    """Ticks from an as-soon-as-possible run where F and B (and W) take one tick each.
-
-    Sends and updates share the tick of the compute before them, receives that of the
-    compute after them, so a column of the text form reads like a pipeline diagram.
-    """
-    split = any(a.kind is Kind.WEIGHT for acts in schedule.actions for a in acts)
-    tl = simulate(schedule, UNIT_SPLIT_COSTS if split else UNIT_COSTS)
-    start = [list(st) for st in tl.start]
-    if schedule.overlaps:  # an overlapped pair is issued at once: one tick (one CSV cell)
-        index = [{a: i for i, a in enumerate(acts)} for acts in schedule.actions]
-        for sa, a, sb, b in schedule.overlaps:
-            start[sb][index[sb][b]] = start[sa][index[sa][a]]
-    out: list[tuple[int, ...]] = []
-    for acts, starts in zip(schedule.actions, start, strict=True):
-        compute = [i for i, a in enumerate(acts) if a.kind.is_compute]
-        ticks: list[int] = []
-        for i, a in enumerate(acts):
-            if a.kind.is_compute:
-                ticks.append(int(starts[i]))
-                continue
-            before = [j for j in compute if j < i]
-            after = [j for j in compute if j > i]
-            if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
-                ref = after[0] if after else before[-1]
-            else:
-                ref = before[-1] if before else after[0]
-            ticks.append(int(starts[ref]))
-        out.append(tuple(ticks))
-    return tuple(out)
 
 
 def generate(
@@ -72,8 +40,12 @@ def generate(
 ) -> Schedule:
     """Build the schedule ``name`` for S = ``stages``, M = ``chunks``, T = ``steps`` mini-batches.
 
+    A rank-program family (interleaved, zbv, vhalf, vmin, dualpipev, looped_bfs) is built
+    over ``stages`` stage modules by its catalog row: the V families on S/2 ranks, the
+    round-robin ones with v = 2 stages per rank.
+
     Args:
-        name: one of :data:`SCHEDULES`.
+        name: a family of the catalog (:data:`engine.schedule.catalog.NAMES`).
         stages: S >= 1 pipeline stages.
         chunks: M >= 1 micro-batches per mini-batch (2bw needs M >= S).
         steps: T >= 1 mini-batches; async schedules run them without flushing in between.
@@ -83,6 +55,12 @@ def generate(
         order: only for pb: ``"dataflow"`` (default; Kosson et al.'s ticks) or ``"1f1b"``.
     """
     fam = family(name)
+    if fam.is_program:
+        S = check_positive_int("stages", stages, "a pipeline needs at least one stage")
+        return fam.program_for(
+            S, chunks, steps=steps, update_size=update_size, order=order,
+            virtual_stages=2 if fam.takes_virtual_stages else None,
+        )
     S = check_positive_int("stages", stages, "a pipeline needs at least one stage")
     M = check_positive_int("chunks", chunks, "a mini-batch needs at least one micro-batch")
     T = check_positive_int("steps", steps, "cover at least one mini-batch")
@@ -116,5 +94,5 @@ def generate(
         ticks=None if ticks is None else tuple(tuple(t) for t in ticks),
     )
     if schedule.ticks is None:
-        schedule = replace(schedule, ticks=_unit_ticks(schedule))
+        schedule = replace(schedule, ticks=unit_ticks(schedule))
     return schedule

@@ -21,7 +21,8 @@ from dataclasses import replace
 
 from engine._checks import check_positive_int
 from engine.schedule.ir import Action, Kind, Schedule
-from engine.schedule.streams import _with_comms
+from engine.schedule.lower import with_comms
+from engine.schedule.simulate import unit_ticks
 
 __all__ = ["NAME", "interleaved", "rank_compute_order"]
 
@@ -76,8 +77,6 @@ def interleaved(ranks: int, virtual_stages: int, chunks: int, steps: int = 1) ->
     The result has ``stages`` = R*v virtual stages, k = M (one flush per mini-batch) and ticks
     from a unit-cost run of the per-rank order; validate() checks it rank by rank.
     """
-    from engine.schedule.generators import _unit_ticks
-
     R = check_positive_int("ranks", ranks, "a pipeline needs at least one rank")
     v = check_positive_int("virtual_stages", virtual_stages, "a rank runs at least one stage")
     M = check_positive_int("chunks", chunks, "a mini-batch needs at least one micro-batch")
@@ -95,7 +94,7 @@ def interleaved(ranks: int, virtual_stages: int, chunks: int, steps: int = 1) ->
         for r in range(R):
             for vs, kind, m in rank_compute_order(R, v, M, r):
                 n = base + m
-                new = list(_with_comms(vs, V, Action(kind, (n,))))
+                new = with_comms(vs, V, Action(kind, (n,)))
                 if kind is Kind.BACKWARD and m == M - 1:
                     new.append(Action.update(range(base, base + M)))
                 actions[vs].extend(new)
@@ -112,4 +111,4 @@ def interleaved(ranks: int, virtual_stages: int, chunks: int, steps: int = 1) ->
         virtual_stages=v,
         rank_order=tuple(map(tuple, order)),
     )
-    return replace(sched, ticks=_unit_ticks(sched))
+    return replace(sched, ticks=unit_ticks(sched))

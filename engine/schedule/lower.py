@@ -19,10 +19,12 @@ from dataclasses import replace
 
 from engine.schedule.ir import Action, Kind, Schedule
 
-__all__ = ["add_comms", "flushes_every_minibatch"]
+__all__ = ["add_comms", "flushes_every_minibatch", "with_comms"]
 
 
-def _wrapped(stage: int, S: int, a: Action) -> list[Action]:
+def with_comms(stage: int, S: int, a: Action) -> list[Action]:
+    """``a`` with the receive before it and the send after it, as every generator places
+    them (module docstring); an update or a weight gradient alone."""
     if a.kind is Kind.FORWARD:
         out = [Action.recv_act(a.mb)] if stage > 0 else []
         out.append(a)
@@ -55,7 +57,7 @@ def add_comms(program: Schedule) -> Schedule:
         tks: list[int] = []
         sizes.append([])
         for i, a in enumerate(acts):
-            wrapped = _wrapped(s, S, a)
+            wrapped = with_comms(s, S, a)
             out.extend(wrapped)
             sizes[s].append(len(wrapped))
             if program.ticks is not None:
@@ -129,7 +131,7 @@ def unit_comms(
     recvs: list[tuple[bool, int, Action]] = []
     sends: list[tuple[bool, int, Action]] = []
     for s, a in unit:
-        w = _wrapped(s, S, a)
+        w = with_comms(s, S, a)
         k = w.index(a)
         for c in w[:k]:
             peer = s + c.kind.peer_offset

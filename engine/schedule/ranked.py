@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from engine.schedule.ir import Action, Kind, Schedule
 from engine.schedule.lower import add_comms
+from engine.schedule.simulate import unit_ticks as simulate_unit_ticks
 
 __all__ = ["Unit", "build", "v_placement", "loop_placement", "unit_ticks"]
 
@@ -127,6 +128,4 @@ def build(
 
 def unit_ticks(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
     """The generators' unit-cost ticks (an overlapped pair shares the tick of its start)."""
-    from engine.schedule.generators import _unit_ticks
-
-    return _unit_ticks(schedule)
+    return simulate_unit_ticks(schedule)

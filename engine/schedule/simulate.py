@@ -265,3 +265,35 @@ def _raise_deadlock(
         index=first[1],
         action=first[2],
     )
+
+
+def unit_ticks(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
+    """Ticks from an as-soon-as-possible run where F and B (and W) take one tick each.
+
+    Sends and updates share the tick of the compute before them, receives that of the
+    compute after them, so a column of the text form reads like a pipeline diagram.
+    """
+    split = any(a.kind is Kind.WEIGHT for acts in schedule.actions for a in acts)
+    tl = simulate(schedule, UNIT_SPLIT_COSTS if split else UNIT_COSTS)
+    start = [list(st) for st in tl.start]
+    if schedule.overlaps:  # an overlapped pair is issued at once: one tick (one CSV cell)
+        index = [{a: i for i, a in enumerate(acts)} for acts in schedule.actions]
+        for sa, a, sb, b in schedule.overlaps:
+            start[sb][index[sb][b]] = start[sa][index[sa][a]]
+    out: list[tuple[int, ...]] = []
+    for acts, starts in zip(schedule.actions, start, strict=True):
+        compute = [i for i, a in enumerate(acts) if a.kind.is_compute]
+        ticks: list[int] = []
+        for i, a in enumerate(acts):
+            if a.kind.is_compute:
+                ticks.append(int(starts[i]))
+                continue
+            before = [j for j in compute if j < i]
+            after = [j for j in compute if j > i]
+            if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+                ref = after[0] if after else before[-1]
+            else:
+                ref = before[-1] if before else after[0]
+            ticks.append(int(starts[ref]))
+        out.append(tuple(ticks))
+    return tuple(out)

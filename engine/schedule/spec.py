@@ -20,14 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.schedule.catalog import family
-from engine.schedule.interleaved import NAME as INTERLEAVED
-from engine.schedule.interleaved import interleaved
+from engine.schedule.auto import CHOOSERS
+from engine.schedule.catalog import ROWS, lookup, unknown_schedule
 from engine.schedule.ir import Kind, Schedule
 from engine.schedule.lower import add_comms, flushes_every_minibatch
 from engine.schedule.text import parse
 from engine.schedule.validate import validate
-from engine.schedule.vshape import RANK_PROGRAMS, dualpipev, looped_bfs, zbv
 
 __all__ = ["ScheduleSpec", "resolve_schedule"]
 
@@ -81,16 +79,19 @@ def resolve_schedule(
     ``stages`` stages. Raises ValueError (``ScheduleError`` for a broken program) naming what
     is wrong; nothing is built yet when it does.
 
-    ``"interleaved"`` (interleaved 1F1B) needs ``virtual_stages`` v >= 2 dividing ``stages``
-    (the stage modules are the S*v virtual stages, rank r running r, r+S, ...); it resolves
-    to the one-mini-batch program :func:`~engine.schedule.interleaved.interleaved` builds."""
-    if schedule == INTERLEAVED:
-        schedule = _interleaved_program(stages, chunks, update_size, order, virtual_stages)
-    elif isinstance(schedule, str) and schedule in RANK_PROGRAMS:
-        schedule = _rank_program(schedule, stages, chunks, update_size, order, virtual_stages)
+    A rank-program family (its catalog row has a program builder: interleaved, zbv, vhalf,
+    vmin, dualpipev, looped_bfs) resolves to the one-mini-batch program the row builds over
+    the ``stages`` stage modules; the round-robin ones need ``virtual_stages`` v >= 2 dividing
+    ``stages`` (rank r running r, r+R, ...), the V ones place 2 per rank."""
+    row = lookup(schedule)
+    if row is not None and row.is_program:
+        schedule = row.program_for(
+            stages, chunks, update_size=update_size, order=order, virtual_stages=virtual_stages
+        )
     elif virtual_stages is not None:
+        takes = " or ".join(repr(r.name) for r in ROWS if r.is_program and r.takes_virtual_stages)
         raise ValueError(
-            f"virtual_stages={virtual_stages!r} is only for schedule='interleaved' (or a "
+            f"virtual_stages={virtual_stages!r} is only for schedule={takes} (or a "
             f"program with virtual stages), not {schedule!r}; leave it unset"
         )
     if isinstance(schedule, str) and _looks_like_text(schedule):
@@ -102,7 +103,9 @@ def resolve_schedule(
             "schedule must be a family name such as 'pb', a engine.schedule.Schedule program "
             f"or its text form, got {type(schedule).__name__}"
         )
-    fam = family(schedule)
+    fam = lookup(schedule)
+    if fam is None:  # the pipeline also takes its choosers (engine/schedule/auto.py)
+        raise ValueError(unknown_schedule(schedule, also=CHOOSERS))
     if chunks is None:
         raise ValueError(f"schedule={schedule!r} needs chunks=M (micro-batches per step)")
     order = fam.check_order(order)
@@ -117,62 +120,6 @@ def resolve_schedule(
         synchronous=fam.synchronous,
         split_backward=fam.split_backward,
     )
-
-
-def _interleaved_program(
-    stages: int, chunks: int | None, update_size: int | None, order: str | None, v: int | None
-) -> Schedule:
-    if v is None:
-        raise ValueError(
-            "schedule='interleaved' needs virtual_stages=v (stage modules per rank, >= 2)"
-        )
-    if isinstance(v, bool) or not isinstance(v, int) or v < 2 or stages % v:
-        raise ValueError(
-            f"virtual_stages={v!r} must be an int >= 2 dividing the number of stage modules "
-            f"({stages}): the modules are the ranks * v virtual stages"
-        )
-    if chunks is None:
-        raise ValueError("schedule='interleaved' needs chunks=M (micro-batches per step)")
-    if update_size not in (None, chunks):
-        raise ValueError(
-            f"'interleaved' updates once per mini-batch, so update_size must equal chunks "
-            f"(M={chunks}), got {update_size}; drop update_size"
-        )
-    if order not in (None, INTERLEAVED):
-        raise ValueError(f"schedule 'interleaved' runs in its own order, not {order!r}")
-    return interleaved(stages // v, v, chunks)
-
-
-def _rank_program(
-    name: str, stages: int, chunks: int | None, update_size: int | None, order: str | None,
-    v: int | None,
-) -> Schedule:
-    """``zbv``/``dualpipev`` (2 stages per rank, as a V) and ``looped_bfs`` (v per rank,
-    round-robin): one-mini-batch programs over the ``stages`` stage modules."""
-    if chunks is None:
-        raise ValueError(f"schedule={name!r} needs chunks=M (micro-batches per step)")
-    if update_size not in (None, chunks):
-        raise ValueError(
-            f"{name!r} updates once per mini-batch, so update_size must equal chunks "
-            f"(M={chunks}), got {update_size}; drop update_size"
-        )
-    if order not in (None, name):
-        raise ValueError(f"schedule {name!r} runs in its own order, not {order!r}")
-    if name == "looped_bfs":
-        if v is None or isinstance(v, bool) or not isinstance(v, int) or v < 2 or stages % v:
-            raise ValueError(
-                f"schedule='looped_bfs' needs virtual_stages=v, an int >= 2 dividing the "
-                f"number of stage modules ({stages}), got {v!r}"
-            )
-        return looped_bfs(stages // v, v, chunks)
-    if v not in (None, 2):
-        raise ValueError(f"{name!r} places exactly 2 stages per rank; drop virtual_stages={v!r}")
-    if stages % 2:
-        raise ValueError(
-            f"{name!r} places 2 stages per rank as a V (rank r holds r and 2R-1-r): the number "
-            f"of stage modules must be even, got {stages}"
-        )
-    return (zbv if name == "zbv" else dualpipev)(stages // 2, chunks)
 
 
 def _resolve_program(

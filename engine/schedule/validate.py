@@ -27,16 +27,17 @@ Rules, in the order they are checked:
 6. Activation memory (micro-batches between F and B on a stage) stays within the bound of
    ALGORITHMS.md for the schedule: gpipe M; 1f1b, pipedream, 2bw (and pb in 1f1b order) S-s;
    pb in dataflow order 2(S-1-s)+1; naive 1; zbh1 min(M, S) (a split backward holds its
-   activations until W); zbv and dualpipev min(M, S-s), looped_bfs M (programs named and
-   ordered so, e.g. generated). Schedules with other names are checked
-   against ``activation_bounds`` only if given.
+   activations until W); zbv and dualpipev min(M, S-s), vmin and vhalf min(M, their block's
+   rank peak), looped_bfs M (programs named and ordered so, e.g. generated): the bound of the
+   family's catalog row. Schedules with other names are checked against
+   ``activation_bounds`` only if given.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.schedule.catalog import FAMILIES
+from engine.schedule.catalog import lookup
 from engine.schedule.errors import ScheduleError
 from engine.schedule.ir import Action, Kind, Schedule
 from engine.schedule.simulate import Costs, Timeline, remote_dependency, simulate
@@ -46,14 +47,8 @@ from engine.schedule.versions import stage_versions
 def activation_bound(schedule: Schedule, stage: int) -> int | None:
     """ALGORITHMS.md's bound on micro-batches whose activations ``stage`` holds, or None for a
     schedule that is not a built-in family (give ``activation_bounds`` to check it)."""
-    fam = FAMILIES.get(schedule.name)
-    if fam is None:
-        from engine.schedule.vshape import activation_bound as program_bound
-
-        if schedule.order != schedule.name:
-            return None
-        return program_bound(schedule.name, schedule.stages, stage, schedule.chunks)
-    if schedule.order not in fam.orders:
+    fam = lookup(schedule.name)
+    if fam is None or schedule.order not in fam.orders:
         return None
     return fam.activation_bound(schedule.stages, stage, schedule.chunks, schedule.order)
 

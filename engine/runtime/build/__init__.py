@@ -1,6 +1,7 @@
 """Building the pieces: runtime/build/, floor 3 of engine/runtime/.
 
-Why a wing: validated options (config), stage modules and weight stores, automatic balance,
+Why a wing: validated options (config), stage modules and weight stores, automatic balance
+and schedule choice,
 deferred BatchNorm, tied parameters, the L2 plan, host memory, and the step features (clipping,
 mixed precision, offload) attached at the end of a build. The assembly of these into
 PipelineParts is runtime/assemble.py, one floor above runtime/parts.py.
@@ -10,6 +11,8 @@ Its files may import each other and the rooms below: stage/, exec/; never a room
 
 Files:
 
+- ``auto_schedule``: ``schedule="auto"``: the stage costs measured or read, then the chooser's
+  pick.
 - ``balance``: ``balance="time"`` / ``"memory"``: partition an nn.Sequential automatically.
 - ``batch_norm``: BatchNorm whose running statistics cover the whole mini-batch, not each
   micro-batch.

@@ -48,6 +48,9 @@ def pipeline_stats(parts: PipelineParts, meter: StepMeter) -> dict[str, Any]:
     saves (without it they stay on the device); ``throughput``: ``step_time_s``,
     ``last_step_time_s``, ``samples_per_s``, ``tokens_per_s``, ``bubble_modelled`` and
     ``bubble_measured`` (engine/runtime/state/throughput.py says how each is measured).
+    The facade adds ``schedule_choice``: with ``schedule="auto"`` the family, placement,
+    simulated step time, predicted peak per rank and the one-line ``reason`` the chooser
+    gave, with every candidate it tried (engine/schedule/auto.py); None otherwise.
     """
     ex = parts.executor
     ex.fold_flags()  # "skip_update" counts on the device: one host read
