@@ -13,13 +13,14 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / ".ci" / "gpu"
-PHASES = ["build", "test", "test-optim", "bench-kernels", "bench-pipeline", "bench-capture"]
+PHASES = ["build", "test", "test-optim", "bench-kernels", "bench-pipeline", "bench-capture", "nccl"]
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
@@ -99,6 +100,7 @@ def test_each_phase_lists_its_commands_and_writes_nothing(tmp_path: Path) -> Non
     marked = test["test/pytest-cuda-marked"]
     assert ("-m", "cuda") in zip(marked, marked[1:], strict=False)
     assert {f"--ignore={f}" for f in gpu_files} <= set(marked)  # nothing runs twice
+    assert "--ignore=tests/test_distributed_nccl.py" in marked  # the nccl phase's file
     for argv in test.values():
         junit = [a for a in argv if a.startswith("--junitxml=")]
         assert len(junit) == 1 and junit[0].startswith(f"--junitxml={out}/test/")
@@ -119,6 +121,19 @@ def test_each_phase_lists_its_commands_and_writes_nothing(tmp_path: Path) -> Non
     for phase in ("bench-kernels", "bench-pipeline", "bench-capture"):
         for argv in listed[phase].values():
             assert argv[argv.index("--out") + 1] == f"{out}/{phase}"
+
+    nccl = listed["nccl"]
+    assert list(nccl) == ["nccl/tests-2", "nccl/tests-4", "nccl/pipeline_nccl-2",
+                          "nccl/pipeline_nccl-4"]
+    for r in (2, 4):
+        argv = nccl[f"nccl/tests-{r}"]
+        assert argv[:3] == ["env", "-u", "PYTEST_ADDOPTS"]  # no xdist workers: ranks hold GPUs
+        assert argv[-1] == "tests/test_distributed_nccl.py"
+        assert argv[argv.index("-k") + 1] == f"ranks{r}"
+        assert f"--junitxml={out}/nccl/junit-{r}.xml" in argv
+        argv = nccl[f"nccl/pipeline_nccl-{r}"]
+        assert argv[argv.index("--ranks") + 1] == str(r)
+        assert argv[argv.index("--out") + 1] == f"{out}/nccl"
 
     # each phase's step budgets add up to under 9 minutes (one command may run 10)
     for phase in PHASES:
@@ -187,7 +202,7 @@ def test_the_lease_script_parses_and_refuses_no_outdir() -> None:
 
 def test_the_lease_runs_phases_and_benchmarks_that_exist() -> None:
     text = LEASE.read_text()
-    assert re.findall(r'bash \.ci/gpu "\$R" (\S+);', text) == ["build", "test", "test-optim"]
+    assert re.findall(r'bash \.ci/gpu "\$R" (\S+);', text) == ["build", "nccl", "test", "test-optim"]
     loop = re.search(r"for b in ([\w ]+); do", text)
     assert loop is not None
     opts = re.findall(r"(--[\w-]+)", text[loop.end():text.index("done", loop.end())])
@@ -197,3 +212,71 @@ def test_the_lease_runs_phases_and_benchmarks_that_exist() -> None:
         source += "".join(t for h, t in helpers.items() if f"{h}(" in source)
         for opt in opts:
             assert f'"{opt}"' in source, f"bench/{script}.py has no option {opt}"
+
+
+@pytest.mark.parametrize("k", ["2", "4"])
+def test_the_nccl_phase_selects_tests_that_exist(k: str) -> None:
+    """`-k ranksN` of the nccl phase's pytest steps collects tests of that world size (a
+    renamed test would otherwise select nothing, and pass, on the multi-GPU machine)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q",
+         "-k", f"ranks{k}", "tests/test_distributed_nccl.py"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120)
+    ids = [line for line in proc.stdout.splitlines() if "::" in line]
+    assert ids and all(f"ranks{k}" in i for i in ids), proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="checks a machine without GPUs")
+def test_the_nccl_phase_passes_without_two_gpus(tmp_path: Path) -> None:
+    """Not a dry run: on a machine without GPUs the phase says why it is skipped, runs
+    nothing and exits 0."""
+    proc = run(str(tmp_path / "o"), "nccl", dry=False, PYTHONPATH=str(ROOT))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[nccl] skipped: NCCL between processes needs >= 2 GPUs" in proc.stdout
+    assert "nvidia-smi -L lists 0" in proc.stdout
+    assert (tmp_path / "o" / "steps.csv").read_text().splitlines() == [
+        "phase,step,exit,seconds,budget_s"]
+
+
+def _lease_nccl_block() -> str:
+    text = LEASE.read_text()
+    start = text.index("# ---- NCCL across GPUs")
+    return text[start:text.index("# ---- end of the NCCL block", start)]
+
+
+@pytest.mark.parametrize("gpus,skip,runs", [(2, "", True), (4, "", True), (1, "", False),
+                                            (0, "", False), (4, "0", False)])
+def test_the_lease_runs_the_nccl_phase_first_and_alone_with_several_gpus(
+        tmp_path: Path, gpus: int, skip: str, runs: bool) -> None:
+    """The lease's NCCL block, run as it is (with .ci/gpu in dry-run mode and an nvidia-smi
+    that lists ``gpus`` GPUs): with 2+ GPUs it runs the nccl phase and ends the command;
+    otherwise (or with PE_GPU_LEASE_NCCL=0) the lease goes on to the other phases."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    lines = "".join(f"echo 'GPU {i}: NVIDIA H100 (UUID: GPU-{i})'\n" for i in range(gpus))
+    (fake / "nvidia-smi").write_text(f"#!/bin/sh\n{lines}exit 0\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    script = tmp_path / "block.sh"
+    script.write_text("set -uo pipefail\nR=$1\npack() { :; }\n" + _lease_nccl_block()
+                      + "echo 'went on to the other phases'\n")
+    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", PE_GPU_DRY_RUN="1",
+               TORCH_CUDA_ARCH_LIST="9.0", PE_GPU_LEASE_NCCL=skip or "1")
+    proc = subprocess.run(["bash", str(script), str(tmp_path / "r")], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ran = list(steps(proc.stdout))
+    if runs:
+        assert ran == ["nccl/tests-2", "nccl/tests-4", "nccl/pipeline_nccl-2",
+                       "nccl/pipeline_nccl-4"]
+        assert "went on" not in proc.stdout and "PE_GPU_LEASE_NCCL=0" in proc.stderr
+    else:
+        assert ran == [] and "went on to the other phases" in proc.stdout
+
+
+def test_the_lease_nccl_command_fits_one_device_command(tmp_path: Path) -> None:
+    """Its worst case: a build (install measured 36-42 s on the H100) plus the nccl phase's
+    step budgets and their kill grace, under the device tool's 600 s per command."""
+    spent = budgets(run(str(tmp_path / "o"), "nccl").stdout)
+    assert len(spent) == 4
+    build = 60
+    assert build + sum(spent.values()) + 20 * len(spent) < 600, spent
