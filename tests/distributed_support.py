@@ -286,7 +286,7 @@ def phase_data_parallel(rank: int, S: int, R: int) -> dict[str, Any]:
             )
             shard = replica_rows(pipe.layout.replica, R, B // M)
             losses = _train(pipe, STEPS, B=R * B, shard=shard)
-            ref, ref_losses = _local(S * v, kw, STEPS, B=R * B)
+            ref, ref_losses = _local(S * v, kw, STEPS, B=R * B, device=device_under_test())
             held = [st.index for st in pipe.stages]
             mine = [p.detach() for st in pipe.stages for p in st.module.parameters()]
             theirs = [p.detach() for s in held for p in ref.stages[s].module.parameters()]
@@ -299,7 +299,7 @@ def phase_data_parallel(rank: int, S: int, R: int) -> dict[str, Any]:
                     float((a - b).abs()) for a, b in zip(losses, ref_losses, strict=True)
                 ),
                 "moved": max(
-                    float((a - f).abs().max()) for a, f in zip(mine, initial, strict=True)
+                    float((a - f.to(a.device)).abs().max()) for a, f in zip(mine, initial, strict=True)
                 ),
                 "replica": pipe.layout.replica,
                 "stages": held,
@@ -601,20 +601,36 @@ def _tree_loss(out: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
     return nn.functional.mse_loss(out, t["y"])
 
 
+def _on(x: Any, device: str) -> Any:
+    """``x`` (a tensor or a dict/list/tuple of them) on ``device``."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, dict):
+        return {k: _on(v, device) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_on(v, device) for v in x)
+    return x
+
+
 def _against_local(pipe: Any, ref: Any, batches: Callable[[int], Any], steps: int) -> dict[str, Any]:
-    """Train the gloo pipeline and its local reference on the same batches; compare."""
+    """Train the multi-process pipeline and its local reference (built on
+    :func:`device_under_test`) on the same batches; compare (on the CPU)."""
+    device = device_under_test()
     losses, ref_losses = [], []
     for t in range(steps):
         x, y = batches(t)
-        losses.append(pipe.step(x, y).detach().clone())
-        ref_losses.append(ref.step(x, y).detach().clone())
+        losses.append(pipe.step(x, y).detach().cpu().clone())
+        ref_losses.append(ref.step(_on(x, device), _on(y, device)).detach().cpu().clone())
     pipe.flush()
     ref.flush()
-    mine = [p.detach() for p in pipe.stages[0].module.parameters()]
-    theirs = [p.detach() for p in ref.stages[pipe.layout.stage].module.parameters()]
+    mine = [p.detach().cpu() for p in pipe.stages[0].module.parameters()]
+    theirs = [p.detach().cpu() for p in ref.stages[pipe.layout.stage].module.parameters()]
     return {
         "weights_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
         "losses_equal": all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)),
+        "max_diff": max((float((a - b).abs().max()) for a, b in zip(mine, theirs, strict=True)),
+                        default=0.0),
+        "loss_diff": max(float((a - b).abs().max()) for a, b in zip(losses, ref_losses, strict=True)),
         "updates": pipe.stages[0].updates,
     }
 
@@ -632,7 +648,7 @@ def phase_trees(rank: int, S: int) -> dict[str, Any]:
         kw = dict(schedule=schedule, chunks=4, loss_fn=_tree_loss, optimizer=_sgd())
         try:
             pipe = Pipeline(tree_factories(first), transport=transport_under_test(), timeout=30, **kw)
-            ref = Pipeline([f() for f in tree_factories(first)], **kw)
+            ref = Pipeline([f().to(device_under_test()) for f in tree_factories(first)], **kw)
             out[name] = _against_local(pipe, ref, tree_batch, 4)
             tp = pipe._rank.transport
             sent = tp.meta.get(("act", "send"))
@@ -958,7 +974,8 @@ def phase_varlen(
         try:
             pipe = Pipeline(varlen_stages(S, bool(tie), trim), transport=transport_under_test(),
                             timeout=30, activation_shapes=activation_shapes, **kw)
-            ref = Pipeline(varlen_stages(S, bool(tie), trim), **kw)
+            ref = Pipeline([m.to(device_under_test()) for m in varlen_stages(S, bool(tie), trim)],
+                           **kw)  # (.to keeps a tied Parameter one object)
             out[name] = _against_local(pipe, ref, varlen_batch, steps)
             tp = pipe._rank.transport
             notices = getattr(pipe._rank, "notices", None)
