@@ -79,8 +79,9 @@ Estimated GPU time (an estimate: this script has not run on GPUs yet): start-up 
 CUDA, NCCL communicators) 20-40 s; ``vs-torch`` 10-20 s per schedule (mostly building the
 pipelines and NCCL's lazy communicator set-up; 15 rounds x 2 blocks x 10 steps of ~2-10 ms);
 ``p2p`` 10-20 s (three sizes, 64 MiB round trips of ~1-6 ms); ``hidden`` 15-30 s per schedule
-(four pipelines): about 70-130 s at 4 ranks with the defaults, a little less at 2. The CPU dry
-run takes ~20-60 s on 2 shared cores, mostly process start-up.
+(four pipelines): about 70-130 s at 4 ranks with the defaults, a little less at 2; .ci/gpu's
+``nccl`` phase passes ``--rounds 9`` (about 50-100 s). The CPU dry run takes 10-30 s on 2
+shared cores, mostly process start-up.
 """
 
 from __future__ import annotations
