@@ -30,9 +30,11 @@ from typing import Any
 
 from engine.cli import CLIError, CLIFailure
 from engine.cli.config import TrainConfig, check_config
+from engine.cli.outdir import claim
 from engine.cli.runlog import (
     CHECKPOINT_FILE,
     METRICS_FILE,
+    RUN_OUTPUTS,
     commit_epoch,
     read_metrics,
     read_state,
@@ -256,12 +258,15 @@ def evaluate(modules: list[Any], x: Any, y: Any) -> tuple[float, float]:
 
 
 def train(
-    cfg: TrainConfig, *, save: bool = True, desc: str | None = None, position: int | None = None
+    cfg: TrainConfig, *, save: bool = True, desc: str | None = None, position: int | None = None,
+    overwrite: bool = False,
 ) -> TrainResult:
     """Run ``cfg`` to ``cfg.epochs`` epochs; with ``save`` write checkpoint, state and CSV to ``cfg.out``.
 
     A non-finite loss ends the run early with ``result.diverged`` set (no exception), so that
-    a comparison records the divergence instead of aborting.
+    a comparison records the divergence instead of aborting. A new run (no ``cfg.resume``)
+    refuses a ``cfg.out`` that holds an earlier run's files, once every option is checked,
+    unless ``overwrite`` (engine/cli/outdir.py).
     """
     import torch
     from tqdm import tqdm
@@ -324,6 +329,8 @@ def train(
             done = start_epoch * steps_per_epoch + start_step
             result.rows = [r for r in read_metrics(out / METRICS_FILE) if r["step"] <= done]
     if save:
+        if not cfg.resume:  # --resume checked the run it continues (read_state)
+            claim(out, RUN_OUTPUTS, overwrite=overwrite, can_resume=True)
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
