@@ -453,7 +453,7 @@ def train(
                     f"{r['train_loss']:.4f} acc {r['train_acc']:.4f} test acc {r['test_acc']:.4f} "
                     f"({r['samples_per_s']:.0f} samples/s"
                     + (f", {speed['tps']} tokens/s" if "tps" in speed else "")
-                    + f", step {speed['step']}, bubble {speed['bubble']} measured/modelled)",
+                    + f", step {speed['step']}, idle share of a step {speed['bubble']})",
                     file=sys.stderr, flush=True,
                 )
             if save:
@@ -475,13 +475,18 @@ def train(
 
 
 def _speed(stats: dict[str, Any], samples_per_s: float, tokens_per_sample: int | None) -> dict[str, str]:
-    """The progress line's step time, measured/modelled bubble and (LM) tokens/s."""
+    """The progress line's step time, bubble and (LM) tokens/s.
+
+    The bubble is the idle share of a step twice: ``measured`` from the actions' own times
+    (locally the schedule replayed with them; under gloo the rank's step time outside its
+    stages' work), ``model`` the schedule's on the unit-cost clock (F = 1, B = 2), the figure
+    of ``python -m engine schedule`` (engine/runtime/state/throughput.py)."""
     tp = stats.get("throughput") or {}
     step = tp.get("step_time_s")
     out = {
         "step": f"{step * 1e3:.1f}ms" if step is not None else "?",
-        "bubble": f"{tp.get('bubble_measured', float('nan')):.2f}/"
-        f"{tp.get('bubble_modelled', float('nan')):.2f}",
+        "bubble": f"measured {tp.get('bubble_measured', float('nan')):.2f}, "
+        f"model {tp.get('bubble_modelled', float('nan')):.2f}",
     }
     if tokens_per_sample is not None:
         out["tps"] = f"{samples_per_s * tokens_per_sample:.0f}"
