@@ -31,6 +31,7 @@ __all__ = [
     "STATE_FILE",
     "METRICS_FILE",
     "METRIC_FIELDS",
+    "RUN_OUTPUTS",
     "resume_key",
     "read_state",
     "commit_epoch",
@@ -55,6 +56,10 @@ METRIC_FIELDS = (
     "samples_per_s",
     "elapsed_s",
 )
+#: what a run writes in --out (the ``.next`` files while it commits an epoch): another run
+#: starting in that folder without --resume is refused (engine/cli/outdir.py)
+RUN_OUTPUTS = (CHECKPOINT_FILE, STATE_FILE, METRICS_FILE, CHECKPOINT_FILE + ".next",
+               STATE_FILE + ".next", STAGE_COSTS_FILE)
 #: config fields that may differ between a run and its resumption
 _RESUME_FREE = {"epochs", "progress", "out", "resume", "device", "threads"}
 
