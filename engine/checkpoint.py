@@ -81,10 +81,14 @@ def _plan(pipe: Any, path: str, override: bool) -> tuple[str, Any]:
             except CheckpointError as exc:
                 raise _with_hint(exc, parts, sk) from None
     from engine.checkpoint_index import open_saved
-    from engine.runtime.state.relayout import relayout_state
+    from engine.runtime.state.relayout import layouts, relayout_state
 
-    state = relayout_state(parts, open_saved(path), override)
-    return "state", _checked(parts, state, override, pipe)
+    saved = open_saved(path)
+    state = relayout_state(parts, saved, override)
+    try:
+        return "state", _checked(parts, state, override, pipe)
+    except CheckpointError as exc:  # (the checks of any load: optimizer type, scheduler, ...)
+        raise CheckpointError(f"cannot load into another layout {layouts(parts, saved)}: {exc}") from None
 
 
 def _checked(parts: Any, state: Any, override: bool, pipe: Any = None) -> Any:
@@ -168,10 +172,21 @@ def _with_hint(exc: CheckpointError, parts: Any, sk: Any) -> CheckpointError:
     if all(cfg.get(k) == mine.get(k) for k in ("stages", "schedule", "chunks")) and \
             len(sk.get("stages", [])) == len(parts.stages):
         return exc
+    lacking = []
+    if not all(isinstance(sd.get("names"), dict) for sd in sk.get("stages", [])):
+        lacking.append("the checkpoint records no names in the whole model (its stages declared "
+                       "none, or an engine from before names were recorded wrote it: save it "
+                       "again from its own layout with named stages)")
+    ours = [st.index for st, rec in zip(parts.stages, _records(parts), strict=True) if rec is None]
+    if ours:
+        lacking.append(f"stage(s) {ours} of this pipeline declare none")
+    from engine.checkpoint_index import describe_saved
+    from engine.runtime.state.relayout import describe_layout
+
+    both = f"checkpoint: {describe_saved(cfg, None)}; this pipeline: {describe_layout(parts)}"
     return CheckpointError(
-        f"{exc}. A checkpoint loads into another layout (stage count, split, synchronous "
-        "schedule) when both the saving and the loading pipeline know each stage's names in "
-        f"the whole model: {HOW_TO_DECLARE}")
+        f"{exc}. A checkpoint moves to another layout ({both}) by each stage's names in the "
+        f"whole model, and {' and '.join(lacking)}; {HOW_TO_DECLARE}")
 
 
 def _same_dir_layout(pipe: Any, path: str) -> bool:

@@ -26,7 +26,8 @@ __all__ = ["open_saved", "describe_saved"]
 
 def describe_saved(layout: dict[str, Any], processes: int | None) -> str:
     """A saved layout in words, as refusals name it."""
-    out = f"{layout.get('stages')} stages of {layout.get('schedule')!r}"
+    S = layout.get("stages")
+    out = f"{S} stage{'s' if S != 1 else ''} of {layout.get('schedule')!r}"
     if layout.get("replicas", 1) > 1:
         out += f", data_parallel={layout['replicas']}"
     if layout.get("tensor_parallel", 1) > 1:

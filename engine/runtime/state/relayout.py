@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from engine.runtime.parts import PipelineParts
     from engine.runtime.stage.stage import Stage
 
-__all__ = ["relayout_state", "describe_layout"]
+__all__ = ["relayout_state", "describe_layout", "layouts"]
 
 #: group keys the new layout sets itself (they depend on the stage's place in the schedule)
 _OWN_KEYS = ("delay", "prediction_horizon")
@@ -54,7 +54,8 @@ _OWN_KEYS = ("delay", "prediction_horizon")
 def describe_layout(parts: PipelineParts) -> str:
     """This pipeline's layout in words, as refusals name it."""
     lay = parts.layout
-    out = f"{parts.spec.stages} stages of {parts.spec.name!r}"
+    S = parts.spec.stages
+    out = f"{S} stage{'s' if S != 1 else ''} of {parts.spec.name!r}"
     if lay is None:
         return out + ", one process"
     if parts.replicas > 1:
@@ -64,18 +65,19 @@ def describe_layout(parts: PipelineParts) -> str:
     return out + f", {lay.world} processes"
 
 
-class _Refusal(CheckpointError):
-    pass
+def layouts(parts: PipelineParts, saved: Saved) -> str:
+    """Both layouts, as every refusal of a move names them."""
+    return f"(checkpoint {saved.path!r}: {saved.layout}; this pipeline: {describe_layout(parts)})"
 
 
 def relayout_state(parts: PipelineParts, saved: Saved, override_hyperparameters: bool = False) -> dict[str, Any]:
     """The state dict of this process's stages, taken from ``saved`` (module docstring);
     reads only the pieces of the checkpoint those stages hold. Raises CheckpointError (and
     changes nothing) for every refusal."""
-    both = f"(checkpoint {saved.path!r}: {saved.layout}; this pipeline: {describe_layout(parts)})"
+    both = layouts(parts, saved)
 
     def refuse(why: str, fix: str) -> CheckpointError:
-        return _Refusal(f"cannot load into another layout {both}: {why}; {fix} -- nothing was loaded")
+        return CheckpointError(f"cannot load into another layout {both}: {why}; {fix} -- nothing was loaded")
 
     parts.require_flushed("engine.load")
     if saved.unflushed:
