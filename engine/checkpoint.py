@@ -63,23 +63,33 @@ def _plan(pipe: Any, path: str, override: bool) -> tuple[str, Any]:
     """What to load, read and checked, nothing changed: ``("state", state dict)`` or
     ``("model", tensors per stage)``."""
     parts = pipe.parts
-    if not os.path.isdir(path) and serialization.is_plain(path):
+    # (a missing path: what a multi-process pipeline saves, a directory, is reported missing)
+    isdir = os.path.isdir(path) or (parts.config.distributed and not os.path.exists(path))
+    if not isdir and serialization.is_plain(path):
         from engine.model_file import model_file_tensors
 
         return "model", model_file_tensors(parts, path)
-    if parts.config.distributed and os.path.isdir(path):
+    if isdir and parts.config.distributed:
         from engine import checkpoint_dir
 
-        if _same_dir_layout(pipe, path):
-            return "state", _checked(parts, checkpoint_dir.read_own(pipe, path), override)
-    elif not os.path.isdir(path):
-        f = serialization.StateFile(path)  # the header: a damaged file fails here, named
-        sk = f.skeleton()
+        saved_layout = checkpoint_dir.read_manifest(path).get("layout", {})
+        same = _same_dir_layout(pipe, path)
+        if same or not _dir_movable(pipe, path):
+            try:
+                return "state", _checked(parts, checkpoint_dir.read_own(pipe, path), override, pipe)
+            except CheckpointError as exc:
+                raise exc if same else _with_hint(exc, parts, saved_layout, _dir_named(path)) from None
+    elif not isdir:
+        sk = serialization.StateFile(path).skeleton()  # the header: a damaged file fails here
         if not parts.config.distributed and (_same_file_layout(parts, sk) or not _movable(parts, sk)):
             try:
                 return "state", _checked(parts, serialization.read_state(path), override, pipe)
             except CheckpointError as exc:
-                raise _with_hint(exc, parts, sk) from None
+                cfg = sk.get("config") if isinstance(sk, dict) else None
+                if not isinstance(cfg, dict) or not _differs(parts, sk):
+                    raise
+                named = all(isinstance(sd.get("names"), dict) for sd in sk.get("stages", []))
+                raise _with_hint(exc, parts, cfg, named) from None
     from engine.checkpoint_index import open_saved
     from engine.runtime.state.relayout import layouts, relayout_state
 
@@ -159,34 +169,53 @@ def _movable(parts: Any, sk: Any) -> bool:
             and all(r is not None for r in _records(parts)))
 
 
-def _with_hint(exc: CheckpointError, parts: Any, sk: Any) -> CheckpointError:
-    """The same-layout refusal, plus how a layout change becomes possible when that is what
-    the checkpoint differs in."""
-    from engine.model_names import HOW_TO_DECLARE
+def _differs(parts: Any, sk: Any) -> bool:
+    """The checkpoint's stage count, schedule or micro-batches differ from the pipeline's."""
     from engine.runtime.state.state import config_record
 
-    cfg = sk.get("config") if isinstance(sk, dict) else None
-    if not isinstance(cfg, dict) or _same_file_layout(parts, sk):
-        return exc
-    mine = config_record(parts)
-    if all(cfg.get(k) == mine.get(k) for k in ("stages", "schedule", "chunks")) and \
-            len(sk.get("stages", [])) == len(parts.stages):
-        return exc
+    cfg, mine = sk.get("config", {}), config_record(parts)
+    return any(cfg.get(k) != mine.get(k) for k in ("stages", "schedule", "chunks")) or \
+        len(sk.get("stages", [])) != len(parts.stages)
+
+
+def _with_hint(exc: CheckpointError, parts: Any, saved_layout: dict[str, Any], named: bool | None) -> CheckpointError:
+    """The same-layout refusal of a checkpoint of another layout, plus why it cannot move:
+    one side has no names in the model, and how to declare them."""
+    from engine.checkpoint_index import describe_saved
+    from engine.model_names import HOW_TO_DECLARE
+    from engine.runtime.state.relayout import describe_layout
+
     lacking = []
-    if not all(isinstance(sd.get("names"), dict) for sd in sk.get("stages", [])):
+    if named is None:
+        lacking.append("the checkpoint's names cannot be read (its first file is missing or damaged)")
+    elif not named:
         lacking.append("the checkpoint records no names in the whole model (its stages declared "
                        "none, or an engine from before names were recorded wrote it: save it "
                        "again from its own layout with named stages)")
     ours = [st.index for st, rec in zip(parts.stages, _records(parts), strict=True) if rec is None]
     if ours:
         lacking.append(f"stage(s) {ours} of this pipeline declare none")
-    from engine.checkpoint_index import describe_saved
-    from engine.runtime.state.relayout import describe_layout
-
-    both = f"checkpoint: {describe_saved(cfg, None)}; this pipeline: {describe_layout(parts)}"
+    world = saved_layout.get("world") if "world" in saved_layout else None
+    both = f"checkpoint: {describe_saved(saved_layout, world)}; this pipeline: {describe_layout(parts)}"
     return CheckpointError(
         f"{exc}. A checkpoint moves to another layout ({both}) by each stage's names in the "
-        f"whole model, and {' and '.join(lacking)}; {HOW_TO_DECLARE}")
+        f"whole model, and {' and '.join(lacking) or 'they are missing'}; {HOW_TO_DECLARE}")
+
+
+def _dir_named(path: str) -> bool | None:
+    """The first file of directory ``path`` records names (None: it cannot be read)."""
+    from engine import checkpoint_dir
+
+    try:
+        entry = checkpoint_dir.read_manifest(path)["ranks"][0]
+        sk = serialization.StateFile(os.path.join(path, entry["file"])).skeleton()
+    except (CheckpointError, KeyError, IndexError, TypeError):
+        return None
+    return all(isinstance(sd.get("names"), dict) for sd in sk.get("stages", []))
+
+
+def _dir_movable(pipe: Any, path: str) -> bool:
+    return all(r is not None for r in _records(pipe.parts)) and bool(_dir_named(path))
 
 
 def _same_dir_layout(pipe: Any, path: str) -> bool:

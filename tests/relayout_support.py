@@ -178,3 +178,116 @@ def _unflushed_refusal(rank: int, root: str, world: int) -> dict[str, Any]:
             return {"message": str(exc), "unchanged": unchanged}
     except Exception:
         return {"error": traceback.format_exc()}
+
+
+# ------------------------------------------------------------------ tensor parallelism
+
+
+def tp_layer(i: int) -> nn.Module:
+    """Layer i of the 4-layer model: input projection, two transformer blocks, output."""
+    import tp_support as T
+
+    torch.manual_seed(900 + i)
+    if i == 0:
+        return nn.Linear(T.D, T.D)
+    if i == 3:
+        return nn.Linear(T.D, T.OUT)
+    return T.Block()
+
+
+def tp_stage(lo: int, hi: int) -> Any:
+    """The factory of the stage holding layers lo..hi-1 under their model names ("1.attn.q"),
+    its blocks sharded Megatron's way on a tp mesh of size > 1."""
+    import tp_support as T
+
+    def build(tp_mesh: Any = None) -> nn.Module:
+        from collections import OrderedDict
+
+        m = nn.Sequential(OrderedDict((str(i), tp_layer(i)) for i in range(lo, hi)))
+        if tp_mesh is not None and tp_mesh.size() > 1:
+            from torch.distributed.tensor.parallel import (
+                ColwiseParallel, RowwiseParallel, parallelize_module,
+            )
+
+            plan = {f"{i}.{k.removeprefix('block.')}": ColwiseParallel() if v == "col" else RowwiseParallel()
+                    for i in range(lo, hi) if i in (1, 2) for k, v in T.PLAN_NAMES.items()}
+            parallelize_module(m, tp_mesh, plan)
+        return m
+
+    return engine.named_stage(build, "")
+
+
+def tp_pipe(shape: tuple[int, int, int]) -> engine.Pipeline:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    pp = shape[0]
+    cuts = {1: [(0, 4)], 2: [(0, 2), (2, 4)]}[pp]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
+    return engine.Pipeline([tp_stage(lo, hi) for lo, hi in cuts], schedule="1f1b", chunks=M,
+                           loss_fn=nn.functional.mse_loss, optimizer=lambda p: eo.Adam(p, lr=1e-2),
+                           transport="gloo", mesh=mesh, timeout=120)
+
+
+def _tp_run(p: Any, steps: range, rows: int = 16) -> None:
+    import tp_support as T
+
+    from distributed_support import replica_rows
+
+    R = p.replicas
+    shard = replica_rows(p.layout.replica, R, rows // M // R)
+    for t in steps:
+        x, y = T.batch(t, rows)
+        p.step(shard(x), shard(y))
+    p.flush()
+
+
+def phase_relayout_tp(rank: int, root: str) -> dict[str, Any]:
+    """TP=2 x PP=2 x DP=2 saves after K steps and runs to N; TP=1 x PP=2 (x DP=4) and
+    TP=2 x PP=1 (x DP=4) load it and run the same steps: rank 0's export within 1e-6 of the
+    first run's. A TP=2 x PP=2 x DP=2 pipeline started from the exported model file holds it
+    exactly. Tensor-parallel rank 0 of the TP=2 x PP=1 run reads no file of tp rank 1."""
+    import torch.distributed as dist
+
+    from engine.checkpoint_dir import read_manifest
+    from engine.serialization import write_plain
+
+    out: dict[str, Any] = {}
+    path = os.path.join(root, "tp")
+    try:
+        a = tp_pipe((2, 2, 2))
+        _tp_run(a, range(K))
+        engine.save(a, path)
+        _tp_run(a, range(K, N))
+        ref = engine.export(a)
+        out["export_keys"] = sorted(ref)
+        man = read_manifest(path)
+        for label, shape in (("tp1_pp2", (2, 4, 1)), ("tp2_pp1", (1, 4, 2))):
+            b = tp_pipe(shape)
+            reads: list[tuple[str, str]] = []
+            undo = _reads(reads)
+            try:
+                engine.load(b, path)
+            finally:
+                undo()
+            tp_of = {e["file"]: e.get("tp_rank", 0) for e in man["ranks"]}
+            stage_of = {e["file"]: e["stage"] for e in man["ranks"]}
+            files = {f for f, _ in reads}
+            if label == "tp2_pp1" and b.layout.tp_rank == 0:
+                out[f"{label}_reads_own_shards"] = bool(files) and all(tp_of[f] == 0 for f in files)
+            if label == "tp1_pp2":
+                out[f"{label}_reads_own_stage"] = bool(files) and all(
+                    stage_of[f] == b.layout.stage for f in files)
+            _tp_run(b, range(K, N))
+            got = engine.export(b)
+            out[label] = diff(got, ref) if rank == 0 else 0.0
+        file = os.path.join(root, "model.safetensors")
+        if rank == 0:
+            write_plain(ref, file)
+        dist.barrier()
+        c = tp_pipe((2, 2, 2))
+        engine.load(c, file)
+        got = engine.export(c)
+        out["from_file"] = same(got, ref) if rank == 0 else got == {}
+    except Exception:
+        out["error"] = traceback.format_exc()
+    return out
