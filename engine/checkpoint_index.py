@@ -21,7 +21,7 @@ from engine.errors import CheckpointError
 from engine.runtime.state.saved_index import Saved, SavedStage
 from engine.serialization import StateFile
 
-__all__ = ["open_saved", "describe_saved"]
+__all__ = ["open_saved", "describe_saved", "in_flight"]
 
 
 def describe_saved(layout: dict[str, Any], processes: int | None) -> str:
@@ -97,3 +97,9 @@ def _open_dir(path: str) -> Saved:
     layout = describe_saved(man.get("layout", {}), man.get("layout", {}).get("world"))
     stages.sort(key=lambda s: (s.replica, s.tp_rank, s.index))
     return Saved(path, layout, stages, unflushed)
+
+
+def in_flight(path: str | os.PathLike[str]) -> str | None:
+    """What the checkpoint at ``path`` holds in flight, in words (None: it was saved flushed,
+    so it may load into another layout); reads headers only."""
+    return open_saved(path).unflushed
