@@ -74,7 +74,9 @@ _READABLE = ("engine.checkpoint-dir/1", DIR_FORMAT)
 _OWN_ONLY = "replica-own"
 MANIFEST = "manifest.json"
 _RANK_FILE = re.compile(r"rank\d+-[0-9a-f]{16}\.safetensors(\.tmp-\d+)?$")
-_HASH, _TEXT = 64, 960  # bytes of a rank's status: hex SHA-256, then its error (utf-8)
+#: bytes of a rank's status: its digest (the file's hex SHA-256 and ":" and its header
+#: checksum), then its error (utf-8)
+_HASH, _TEXT = 136, 960
 
 
 def control_group(pipe: Pipeline) -> Any:
@@ -238,8 +240,8 @@ def save_dir(pipe: Pipeline, path: str | os.PathLike[str]) -> None:
     try:
         os.makedirs(path, exist_ok=True)
         state = pipe.state_dict()
-        write_state(state if lay.replica == 0 else _own_part(pipe, state), target)
-        digest = file_sha256(target)
+        index = write_state(state if lay.replica == 0 else _own_part(pipe, state), target)
+        digest = f"{file_sha256(target)}:{index}"  # (the manifest records both)
     except Exception as exc:  # reported to every rank below
         error = f"{type(exc).__name__}: {exc}"
     statuses = _exchange(pipe, digest, error)
@@ -263,16 +265,14 @@ def _commit(pipe: Pipeline, path: str, nonce_name: str, statuses: list[tuple[str
     S = pipe.layout.stages
     place = getattr(pipe.layout, "place_of", lambda r: (r % S, r // S, 0))  # (a mesh: runtime/dist/mesh.py)
     writer = _writer_of(pipe)
-    from engine.serialization import StateFile
-
     ranks = [
         {"rank": r, "stage": place(r)[0], "replica": place(r)[1], "file": f"rank{r:05d}-{nonce_name}",
-         "sha256": h, **({"tp_rank": place(r)[2]} if getattr(pipe.layout, "tp", 1) > 1 else {}),
-         "holds": "all" if writer(r) == r else "own", "shared_from": writer(r)}
+         "sha256": h.split(":")[0], **({"tp_rank": place(r)[2]} if getattr(pipe.layout, "tp", 1) > 1 else {}),
+         "holds": "all" if writer(r) == r else "own", "shared_from": writer(r),
+         # the header checksum: a reader of parts of the file checks that it is this one
+         **({"index_sha256": h.split(":")[1]} if ":" in h else {})}
         for r, (h, _) in enumerate(statuses)
     ]
-    for e in ranks:  # the header checksum: a reader of parts of the file checks it is this one
-        e["index_sha256"] = StateFile(os.path.join(path, e["file"])).meta["sha256"]
     body = {"format": DIR_FORMAT, "layout": _layout(pipe), "steps": pipe.steps, "ranks": ranks,
             "holds": {"all": "the rank's whole state", "own": (
                 "the rank's own part: module buffers, LR scheduler, counters, RNG, micro-batches "

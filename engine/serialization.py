@@ -141,14 +141,16 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
-def write_state(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """Write a state dict to ``path`` (safetensors + JSON metadata), atomically."""
+def write_state(state: dict[str, Any], path: str | os.PathLike[str]) -> str:
+    """Write a state dict to ``path`` (safetensors + JSON metadata), atomically; returns the
+    file's header checksum (what a reader of parts of it checks, :class:`StateFile`)."""
     tensors: dict[str, Tensor] = {}
     skeleton = _encode(state, "s", tensors)
     hashes = {name: _tensor_sha256(name, t) for name, t in tensors.items()}
     meta = {"format": FORMAT, "tensors": hashes, "sha256": _index_sha256(skeleton, hashes),
             "state": skeleton}
     _write_file(tensors, {_META_KEY: json.dumps(meta)}, path, "checkpoint")
+    return str(meta["sha256"])
 
 
 def _write_file(tensors: dict[str, Tensor], metadata: dict[str, str],

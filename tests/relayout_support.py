@@ -133,6 +133,7 @@ def phase_relayout(rank: int, root: str) -> dict[str, Any]:
                 finally:
                     undo()
                 man = read_manifest(path)
+                got["index_sums"] = all(len(e.get("index_sha256", "")) == 64 for e in man["ranks"])
                 mine = set(range(c.layout.stage * (world // S2), (c.layout.stage + 1) * (world // S2)))
                 allowed = {e["file"] for e in man["ranks"] if e["stage"] in mine}
                 got["reads_own_files"] = bool(reads) and {f for f, _ in reads} <= allowed

@@ -280,3 +280,49 @@ def test_a_damaged_tensor_is_named_when_only_part_is_read(tmp_path: Any) -> None
         f.write(raw)
     _refused(lambda: pipe(2, "1f1b", "sgd"), path, "does not match its SHA-256")
     assert os.path.exists(path)
+
+
+def _grouped(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """Two param groups (weights decay, biases do not); the output layer's group runs at
+    twice the lr, so the groups of another cut mix saved groups of two lrs."""
+    lr = 0.02 if any(p.shape[0] == 3 for p in params) else 0.01
+    w, b = [p for p in params if p.ndim > 1], [p for p in params if p.ndim == 1]
+    return eo.AdamW([{"params": w, "weight_decay": 0.1}, {"params": b, "weight_decay": 0.0}], lr=lr)
+
+
+def _scheduled(S: int, schedule: str = "1f1b", opt: Any = None) -> engine.Pipeline:
+    return engine.Pipeline(model(), balance=balance(S), schedule=schedule, chunks=2,
+                           loss_fn=nn.functional.mse_loss, optimizer=opt or OPTIMIZERS["adamw"],
+                           lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 2, gamma=0.5))
+
+
+def test_param_groups_and_lr_schedulers_move(tmp_path: Any) -> None:
+    a = _scheduled(4, opt=lambda p: eo.AdamW(
+        [{"params": [q for q in p if q.ndim > 1], "weight_decay": 0.1},
+         {"params": [q for q in p if q.ndim == 1], "weight_decay": 0.0}], lr=0.01))
+    run(a, range(3))
+    path = str(tmp_path / "s.safetensors")
+    engine.save(a, path)
+    run(a, range(3, 7))
+    for S in (2, 1):
+        b = _scheduled(S, "gpipe", opt=lambda p: eo.AdamW(
+            [{"params": [q for q in p if q.ndim > 1], "weight_decay": 0.1},
+             {"params": [q for q in p if q.ndim == 1], "weight_decay": 0.0}], lr=0.01))
+        engine.load(b, path)
+        assert b.stages[0].scheduler.last_epoch == 3
+        run(b, range(3, 7))
+        assert same(engine.export(b), engine.export(a)), S
+        assert b.stages[-1].optimizer.param_groups[1]["lr"] == 0.01 * 0.5**3  # decayed at 4 and 6
+
+
+def test_saved_groups_that_disagree_are_refused_unless_overridden(tmp_path: Any) -> None:
+    a = _scheduled(4, opt=_grouped)
+    run(a, range(2))
+    path = str(tmp_path / "g.safetensors")
+    engine.save(a, path)
+    msg = _refused(lambda: _scheduled(2, opt=_grouped), path, "param group 0 of stage 1",
+                   "hyper-parameters differ", "override_hyperparameters=True")
+    assert "lr" in msg
+    b = _scheduled(2, opt=_grouped)
+    engine.load(b, path, override_hyperparameters=True)
+    assert b.stages[1].optimizer.param_groups[0]["lr"] == 0.02 and b.steps == 2

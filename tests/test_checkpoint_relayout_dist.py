@@ -56,6 +56,7 @@ def test_gloo_checkpoint_moves_to_fewer_stages_with_replicas(moved: list[dict[st
         got = res[case]
         assert got["dp_diff"] <= 1e-6, (rank, got["dp_diff"])
         assert got["reads_own_files"] is True, rank
+        assert got["index_sums"] is True, rank  # the manifest commits each file's header sum
         assert 0 < got["read_fraction"] < 1, (rank, got["read_fraction"])
 
 
