@@ -326,3 +326,56 @@ def test_saved_groups_that_disagree_are_refused_unless_overridden(tmp_path: Any)
     b = _scheduled(2, opt=_grouped)
     engine.load(b, path, override_hyperparameters=True)
     assert b.stages[1].optimizer.param_groups[0]["lr"] == 0.02 and b.steps == 2
+
+
+def _named_state(p: engine.Pipeline) -> dict[str, dict[str, torch.Tensor]]:
+    """Per model name, its optimizer state and the runtime's delta (torch optimizers)."""
+    from engine.runtime.state.model_index import stage_record
+
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for st in p.stages:
+        rec = stage_record(p.parts, st)
+        opt = st.optimizer
+        params = [q for g in opt.param_groups for q in g["params"]]
+        extra = st.bridge.extra_state()
+        for i, names in enumerate(rec["params"]):
+            entry = {k: v.clone() for k, v in opt.state.get(params[i], {}).items() if isinstance(v, torch.Tensor)}
+            if f"delta.{i}" in extra:
+                entry["runtime_delta"] = extra[f"delta.{i}"].clone()
+            out[names[0]] = entry
+    return out
+
+
+@pytest.mark.parametrize("case", ["engine-sc-t2", "torch-runtime-t2"])
+def test_the_mitigations_per_parameter_buffers_move(tmp_path: Any, case: str) -> None:
+    """pb flushed at S=4, loaded at S=2: SC's and PipeMare's per-parameter buffers (the
+    optimizer's own delta, or the runtime's for a torch optimizer) land by model name."""
+    if case == "engine-sc-t2":
+        kw: dict[str, Any] = dict(optimizer=lambda p: eo.SGD(p, lr=0.05, momentum=0.9,
+                                                             spike_compensation=True,
+                                                             discrepancy_correction=True))
+    else:
+        kw = dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), discrepancy_correction=True)
+
+    def make(S: int) -> engine.Pipeline:
+        return engine.Pipeline(model(), balance=balance(S), schedule="pb", chunks=2,
+                               loss_fn=nn.functional.mse_loss, **kw)
+
+    a = make(4)
+    run(a, range(3))
+    path = str(tmp_path / "m.safetensors")
+    engine.save(a, path)
+    saved = _named_state(a)
+    assert any("delta" in k for e in saved.values() for k in e)
+    b = make(2)
+    engine.load(b, path)
+    got = _named_state(b)
+    assert got.keys() == saved.keys()
+    for name, entry in saved.items():
+        assert entry.keys() <= got[name].keys(), name
+        for key, t in entry.items():
+            assert torch.equal(t, got[name][key]), (name, key)
+        for key in got[name].keys() - entry.keys():  # kept by none of the saved stages (delay 0)
+            assert key == "runtime_delta" and not got[name][key].any(), (name, key)
+    run(b, range(3, 5))
+    assert b.steps == 5

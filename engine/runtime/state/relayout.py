@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
 
 from engine.errors import CheckpointError
@@ -192,22 +193,29 @@ def _stage(parts: PipelineParts, st: Stage, rec: dict[str, Any], index: SavedInd
     out["optimizer_type"] = types.pop() if types else None
     out["optimizer"] = _optimizer(st, rec, pieces, shards, override, refuse)
     deltas = [p[min(p)].delta if p else None for p in pieces]
-    if deltas and all(d is not None for d in deltas):
-        out["extra"] = {f"delta.{i}": _state_tensor(pieces[i], "delta", d, rec, i, shards)  # type: ignore[arg-type]
-                        for i, d in enumerate(deltas)}
+    if any(d is not None for d in deltas):  # the runtime's PipeMare delta (torch optimizers):
+        wants = _wants(rec, shards)  # a parameter whose saved stage kept none (delay 0) starts at 0
+        out["extra"] = {
+            f"delta.{i}": (_state_tensor(pieces[i], "delta", d, rec, i, wants[i]) if d is not None
+                           else torch.zeros_like(st.store.params[i].detach()))
+            for i, d in enumerate(deltas)}
     if st.scheduler is not None:
         out["scheduler"] = _scheduler(st, pieces, refuse)
     return out
 
 
-def _want(rec: dict[str, Any], i: int, shards: dict[str, Any]) -> dict[str, Any] | None:
+def _wants(rec: dict[str, Any], shards: dict[str, Any]) -> list[dict[str, Any] | None]:
+    """Per parameter of the new stage (optimizer order), its tensor-parallel shard (or None)."""
     by_name = {g: local for local, g in rec["names"].items()}
-    local = by_name.get(rec["params"][i][0]) if rec["params"][i] else None
-    return shards.get(local) if local is not None else None
+    out = []
+    for names in rec["params"]:
+        local = by_name.get(names[0]) if names else None
+        out.append(shards.get(local) if local is not None else None)
+    return out
 
 
 def _state_tensor(by_at: dict[int, OptPiece], key: str, value: Any, rec: dict[str, Any], i: int,
-                  shards: dict[str, Any]) -> Any:
+                  want: dict[str, Any] | None) -> Any:
     """One per-parameter state value for new parameter ``i``: sharded as its parameter where
     it has the parameter's shape, else (a step count) as saved."""
     if not hasattr(value, "read"):
@@ -220,7 +228,7 @@ def _state_tensor(by_at: dict[int, OptPiece], key: str, value: Any, rec: dict[st
     else:
         p = Pieces(first.shard, {a: o.delta if key == "delta" else (o.entry or {}).get(key)
                                  for a, o in by_at.items()})
-    return assemble(p, _want(rec, i, shards), f"{rec['params'][i][0]!r}'s {key}")
+    return assemble(p, want, f"{rec['params'][i][0]!r}'s {key}")
 
 
 def _optimizer(st: Stage, rec: dict[str, Any], pieces: list[Any], shards: dict[str, Any],
@@ -228,6 +236,7 @@ def _optimizer(st: Stage, rec: dict[str, Any], pieces: list[Any], shards: dict[s
     """The new stage optimizer's state_dict: per-parameter state by model name, groups from
     the saved groups of their parameters (module docstring)."""
     current = st.optimizer.state_dict()
+    wants = _wants(rec, shards)
     state: dict[int, dict[str, Any]] = {}
     groups = []
     for gi, (group, saved_group) in enumerate(zip(st.optimizer.param_groups, current["param_groups"], strict=True)):
@@ -240,7 +249,7 @@ def _optimizer(st: Stage, rec: dict[str, Any], pieces: list[Any], shards: dict[s
             first = by_at[min(by_at)]
             found.append(first.group)
             if first.entry is not None:
-                state[pid] = {k: _state_tensor(by_at, k, v, rec, pid, shards)
+                state[pid] = {k: _state_tensor(by_at, k, v, rec, pid, wants[pid])
                               for k, v in first.entry.items()}
         base = {k: v for k, v in (found[0] if found else group).items() if k != "params"}
         differ = _differences(found)
