@@ -39,9 +39,10 @@ def export(source: Any) -> dict[str, Tensor]:
     if parts is None:
         raise TypeError(f"engine.export takes a Pipeline or a checkpoint path, not {type(source).__name__}")
     parts.require_flushed("engine.export")
-    from engine.runtime.state.model_index import undeclared
+    from engine.runtime.state.model_index import needs_names, undeclared
 
-    why = undeclared(parts, "engine.export")
+    missing = undeclared(parts)
+    why = needs_names("engine.export", missing) if missing else None
     if parts.config.distributed:
         return _export_ranks(source, why)
     if why is not None:
@@ -138,12 +139,13 @@ def model_file_tensors(parts: Any, path: str) -> dict[int, dict[str, Tensor]]:
     """Per stage of this process, its module's tensors read from the plain ``state_dict``
     file ``path`` by model name (a tensor-parallel shard by a slice); CheckpointError naming
     what is missing or mis-shaped. Nothing of the pipeline changes here."""
-    from engine.runtime.state.model_index import undeclared
+    from engine.runtime.state.model_index import needs_names, undeclared
     from engine.serialization import PlainFile
 
-    why = undeclared(parts, f"engine.load of the model file {path!r}")
-    if why is not None:
-        raise CheckpointError(why + " -- nothing was loaded")
+    missing = undeclared(parts)
+    if missing:
+        raise CheckpointError(needs_names(f"engine.load of the model file {path!r}", missing)
+                              + " -- nothing was loaded")
     f = PlainFile(path)
     records = _records(parts)
     alias = _tie_aliases(parts, records)  # a file may hold a tied weight under one name only

@@ -59,12 +59,18 @@ def test_export_equals_the_model_trained_unpipelined(tmp_path: Any, schedule: st
     assert not torch.equal(got["0.weight"], model().state_dict()["0.weight"])  # it trained
 
 
-def test_export_needs_names_and_a_flushed_pipeline() -> None:
+def test_export_and_model_files_need_names_and_a_flushed_pipeline(tmp_path: Any) -> None:
     whole = model()
     stages = [nn.Sequential(*list(whole)[:4]), nn.Sequential(*list(whole)[4:])]
     pipe = engine.Pipeline(stages, schedule="gpipe", chunks=M, loss_fn=F.mse_loss, optimizer=_torch_sgd)
     with pytest.raises(CheckpointError, match=r"engine.export needs each stage's names .* engine.named_stage"):
         engine.export(pipe)
+    path = tmp_path / "model.safetensors"
+    write_plain(_trained().state_dict(), path)
+    before = _snapshot(pipe)
+    with pytest.raises(CheckpointError, match=r"stage\(s\) \[0, 1\] of this pipeline declare none.*named_stage"):
+        engine.load(pipe, path)
+    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(pipe), strict=True))
     async_pipe = _pipe(2, schedule="pipedream")
     async_pipe.step(*batch(0))
     with pytest.raises(engine.NotFlushedError, match="engine.export"):

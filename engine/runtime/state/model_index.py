@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from engine.runtime.parts import PipelineParts
     from engine.runtime.stage.stage import Stage
 
-__all__ = ["stage_record", "undeclared", "Shard"]
+__all__ = ["stage_record", "undeclared", "needs_names", "Shard"]
 
 Shard = dict[str, Any]  #: {"dim": d, "of": n, "at": i, "shape": [global shape]}
 
@@ -98,13 +98,15 @@ def _carried(parts: PipelineParts, st: Stage) -> list[dict[str, Any]]:
     return out
 
 
-def undeclared(parts: PipelineParts, what: str) -> str | None:
-    """Why ``what`` cannot be done when a stage of ``parts`` has no names (None when all do)."""
-    missing = [st.index for st in parts.stages if naming_of(st.module) is None]
-    if not missing:
-        return None
+def undeclared(parts: PipelineParts) -> list[int]:
+    """The stages of ``parts`` whose modules declare no names (engine.model_names)."""
+    return [st.index for st in parts.stages if naming_of(st.module) is None]
+
+
+def needs_names(what: str, stages: list[int]) -> str:
+    """Why ``what`` cannot be done with ``stages`` undeclared, and how to declare them."""
     return (
-        f"{what} needs each stage's names in the whole model, but stage(s) {missing} of this "
+        f"{what} needs each stage's names in the whole model, but stage(s) {stages} of this "
         f"pipeline declare none (stages handed over as hand-made modules or factories); "
         f"{HOW_TO_DECLARE}"
     )

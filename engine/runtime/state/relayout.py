@@ -95,9 +95,10 @@ def relayout_state(parts: PipelineParts, saved: Saved, override_hyperparameters:
             "stages that declared none, or by an engine before names were recorded)",
             "load it into a pipeline of the layout that wrote it; to move it, save it from "
             f"there with named stages: {HOW_TO_DECLARE}")
-    why = undeclared(parts, "loading into another layout")
-    if why is not None:
-        raise refuse(why.split("; ", 1)[0], why.split("; ", 1)[1])
+    missing = undeclared(parts)
+    if missing:
+        raise refuse(f"stage(s) {missing} of this pipeline declare no names in the whole model "
+                     "(hand-made modules or factories)", HOW_TO_DECLARE)
     top = saved.stages[0].top
     theirs, mine = top.get("update_rule"), update_rule(parts)
     cfg_t, cfg_m = top.get("config", {}), config_record(parts)
