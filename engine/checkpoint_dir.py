@@ -55,7 +55,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from engine import serialization
 from engine.errors import CheckpointError
 from engine.serialization import file_sha256, read_state, write_state
 
