@@ -204,12 +204,15 @@ def autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
 
 
 def torch_adamw(params: Any, device: torch.device) -> torch.optim.Optimizer:
-    """The loops' optimizer: torch's fused AdamW on a GPU (its fastest, and capturable: the
-    step count lives on the device), the single-tensor path on the CPU (which engine.optim's
-    reference path matches op for op)."""
-    fused = device.type == "cuda"
+    """The loops' optimizer: torch's fused AdamW on a GPU (its fastest; ``capturable=True``
+    because torch refuses to capture an Adam step without it, and the fused kernel keeps its
+    step count on the device either way), the single-tensor path on the CPU (which
+    engine.optim's reference path matches op for op)."""
+    if device.type == "cuda":
+        return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                                 fused=True, capturable=True)
     return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
-                             fused=fused or None, foreach=False if not fused else None)
+                             foreach=False)
 
 
 def engine_adamw(**mitigations: Any) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
