@@ -165,7 +165,7 @@ def min_max_balance(costs: Sequence[float], stages: int) -> list[int]:
     smallest possible (ties: the earliest cuts)."""
     n = len(costs)
     if not 1 <= stages <= n:
-        raise ValueError(f"lm_gpu: {stages} stages need 1..{n} layers per model; got {n} layers")
+        raise ValueError(f"lm_gpu: cannot cut {n} layers into {stages} stages (1 to {n})")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
@@ -310,7 +310,8 @@ def cycling(fn: Callable[[Tensor, Tensor], object], data: Sequence[tuple[Tensor,
     return step
 
 
-def batches(cfg: LM, sequences: int, device: torch.device, seed: int) -> list[tuple[Tensor, Tensor]]:
+def batches(cfg: LM, sequences: int, device: torch.device, seed: int
+            ) -> list[tuple[Tensor, Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [tuple(torch.randint(0, cfg.vocab, (sequences, cfg.seq), generator=g).to(device)
                   for _ in range(2)) for _ in range(POOL)]  # type: ignore[misc]
@@ -475,7 +476,8 @@ class Run:
                 side = measured_build(self.device, lambda: self._build(key))
             except (Exception, CompileBudgetExceeded) as exc:  # reported; the run goes on
                 reason = f"{type(exc).__name__}: {exc}"
-                (self.skipped if isinstance(exc, CompileBudgetExceeded) else self.failures)[key] = reason
+                over_budget = isinstance(exc, CompileBudgetExceeded)
+                (self.skipped if over_budget else self.failures)[key] = reason
                 self.log(f"{'SKIPPED' if key in self.skipped else 'FAILED'} {key}: {reason}")
                 self.free(key)
                 return None
@@ -503,7 +505,8 @@ class Run:
         if cand is None or peer is None:
             self.log(f"skipped pair {cand_key} vs {peer_key}: no {peer_key if cand else cand_key}")
             return
-        res = paired(cand.call, peer.call, device=self.device, **self.timing)  # type: ignore[arg-type]
+        res = paired(cand.call, peer.call, device=self.device,
+                     **self.timing)  # type: ignore[arg-type]
         ratio_mem = (cand.peak_mib / peer.peak_mib
                      if cand.peak_mib is not None and peer.peak_mib else None)
         row = res.row(
@@ -569,7 +572,8 @@ def goal_line(row: RatioRow) -> str:
     e = row.extra
     parts = [f"{row.candidate_ms:.2f} vs {row.peer_ms:.2f} ms a call"]
     if e.get("candidate_tokens_per_s") and e.get("peer_tokens_per_s"):
-        parts.append(f"{e['candidate_tokens_per_s']:,.0f} vs {e['peer_tokens_per_s']:,.0f} tokens/s")
+        parts.append(f"{e['candidate_tokens_per_s']:,.0f} vs {e['peer_tokens_per_s']:,.0f} "
+                     "tokens/s")
     goal = e.get("goal_time_ratio")
     if goal is not None:
         verdict = ("met" if row.ci_high <= goal else "missed" if row.ci_low > goal else "open")
@@ -578,8 +582,9 @@ def goal_line(row: RatioRow) -> str:
     if mem is not None:
         parts.append(f"peak {e['candidate_peak_mib']:.0f} vs {e['peer_peak_mib']:.0f} MiB")
         mgoal = e.get("goal_memory_ratio")
-        parts.append(f"memory {mem:.2f}x" + (f", goal <= {mgoal}x: {'met' if mem <= mgoal else 'missed'}"
-                                             if mgoal is not None else ""))
+        verdict = "" if mgoal is None else f", goal <= {mgoal}x: " + ("met" if mem <= mgoal
+                                                                      else "missed")
+        parts.append(f"memory {mem:.2f}x{verdict}")
     elif e.get("goal_memory_ratio") is not None:
         parts.append(f"memory goal <= {e['goal_memory_ratio']}x: not measured (no GPU)")
     return "; ".join(parts)
@@ -637,15 +642,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--rounds {args.rounds} must be >= 1")
     device = torch.device(args.device)
     base = LM() if device.type == "cuda" else TINY
-    cfg = replace(base, **{k: getattr(args, k) for k in ("d", "heads", "layers", "seq", "vocab", "batch")
-                           if getattr(args, k) is not None})
-    for k in ("d", "heads", "layers", "seq", "vocab", "batch"):
+    sizes = ("d", "heads", "layers", "seq", "vocab", "batch")
+    cfg = replace(base, **{k: getattr(args, k) for k in sizes if getattr(args, k) is not None})
+    for k in sizes:
         if getattr(cfg, k) < 1:
             ap.error(f"--{k} {getattr(cfg, k)} must be >= 1")
     if cfg.d % cfg.heads:
         ap.error(f"--d {cfg.d} must be a multiple of --heads {cfg.heads}")
     if cfg.layers + 2 < cfg.stages:
-        ap.error(f"--layers {cfg.layers}: {cfg.stages} stages need at least {cfg.stages - 2} blocks")
+        ap.error(f"--layers {cfg.layers}: {cfg.stages} stages need at least "
+                 f"{cfg.stages - 2} blocks")
     path = args.out / f"{NAME}-{device_slug(device)}.csv"
     print(f"{NAME}: {cfg.describe()} batch {cfg.batch} M={cfg.chunks} S={cfg.stages} "
           f"(balance {cfg.balance()}) on {device_name(device)}, {args.rounds} rounds")

@@ -240,7 +240,8 @@ def test_the_pick_command_says_which_compiler_a_build_uses(tmp_path: Path) -> No
 
     kept = pick(CXX="g++")
     assert kept.returncode == 0, kept.stderr
-    assert kept.stdout.strip() == "no compiler switch: g++ links libstdc++ shared; the build uses it"
+    assert kept.stdout.strip() == ("no compiler switch: g++ links libstdc++ shared; "
+                                   "the build uses it")
     static = _static_wrapper(tmp_path)
     switched = pick(CXX=static)
     assert switched.returncode == 0, switched.stderr
