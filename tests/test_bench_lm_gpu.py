@@ -213,3 +213,34 @@ def test_cuda_a_replay_of_the_captured_loop_is_an_eager_step() -> None:
     torch.cuda.synchronize()
     for a, b in zip(loop.net.parameters(), ref_net.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "pb"])
+def test_the_captured_engine_sides_replay_on_the_cpu_twins(schedule: str, monkeypatch) -> None:
+    """The GPU path's engine sides -- bf16 autocast, the tied head, (h, mask) between stages,
+    ``cuda_graphs="program"`` -- capture and replay within the warm-up steps the benchmark
+    gives them, on the CPU stand-ins for CUDA graphs (a recording twin for the synchronous
+    step, a tape twin for pb's window). engine.optim's CPU reference path reads Adam's step
+    count on the host unless ``capturable=True`` (its fused CUDA kernels never do), so the
+    test asks for that."""
+    from engine.runtime.exec.capture import use_backend
+    from engine.testing.capture_audit import _reference_optimizer
+    from engine.testing.graph_twin import RecordingTwin, TapeTwin
+
+    real = bench.engine_adamw
+    monkeypatch.setattr(bench, "engine_adamw", lambda **kw: real(capturable=True, **kw))
+    pb = schedule == "pb"
+    twin = TapeTwin() if pb else RecordingTwin()
+    data = bench.batches(TINY, TINY.chunks * (1 if pb else TINY.batch), CPU, seed=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (tiny tensors: more threads only spin)
+    try:
+        with use_backend(twin), _reference_optimizer():
+            pipe = bench.pipeline(TINY, schedule, CPU, captured=True)
+            go = bench.cycling(pipe.step, data)
+            for _ in range(bench.WARM_STEPS["pb" if pb else "sync", True]):
+                go()
+            assert bench.check_replaying(pipe, schedule)["replays"] >= 1
+    finally:
+        torch.set_num_threads(threads)
+    assert twin.captures >= 1 and twin.replays >= 1
