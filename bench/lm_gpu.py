@@ -46,7 +46,7 @@ printed next to the measured ratios. Rows go to ``OUT/lm_gpu-<device>.csv`` (the
 that does not replay) is reported with its reason, its pairs are skipped, the other parts
 still run, and the exit status is 1.
 
-Cost of the default run on one H100 -- an ESTIMATE, not a measurement (no GPU when written):
+Cost of the default run on one H100 -- an ESTIMATE, not a measurement:
 forward FLOPs per token: matmuls 2 x (85.0 M block + 38.6 M head) parameters = 247 M,
 attention 12 x 4 x 512 x 768 = 18.9 M (the full masked T x T is computed); x 3 with the
 backward: ~800 MFLOP a token. A synchronous step is 8 x 4 x 512 = 16384 tokens = 13.1 TFLOP:

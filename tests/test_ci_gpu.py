@@ -84,7 +84,7 @@ def test_each_phase_lists_its_commands_and_writes_nothing(tmp_path: Path) -> Non
     assert build["build/compiler"][1:] == ["engine/cxx_runtime.py", "--pick"]
     assert build["build/install"][1:] == ["-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", "."]
     assert build["build/info"][1:] == ["-m", "engine", "info"]
-    # issue 39 item 1: the arena, its bindings' error paths and the libstdc++ check after the build
+    # after the build: the arena, its bindings' error paths and the libstdc++ check
     build_files = [a for a in build["build/pytest-build"] if a.startswith("tests/")]
     assert build_files == ["tests/test_arena.py", "tests/test_arena_bindings.py",
                            "tests/test_build.py"]
