@@ -54,10 +54,11 @@ backward: ~800 MFLOP a token. A synchronous step is 8 x 4 x 512 = 16384 tokens =
 at batch 512 tokens (~100-200 TFLOP/s: 16-33 ms) plus 8 AdamW steps over 124 M parameters
 (~28 B a parameter read and written, ~1.2 ms each at ~3 TB/s: ~10 ms): 25-45 ms. A pair is
 2 x 3 warm-up + 6 calibration + 2 x 11 rounds x (2-4 calls a block, to fill --min-time 0.1 s)
-= 56-100 calls: ~3-5 s; 6 pairs ~20-30 s. Set-up: ~10 s start, 5-10 s a side built (5
-engine/loop sides plus one rebuild; the first Triton compile of the AdamW kernels 10-20 s
-once), torch.compile of the model 40-90 s (capped by --compile-budget 90). Whole run:
-~130-210 s at 11 rounds, sized for ~4 minutes. Memory (estimate): ~2 GB of weights, gradients
+= 56-100 calls: ~3-5 s; 6 pairs ~20-30 s. Set-up: ~10 s start; 3-8 s a side built (six
+builds: the two loops, the three engine sides, and gpipe once more for the compile pairs,
+since it is freed after its own pair), the first Triton compiles of the AdamW kernels 10-20 s,
+torch.compile of the model 40-90 s (capped by --compile-budget 90). Whole run: ~100-200 s at
+11 rounds, sized for ~4 minutes. Memory (estimate): ~2 GB of weights, gradients
 and AdamW state per side; saved activations ~0.75 GB a sequence (the T x T attention
 probabilities in fp32 dominate), so the loop holds ~3 GB of them (one micro-batch), 1f1b
 ~7 GB (2.5 micro-batches on average), gpipe ~23 GB (all 8): the memory goal compares 1f1b's and
@@ -537,7 +538,8 @@ class Run:
             self.pair(schedule, "loop", self.case(f"{schedule} S={self.cfg.stages} "
                                                   f"M={self.cfg.chunks}", self.cfg.batch),
                       {"time_ratio": GOAL_SYNC_TIME, "memory_ratio": GOAL_SYNC_MEMORY})
-            self.free(schedule)  # (gpipe holds all M micro-batches' activations)
+        self.free("gpipe")  # it holds all M micro-batches' activations; 1f1b and the loop
+        # stay for the compile pairs
 
     def part_pb(self) -> None:
         self.pair("pb", "sample loop", self.case(f"pb batch 1 S={self.cfg.stages} "
