@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -111,6 +112,20 @@ def test_the_compile_budget_interrupts_a_slow_build() -> None:
     with bench.time_limit(5.0):  # a fast block is untouched, and the timer is cancelled
         pass
     time.sleep(0.05)
+    # an alarm set outside (a test timeout) is kept, less the time spent inside
+    fired: list[int] = []
+    old = signal.signal(signal.SIGALRM, lambda sig, _f: fired.append(sig))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with bench.time_limit(5.0):
+            time.sleep(0.1)
+        remaining, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 0 < remaining <= 0.2 + 0.05
+        time.sleep(0.5)
+        assert fired == [signal.SIGALRM]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 class _SlowCompile(torch.nn.Module):
