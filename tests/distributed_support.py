@@ -1054,7 +1054,7 @@ def phase_reject_later(rank: int, S: int) -> dict[str, Any]:
 
 def _worker(
     rank: int, world: int, port: int, phases: list[tuple[str, dict[str, Any]]], outdir: str,
-    transport: str = "gloo", twin: bool = False,
+    transport: str = "gloo", twin: bool = False, init_timeout: float = 60.0,
 ) -> None:
     torch.set_num_threads(1)
     os.environ.update(
@@ -1074,7 +1074,7 @@ def _worker(
             backend = "nccl_twin"
         elif nccl:
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=init_timeout))
         for name, kw in phases:
             t0 = time.perf_counter()
             results[name] = _phase(name)(rank, **kw)
@@ -1109,18 +1109,19 @@ def _phase(name: str) -> Callable[..., Any]:
 
 def spawn(
     world: int, phases: list[tuple[str, dict[str, Any]]], timeout: float = 240.0,
-    transport: str = "gloo", twin: bool | None = None,
+    transport: str = "gloo", twin: bool | None = None, init_timeout: float = 60.0,
 ) -> list[dict[str, Any]]:
     """Run ``phases`` on ``world`` ranks; return each rank's results (missing: {}).
     ``transport``: what the phases run ("gloo", or "nccl": over the NCCL twin unless
-    ``twin=False``, on one GPU per rank)."""
+    ``twin=False``, on one GPU per rank); ``init_timeout``: the default group's timeout,
+    which the groups the engine creates inherit."""
     if twin is None:
         twin = transport == "nccl" and torch.cuda.device_count() < world
     outdir = tempfile.mkdtemp(prefix="engine-dist-")
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world, port, phases, outdir, transport, twin))
+        ctx.Process(target=_worker, args=(r, world, port, phases, outdir, transport, twin, init_timeout))
         for r in range(world)
     ]
     for p in procs:
