@@ -54,6 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import device_name, versions  # noqa: E402
+from outputs import DEFAULT_OUT  # noqa: E402
 
 __all__ = [
     "Probe",
@@ -505,7 +506,7 @@ def whole_step_graph(body: Callable[[], None], opt: torch.optim.Optimizer,
 def gpu_ratio_arguments(ap: argparse.ArgumentParser, csv_name: str) -> None:
     """``--out``, ``--rounds``, ``--warmup``, ``--min-time``, ``--quick``, ``--label``: the
     options of a GPU ratio benchmark (run with :func:`run_gpu_ratios`)."""
-    ap.add_argument("--out", type=Path, default=Path("bench/results"), help=f"folder for {csv_name}")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"folder for {csv_name}")
     ap.add_argument("--rounds", type=int, default=15, help="paired rounds per case")
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls of each side per case")
     ap.add_argument("--min-time", type=float, default=0.1,

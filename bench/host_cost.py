@@ -25,8 +25,14 @@ of 64 elements, one intra-op thread, so that torch's fused CPU kernel costs next
 and what is compared is the host work per step (torch's is its step plus one kernel call).
 A ratio <= 1 is the goal.
 
-    python bench/host_cost.py --out /tmp/host            # 15 rounds
-    python bench/host_cost.py --quick --out /tmp/host    # smoke run
+With ``--device cuda`` the same cases run on CUDA tensors with the kernels really launched
+(nothing stubbed; ``torch.cuda.synchronize`` around every timed block): at 64 elements a
+parameter the GPU work is a few microseconds, so a step's time is its host work plus the
+launches -- the engine's Triton launches against torch's fused kernel, in the same run.
+
+    python bench/host_cost.py --out /tmp/host                 # 15 rounds, CPU, stubbed
+    python bench/host_cost.py --quick --out /tmp/host         # smoke run
+    python bench/host_cost.py --device cuda --out /tmp/host   # GPU, real launches
 """
 
 from __future__ import annotations
@@ -38,8 +44,18 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-if __name__ == "__main__":  # (as a script only: an importer's environment stays its own)
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # no GPU needed: nothing is launched
+
+def _device_argument(argv: Sequence[str]) -> str:
+    """``--device`` of a command line, read before torch is imported."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--device", default="cpu")
+    return pre.parse_known_args(list(argv))[0].device
+
+
+if __name__ == "__main__" and _device_argument(sys.argv[1:]) == "cpu":
+    # (as a script only: an importer's environment stays its own) no GPU needed on the
+    # CPU: nothing is launched; on CUDA the kernels are compiled and launched for real
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
@@ -87,6 +103,14 @@ def stubbed_launches() -> Iterator[None]:
             setattr(module, name, kernel)
 
 
+CPU = torch.device("cpu")
+
+
+def launches(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """On the CPU every optimizer kernel stubbed (host time only); on CUDA the real ones."""
+    return stubbed_launches() if device.type == "cpu" else contextlib.nullcontext()
+
+
 OPTIMIZERS = {
     "sgd+sc+lwp": lambda ps: eo.SGD(ps, lr=0.1, momentum=0.9, spike_compensation=True, delay=2,
                                     prediction="linear", fused=True),
@@ -94,10 +118,11 @@ OPTIMIZERS = {
 }
 
 
-def stepper(n: int, flat: bool, make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
-            ) -> Callable[[], None]:
+def stepper(n: int, flat: bool, make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+            device: torch.device = CPU) -> Callable[[], None]:
     torch.manual_seed(0)
-    params = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(64)) for _ in range(n)])
+    params = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(64, device=device))
+                                     for _ in range(n)])
     if flat:
         engine.flatten_(params)  # .grad becomes a view of the bucket's flat gradient
     ps = list(params.parameters())
@@ -123,10 +148,10 @@ VS_TORCH = {
 }
 
 
-def torch_stepper(n: int, make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
-                  ) -> Callable[[], None]:
+def torch_stepper(n: int, make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+                  device: torch.device = CPU) -> Callable[[], None]:
     torch.manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(64)) for _ in range(n)]
+    ps = [torch.nn.Parameter(torch.randn(64, device=device)) for _ in range(n)]
     for p in ps:
         p.grad = torch.randn_like(p)
     opt = make(ps)
@@ -136,20 +161,24 @@ def torch_stepper(n: int, make: Callable[[list[torch.nn.Parameter]], torch.optim
 
 
 def run_vs_torch(*, n: int, rounds: int, min_time: float, label: str,
-                 log: Callable[[str], None] = print) -> list[RatioRow]:
-    """Engine flat step (launches stubbed) vs torch fused, same n parameters, one thread."""
+                 log: Callable[[str], None] = print, device: torch.device = CPU) -> list[RatioRow]:
+    """Engine flat step vs torch fused, same n parameters: on the CPU the engine's launches
+    stubbed and one thread; on CUDA both launching their kernels."""
     rows = []
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    cpu = device.type == "cpu"
+    if cpu:
+        torch.set_num_threads(1)
+    note = ("engine launches stubbed; torch fused on CPU, 1 thread, 64-element params" if cpu
+            else "CUDA tensors, kernels launched (engine: Triton; torch: fused), 64-element params")
     try:
         for name, (ours, theirs) in VS_TORCH.items():
-            with stubbed_launches():
-                res = paired(stepper(n, True, ours), torch_stepper(n, theirs), rounds=rounds,
-                             warmup=2, min_time=min_time)
+            with launches(device):
+                res = paired(stepper(n, True, ours, device), torch_stepper(n, theirs, device),
+                             rounds=rounds, warmup=2, min_time=min_time, device=device)
             rows.append(res.row(
                 "host_cost", f"{name} flat vs torch fused", f"engine {n} params",
-                f"torch fused {n} params", label=label,
-                note="engine launches stubbed; torch fused on CPU, 1 thread, 64-element params",
+                f"torch fused {n} params", label=label, note=note,
                 extra={"few": n, "many": n, "flat": 1.0},
             ))
             log(summary_line(rows[-1]))
@@ -159,17 +188,19 @@ def run_vs_torch(*, n: int, rounds: int, min_time: float, label: str,
 
 
 def run(*, few: int, many: int, rounds: int, min_time: float, label: str,
-        log: Callable[[str], None] = print) -> list[RatioRow]:
+        log: Callable[[str], None] = print, device: torch.device = CPU) -> list[RatioRow]:
     rows = []
+    note = ("kernel launches stubbed: host time of opt.step() only" if device.type == "cpu"
+            else "CUDA tensors, kernels launched: host time and launches of opt.step()")
     for name, make in OPTIMIZERS.items():
         for flat in (True, False):
             path = "flat" if flat else "tensors"
-            with stubbed_launches():
-                res = paired(stepper(many, flat, make), stepper(few, flat, make), rounds=rounds,
-                             warmup=2, min_time=min_time)
+            with launches(device):
+                res = paired(stepper(many, flat, make, device), stepper(few, flat, make, device),
+                             rounds=rounds, warmup=2, min_time=min_time, device=device)
             rows.append(res.row(
                 "host_cost", f"{name} {path}", f"{many} params", f"{few} params", label=label,
-                note="kernel launches stubbed: host time of opt.step() only",
+                note=note,
                 extra={"few": few, "many": many, "flat": float(flat)},
             ))
             log(summary_line(rows[-1]))
@@ -185,10 +216,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--min-time", type=float, default=0.05)
     ap.add_argument("--quick", action="store_true", help="3 rounds, short blocks")
     ap.add_argument("--label", default="")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cpu: launches stubbed (default); cuda: CUDA tensors, real launches")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("host_cost: --device cuda needs a CUDA GPU (torch.cuda.is_available() is False); "
+              "nothing measured, nothing written")
+        return 0
+    device = torch.device(args.device)
     rounds, min_time = (3, 0.01) if args.quick else (args.rounds, args.min_time)
-    rows = run(few=args.few, many=args.many, rounds=rounds, min_time=min_time, label=args.label)
-    rows += run_vs_torch(n=args.few, rounds=rounds, min_time=min_time, label=args.label)
+    rows = run(few=args.few, many=args.many, rounds=rounds, min_time=min_time, label=args.label,
+               device=device)
+    rows += run_vs_torch(n=args.few, rounds=rounds, min_time=min_time, label=args.label,
+                         device=device)
     args.out.mkdir(parents=True, exist_ok=True)
     write_ratio_csv(rows, args.out / "host_cost.csv")
     print(f"wrote {args.out / 'host_cost.csv'}")

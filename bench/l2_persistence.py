@@ -42,10 +42,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from outputs import DEFAULT_OUT  # noqa: E402
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("bench/results"), help="output folder")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder")
     p.add_argument("--hidden", type=int, default=1024, help="MLP width")
     p.add_argument("--layers", type=int, default=6, help="Linear layers in the stage")
     p.add_argument("--batch", type=int, default=16, help="micro-batch size")

@@ -9,7 +9,8 @@ messages each; this says what one message costs. Two cases, each a paired-round 
 * ``ring``: 4 ranks (``--ring-ranks``), 1 KiB; one call is one ring step: every rank posts
   ``batch_isend_irecv([send to the right, receive from the left])`` and waits (4 messages).
 
-Run: ``PYTHONPATH=. python bench/nccl_twin_rate.py [--rounds 11] [--out bench/results]``.
+Run: ``PYTHONPATH=. python bench/nccl_twin_rate.py [--rounds 11] [--out bench/results]`` (default
+``--out``: out/bench).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import paired, summary_line, write_ratio_csv  # noqa: E402
+from outputs import DEFAULT_OUT  # noqa: E402
 
 KIB = 256  # float32 elements in 1 KiB
 
@@ -96,7 +98,7 @@ def main() -> None:
     ap.add_argument("--inner", type=int, default=100, help="calls per timed block")
     ap.add_argument("--ring-ranks", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=300.0)
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
     rows = [_run("ping-pong", 2, args), _run("ring", args.ring_ranks, args)]
     for row in rows:

@@ -72,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cupy_peer  # noqa: E402
 from common import Row, device_name, format_size, measure, parse_size, versions, write_csv  # noqa: E402
 from harness import RatioRow, paired, summary_line, write_ratio_csv  # noqa: E402
+from outputs import DEFAULT_OUT  # noqa: E402
 
 import engine  # noqa: E402
 from engine.optim import functional  # noqa: E402
@@ -801,7 +802,7 @@ def plot(rows: list[Row], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results"),
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="folder for optim.csv, optim_ratios.csv and optim.png")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--sizes", default=None,

@@ -58,6 +58,7 @@ from harness import (  # noqa: E402
     summary_line,
     write_ratio_csv,
 )
+from outputs import DEFAULT_OUT  # noqa: E402
 from overhead_peers import (  # noqa: E402
     GPipeLoop,
     MicroBatchLoop,
@@ -376,7 +377,7 @@ def markdown(rows: Sequence[RatioRow]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("bench/results"),
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
                     help="folder for overhead.csv and overhead.md")
     ap.add_argument("--cases", default=",".join(DEFAULT_CASES),
                     help=f"comma list of cases (default: {', '.join(DEFAULT_CASES)}; "

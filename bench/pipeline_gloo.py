@@ -65,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import device_name, under_torchrun  # noqa: E402
 from harness import ProcessCPU, RatioRow, ThreadCPU, paired, summary_line, write_ratio_csv  # noqa: E402
+from outputs import DEFAULT_OUT  # noqa: E402
 
 
 def stage_module(s: int, width: int, layers: int) -> nn.Module:
@@ -286,7 +287,7 @@ def main() -> None:
     ap.add_argument(
         "--label", default="", help="machine label for the CSV/plot, e.g. 'CPU, 2 cores'"
     )
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument(
         "--ranks", type=int, default=4, help="processes (= stages) when not started by torchrun"
     )

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import paired, summary_line, write_ratio_csv  # noqa: E402
+from outputs import DEFAULT_OUT  # noqa: E402
 
 import engine  # noqa: E402
 import engine.models  # noqa: E402
@@ -141,7 +142,7 @@ def run(name: str, rounds: int, warmup: int, min_time: float, label: str) -> lis
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("bench/results"), help="folder for recompute.csv")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for recompute.csv")
     ap.add_argument("--cases", default="gpt,cnn", help="comma list of cases: gpt, cnn")
     ap.add_argument("--rounds", type=int, default=11, help="paired rounds per row")
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls of each side first")

@@ -5,6 +5,7 @@
     python -m engine compare [options]         every method of the papers, one table + plots
     python -m engine schedule NAME -S 4 -M 8   print, analyse and draw a schedule
     python -m engine bench   [--smoke]         optimizer-kernel microbenchmarks
+    python -m engine export  CKPT --out F      a checkpoint as the plain model's state_dict
 
 Each subcommand lives in its own module under ``engine/cli`` and registers its options here.
 Every usage error (argparse's or one a subcommand detects, e.g. more stages than layers)
@@ -25,7 +26,7 @@ from typing import NoReturn
 from engine.cli import CLIError, CLIFailure
 from engine.data import DatasetError
 
-COMMANDS = ("info", "train", "compare", "schedule", "bench")
+COMMANDS = ("info", "train", "compare", "schedule", "bench", "export")
 
 # modules of the `cli` extra (pyproject.toml) -> the package that provides them
 CLI_EXTRA = {"tqdm": "tqdm", "matplotlib": "matplotlib", "sklearn": "scikit-learn"}
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         "info",
         help="print versions, extension build (CUDA archs), Triton mode and GPU name",
     )
-    from engine.cli import bench, compare, schedule, train
+    from engine.cli import bench, compare, export, schedule, train
 
     for name, mod, text in (
         ("train", train, "train a model split into stages with any schedule and mitigation"),
@@ -81,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
             "bench",
             bench,
             "optimizer-kernel microbenchmarks (bench/optim.py; needs a GPU, --smoke on CPU)",
+        ),
+        (
+            "export",
+            export,
+            "write a checkpoint's model as a plain state_dict file (safetensors, model names)",
         ),
     ):
         p = sub.add_parser(name, help=text, description=(mod.__doc__ or "").split("\n")[0])

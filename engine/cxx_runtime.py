@@ -14,6 +14,7 @@ CMakeLists.txt runs this file on its output; ``python -m engine info`` reports i
 standard library here: setup.py loads this file by path, before engine is installed.
 
     python engine/cxx_runtime.py PATH/_C*.so   # exit 1, with the fix, if libstdc++ is static
+    python engine/cxx_runtime.py --pick        # which compiler a build here uses, and why
 """
 
 from __future__ import annotations
@@ -165,8 +166,29 @@ def static_problem(path: str | Path) -> str:
             "libstdc++ is shared: CXX=/usr/bin/g++ CC=/usr/bin/gcc")
 
 
+def describe_pick(environ: Mapping[str, str] = os.environ) -> str:
+    """What :func:`pick_compilers` decides here, in words: the configured compiler, whether
+    it links libstdc++ shared, and the compiler a build will use (raises as it does)."""
+    current = environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++"
+    env, note = pick_compilers(environ)
+    if env:
+        return f"compiler switch: {note} (CXX={env['CXX']}" + (
+            f", CC={env['CC']})" if "CC" in env else ")")
+    verdict = {True: "links libstdc++ shared", None: "could not be probed (the post-build "
+               "check decides)"}[compiler_links_shared(current)]
+    return f"no compiler switch: {current} {verdict}; the build uses it"
+
+
 def main(argv: list[str]) -> int:
-    """``python engine/cxx_runtime.py FILE...``: 1 (with the fix) if a file is static."""
+    """``python engine/cxx_runtime.py FILE...``: 1 (with the fix) if a file is static;
+    ``--pick``: :func:`describe_pick` (1, with the fix, when no compiler here will do)."""
+    if argv == ["--pick"]:
+        try:
+            print(describe_pick())
+        except RuntimeError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+        return 0
     bad = [p for p in argv if not links_shared(p)]
     for p in bad:
         print(static_problem(p), file=sys.stderr)

@@ -19,7 +19,10 @@ argument. :func:`split_causal_lm` returns stages that do the wiring:
   are ignored: :func:`next_token_labels` makes them);
 * the model's own modules are used, not copies, so a tied ``lm_head.weight`` is the
   embedding's ``Parameter`` and ``engine.Pipeline`` keeps the two tied (on every schedule;
-  see the README on ties).
+  see the README on ties);
+* each stage declares its tensors' names in the model (``blocks.2`` of stage 1 is
+  ``transformer.h.4``; :mod:`engine.model_names`), so a checkpoint loads into another split
+  and ``engine.export`` gives the model's own ``state_dict`` keys.
 
 Supported layouts (duck-typed, transformers is not imported here): GPT-2 style
 (``model.transformer.{wte, wpe, drop, h, ln_f}``, e.g. ``GPT2LMHeadModel``) and Llama style
@@ -160,11 +163,26 @@ def split_causal_lm(model: nn.Module, stages: int | None = None, *,
         if sum(balance) != n:
             raise ValueError(f"split_causal_lm: balance={balance} sums to {sum(balance)}, but the "
                              f"model has {n} blocks")
+    from engine.model_names import declare
+
+    where: dict[int, str] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        where.setdefault(id(m), name)
     out: list[nn.Module] = []
     i = 0
     for s, k in enumerate(balance):
-        out.append(CausalLMStage(parts, parts["blocks"][i : i + k], first=s == 0,
-                                 last=s == len(balance) - 1))
+        stage = CausalLMStage(parts, parts["blocks"][i : i + k], first=s == 0,
+                              last=s == len(balance) - 1)
+        # the stage's tensors by the model's names (transformer.h.5.attn..., lm_head.weight):
+        # a checkpoint moves between splits and exports to the model's state_dict
+        names = {f"blocks.{j}": where[id(b)] for j, b in enumerate(stage.blocks)}
+        for attr in ("tok", "pos", "norm", "head"):
+            sub = getattr(stage, attr)
+            if sub is not None:
+                names[attr] = where[id(sub)]
+        if stage.rotary is not None:  # (a copy per stage: the model's own rotary_emb)
+            names["rotary"] = where[id(parts["rotary"])]
+        out.append(declare(stage, names))
         i += k
     return out
 

@@ -205,5 +205,7 @@ def split_layers(model: nn.Sequential, balance: list[int]) -> list[nn.Sequential
     of the model's own class, so a cut of a :class:`LayerChain` passes tuples on as it does."""
     from engine.partition import split_sequential
 
+    from engine.model_names import declare
+
     stages = split_sequential(model, balance)
-    return [type(model)(OrderedDict(s.named_children())) for s in stages]
+    return [declare(type(model)(OrderedDict(s.named_children())), "") for s in stages]

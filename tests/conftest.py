@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import importlib.machinery
 import os
+import signal
 import sys
+import threading
 import types
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -61,6 +64,25 @@ try:
 except ImportError:
     sys.modules["hypothesis"] = _hypothesis_stand_in()
     sys.modules["hypothesis.strategies"] = sys.modules["hypothesis"].strategies
+
+
+@pytest.fixture
+def sigint_default() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt during the test, as in a process started in a terminal.
+
+    Why: a process started in the background (``pytest ... &``, ``nohup``, many CI wrappers)
+    inherits SIGINT as ignored, and Python then installs no handler; the engine leaves an
+    ignored SIGINT ignored (engine/runtime/exec/interrupts.py). A test that sends itself a
+    Ctrl-C, or checks the handler a step restores, sets the handler it relies on with this
+    fixture (tests/test_interrupts.py checks that every such module does).
+    """
+    if threading.current_thread() is not threading.main_thread():  # pragma: no cover
+        pytest.skip("SIGINT handlers can only be set from the main thread")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

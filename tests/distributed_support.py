@@ -299,7 +299,8 @@ def phase_data_parallel(rank: int, S: int, R: int) -> dict[str, Any]:
                     float((a - b).abs()) for a, b in zip(losses, ref_losses, strict=True)
                 ),
                 "moved": max(
-                    float((a - f.to(a.device)).abs().max()) for a, f in zip(mine, initial, strict=True)
+                    float((a - f.to(a.device)).abs().max())
+                    for a, f in zip(mine, initial, strict=True)
                 ),
                 "replica": pipe.layout.replica,
                 "stages": held,
@@ -630,7 +631,9 @@ def _against_local(pipe: Any, ref: Any, batches: Callable[[int], Any], steps: in
         "losses_equal": all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)),
         "max_diff": max((float((a - b).abs().max()) for a, b in zip(mine, theirs, strict=True)),
                         default=0.0),
-        "loss_diff": max(float((a - b).abs().max()) for a, b in zip(losses, ref_losses, strict=True)),
+        "loss_diff": max(
+            float((a - b).abs().max()) for a, b in zip(losses, ref_losses, strict=True)
+        ),
         "updates": pipe.stages[0].updates,
     }
 
@@ -1071,7 +1074,7 @@ def phase_reject_later(rank: int, S: int) -> dict[str, Any]:
 
 def _worker(
     rank: int, world: int, port: int, phases: list[tuple[str, dict[str, Any]]], outdir: str,
-    transport: str = "gloo", twin: bool = False,
+    transport: str = "gloo", twin: bool = False, init_timeout: float = 60.0,
 ) -> None:
     torch.set_num_threads(1)
     os.environ.update(
@@ -1091,7 +1094,7 @@ def _worker(
             backend = "nccl_twin"
         elif nccl:
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=init_timeout))
         for name, kw in phases:
             t0 = time.perf_counter()
             results[name] = _phase(name)(rank, **kw)
@@ -1126,18 +1129,19 @@ def _phase(name: str) -> Callable[..., Any]:
 
 def spawn(
     world: int, phases: list[tuple[str, dict[str, Any]]], timeout: float = 240.0,
-    transport: str = "gloo", twin: bool | None = None,
+    transport: str = "gloo", twin: bool | None = None, init_timeout: float = 60.0,
 ) -> list[dict[str, Any]]:
     """Run ``phases`` on ``world`` ranks; return each rank's results (missing: {}).
     ``transport``: what the phases run ("gloo", or "nccl": over the NCCL twin unless
-    ``twin=False``, on one GPU per rank)."""
+    ``twin=False``, on one GPU per rank); ``init_timeout``: the default group's timeout,
+    which the groups the engine creates inherit."""
     if twin is None:
         twin = transport == "nccl" and torch.cuda.device_count() < world
     outdir = tempfile.mkdtemp(prefix="engine-dist-")
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world, port, phases, outdir, transport, twin))
+        ctx.Process(target=_worker, args=(r, world, port, phases, outdir, transport, twin, init_timeout))
         for r in range(world)
     ]
     for p in procs:

@@ -104,7 +104,18 @@ def _local_recovery(S: int, name: str, case: str, stage: int) -> tuple[Any, int]
 
 def phase_recover(rank: int, S: int, names: list[str]) -> dict[str, Any]:
     """Each case on the gloo pipeline: what every rank raised at step AT, the step counter,
-    engine.save after it, and the weights after STEPS steps vs the local recovery."""
+    engine.save after it, and the weights after STEPS steps vs the local recovery.
+
+    A worker of a pytest started in the background inherits SIGINT as ignored, which the
+    engine leaves ignored: the Ctrl-C cases set Python's default handler themselves."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return _recover(rank, S, names)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _recover(rank: int, S: int, names: list[str]) -> dict[str, Any]:
     import engine
     from engine.errors import NonFiniteLossError
 

@@ -178,6 +178,21 @@ def test_stages_and_balance(make: Callable[[], Any], kw: dict[str, Any], needles
     assert same(before, params_of(held))
 
 
+@pytest.mark.parametrize("optimizer", [lambda p: eo.SGD(p, lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)],
+                         ids=["engine.optim", "torch.optim"])
+def test_an_integer_parameter_is_named_with_its_stage_whatever_the_optimizer(
+    optimizer: Callable[[list[nn.Parameter]], Any],
+) -> None:
+    """engine.optim refuses an int64 param itself (naming only params[j]); the pipeline checks
+    every stage's parameters first, so both optimizers give the stage and the name."""
+    mods = stages()
+    mods[1].register_parameter("count", nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False))
+    before = params_of(mods)
+    expect(lambda: Pipeline(mods, schedule="1f1b", chunks=2, loss_fn=mse, optimizer=optimizer), C,
+           ("stage 1: parameter 'count' has integer/bool dtype torch.int64", "register_buffer"))
+    assert same(before, params_of(mods))
+
+
 # ------------------------------------------------------------------ step() and evaluate() inputs
 
 BAD = PipelineInputError

@@ -39,10 +39,13 @@ def _script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
     ("pipeline_gpu.py", "needs a CUDA GPU"),
     ("l2_persistence.py", "no GPU"),
     ("optim.py", "no CUDA GPU"),
+    ("lm_gpu.py", "needs a CUDA GPU"),
+    ("host_cost.py --device cuda", "--device cuda needs a CUDA GPU"),
 ])
 def test_gpu_scripts_refuse_without_a_gpu_and_write_nothing(tmp_path: Path, script: str, words: str) -> None:
     out = tmp_path / "out"
-    proc = _script(script, "--quick", "--out", str(out))
+    script, *args = script.split()
+    proc = _script(script, *args, "--quick", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert words in proc.stdout
     assert not out.exists()
@@ -169,3 +172,16 @@ def test_l2_arguments_keep_the_ci_invocation_working() -> None:
     assert args.rounds == 20 and args.iters // args.rounds == 10
     quick = l2.parse_args(["--quick", "--no-graph"])
     assert quick.rounds == 3 and quick.layers == 2 and not quick.graph
+
+
+@pytest.mark.cuda
+def test_cuda_host_cost_times_real_launches_against_torch_fused(tmp_path: Path) -> None:
+    """bench/host_cost.py --device cuda, as .ci/gpu's bench-lm phase runs it, at smoke size:
+    every case on CUDA tensors, the kernels launched (compiled Triton, not interpreted)."""
+    proc = _script("host_cost.py", "--device", "cuda", "--quick", "--few", "2", "--many", "4",
+                   "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = harness.read_ratio_csv(tmp_path / "host_cost.csv")
+    assert {r.case for r in rows} >= {"adamw flat vs torch fused", "sgd flat vs torch fused"}
+    assert all(r.device == torch.cuda.get_device_name() for r in rows)
+    assert all("launched" in r.note for r in rows)

@@ -226,3 +226,24 @@ def test_the_post_build_check_fails_a_static_module(tmp_path: Path) -> None:
     assert bad.returncode == 1 and "statically" in bad.stderr and "CXX=" in bad.stderr
     good = subprocess.run([sys.executable, str(script), _C.__file__], capture_output=True, text=True)
     assert good.returncode == 0, good.stderr
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_the_pick_command_says_which_compiler_a_build_uses(tmp_path: Path) -> None:
+    """``python engine/cxx_runtime.py --pick`` (.ci/gpu's build phase prints it, since pip
+    hides setup.py's own note): kept, switched with the reason, or refused with the fix."""
+    script = ROOT / "engine" / "cxx_runtime.py"
+
+    def pick(**env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(script), "--pick"], capture_output=True,
+                              text=True, env={**os.environ, **env}, timeout=300)
+
+    kept = pick(CXX="g++")
+    assert kept.returncode == 0, kept.stderr
+    assert kept.stdout.strip() == ("no compiler switch: g++ links libstdc++ shared; "
+                                   "the build uses it")
+    static = _static_wrapper(tmp_path)
+    switched = pick(CXX=static)
+    assert switched.returncode == 0, switched.stderr
+    assert switched.stdout.startswith(f"compiler switch: {static} links libstdc++ statically")
+    assert "CXX=" in switched.stdout and f"CXX={static}" not in switched.stdout

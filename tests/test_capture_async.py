@@ -120,6 +120,7 @@ def test_without_the_shift_or_the_rotation_replays_go_wrong(monkeypatch, broken:
         assert same(pipe, ref) and pipe.steps == ref.steps
 
 
+@pytest.mark.usefixtures("sigint_default")
 def test_ctrl_c_during_a_replay_finishes_the_step_then_raises() -> None:
     """A SIGINT while a window replays: the step completes (a graph cannot stop halfway), the
     host is shifted, then KeyboardInterrupt is raised; the pipeline equals the one that ran

@@ -144,8 +144,9 @@ def test_file_is_safetensors_with_json_metadata(tmp_path) -> None:
     _, path = _saved(tmp_path)
     with safe_open(path, "pt") as f:
         meta = json.loads(f.metadata()["engine"])
-        assert meta["format"] == "engine.pipeline/2"
+        assert meta["format"] == "engine.pipeline/3"
         assert any(k.startswith("s.stages.0.module") for k in f.keys())
+        assert set(meta["tensors"]) == set(f.keys())  # each tensor's own SHA-256
     assert "sha256" in meta
 
 
@@ -249,6 +250,28 @@ def test_hand_edited_metadata_fails_the_checksum(key: str, value, tmp_path) -> N
     assert all(torch.equal(x, y) for x, y in zip(before, _weights(b), strict=True))
 
 
+def test_format_2_files_still_load(tmp_path) -> None:
+    """Format 2 (one checksum over the JSON and every tensor, no per-tensor sums)."""
+    from engine import serialization
+
+    a, path = _saved(tmp_path)
+
+    def as_format_2(meta):
+        from safetensors.torch import load_file
+
+        meta["format"] = "engine.pipeline/2"
+        del meta["tensors"]
+        meta["sha256"] = serialization._digest(load_file(path), meta["state"])
+
+    _rewrite_metadata(path, as_format_2)
+    b = _pipe("1f1b", seed=3)
+    load(b, path)
+    assert all(torch.equal(x, y) for x, y in zip(_weights(a), _weights(b), strict=True))
+    _rewrite_metadata(path, lambda meta: _find(meta["state"], "lr").__setitem__(1, 0.5))
+    with pytest.raises(CheckpointError, match="tensor data or metadata does not match its SHA-256"):
+        load(_pipe("1f1b", seed=3), path)
+
+
 def test_format_1_files_still_load_and_unknown_formats_fail_clearly(tmp_path) -> None:
     from engine import serialization
 
@@ -258,6 +281,7 @@ def test_format_1_files_still_load_and_unknown_formats_fail_clearly(tmp_path) ->
         from safetensors.torch import load_file
 
         meta["format"] = "engine.pipeline/1"
+        del meta["tensors"]
         meta["sha256"] = serialization._digest(load_file(path))  # format 1: tensors only
 
     _rewrite_metadata(path, as_format_1)

@@ -20,7 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / ".ci" / "gpu"
-PHASES = ["build", "test", "test-optim", "bench-kernels", "bench-pipeline", "bench-capture", "nccl"]
+PHASES = ["build", "test", "test-optim", "bench-kernels", "bench-pipeline", "bench-capture",
+          "bench-lm", "nccl"]
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
@@ -80,11 +81,18 @@ def test_each_phase_lists_its_commands_and_writes_nothing(tmp_path: Path) -> Non
     assert not out.exists()
 
     build = listed["build"]
+    assert list(build) == ["build/compiler", "build/install", "build/info", "build/pytest-build"]
+    assert build["build/compiler"][1:] == ["engine/cxx_runtime.py", "--pick"]
     assert build["build/install"][1:] == ["-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", "."]
     assert build["build/info"][1:] == ["-m", "engine", "info"]
+    # after the build: the arena, its bindings' error paths and the libstdc++ check
+    build_files = [a for a in build["build/pytest-build"] if a.startswith("tests/")]
+    assert build_files == ["tests/test_arena.py", "tests/test_arena_bindings.py",
+                           "tests/test_build.py"]
+    assert f"--junitxml={out}/build/junit-build.xml" in build["build/pytest-build"]
 
     test = listed["test"]
-    gpu_files = [a for a in test["test/pytest-gpu"] if a.startswith("tests/")]
+    gpu_files = build_files + [a for a in test["test/pytest-gpu"] if a.startswith("tests/")]
     gpu_files += [a for a in listed["test-optim"]["test-optim/pytest-gpu"] if a.startswith("tests/")]
     for name in ("test_kernels_sgd.py", "test_kernels_adam.py", "test_optim_fused.py",
                  "test_arena.py", "test_runtime_cuda.py"):
@@ -118,7 +126,19 @@ def test_each_phase_lists_its_commands_and_writes_nothing(tmp_path: Path) -> Non
     source = (ROOT / "bench" / "pipeline_capture_gpu.py").read_text()
     assert all(f'"{m}": ' in source for m in models)  # its MODELS table's keys
     assert capture[capture.index("--rounds") + 1] == "11"
-    for phase in ("bench-kernels", "bench-pipeline", "bench-capture"):
+    lm = listed["bench-lm"]
+    assert list(lm) == ["bench-lm/lm_gpu", "bench-lm/optim", "bench-lm/host_cost"]
+    opt = lm["bench-lm/optim"]
+    assert opt[opt.index("--sizes") + 1] == "16MiB,1GiB"
+    assert opt[opt.index("--dtypes") + 1] == "fp32,bf16"
+    assert set(opt[opt.index("--kernels") + 1].split(",")) == {
+        "sgd", "adam", "adamw", "sgd_bf16st", "adam_bf16st", "adamw_bf16st"}
+    host = lm["bench-lm/host_cost"]
+    assert host[host.index("--device") + 1] == "cuda"
+    lm_gpu = lm["bench-lm/lm_gpu"]
+    assert lm_gpu[lm_gpu.index("--rounds") + 1] == "11"
+    assert "--compile-budget" in lm_gpu and "--quick" not in lm_gpu and "--dry-run" not in lm_gpu
+    for phase in ("bench-kernels", "bench-pipeline", "bench-capture", "bench-lm"):
         for argv in listed[phase].values():
             assert argv[argv.index("--out") + 1] == f"{out}/{phase}"
 
@@ -140,10 +160,17 @@ def test_each_phase_lists_its_commands_and_writes_nothing(tmp_path: Path) -> Non
         spent = budgets(run(str(out), phase).stdout)
         assert spent and sum(spent.values()) < 9 * 60, (phase, spent)
 
-    # `all` is the six phases in order
+    # `all` is the seven phases in order
     proc = run(str(out), "all")
     assert proc.returncode == 0, proc.stderr
     assert list(steps(proc.stdout)) == [name for phase in PHASES for name in listed[phase]]
+
+
+def test_a_later_command_can_skip_the_build_tests(tmp_path: Path) -> None:
+    """PE_GPU_BUILD_TESTS=0 (the lease's second command): build without its test files."""
+    proc = run(str(tmp_path / "o"), "build", PE_GPU_BUILD_TESTS="0")
+    assert proc.returncode == 0, proc.stderr
+    assert list(steps(proc.stdout)) == ["build/compiler", "build/install", "build/info"]
 
 
 def _harness_option_helpers() -> dict[str, str]:
@@ -193,16 +220,37 @@ def test_cuda_environment_defaults(tmp_path: Path) -> None:
 LEASE = ROOT / ".ci" / "gpu-lease"
 
 
-def test_the_lease_script_parses_and_refuses_no_outdir() -> None:
-    """.ci/gpu-lease (one device lease: build, both test phases, the capture benchmarks)."""
+@pytest.mark.parametrize("args", [(), ("OUT", "nccl"), ("OUT", "lm", "extra")],
+                         ids=["none", "unknown-mode", "extra-arg"])
+def test_the_lease_script_parses_and_refuses_bad_usage(args, tmp_path: Path) -> None:
+    """.ci/gpu-lease (a device lease's two commands: build, tests and the capture
+    benchmarks; then `lm`, the transformer and kernel benchmarks)."""
     assert subprocess.run(["bash", "-n", str(LEASE)], capture_output=True).returncode == 0
-    proc = subprocess.run(["bash", str(LEASE)], capture_output=True, text=True)
-    assert proc.returncode == 2 and "usage: bash .ci/gpu-lease OUTDIR" in proc.stderr
+    args = tuple(str(tmp_path / "o") if a == "OUT" else a for a in args)
+    proc = subprocess.run(["bash", str(LEASE), *args], capture_output=True, text=True)
+    assert proc.returncode == 2 and "usage: bash .ci/gpu-lease OUTDIR [bench|lm]" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_lease_lm_command_fits_one_device_command(tmp_path: Path) -> None:
+    """The second command's worst case: a build (install measured 36-42 s on the H100, its
+    tests skipped) plus bench-lm's step budgets and their kill grace, under the device tool's
+    600 s per command."""
+    text = LEASE.read_text()
+    block = text[text.index("if [[ $MODE == lm ]]"):]
+    block = block[:block.index("\nfi\n")]
+    assert re.findall(r'bash \.ci/gpu "\$R" (\S+);', block) == ["bench-lm"]
+    spent = budgets(run(str(tmp_path / "o"), "bench-lm").stdout)
+    build = 60  # compiler probe, install, info (measured ~45 s together)
+    assert build + sum(spent.values()) + 20 * len(spent) < 600, spent
+    assert "PE_GPU_BUILD_TESTS=0" in text[:text.index("if [[ $MODE == lm ]]")]
 
 
 def test_the_lease_runs_phases_and_benchmarks_that_exist() -> None:
     text = LEASE.read_text()
-    assert re.findall(r'bash \.ci/gpu "\$R" (\S+);', text) == ["build", "nccl", "test", "test-optim"]
+    # (the NCCL block's build and nccl phase first: several GPUs)
+    assert re.findall(r'bash \.ci/gpu "\$R" (\S+);', text) == [
+        "build", "nccl", "build", "bench-lm", "test", "test-optim"]
     loop = re.search(r"for b in ([\w ]+); do", text)
     assert loop is not None
     opts = re.findall(r"(--[\w-]+)", text[loop.end():text.index("done", loop.end())])
@@ -249,8 +297,9 @@ def _lease_nccl_block() -> str:
 def test_the_lease_runs_the_nccl_phase_first_and_alone_with_several_gpus(
         tmp_path: Path, gpus: int, skip: str, runs: bool) -> None:
     """The lease's NCCL block, run as it is (with .ci/gpu in dry-run mode and an nvidia-smi
-    that lists ``gpus`` GPUs): with 2+ GPUs it runs the nccl phase and ends the command;
-    otherwise (or with PE_GPU_LEASE_NCCL=0) the lease goes on to the other phases."""
+    that lists ``gpus`` GPUs): with 2+ GPUs it builds without the build's test files, runs the
+    nccl phase and ends the command; otherwise (or with PE_GPU_LEASE_NCCL=0) the lease goes
+    on to its other commands."""
     fake = tmp_path / "bin"
     fake.mkdir()
     lines = "".join(f"echo 'GPU {i}: NVIDIA H100 (UUID: GPU-{i})'\n" for i in range(gpus))
@@ -260,14 +309,18 @@ def test_the_lease_runs_the_nccl_phase_first_and_alone_with_several_gpus(
     script.write_text("set -uo pipefail\nR=$1\npack() { :; }\n" + _lease_nccl_block()
                       + "echo 'went on to the other phases'\n")
     env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", PE_GPU_DRY_RUN="1",
-               TORCH_CUDA_ARCH_LIST="9.0", PE_GPU_LEASE_NCCL=skip or "1")
+               TORCH_CUDA_ARCH_LIST="9.0", PE_GPU_LEASE_NCCL=skip or "1", PYTHONPATH=str(ROOT))
+    env.pop("PE_GPU_BUILD_TESTS", None)
     proc = subprocess.run(["bash", str(script), str(tmp_path / "r")], capture_output=True,
                           text=True, cwd=ROOT, env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ran = list(steps(proc.stdout))
     if runs:
-        assert ran == ["nccl/tests-2", "nccl/tests-4", "nccl/pipeline_nccl-2",
-                       "nccl/pipeline_nccl-4"]
+        built = [n for n in ran if n.startswith("build/")]
+        assert "build/install" in built and "build/pytest-build" not in built, ran
+        assert [n for n in ran if n not in built] == [
+            "nccl/tests-2", "nccl/tests-4", "nccl/pipeline_nccl-2", "nccl/pipeline_nccl-4"]
+        assert ran.index("build/install") < ran.index("nccl/tests-2")
         assert "went on" not in proc.stdout and "PE_GPU_LEASE_NCCL=0" in proc.stderr
     else:
         assert ran == [] and "went on to the other phases" in proc.stdout

@@ -531,3 +531,32 @@ def test_resume_with_fewer_epochs_than_done_says_so(
     assert code == 2 and "has trained 2 epochs already; --epochs 1 is below that" in err
     code, _, err = _run(capsys, "train", *_FAULT, "--epochs", "2", "--out", str(out), "--resume")
     assert code == 0 and "nothing to do" in err
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "pb"])
+def test_resume_at_another_stage_count(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, schedule: str
+) -> None:
+    """The loop commits flushed checkpoints, so --resume may change --stages: a synchronous
+    run continues bitwise as the uninterrupted one at the first stage count (the exported
+    models and the metric rows are equal); an asynchronous one continues (its delays change)."""
+    import engine
+
+    common = [*TINY, "--chunks", "2", "--schedule", schedule]
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert _run(capsys, "train", *common, "--stages", "3", "--epochs", "2", "--out", str(full))[0] == 0
+    assert _run(capsys, "train", *common, "--stages", "3", "--epochs", "1", "--out", str(split))[0] == 0
+    code, out, err = _run(capsys, "train", *common, "--stages", "2", "--epochs", "2", "--out",
+                          str(split), "--resume")
+    assert code == 0, err
+    assert "S=2" in out
+    moved = engine.export(split / "checkpoint.safetensors")
+    assert json.loads((split / "train_state.json").read_text())["config"]["stages"] == 2
+    if schedule != "1f1b":
+        return
+    whole = engine.export(full / "checkpoint.safetensors")
+    assert moved.keys() == whole.keys() and all(torch.equal(moved[k], whole[k]) for k in whole)
+    timing = {"samples_per_s", "elapsed_s"}
+    ra, rb = _rows(full / "metrics.csv"), _rows(split / "metrics.csv")
+    assert [{k: v for k, v in x.items() if k not in timing} for x in ra] == [
+        {k: v for k, v in y.items() if k not in timing} for y in rb]

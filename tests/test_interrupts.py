@@ -1,12 +1,21 @@
 """A real Ctrl-C (SIGINT) during a local step (engine/runtime/exec/interrupts.py): deferred to
 the next action boundary (a synchronous step rolls back there), a second one at once, the
-program's own handler left alone, and SIGINT's handler as it was after every step. (engine.testing's FaultInjector raises
-KeyboardInterrupt from the action hook instead; this is the signal path itself.)"""
+program's own handler left alone, an ignored SIGINT left ignored, and SIGINT's handler as it
+was after every step. (engine.testing's FaultInjector raises KeyboardInterrupt from the action
+hook instead; this is the signal path itself.)
+
+Every test here starts from Python's default handler (the ``sigint_default`` fixture of
+conftest.py): a process started in the background inherits SIGINT as ignored, and the suite
+must pass there too (the last tests check that)."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +24,11 @@ from torch import nn
 
 from engine import Pipeline
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "kill"), reason="needs os.kill")
+pytestmark = [
+    pytest.mark.skipif(not hasattr(os, "kill"), reason="needs os.kill"),
+    pytest.mark.usefixtures("sigint_default"),
+]
+TESTS = Path(__file__).resolve().parent
 
 
 class _Sigint(nn.Module):
@@ -111,3 +124,70 @@ def test_sigint_is_restored_after_a_step_that_raised() -> None:
     with pytest.raises(ValueError, match="user's forward"):
         pipe.step(*_batch())
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_an_ignored_sigint_stays_ignored_and_defers_nothing(times: int) -> None:
+    """A program that ignores SIGINT (SIG_IGN: inherited by anything started with ``&`` or
+    ``nohup``) keeps ignoring it: the step runs to its end, equal to an uninterrupted one,
+    nothing is left pending for the next step, and the handler is still SIG_IGN."""
+    ref = _pipe()
+    ref.step(*_batch())
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        pipe = _pipe()
+        pipe.stages[0].module.times = times
+        pipe.step(*_batch())  # no KeyboardInterrupt
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert not pipe._executor.interrupts.pending
+        pipe.step(*_batch())  # and none raised a step later
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert pipe.steps == 3
+    ref.step(*_batch())
+    assert all(torch.equal(a, b) for a, b in zip(_weights(ref), _weights(pipe), strict=True))
+
+
+# Sends SIGINT to itself or checks the handler, yet may not rely on how pytest was started.
+_SIGINT_USE = re.compile(r"signal\.SIGINT|default_int_handler")
+_SETS_ITS_HANDLER = re.compile(
+    r"sigint_default|signal\.signal\(\s*signal\.SIGINT,\s*signal\.default_int_handler\)"
+)
+
+
+def test_every_test_module_that_uses_sigint_sets_its_handler() -> None:
+    """A module that sends SIGINT or checks its handler requests ``sigint_default`` (or, in
+    a spawned worker, sets the default handler itself); otherwise it fails only when the
+    suite runs in the background."""
+    users = [p for p in sorted(TESTS.glob("*.py"))
+             if p.name != "conftest.py" and _SIGINT_USE.search(p.read_text())]
+    assert {"test_interrupts.py", "test_runtime_capture.py"} <= {p.name for p in users}
+    assert [p.name for p in users if not _SETS_ITS_HANDLER.search(p.read_text())] == []
+
+
+# The local tests that send SIGINT; test_distributed_failures' workers take minutes.
+_SIGINT_TESTS = [
+    "tests/test_interrupts.py",
+    "tests/test_runtime_capture.py::test_ctrl_c_during_a_replay_finishes_the_step_then_raises",
+    "tests/test_capture_async.py::test_ctrl_c_during_a_replay_finishes_the_step_then_raises",
+]
+_STARTED_IGNORING = (
+    "import signal, sys, pytest\n"
+    "assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN, 'SIGINT was not inherited ignored'\n"
+    "sys.exit(pytest.main(sys.argv[1:]))\n"
+)
+
+
+def test_the_sigint_tests_pass_in_a_process_that_ignores_sigint() -> None:
+    """As under ``nohup pytest ... &``: the child inherits SIGINT as ignored (checked in the
+    child before pytest starts) and the tests that send SIGINT pass as in the foreground."""
+    this = f"tests/{Path(__file__).name}::{test_the_sigint_tests_pass_in_a_process_that_ignores_sigint.__name__}"
+    proc = subprocess.run(
+        [sys.executable, "-c", _STARTED_IGNORING, "-q", "-p", "no:cacheprovider",
+         "-o", "addopts=--strict-markers", f"--deselect={this}", *_SIGINT_TESTS],
+        cwd=TESTS.parent, capture_output=True, text=True, timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    assert proc.returncode == 0, tail
+    assert re.search(r"\b(1[0-9]|[5-9]) passed", tail), tail

@@ -351,6 +351,7 @@ def ctrl_c_during_a_replay(a, b, batches) -> None:
     assert a.stats()["capture"]["replays"] == len(batches) - 3
 
 
+@pytest.mark.usefixtures("sigint_default")
 def test_ctrl_c_during_a_replay_finishes_the_step_then_raises() -> None:
     a, b = make("gpipe"), make("gpipe", False)
     ctrl_c_during_a_replay(a, b, data(7))
@@ -569,6 +570,7 @@ def test_cuda_a_nan_in_a_replay_skips_as_eager(policy: str) -> None:
 
 @pytest.mark.cuda
 @cuda
+@pytest.mark.usefixtures("sigint_default")
 def test_cuda_ctrl_c_during_a_replay_finishes_the_step_then_raises() -> None:
     a, b = _gpu("gpipe", "program"), _gpu("gpipe", False)
     ctrl_c_during_a_replay(a, b, _gpu_data(8, 16))

@@ -4,7 +4,9 @@ run's own action log, named as the profiler labels, and results unchanged by tra
 
 from __future__ import annotations
 
+import gc
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,25 @@ def test_a_second_trace_in_the_same_process_is_refused(tmp_path: Path) -> None:
             with pipe.trace(tmp_path / "b.json"):
                 pass
     assert (tmp_path / "a.json").exists() and not (tmp_path / "b.json").exists()
+
+
+def test_a_trace_never_entered_warns_and_writes_nothing(tmp_path: Path) -> None:
+    """``pipe.trace(path)`` as a statement records nothing: it says so when discarded."""
+    pipe = _pipe("1f1b")
+    path = tmp_path / "t.json"
+    with pytest.warns(RuntimeWarning, match=r"pipe\.trace\('.*t\.json'\) was never entered.*with pipe\.trace"):
+        pipe.trace(path)
+        gc.collect()
+    pipe.step(*_data(0))
+    assert not path.exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # entered: no warning, and the file is written
+        block = pipe.trace(path)
+        with block:
+            pipe.step(*_data(1))
+        del block
+        gc.collect()
+    assert validate_trace_events(json.loads(path.read_text())) == []
 
 
 def test_readme_features_snippet_runs(tmp_path: Path, monkeypatch: Any) -> None:

@@ -18,6 +18,30 @@ def test_render_timeline_png(tmp_path: Path, name: str, order: str | None) -> No
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
 
 
+@pytest.mark.parametrize("name, kinds", [
+    ("pb", ["forward", "backward", "update"]),
+    ("zbh1", ["forward", "backward", "weight gradient", "update"]),
+])
+def test_every_bar_lies_inside_the_axes_and_the_legend_names_what_is_drawn(name: str, kinds: list[str]) -> None:
+    """The compare's timeline_pb.png clipped stage 0's last update (a bar centred on the
+    makespan ended on the frame), listed "weight gradient", which pb never draws, and lost
+    its title's line break."""
+    import matplotlib.pyplot as plt
+
+    from engine.schedule.render import timeline_figure
+
+    fig = timeline_figure(generate(name, stages=8, chunks=8, steps=2), title=f"{name}: two steps\nits bubble")
+    try:
+        ax = fig.axes[0]
+        left, right = ax.get_xlim()
+        edges = [(p.get_x(), p.get_x() + p.get_width()) for p in ax.patches]
+        assert left < min(a for a, _ in edges) and max(b for _, b in edges) < right
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == kinds
+        assert ax.get_title() == f"{name}: two steps\nits bubble"  # its own line break kept
+    finally:
+        plt.close(fig)
+
+
 def test_chrome_trace(tmp_path: Path) -> None:
     sched = generate("pb", stages=3, chunks=3, steps=2)
     trace = chrome_trace(sched)

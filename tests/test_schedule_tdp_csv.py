@@ -156,6 +156,48 @@ def test_what_cannot_run_is_refused_with_its_cell(text: str, match: str) -> None
         from_csv(text, format=fmt)
 
 
+def _edited(prog, fmt: str, how: str) -> tuple[str, int, int]:
+    """The CSV of ``prog`` with rank 0's first backward moved ahead of its forward (``swap``: the
+    two cells trade places; ``insert``: the backward cut and put before the forward), or its
+    first two forwards swapped (``forwards``); (text, edited row, edited column), 1-based."""
+    rows = [r.split(",") for r in to_csv(prog, format=fmt).strip().split("\n")]
+    row = rows[0]
+    f = row.index("0F0")
+    if how == "forwards":
+        g = row.index("0F1")
+        row[f], row[g] = row[g], row[f]
+        return "\n".join(",".join(r) for r in rows) + "\n", 1, f + 1
+    b = next(i for i, c in enumerate(row) if c in ("0B0", "0I0"))
+    if how == "swap":
+        row[f], row[b] = row[b], row[f]
+    else:
+        row.insert(f, row.pop(b))
+    return "\n".join(",".join(r) for r in rows) + "\n", 1, f + 1
+
+
+@pytest.mark.parametrize("fmt", ["compute_only", "compute_comms"])
+@pytest.mark.parametrize("how", ["swap", "insert"])
+@pytest.mark.parametrize("kind", ["1f1b", "zbh1", "zbv", "interleaved"])
+def test_a_backward_moved_ahead_of_its_forward_is_reported_at_the_edited_cell(kind: str, how: str, fmt: str) -> None:
+    prog = {"1f1b": lambda: generate("1f1b", 4, 8), "zbh1": lambda: generate("zbh1", 4, 8),
+            "zbv": lambda: zbv(2, 4), "interleaved": lambda: interleaved(2, 2, 4)}[kind]()
+    text, row, col = _edited(prog, fmt, how)
+    with pytest.raises(ScheduleError) as info:
+        from_csv(text)
+    message = str(info.value)
+    assert message.startswith(f"CSV row {row} (rank 0), column {col} ('0"), message
+    assert "comes before its forward 0F0" in message, message
+
+
+def test_forwards_swapped_on_one_row_name_that_row_beside_the_receive() -> None:
+    """Each order is legal on its own; the receive on the next row meets the wrong send: the
+    error names both cells, the edited one among them."""
+    text, row, col = _edited(generate("1f1b", 2, 4), "compute_only", "forwards")
+    with pytest.raises(ScheduleError, match=rf"row 2 \(rank 1\), column 2 \('1F0'\); the send it meets: "
+                                            rf"row {row} \(rank 0\), column {col} \('0F1'\)"):
+        from_csv(text)
+
+
 def test_missing_file_and_bad_arguments() -> None:
     with pytest.raises(ValueError, match="no CSV file 'nowhere.csv'"):
         from_csv("nowhere.csv")

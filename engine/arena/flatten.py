@@ -58,6 +58,20 @@ def _collect(module_or_params: ParamsLike) -> list[tuple[str, torch.Tensor, int]
     return out
 
 
+def check_weight_dtype(name: str, p: torch.Tensor) -> None:
+    """Raise an ArenaError naming ``name`` unless ``p`` is a real floating-point tensor.
+
+    The pipeline checks this before it calls a stage's optimizer factory, so that the error
+    names the parameter whatever optimizer refuses the dtype first."""
+    if not p.dtype.is_floating_point:
+        kind = "complex" if p.dtype.is_complex else "integer/bool"
+        raise ArenaError(
+            f"parameter {name!r} has {kind} dtype {p.dtype}; the arena holds real "
+            "floating-point weights only (optimizers update them in place). Keep such "
+            "tensors as buffers (module.register_buffer) or convert them (p.float())"
+        )
+
+
 def _validate(entries: list[tuple[str, torch.Tensor, int]], arena_name: str) -> torch.device | None:
     seen: dict[int, str] = {}
     first: tuple[str, torch.device] | None = None
@@ -79,13 +93,7 @@ def _validate(entries: list[tuple[str, torch.Tensor, int]], arena_name: str) -> 
             raise ArenaError(
                 f"parameter {name!r} has layout {p.layout}; the arena holds dense tensors only"
             )
-        if not p.dtype.is_floating_point:
-            kind = "complex" if p.dtype.is_complex else "integer/bool"
-            raise ArenaError(
-                f"parameter {name!r} has {kind} dtype {p.dtype}; the arena holds real "
-                "floating-point weights only (optimizers update them in place). Keep such "
-                "tensors as buffers (module.register_buffer) or convert them (p.float())"
-            )
+        check_weight_dtype(name, p)
         if first is None:
             first = (name, p.device)
         elif p.device != first[1]:

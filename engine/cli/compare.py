@@ -26,7 +26,8 @@ last-epoch training loss per method, with their spread over ``--seeds`` or, for 
 the last epoch), ``curves_S{S}.png`` (test accuracy and training loss along the run, small
 multiples per method family), ``timeline_{schedule}.png`` (schedule pictures from
 ``engine.schedule.render_timeline``), ``depth.png`` when several depths are given, and one
-``metrics.csv`` per run under ``runs/``.
+``metrics.csv`` per run under ``runs/``. An earlier comparison's outputs in ``--out`` stop the
+command unless ``--overwrite`` deletes them first (engine/cli/outdir.py).
 """
 
 from __future__ import annotations
@@ -45,12 +46,18 @@ from typing import Any
 from engine.cli import CLIError
 from engine.cli.config import TrainConfig
 from engine.cli.loop import TrainResult, train
+from engine.cli.outdir import claim
 from engine.cli.plots import plot_curves, plot_depth, plot_final, render_timelines
 from engine.cli.report import write_report
 from engine.cli.train import add_hparam_arguments, add_model_arguments
 from engine.schedule.catalog import SCHEDULES, family
 
 __all__ = ["METHODS", "Method", "add_arguments", "run", "method_config", "summarize"]
+
+
+#: what a comparison writes in --out (module docstring)
+OUTPUTS = ("summary.csv", "report.md", "runs", "final_S*.png", "curves_S*.png", "depth.png",
+           "timeline_*.png")
 
 
 @dataclass(frozen=True)
@@ -146,7 +153,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out",
         default="out/compare",
-        help="folder for the table, plots and report (default out/compare)",
+        help="folder for the table, plots and report (default out/compare); an earlier "
+        "comparison there stops the command unless --overwrite",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true",
+        help="delete an earlier comparison's table, report, plots and runs/ in --out first",
     )
     p.add_argument(
         "--seeds",
@@ -376,6 +388,7 @@ def run(args: argparse.Namespace) -> int:
                 f"method {m.name} needs --chunks >= stages (M >= S); got --chunks {cfg.chunks} "
                 f"with S={S}"
             )
+    claim(out, OUTPUTS, overwrite=getattr(args, "overwrite", False))
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     by_depth: dict[int, list[tuple[str, TrainResult]]] = {}

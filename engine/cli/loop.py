@@ -30,10 +30,12 @@ from typing import Any
 
 from engine.cli import CLIError, CLIFailure
 from engine.cli.config import TrainConfig, check_config
+from engine.cli.outdir import claim
 from engine.schedule.auto import AUTO_FACTS
 from engine.cli.runlog import (
     CHECKPOINT_FILE,
     METRICS_FILE,
+    RUN_OUTPUTS,
     STAGE_COSTS_FILE,
     commit_epoch,
     read_metrics,
@@ -270,12 +272,15 @@ def evaluate(modules: list[Any], x: Any, y: Any) -> tuple[float, float]:
 
 
 def train(
-    cfg: TrainConfig, *, save: bool = True, desc: str | None = None, position: int | None = None
+    cfg: TrainConfig, *, save: bool = True, desc: str | None = None, position: int | None = None,
+    overwrite: bool = False,
 ) -> TrainResult:
     """Run ``cfg`` to ``cfg.epochs`` epochs; with ``save`` write checkpoint, state and CSV to ``cfg.out``.
 
     A non-finite loss ends the run early with ``result.diverged`` set (no exception), so that
-    a comparison records the divergence instead of aborting.
+    a comparison records the divergence instead of aborting. A new run (no ``cfg.resume``)
+    refuses a ``cfg.out`` that holds an earlier run's files, once every option is checked,
+    unless ``overwrite`` (engine/cli/outdir.py).
     """
     import torch
     from tqdm import tqdm
@@ -341,6 +346,8 @@ def train(
             done = start_epoch * steps_per_epoch + start_step
             result.rows = [r for r in read_metrics(out / METRICS_FILE) if r["step"] <= done]
     if save:
+        if not cfg.resume:  # --resume checked the run it continues (read_state)
+            claim(out, RUN_OUTPUTS, overwrite=overwrite, can_resume=True)
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -463,7 +470,7 @@ def train(
                     f"{r['train_loss']:.4f} acc {r['train_acc']:.4f} test acc {r['test_acc']:.4f} "
                     f"({r['samples_per_s']:.0f} samples/s"
                     + (f", {speed['tps']} tokens/s" if "tps" in speed else "")
-                    + f", step {speed['step']}, bubble {speed['bubble']} measured/modelled)",
+                    + f", step {speed['step']}, idle share of a step {speed['bubble']})",
                     file=sys.stderr, flush=True,
                 )
             if save:
@@ -485,13 +492,18 @@ def train(
 
 
 def _speed(stats: dict[str, Any], samples_per_s: float, tokens_per_sample: int | None) -> dict[str, str]:
-    """The progress line's step time, measured/modelled bubble and (LM) tokens/s."""
+    """The progress line's step time, bubble and (LM) tokens/s.
+
+    The bubble is the idle share of a step twice: ``measured`` from the actions' own times
+    (locally the schedule replayed with them; under gloo the rank's step time outside its
+    stages' work), ``model`` the schedule's on the unit-cost clock (F = 1, B = 2), the figure
+    of ``python -m engine schedule`` (engine/runtime/state/throughput.py)."""
     tp = stats.get("throughput") or {}
     step = tp.get("step_time_s")
     out = {
         "step": f"{step * 1e3:.1f}ms" if step is not None else "?",
-        "bubble": f"{tp.get('bubble_measured', float('nan')):.2f}/"
-        f"{tp.get('bubble_modelled', float('nan')):.2f}",
+        "bubble": f"measured {tp.get('bubble_measured', float('nan')):.2f}, "
+        f"model {tp.get('bubble_modelled', float('nan')):.2f}",
     }
     if tokens_per_sample is not None:
         out["tps"] = f"{samples_per_s * tokens_per_sample:.0f}"

@@ -32,9 +32,14 @@ def machine_line() -> str:
     except OSError:
         pass
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    # torch picks its CPU kernels by instruction set at run time (ATEN_CPU_CAPABILITY
+    # overrides), and they round differently (log_softmax under AVX2 vs AVX512): the same
+    # command reproduces a table bit for bit only with the same kernels
+    kernels = torch.backends.cpu.get_cpu_capability()
     return (
         f"{cpu}, {os.cpu_count()} cores visible, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), {dev}, Python {platform.python_version()}"
+        f"({torch.get_num_threads()} threads), torch CPU kernels {kernels}, {dev}, "
+        f"Python {platform.python_version()}"
     )
 
 

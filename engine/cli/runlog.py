@@ -4,7 +4,9 @@ Why: ``--resume`` must continue exactly where an earlier run stopped, and only w
 options; so ``train_state.json`` records the configuration (minus the options that may change
 between a run and its resumption, e.g. ``--epochs``) beside the epoch, sample count and
 training time (after a ``--checkpoint-every`` commit also the loop's position inside the
-epoch, see ``loop``), and a resumed run is refused with the differing options named. Every file is
+epoch, see ``loop``), and a resumed run is refused with the differing options named -- except
+``--stages``: the loop commits flushed checkpoints, and ``engine.load`` moves a flushed
+checkpoint to another stage count by the model's layer names. Every file is
 written to a temporary name and moved into place with ``os.replace``. The checkpoint and the
 state are one unit (:func:`commit_epoch`): the state records the checkpoint's SHA-256, so a
 crash between their two renames is detected on resume and finished from the ``.next`` file,
@@ -31,6 +33,7 @@ __all__ = [
     "STATE_FILE",
     "METRICS_FILE",
     "METRIC_FIELDS",
+    "RUN_OUTPUTS",
     "resume_key",
     "read_state",
     "commit_epoch",
@@ -55,6 +58,10 @@ METRIC_FIELDS = (
     "samples_per_s",
     "elapsed_s",
 )
+#: what a run writes in --out (the ``.next`` files while it commits an epoch): another run
+#: starting in that folder without --resume is refused (engine/cli/outdir.py)
+RUN_OUTPUTS = (CHECKPOINT_FILE, STATE_FILE, METRICS_FILE, CHECKPOINT_FILE + ".next",
+               STATE_FILE + ".next", STAGE_COSTS_FILE)
 #: config fields that may differ between a run and its resumption
 _RESUME_FREE = {"epochs", "progress", "out", "resume", "device", "threads"}
 
@@ -126,15 +133,30 @@ def read_state(out: Path, cfg: TrainConfig) -> dict[str, Any]:
         state = nxt
     saved = state["config"]
     mine = resume_key(cfg)
+    moves = _moves(out / CHECKPOINT_FILE) if saved.get("stages") != mine.get("stages") else set()
     diff = [
-        f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in mine.items() if saved.get(k) != v
+        f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in mine.items()
+        if saved.get(k) != v and k not in moves
     ]
     if diff:
         raise CLIError(
             f"--resume: the run in {out} used different options ({'; '.join(diff)}); "
-            "repeat its options (only --epochs may grow) or use a new --out"
+            "repeat its options (only --epochs may grow, and --stages when the checkpoint "
+            "holds nothing in flight) or use a new --out"
         )
     return state
+
+
+def _moves(checkpoint: Path) -> set[str]:
+    """Options a resumption may change because ``engine.load`` moves the checkpoint to the
+    new layout: ``stages``, when it was saved flushed (the loop's commits are)."""
+    from engine.checkpoint_index import in_flight
+    from engine.errors import CheckpointError
+
+    try:
+        return set() if in_flight(checkpoint) else {"stages"}
+    except CheckpointError:
+        return set()  # (the load names what is wrong with it)
 
 
 def write_metrics(path: Path, rows: list[dict[str, Any]]) -> None:

@@ -10,7 +10,9 @@ beside it, one concept each:
   ``--momentum`` and ``--ref-batch`` (why ``--scaling per-sample`` is the default), and the
   option checks;
 * ``engine.cli.loop``: building the pipeline, the epoch-structured training loop, evaluation;
-* ``engine.cli.runlog``: the metrics CSV and the resume state in ``--out``.
+* ``engine.cli.runlog``: the metrics CSV and the resume state in ``--out``;
+* ``engine.cli.outdir``: one run per ``--out`` (an earlier run's files stop the command
+  unless ``--resume`` or ``--overwrite``).
 
 The names other modules import from here (``TrainConfig``, ``train``, ...) are re-exported.
 """
@@ -23,6 +25,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from engine.cli import CLIError
 from engine.cli.config import (
     OPTIMIZERS,
     PREDICTIONS,
@@ -276,9 +279,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="PipeMare's D_decay in (0, 1) for --discrepancy-correction's delta (default 0.1)",
     )
     p.add_argument(
-        "--out", default="out/train", help="folder for checkpoint, metrics.csv, train_state.json"
+        "--out", default="out/train",
+        help="folder for checkpoint, metrics.csv, train_state.json (default out/train); one "
+        "run per folder: an earlier run's files there stop the command unless --resume or "
+        "--overwrite",
     )
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument(
+        "--overwrite", action="store_true",
+        help="delete an earlier run's checkpoint, state and metrics in --out, then train anew",
+    )
     p.add_argument(
         "--checkpoint-every",
         type=_positive("--checkpoint-every"),
@@ -290,7 +300,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    res = train(cfg)
+    overwrite = getattr(args, "overwrite", False)
+    if cfg.resume and overwrite:
+        raise CLIError("--resume continues the run in --out and --overwrite replaces it: pass one")
+    res = train(cfg, overwrite=overwrite)
     lr, m = res.lr, res.momentum
     if res.diverged:
         print(

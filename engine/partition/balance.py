@@ -28,15 +28,19 @@ def split_sequential(model: nn.Sequential, balance: Sequence[int]) -> list[nn.Se
     """Cut ``model`` into ``len(balance)`` consecutive ``nn.Sequential`` stages.
 
     The stages share the original modules (no copies) and keep their names, so a stage's
-    ``state_dict`` keys are the model's (``"3.weight"`` stays ``"3.weight"``).
+    ``state_dict`` keys are the model's (``"3.weight"`` stays ``"3.weight"``); each stage
+    declares so (:mod:`engine.model_names`), and a checkpoint of them loads into any other
+    cut of the model.
     """
+    from engine.model_names import declare
+
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"split_sequential needs an nn.Sequential, got {type(model).__name__}")
     bal = _check_balance(balance, len(model), what="layers")
     children = list(model.named_children())
     out, i = [], 0
     for n in bal:
-        out.append(nn.Sequential(OrderedDict(children[i : i + n])))
+        out.append(declare(nn.Sequential(OrderedDict(children[i : i + n])), ""))
         i += n
     return out
 

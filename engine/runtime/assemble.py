@@ -66,12 +66,19 @@ def resolve_spec(req: BuildRequest, S: int) -> ScheduleSpec:
 
 def stage_modules(req: BuildRequest, spec: ScheduleSpec, specs: list[Any], held: list[int]) -> list[nn.Module]:
     """The modules of the ``held`` stages (a factory is called here, for its stage only),
-    with deferred BatchNorm when asked."""
+    with deferred BatchNorm when asked; a stage's declared names are checked here."""
+    from engine.model_names import NamesError, carry_naming, module_names
+
     modules = [build_module(specs[s], s) for s in held]
     if req.deferred_batch_norm:
         from engine.runtime.build.batch_norm import convert_deferred_batch_norm
 
-        modules = [convert_deferred_batch_norm(m, spec.chunks) for m in modules]
+        modules = [carry_naming(m, convert_deferred_batch_norm(m, spec.chunks)) for m in modules]
+    for s, m in zip(held, modules, strict=True):
+        try:  # a declared naming must cover every tensor (engine.model_names)
+            module_names(m)
+        except NamesError as exc:
+            raise PipelineConfigError(f"stage {s}: {exc}") from None
     return modules
 
 

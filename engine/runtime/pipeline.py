@@ -440,7 +440,8 @@ class Pipeline:
     def trace(self, path: str | os.PathLike[str]) -> contextlib.AbstractContextManager[Any]:
         """``with pipe.trace("run.json"): ...``: record every action run inside the block and
         write a Chrome/Perfetto trace-event file at its end (engine/runtime/stage/trace.py). Under
-        gloo/NCCL every rank enters the block; rank 0 writes one file for all ranks."""
+        gloo/NCCL every rank enters the block; rank 0 writes one file for all ranks. Called
+        as a statement, never entered, it records nothing and warns (RuntimeWarning)."""
         from engine.runtime.stage.trace import trace
 
         p = self.parts

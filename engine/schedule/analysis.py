@@ -115,7 +115,25 @@ class ScheduleReport:
                 f"idle/busy {b:.4f}, activation peak {p} micro-batches"
                 for r, (b, p) in enumerate(zip(self.rank_bubble, self.rank_activation_peak, strict=True))
             )
-        return "\n".join(lines)
+        return "\n".join(lines + self._legend())
+
+    def _legend(self) -> list[str]:
+        """What each figure of :meth:`summary` is: three idle measures that differ in kind."""
+        s, c = self.schedule, self.costs
+        scalar = all(isinstance(v, int | float) for v in (c.forward, c.backward))
+        units = (f"F={c.forward:g}, B={c.backward:g} (a split B and its W share that)" if scalar
+                 else "the per-stage costs given")
+        out = [
+            "  legend: bubble = idle share of all ranks' time, 1 - busy / (ranks x makespan); "
+            f"makespan in cost units, {units}",
+            "    idle = the same share for one stage alone"
+            + ("; a stage also idles while its rank runs its other stage, so it exceeds the "
+               "bubble" if s.rank_order is not None else ""),
+        ]
+        if s.rank_order is not None:
+            out.append("    bubble ratio = a rank's idle time / its busy time (Megatron's measure, "
+                       "(R-1)/(v*M) for interleaved 1F1B), not a share of the makespan")
+        return out
 
 
 def rank_activation_bytes(schedule: Schedule, stage_bytes: Sequence[int]) -> tuple[int, ...]:

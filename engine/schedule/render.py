@@ -88,7 +88,8 @@ def timeline_figure(
     title: str | None = None,
 ) -> Any:
     """The matplotlib figure :func:`render_timeline` saves; its x extent covers every box
-    (a zero-cost update at the very end is drawn centred on the makespan)."""
+    with a small margin (a zero-cost update at the very end is drawn centred on the makespan),
+    and its legend names the kinds of action it draws."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -104,11 +105,13 @@ def timeline_figure(
     width = min(max(6.0, makespan * (0.4 if virtual else 0.25)), 60.0)
     fig, ax = plt.subplots(figsize=(width, 0.6 * S + 1.4))
     thin = makespan / 400.0
+    drawn: set[Kind] = set()
     for s in range(schedule.stages):
         y = S - 1 - schedule.rank_of(s)
         for i, a in enumerate(schedule.actions[s]):
             if a.kind not in _COLOURS:
                 continue
+            drawn.add(a.kind)
             t0, t1 = tl.start[s][i], tl.end[s][i]
             dur = t1 - t0
             if a.kind is Kind.UPDATE and dur == 0:
@@ -127,7 +130,9 @@ def timeline_figure(
             ax.text(t0 + dur / 2, y, label, ha="center", va="center", fontsize=7, color="white")
     right = max([makespan] + [p.get_x() + p.get_width() for p in ax.patches])
     left = min([0.0] + [p.get_x() for p in ax.patches])
-    ax.set_xlim(left, right)
+    # a margin of a few bar widths: a bar ending on the limit hides under the axes' frame
+    margin = 4 * thin
+    ax.set_xlim(left - margin, right + margin)
     ax.set_ylim(-0.6, S - 0.4)
     ax.set_yticks(range(S))
     ax.set_yticklabels([f"{'rank' if virtual else 'stage'} {S - 1 - y}" for y in range(S)])
@@ -135,9 +140,11 @@ def timeline_figure(
     import textwrap
 
     text = title or describe(schedule, report.bubble_fraction)
-    ax.set_title("\n".join(textwrap.wrap(text, int(width * 13), break_on_hyphens=False)), fontsize=9)
-    ax.legend(
-        handles=[Patch(color=c, label=_CATEGORY[k]) for k, c in _COLOURS.items()],
+    lines = [w for line in text.split("\n")  # the title's own line breaks stay
+             for w in textwrap.wrap(line, int(width * 13), break_on_hyphens=False)]
+    ax.set_title("\n".join(lines), fontsize=9)
+    ax.legend(  # only what the figure draws (no "weight gradient" without a split backward)
+        handles=[Patch(color=c, label=_CATEGORY[k]) for k, c in _COLOURS.items() if k in drawn],
         loc="upper left",
         bbox_to_anchor=(1.0, 1.0),
         fontsize=8,

@@ -193,6 +193,28 @@ def _check_split(parsed: list) -> None:
                     )
 
 
+def _check_order(parsed: list) -> None:
+    """Per row, no backward ahead of its forward and no ``W`` ahead of its ``I`` in the same row.
+
+    Why here, before the validator: the validator checks the channels between stages first,
+    so a row whose ``0B0`` was moved ahead of ``0F0`` would be reported at the receive it
+    puts out of order on the *next* row; the user edited this cell, so it names this cell.
+    (An action missing from its row is the validator's to report.)"""
+    needs = {"B": "F", "I": "F", "W": "I"}
+    for cells in parsed:
+        later = {(st, t, mb) for _, subs in cells for st, t, mb in subs}
+        for cell, subs in cells:
+            for st, t, mb in subs:
+                later.discard((st, t, mb))
+                first = needs.get(t)
+                if first is not None and (st, first, mb) in later:
+                    what = "forward" if first == "F" else "input-gradient backward"
+                    raise cell.error(
+                        f"{st}{t}{mb} comes before its {what} {st}{first}{mb}, later in this "
+                        f"row; move it after {st}{first}{mb}"
+                    )
+
+
 def from_csv(
     source: str | os.PathLike[str],
     *,
@@ -227,6 +249,7 @@ def from_csv(
         raise cell.error(f"{t} in a compute_only schedule; read it with format='compute_comms'")
     placement = _placement(parsed, len(rows))
     _check_split(parsed)
+    _check_order(parsed)
     mbs = [mb for cells in parsed for _, subs in cells for _, _, mb in subs if mb is not None]
     M = max(mbs, default=-1) + 1 if chunks is None else chunks
     if M < 1:
@@ -295,8 +318,28 @@ def _validate(sched: Schedule, cells: dict) -> None:
             if cell is None and a.kind.is_comm:  # a communication: the cell of its compute
                 act = a.kind in (Kind.SEND_ACT, Kind.RECV_ACT)
                 cell = cells.get((exc.stage, Action(Kind.FORWARD if act else Kind.BACKWARD, a.mbs)))
-        where = f" (CSV {cell.where})" if cell is not None else ""
-        raise ScheduleError(f"{exc}{where}", stage=None) from None
+        where = f" (CSV {cell.where}" if cell is not None else ""
+        sender = _sender_cell(sched, exc, cells) if cell is not None else None
+        if sender is not None and sender is not cell:
+            where += f"; the send it meets: {sender.where}"
+        raise ScheduleError(f"{exc}{where}{')' if where else ''}", stage=None) from None
+
+
+def _sender_cell(sched: Schedule, exc: ScheduleError, cells: dict) -> _Cell | None:
+    """For a receive that meets the wrong send: the cell of that send's compute, on the row
+    that was probably edited (the receive's row is often untouched)."""
+    a, r = exc.action, exc.stage
+    if a is None or r is None or a.kind not in (Kind.RECV_ACT, Kind.RECV_GRAD):
+        return None
+    act = a.kind is Kind.RECV_ACT
+    peer = r - 1 if act else r + 1
+    send_kind = Kind.SEND_ACT if act else Kind.SEND_GRAD
+    recvs = [x for x in sched.actions[r][: (exc.index or 0) + 1] if x.kind is a.kind]
+    sends = [x for x in sched.actions[peer] if x.kind is send_kind]
+    if not 0 <= peer < sched.stages or len(recvs) > len(sends):
+        return None
+    sent = sends[len(recvs) - 1]
+    return cells.get((peer, Action(Kind.FORWARD if act else Kind.BACKWARD, sent.mbs)))
 
 
 def _compute_comms(parsed: list, placement: tuple, M: int, name: str, order: str | None) -> Schedule:

@@ -109,10 +109,16 @@ def build_store(
     ``cuda_graphs``: refuse an optimizer or device the graphs cannot capture before the
     module's parameters move into an arena."""
     from engine.arena import flatten_
+    from engine.arena.flatten import check_weight_dtype
 
     named = _unique_params(module)
     if not named:
         return WeightStore(None, [], []), None
+    try:  # before the factory: an optimizer refusing the dtype would name params[j] only
+        for name, p in named:
+            check_weight_dtype(name, p)
+    except ArenaError as exc:
+        raise PipelineConfigError(f"stage {s}: {exc}") from None
     temp = [nn.Parameter(p.data, requires_grad=p.requires_grad) for _, p in named]
     opt = factory(temp)
     if not isinstance(opt, torch.optim.Optimizer):

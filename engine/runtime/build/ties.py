@@ -33,6 +33,7 @@ parameters").
 from __future__ import annotations
 
 import copy
+import datetime
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -303,8 +304,10 @@ def connect_ties(
     stage: int,
     replica: int,
     rank_of: Callable[[int], int] | None = None,
+    timeout: float | None = None,
 ) -> None:
-    """One process group per tie group and replica: the holders' ranks (global rank
+    """One process group per tie group and replica (``timeout``: each group's, seconds): the
+    holders' ranks (global rank
     ``replica * stages + stage``). ``new_group`` is collective over the world, so every rank
     creates every group in the same order and keeps the one it belongs to.
 
@@ -320,7 +323,10 @@ def connect_ties(
         if len(ranks) < 2:
             continue
         for r in range(replicas):
-            pg = torch.distributed.new_group([r * stages + x for x in ranks])
+            pg = torch.distributed.new_group(
+                [r * stages + x for x in ranks],
+                timeout=None if timeout is None else datetime.timedelta(seconds=timeout),
+            )
             if r == replica and stage in ranks:
                 g.process_group = pg
 

@@ -508,7 +508,7 @@ def broadcast_balance(compute: Callable[[], list[int]], timeout: float) -> list[
             box[0] = ("ok", list(compute()))
         except Exception as exc:  # forwarded to every rank below, then raised there
             box[0] = ("error", f"{type(exc).__name__}: {exc}")
-    dist.broadcast_object_list(box, src=0, group=world_group())  # host objects: gloo
+    dist.broadcast_object_list(box, src=0, group=world_group(timeout))  # host objects: gloo
     kind, value = box[0]
     if kind == "error":
         raise ValueError(f"rank 0 could not partition the model: {value}")

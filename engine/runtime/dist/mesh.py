@@ -58,7 +58,7 @@ class MeshLayout(Layout):
         return [[r for _, r in sorted(v)] for _, v in sorted(lines.items())]
 
 
-def mesh_layout(mesh: Any, ranks: int) -> MeshLayout:
+def mesh_layout(mesh: Any, ranks: int, timeout: float | None = None) -> MeshLayout:
     """The layout of this rank for a pipeline of ``ranks`` pipeline ranks (stages, or ranks
     holding virtual stages) on ``mesh``."""
     sizes = mesh_sizes(mesh)
@@ -92,8 +92,11 @@ def mesh_layout(mesh: Any, ranks: int) -> MeshLayout:
         lines.setdefault((rep, tpr), []).append((st, r))
     nccl = dist.get_backend() != "gloo"
     control, channels = pipeline_groups(
-        [[r for _, r in sorted(v)] for _, v in sorted(lines.items())], rank, nccl
+        [[r for _, r in sorted(v)] for _, v in sorted(lines.items())], rank, nccl, timeout
     )
+    from engine.runtime.dist.transport.control import world_group
+
+    world_group(timeout)  # (collective when first made: here, at the same point on every rank)
     return MeshLayout(
         rank, world, ranks, sizes["dp"], stage, replica, pipe_ranks, pipe_group, dp_ranks,
         dp_group if sizes["dp"] > 1 else None, control_group=control if nccl else pipe_group,

@@ -77,9 +77,9 @@ def build_rank(req: BuildRequest) -> PipelineParts:
             from engine.runtime.dist.mesh import mesh_layout, refuse_with_mesh
 
             refuse_with_mesh(virtual, req.ties, req.stages)
-            layout = mesh_layout(req.mesh, ranks)
+            layout = mesh_layout(req.mesh, ranks, cfg.timeout)
         else:
-            layout = make_layout(ranks, cfg.data_parallel, cfg.transport)
+            layout = make_layout(ranks, cfg.data_parallel, cfg.transport, cfg.timeout)
     except ValueError as exc:
         per = f" (interleaved: the {spec.stages} virtual stages run on {ranks} ranks)" if virtual else ""
         raise PipelineConfigError(f"{exc}{per}") from None
@@ -107,7 +107,8 @@ def build_rank(req: BuildRequest) -> PipelineParts:
         ties = tie_stages(list(specs), spec, stages=mine)
     here = dict(zip(mine, modules, strict=True))
     ties, declared, tie_shapes = with_declared(ties, req.ties, spec, here)
-    connect_ties(ties, ranks, cfg.data_parallel, layout.stage, layout.replica, place.rank_of)
+    connect_ties(ties, ranks, cfg.data_parallel, layout.stage, layout.replica, place.rank_of,
+                 cfg.timeout)
     built = [build_store(m, s, req.optimizer, cfg.cuda_graphs) for s, m in zip(mine, modules, strict=True)]
     from engine.runtime.dist.agreement import agree, fingerprint
 

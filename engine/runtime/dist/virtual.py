@@ -235,9 +235,9 @@ def virtual_transports(
             if place.same_rank(b):
                 made.append(None)
             elif nccl:  # one group per channel direction (transport/nccl.py)
-                made.append({(c, b): new_group(pair) for c in ("act", "grad")})
+                made.append({(c, b): new_group(pair, timeout=timeout) for c in ("act", "grad")})
             else:
-                made.append(new_group(pair))
+                made.append(new_group(pair, timeout=timeout))
         if d == layout.replica:
             groups = made
     ranks = [layout.pipeline_ranks[place.rank_of(s)] for s in range(V)]

@@ -6,8 +6,14 @@ the runtime leaves it inconsistent. While a step or a flush runs (main thread on
 threads never receive SIGINT), the first Ctrl-C only sets a flag; the executor checks it
 between actions and raises KeyboardInterrupt there, where everything is consistent. A second
 Ctrl-C while one is pending interrupts at once (for a stage that never returns), with the
-in-action semantics of :mod:`engine.runtime.exec.executor`. If the program installed its own SIGINT
-handler, it is left alone.
+in-action semantics of :mod:`engine.runtime.exec.executor`.
+
+Only Python's default handler is replaced, for the length of the step. A handler the program
+installed is left alone (it decided what a Ctrl-C means), and so is an ignored SIGINT
+(``SIG_IGN``, which a process started in the background with ``&`` or ``nohup`` inherits, and
+Python then installs no handler): nothing is deferred, the Ctrl-C stays ignored and the step
+runs to its end. Deferring a signal the program ignores would turn it into a
+KeyboardInterrupt the program asked never to see.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ class Interrupts:
             yield
             return
         if previous is not signal.default_int_handler:
-            yield  # someone else handles SIGINT: leave it to them
+            yield  # the program's own handler, or SIGINT ignored: leave it as it is
             return
         _raw.signal(signal.SIGINT, self._handler)
         try:

@@ -28,6 +28,10 @@ its ``stageS/...`` labels are the same names. While recording, every stage's bac
 its own autograd call (as while a profiler
 records), so each has its own event. Disabled, the cost is one module-attribute check per
 action (:data:`ACTIVE` is None).
+
+``pipe.trace(path)`` only records inside a ``with`` block: called as a statement it would
+record and write nothing, so the object it returns warns (RuntimeWarning) when it is
+discarded without ever being entered.
 """
 
 from __future__ import annotations
@@ -36,11 +40,12 @@ import contextlib
 import json
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 
-__all__ = ["Timeline", "ACTIVE", "trace", "validate_trace_events"]
+__all__ = ["Timeline", "ACTIVE", "TraceBlock", "trace", "validate_trace_events"]
 
 
 class Timeline:
@@ -116,15 +121,48 @@ def _host_origin(mine: int, group: Any) -> int:
     return min(origin for h, origin in gathered if h == host)
 
 
-@contextlib.contextmanager
+class TraceBlock(contextlib.AbstractContextManager):
+    """What ``pipe.trace(path)`` returns: records while entered; warns if never entered."""
+
+    def __init__(self, path: str | os.PathLike[str], block: contextlib.AbstractContextManager[Timeline]) -> None:
+        self.path = path
+        self._block = block
+        self._entered = False
+
+    def __enter__(self) -> Timeline:
+        self._entered = True
+        return self._block.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._block.__exit__(*exc)
+
+    def __del__(self) -> None:
+        if not self._entered:
+            warnings.warn(
+                f"pipe.trace({os.fspath(self.path)!r}) was never entered, so nothing was "
+                "recorded and no file written: use it as `with pipe.trace(path): ...` around "
+                "the steps to record",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+
 def trace(
     path: str | os.PathLike[str], stages: list[Any], executor: Any, rank: int | None = None,
     group: Any = None,
-) -> Iterator[Timeline]:
+) -> TraceBlock:
     """Record the actions run inside the block; write ``path`` at its end (module docstring).
     Under gloo/NCCL (``rank``: this process's global rank) every rank must enter and leave the
     block (a barrier and a gather over ``group``: the world's gloo control group, None for the
     default group); ``stages`` and ``executor`` are the ones this process runs."""
+    return TraceBlock(path, _record(path, stages, executor, rank, group))
+
+
+@contextlib.contextmanager
+def _record(
+    path: str | os.PathLike[str], stages: list[Any], executor: Any, rank: int | None,
+    group: Any = None,
+) -> Iterator[Timeline]:
     global ACTIVE
     if ACTIVE is not None:
         raise RuntimeError("a pipeline trace is already being recorded in this process")

@@ -13,6 +13,7 @@ under the pipeline's autocast state, as a step's forward does (engine/runtime/st
 from __future__ import annotations
 
 import contextlib
+import datetime
 import pickle
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -113,7 +114,9 @@ def _group(parts: PipelineParts) -> Any:
         if hasattr(lay, "pp_lines"):  # a mesh: one line per (replica, tp rank), runtime/dist/mesh.py
             lines = lay.pp_lines()
         for ranks in lines:
-            g = torch.distributed.new_group(ranks)
+            g = torch.distributed.new_group(
+                ranks, timeout=datetime.timedelta(seconds=parts.config.timeout)
+            )
             if lay.rank in ranks:
                 group = g
         parts.eval_group = group

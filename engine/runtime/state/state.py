@@ -23,16 +23,20 @@ from torch import Tensor
 
 from engine.errors import CheckpointError
 from engine.runtime.state import inflight
+from engine.runtime.state.model_index import stage_record
 
 if TYPE_CHECKING:
     from engine.runtime.parts import PipelineParts
 
-__all__ = ["FORMAT", "pipeline_state_dict", "check_state", "load_pipeline_state_dict"]
+__all__ = ["FORMAT", "pipeline_state_dict", "check_state", "load_pipeline_state_dict", "update_rule",
+           "config_record"]
 
 FORMAT = "engine.pipeline/1"
 
 
-def _config(parts: PipelineParts) -> dict[str, Any]:
+def config_record(parts: PipelineParts) -> dict[str, Any]:
+    """The configuration a checkpoint records (a load into a pipeline of another is refused,
+    or moved by :mod:`~engine.runtime.state.relayout`)."""
     return {
         "schedule": parts.spec.name,
         "stages": parts.spec.stages,
@@ -68,19 +72,34 @@ def pipeline_state_dict(parts: PipelineParts) -> dict[str, Any]:
                 ),
             }
         )
+        record = stage_record(parts, st)  # names in the whole model: a load may move layouts
+        if record is not None:
+            stages[-1]["names"] = record
     ex = parts.executor
     state = {
         "format": FORMAT,
-        "config": _config(parts),
+        "config": config_record(parts),
         "steps": ex.steps,
         "skipped_steps": ex.skipped_steps,
         "microbatches": ex.n_base + ex.j * parts.spec.chunks,
         "stages": stages,
         "rng": torch.get_rng_state(),
+        "update_rule": update_rule(parts),
     }
     if in_flight is not None:
         state["in_flight"] = in_flight
     return state
+
+
+def update_rule(parts: PipelineParts) -> dict[str, Any]:
+    """What a checkpoint's state means to the next update: synchronous schedules all mean
+    the unpipelined model's update (one flushed mini-batch), so a load may change between
+    them; an asynchronous one means its own weight policy and update size."""
+    spec = parts.spec
+    if spec.synchronous:
+        return {"synchronous": True}
+    return {"synchronous": False, "schedule": spec.name, "weights": spec.weights,
+            "update_size": spec.update_size, "order": spec.order}
 
 
 def _cloned(obj: Any) -> Any:
@@ -144,7 +163,7 @@ def check_state(parts: PipelineParts, state: Any, override_hyperparameters: bool
         got = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise _fail(f"not a pipeline state (format {got!r}, expected {FORMAT!r})")
     cfg = state.get("config", {})
-    mine = _config(parts)
+    mine = config_record(parts)
     diff = [
         f"{k}: checkpoint {cfg.get(k)!r} vs pipeline {v!r}" for k, v in mine.items() if cfg.get(k) != v
     ]

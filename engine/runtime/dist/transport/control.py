@@ -51,9 +51,10 @@ TAGS = {
 _WORLD: list[Any] = []
 
 
-def world_group() -> Any:
+def world_group(timeout: float | None = None) -> Any:
     """The gloo group of every rank for job-wide host exchanges: None (the default group)
-    when the default group is gloo, else one gloo group made for it on the first call.
+    when the default group is gloo, else one gloo group made for it on the first call, with
+    ``timeout`` seconds (a pipeline's build passes its own; without one torch's default).
 
     Collective on its first call under a non-gloo default group (``new_group`` is): every
     rank reaches its first job-wide exchange at the same point of the program (building a
@@ -65,7 +66,7 @@ def world_group() -> Any:
         return _WORLD[1]
     from engine.runtime.dist.transport.groups import new_group
 
-    group = new_group(list(range(dist.get_world_size())), backend="gloo")
+    group = new_group(list(range(dist.get_world_size())), backend="gloo", timeout=timeout)
     _WORLD[:] = [default, group]
     return group
 

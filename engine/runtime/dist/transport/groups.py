@@ -30,6 +30,7 @@ change little there (not measured). Set ``ENGINE_GLOO_BATCH=0`` to keep the defa
 
 from __future__ import annotations
 
+import datetime
 import os
 from typing import Any
 
@@ -79,12 +80,15 @@ def batch_network_threads(tids: set[int] | None = None) -> int:
     return done
 
 
-def new_group(ranks: list[int], backend: str | None = None) -> Any:
+def new_group(ranks: list[int], backend: str | None = None, timeout: float | None = None) -> Any:
     """``dist.new_group(ranks, backend=backend)`` (collective over the world; None: the
     default group's backend), its gloo network thread under SCHED_BATCH on the ranks it
-    connects (module docstring)."""
+    connects (module docstring). ``timeout``: the group's own (seconds; NCCL's watchdog
+    counts it from each operation's enqueue). Without one torch gives a new group its
+    backend's default (10 or 30 minutes), not the default group's."""
     before = _threads()
-    group = dist.new_group(list(ranks), backend=backend)
+    td = None if timeout is None else datetime.timedelta(seconds=timeout)
+    group = dist.new_group(list(ranks), backend=backend, timeout=td)
     batch_network_threads(_threads() - before)
     return group
 

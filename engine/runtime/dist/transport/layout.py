@@ -187,7 +187,9 @@ def init_distributed(backend: str, timeout: float) -> None:
     created_default_group()  # destroyed at exit, before the interpreter's finalization
 
 
-def pipeline_groups(lines: list[list[int]], rank: int, nccl: bool) -> tuple[Any, ChannelGroups]:
+def pipeline_groups(
+    lines: list[list[int]], rank: int, nccl: bool, timeout: float | None = None
+) -> tuple[Any, ChannelGroups]:
     """The control group and the channel groups of the pipeline (of ``lines``: every
     pipeline's global ranks in stage order, the same list on every rank) that ``rank`` is
     on. gloo: (None, {}) -- its pipeline group does both. Collective over the world: every
@@ -197,20 +199,23 @@ def pipeline_groups(lines: list[list[int]], rank: int, nccl: bool) -> tuple[Any,
     if not nccl:
         return control, channels
     for line in lines:
-        g = new_group(list(line), backend="gloo")
+        g = new_group(list(line), backend="gloo", timeout=timeout)
         if rank in line:
             control = g
         for b in range(len(line) - 1):
             pair = sorted({line[b], line[b + 1]})
             for channel in ("act", "grad"):
-                g = new_group(pair)
+                g = new_group(pair, timeout=timeout)
                 if rank in (line[b], line[b + 1]):
                     channels[(channel, b)] = g
     return control, channels
 
 
-def make_layout(stages: int, replicas: int, backend: str = "gloo") -> Layout:
-    """Build the grid and its groups (collective: every rank must call it identically)."""
+def make_layout(
+    stages: int, replicas: int, backend: str = "gloo", timeout: float | None = None
+) -> Layout:
+    """Build the grid and its groups (collective: every rank must call it identically);
+    ``timeout``: each group's (the pipeline's, in seconds)."""
     world = dist.get_world_size()
     rank = dist.get_rank()
     if stages * replicas != world:
@@ -228,19 +233,22 @@ def make_layout(stages: int, replicas: int, backend: str = "gloo") -> Layout:
     lines = [[d * stages + s for s in range(stages)] for d in range(replicas)]
     if replicas == 1:  # gloo: a group of its own, not the default one (transport/groups.py)
         pipe_ranks = tuple(range(stages))
-        pipeline_group = new_group(list(pipe_ranks)) if not nccl else dist.group.WORLD
+        pipeline_group = new_group(list(pipe_ranks), timeout=timeout) if not nccl else dist.group.WORLD
     else:
         for d in range(replicas):  # every rank creates every group, in the same order
             ranks = tuple(lines[d])
-            g = new_group(list(ranks))
+            g = new_group(list(ranks), timeout=timeout)
             if d == replica:
                 pipe_ranks, pipeline_group = ranks, g
         for s in range(stages):
             ranks = tuple(d * stages + s for d in range(replicas))
-            g = new_group(list(ranks))
+            g = new_group(list(ranks), timeout=timeout)
             if s == stage:
                 dp_ranks, dp_group = ranks, g
-    control, channels = pipeline_groups(lines, rank, nccl)
+    control, channels = pipeline_groups(lines, rank, nccl, timeout)
+    from engine.runtime.dist.transport.control import world_group
+
+    world_group(timeout)  # (collective when first made: here, at the same point on every rank)
     if not dp_ranks:
         dp_ranks = (rank,)
     return Layout(
