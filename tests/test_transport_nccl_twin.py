@@ -243,6 +243,39 @@ def phase_int16(rank: int, S: int) -> dict[str, Any]:
         return {"type": type(exc).__name__, "message": str(exc)}
 
 
+def phase_communicators(rank: int, S: int, root: str) -> dict[str, Any]:
+    """Which NCCL communicators a pipeline's life makes (build, handshake, steps of a
+    synchronous and an asynchronous schedule, evaluate, save and load): group ones only.
+    ProcessGroupNCCL makes a two-rank communicator for every pair an unbatched send/recv
+    joins (what the handshake, evaluate and the placements used to post); each holds its
+    own device memory. Also: cuda_graphs="optimizer" with an asynchronous schedule under
+    NCCL is refused before anything is built (capturing synchronises the device mid-step)."""
+    import engine
+    import engine.testing.nccl_twin as twin
+    from engine import Pipeline
+
+    for name in ("1f1b", "pb"):
+        kw = dict(configs(S)["pb" if name == "pb" else "gpipe"], schedule=name)
+        pipe = Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport="nccl",
+                        timeout=30, **kw)
+        for t in range(2):
+            pipe.step(*batch(t))
+        pipe.flush()
+        pipe.evaluate(batch(9)[0])
+        engine.save(pipe, os.path.join(root, name))
+        engine.load(pipe, os.path.join(root, name))
+    hub = twin._hub
+    assert hub is not None
+    out: dict[str, Any] = {"communicators": sorted(hub.comms)}
+    try:
+        Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport="nccl", timeout=30,
+                 cuda_graphs="optimizer", **configs(S)["pb"])
+        out["graphs"] = None
+    except Exception as exc:
+        out["graphs"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 # ---------------------------------------------------------------------- the spawns
 
 
@@ -277,6 +310,7 @@ def _spawn_two(root: str) -> list[dict[str, Any]]:
         ("balance", dict(S=2)),
         ("checkpoint", dict(S=2, root=root, names=["1f1b-adam", "pb-lwp-momentum"])),
         (f"{HERE}:host_reads", dict(S=2)),
+        (f"{HERE}:communicators", dict(S=2, root=os.path.join(root, "comm"))),
         (f"{HERE}:data_shapes", dict(S=2)),
         (f"{HERE}:int16", dict(S=2)),
         (f"{HERE}:async_failure", dict(S=2, victim=1)),
@@ -533,6 +567,19 @@ def test_no_host_read_per_activation(two: list[dict[str, Any]]) -> None:
     for rank, got in enumerate(_ok(two, f"{HERE}:host_reads")):
         for name, counts in got.items():
             assert len(counts[4]) == len(counts[8]) <= 2, (rank, name, counts)
+
+
+def test_only_group_communicators_and_no_optimizer_capture_mid_step(
+    two: list[dict[str, Any]],
+) -> None:
+    """No unbatched point-to-point op anywhere (each would make a two-rank communicator,
+    "group/low:high" in the twin's names); the optimizer capture refusal names the fix."""
+    for rank, got in enumerate(_ok(two, f"{HERE}:communicators")):
+        pairs = [c for c in got["communicators"] if ":" in c]
+        assert pairs == [] and got["communicators"], (rank, got["communicators"])
+        said = got["graphs"]
+        assert said is not None and said.startswith("PipelineConfigError"), said
+        assert "cuda_graphs='optimizer'" in said and "asynchronous" in said, said
 
 
 def test_nothing_pending_across_a_step_boundary() -> None:
