@@ -84,7 +84,7 @@ def control_group(pipe: Pipeline) -> Any:
     queues behind a pipeline's device traffic: engine/runtime/dist/transport/control.py)."""
     from engine.runtime.dist.transport.control import world_group
 
-    return world_group()
+    return world_group(pipe.parts.config.timeout)
 
 
 def _device(pipe: Pipeline) -> torch.device:

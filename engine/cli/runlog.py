@@ -61,7 +61,7 @@ METRIC_FIELDS = (
 #: what a run writes in --out (the ``.next`` files while it commits an epoch): another run
 #: starting in that folder without --resume is refused (engine/cli/outdir.py)
 RUN_OUTPUTS = (CHECKPOINT_FILE, STATE_FILE, METRICS_FILE, CHECKPOINT_FILE + ".next",
-               STATE_FILE + ".next", STAGE_COSTS_FILE)
+               STATE_FILE + ".next")
 #: config fields that may differ between a run and its resumption
 _RESUME_FREE = {"epochs", "progress", "out", "resume", "device", "threads"}
 

@@ -450,7 +450,7 @@ class Pipeline:
         if rank is not None:  # host objects: the world's gloo control group (NCCL included)
             from engine.runtime.dist.transport.control import world_group
 
-            group = world_group()
+            group = world_group(p.config.timeout)
         return trace(path, p.stages, p.executor, rank, group)
 
     def evaluate(self, inputs: Tensor, chunks: int | None = None) -> Tensor:

@@ -19,7 +19,7 @@ from torch import nn
 
 from engine.errors import PipelineConfigError
 from engine.mitigations import MITIGATION_OPTIONS
-from engine.runtime.dist.transport.control import all_gather_bytes
+from engine.runtime.dist.transport.control import all_gather_bytes, world_group
 
 __all__ = ["fingerprint", "agree"]
 
@@ -59,20 +59,22 @@ def fingerprint(
     }
 
 
-def _all_gather_json(obj: Any) -> list[Any]:
+def _all_gather_json(obj: Any, timeout: float | None) -> list[Any]:
     """Every rank's ``obj`` as JSON over the world's control group (gloo, host memory)."""
-    return [json.loads(b.decode()) for b in all_gather_bytes(json.dumps(obj).encode())]
+    group = world_group(timeout)
+    return [json.loads(b.decode()) for b in all_gather_bytes(json.dumps(obj).encode(), group)]
 
 
 def agree(
-    mine: dict[str, Any], rank: int, stages: int, device: torch.device, stage_of: Any = None
+    mine: dict[str, Any], rank: int, stages: int, device: torch.device, stage_of: Any = None,
+    timeout: float | None = None,
 ) -> None:
     """Exchange fingerprints with every rank (on the world's control group; ``device`` is
     where the rank's stage lives, unused by the exchange); raise on every rank at the first
     difference.
     ``stage_of``: rank -> (stage, replica, tp rank) under a mesh (runtime/dist/mesh.py); the ranks
     that compare parameters are then those with the same stage and tp rank."""
-    prints = _all_gather_json(mine)
+    prints = _all_gather_json(mine, timeout)
     keys: list[str] = []
     for fp in prints:
         keys += [k for k, _ in fp["pipeline"] if k not in keys]

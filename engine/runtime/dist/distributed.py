@@ -85,6 +85,9 @@ class RankRuntime:
             self._calls = calls if same else GroupCalls(layout.pipeline_group)
         #: NCCL: which micro-batches' activations travel with a header (shape_notice.py)
         self.notices: ShapeNotices | None = None
+        #: why this rank's pipeline cannot go on (an asynchronous NCCL step a stage raised
+        #: in: lane.py); every later step, flush and save raises it
+        self.broken: str | None = None
         if self.nccl:
             ranks = list(layout.pipeline_ranks)
             self.notices = ShapeNotices(
@@ -445,7 +448,8 @@ class RankRuntime:
             dtype=torch.float64,
         )
         self._wait_host(
-            dist.all_reduce(msg, group=world_group(), async_op=True), "agreeing the step's verdict"
+            dist.all_reduce(msg, group=world_group(self.timeout), async_op=True),
+            "agreeing the step's verdict",
         )
         value, count, has_loss, bad = msg.tolist()  # one host read
         if has_loss < 0.5:

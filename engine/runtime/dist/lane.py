@@ -41,7 +41,7 @@ from typing import Any
 
 from torch import Tensor
 
-from engine.errors import NonFiniteLossError, PeerStepError, PipelineInputError
+from engine.errors import NonFiniteLossError, PeerError, PeerStepError, PipelineInputError
 from engine.runtime.stage import trees
 from engine.runtime.exec.failures import Outcome, discard_partial
 from engine.runtime.dist.first_failure import as_peer_error, begin, first, report
@@ -247,8 +247,16 @@ class RankLane:
     def _raise_aborted(self) -> None:
         """Every rank agreed the step aborted: the rank whose stage raised raises the user's
         exception, every other rank a PeerStepError naming it (a synchronous step rolls back;
-        an asynchronous one under NCCL cannot: module docstring)."""
+        an asynchronous one under NCCL cannot: the pipeline is closed on every rank, its
+        further calls say so: module docstring)."""
         exc, self.failure = self.failure, None
+        if not self.p.sync:
+            self.rank.broken = (
+                "this pipeline stopped: a stage raised inside an asynchronous step under "
+                "transport='nccl', whose micro-batch could not be dropped on every rank, so "
+                "the ranks' weights and micro-batches in flight no longer agree. Build the "
+                "pipeline again and engine.load the last checkpoint." + first(self.rank.layout.rank)
+            )
         if exc is not None and not isinstance(exc, Aborted):
             self.origin = exc
             raise exc
@@ -333,6 +341,8 @@ class RankLane:
         """A flush: counted as a collective call, its failure named for the peers
         (:mod:`~engine.runtime.dist.first_failure`)."""
         begin()
+        if self.rank.broken:
+            raise PeerError(self.rank.broken)
         try:
             yield
         except BaseException as exc:
@@ -508,8 +518,9 @@ class RankLane:
                         self._flag_arrived(self.stage, tp, mb)
                     if channel == "grad" and self.p.carry_scales:
                         self._scale_arrived(self.s, tp, mb)
-                    if value is not None:  # None: no leaf carries a gradient, nothing travels
-                        self._early[(channel, mb)] = value
+                    # (kept even when None: a gradient whose only message was its flag was
+                    # received, and its RB must not post a second receive for it)
+                    self._early[(channel, mb)] = value
 
     def wire_state(self) -> dict[str, Any]:
         """Messages at a step boundary, for the in-flight state (:mod:`~engine.runtime.state.inflight`;

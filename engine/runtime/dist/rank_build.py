@@ -124,7 +124,8 @@ def build_rank(req: BuildRequest) -> PipelineParts:
     )
     held = modules[0] if not virtual else nn.ModuleList(modules)
     fp = fingerprint(spec, cfg, options, ties, bridge.opt if bridge is not None else None, held)
-    agree(fp, layout.rank, ranks, device, stage_of=getattr(layout, "place_of", None))
+    agree(fp, layout.rank, ranks, device, stage_of=getattr(layout, "place_of", None),
+          timeout=cfg.timeout)
     broadcast_owner(declared, here, lambda s: layout.replica * ranks + place.rank_of(s))
     rank: Any
     if virtual:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from engine.errors import PipelineInputError
+from engine.errors import PeerError, PipelineInputError
 from engine.runtime.stage import inputs as _inputs
 from engine.runtime.stage import trees
 from engine.runtime.dist.first_failure import as_peer_error, begin, report
@@ -28,6 +28,8 @@ __all__ = ["rank_step"]
 def rank_step(parts: PipelineParts, inputs: Any, targets: Any) -> Tensor:
     """``Pipeline.step`` on one rank: split what this rank reads, handshake once, run."""
     begin()  # first thing: every rank counts every step call, even one that fails early
+    if parts.rank.broken:
+        raise PeerError(parts.rank.broken)
     lay = parts.layout
     M = parts.spec.chunks
     held = parts.executor.by_index  # (under a V placement one rank holds the first and the last)

@@ -308,9 +308,15 @@ class VirtualRankRuntime(RankRuntime):
         """An error that stops a step before it starts goes down the virtual stages in place
         of the step's first activation, so it comes back through this rank's later stages:
         each receives it there and passes it on, leaving no message in flight (the group
-        stays usable) and no sender waiting for a receive. Under NCCL errors travel on the
-        control plane (the shape notice): nothing to pass."""
+        stays usable) and no sender waiting for a receive. Under NCCL the error travels on
+        the control plane (the shape notice) instead; only the boxes of this rank's own
+        boundaries (LocalLink) are cleared of it, so no later step finds it there."""
         if self.nccl:
+            for tp in self.transports.values():
+                for side in tp.sides:
+                    link = getattr(side, "link", None)
+                    if link is not None:
+                        link.error = None
             return
         for s in sorted(self.transports):
             if s > stage:

@@ -51,6 +51,9 @@ def config_record(parts: PipelineParts) -> dict[str, Any]:
 def pipeline_state_dict(parts: PipelineParts) -> dict[str, Any]:
     """Everything needed to resume: per stage the module's tensors, optimizer and scheduler
     state, update count and runtime-owned state; plus counters and the torch RNG state."""
+    broken = getattr(parts.rank, "broken", None)
+    if broken:
+        raise CheckpointError(f"cannot save: {broken}")
     in_flight = inflight.capture(parts)  # None when flushed; raises when it cannot be rebuilt
     stages = []
     for st in parts.stages:

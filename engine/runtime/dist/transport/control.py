@@ -47,40 +47,43 @@ TAGS = {
     "notice": NOTICE_TAG, "placement": PLACEMENT_TAG, "handshake": HANDSHAKE_TAG,
 }
 
-#: the job-wide gloo group made for a default group of another backend: (default, group)
+#: the job-wide gloo groups made for a default group of another backend, per timeout:
+#: (default group, {timeout: group})
 _WORLD: list[Any] = []
 
 
 def world_group(timeout: float | None = None) -> Any:
     """The gloo group of every rank for job-wide host exchanges: None (the default group)
-    when the default group is gloo, else one gloo group made for it on the first call, with
-    ``timeout`` seconds (a pipeline's build passes its own; without one torch's default).
+    when the default group is gloo, else a gloo group of the world with ``timeout`` seconds
+    (None: torch's default), made on the first call with that timeout.
 
-    Collective on its first call under a non-gloo default group (``new_group`` is): every
-    rank reaches its first job-wide exchange at the same point of the program (building a
-    pipeline, saving, tracing), so they create it together."""
+    Why one per timeout: a blocking collective waits as long as its group's timeout, so the
+    exchanges of a pipeline must run on a group with that pipeline's timeout, not on the one
+    an earlier pipeline of the process (say, one with a short timeout) made. Collective on a
+    first call (``new_group`` is): every rank reaches its job-wide exchanges at the same
+    points of the program (building a pipeline, its steps, saving, tracing) with the same
+    pipeline settings (agreed at the build), so they create each group together."""
     if dist.get_backend() == "gloo":
         return None
     default = dist.distributed_c10d._get_default_group()
-    if _WORLD and _WORLD[0] is default:
-        return _WORLD[1]
-    from engine.runtime.dist.transport.groups import new_group
+    if not _WORLD or _WORLD[0] is not default:
+        _WORLD[:] = [default, {}]
+    made: dict[float | None, Any] = _WORLD[1]
+    if timeout not in made:
+        from engine.runtime.dist.transport.groups import new_group
 
-    group = new_group(list(range(dist.get_world_size())), backend="gloo", timeout=timeout)
-    _WORLD[:] = [default, group]
-    return group
+        made[timeout] = new_group(list(range(dist.get_world_size())), backend="gloo", timeout=timeout)
+    return made[timeout]
 
 
 def forget_world_group() -> None:
-    """Drop the job-wide gloo group (teardown: no reference may keep its threads alive)."""
+    """Drop the job-wide gloo groups (teardown: no reference may keep their threads alive)."""
     _WORLD.clear()
 
 
-def all_gather_bytes(data: bytes, group: Any = None) -> list[bytes]:
-    """Every rank's ``data`` (any length) on every rank of ``group`` (default: the world's
-    control group), as plain bytes over two gloo all_gathers: no pickle."""
-    if group is None:
-        group = world_group()
+def all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
+    """Every rank's ``data`` (any length) on every rank of ``group`` (a gloo group; None: the
+    default group), as plain bytes over two gloo all_gathers: no pickle."""
     n = dist.get_world_size(group)
     size = torch.tensor([len(data)], dtype=torch.int64)
     sizes = [torch.zeros_like(size) for _ in range(n)]

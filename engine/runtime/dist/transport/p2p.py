@@ -116,13 +116,21 @@ class P2PTransport(Handshake, Transport):
         connection blames the peer (``broken``, ``peer_rank``: the note report() writes)."""
         peer_txt = f" with {self.who(peer)}" if peer is not None else ""
         text = str(exc).strip()
+        deadlock = "deadlock" in text.lower()  # (the NCCL twin's report: kept whole)
         timed_out = "timed out" in text.lower() or "timeout" in text.lower()
         why = f"no answer within timeout={self.timeout:g}s" if timed_out else "the connection broke"
+        hint = (
+            "The peer rank most likely died or is stuck: check its log for the first error. "
+            "This rank stops instead of hanging (raise Pipeline(timeout=...) if a stage is "
+            "legitimately slower)."
+        )
+        if deadlock:
+            why = "a deadlock (every rank waiting, nothing progressing)"
+            hint = ("The ranks' communication orders cannot all complete: the report above names "
+                    "each rank's queue head.")
         err = PeerError(
             f"{self.who(self.stage)}: {what}{peer_txt} failed: {why} "
-            f"({type(exc).__name__}: {text[:600]}). The peer rank most likely died or is "
-            "stuck: check its log for the first error. This rank stops instead of hanging "
-            "(raise Pipeline(timeout=...) if a stage is legitimately slower)."
+            f"({type(exc).__name__}: {text if deadlock else text[:600]}). {hint}"
             + first(self.ranks[self.stage])
         )
         err.broken = not timed_out  # type: ignore[attr-defined]

@@ -108,7 +108,7 @@ class ShapeNotices:
         its error when it refused the step's inputs)."""
         head = torch.zeros(3 + self.M, dtype=torch.int64)
         self._wait(self.calls.recv(head, self.first, NOTICE_TAG), "receiving the step's shape notice")
-        got_base, n, M = (int(v) for v in head[:3])
+        got_base, n, M, *flags = head.tolist()  # (host memory: a gloo buffer)
         if n > 0:
             body = torch.empty(n, dtype=torch.uint8)
             self._wait(self.calls.recv(body, self.first, NOTICE_TAG), "receiving the step's input error")
@@ -120,7 +120,7 @@ class ShapeNotices:
                 f"but rank {self.first} sent one for {got_base}..{got_base + M - 1}: the ranks are "
                 "not running the same steps (every rank must call step() and flush() alike)"
             )
-        self._record(base, [bool(v) for v in head[3:].tolist()])
+        self._record(base, [bool(v) for v in flags])
 
     def settle(self) -> list[Any]:
         """The works still in flight (for the exit's teardown)."""
