@@ -37,7 +37,7 @@ SKIP_UPDATE = ["pb", "pb-k2", "pb-lwp", "pb-pipemare-t2", "pb-spectrain-reuse", 
 SKIP_UPDATE_DP = ["pb", "2bw"]
 #: phases a second time in one spawn, under another name (results are keyed by name)
 ANY_SHAPES = "distributed_support.phase_varlen"
-FLAG_ALONE = "distributed_support.phase_skip_update"
+REPLICAS_SKIP = "distributed_support.phase_skip_update"
 
 pytestmark = [pytest.mark.distributed] + ([] if TWIN else [pytest.mark.cuda])
 
@@ -56,16 +56,15 @@ PHASES: dict[str, tuple[int, list[tuple[str, dict[str, Any]]]]] = {
         ("varlen", dict(S=2, names=["gpipe-tied", "1f1b-tied", "pipedream", "pb"], trim=False)),
         (ANY_SHAPES, dict(S=2, names=["1f1b-tied", "pb"], activation_shapes="any")),
         ("trees", dict(S=2)),
-        ("skip_update", dict(S=2, names=SKIP_UPDATE)),
+        ("skip_update", dict(S=2, names=[*SKIP_UPDATE, "first-pb"])),
         ("handshake_mismatch", dict(S=2)),
-        (FLAG_ALONE, dict(S=2, names=["first-pb"])),  # last: it waits for its timeout today
     ]),
     "ranks4": (4, [
         ("equal", dict(S=4, names=None)),
         ("varlen", dict(S=4, names=["1f1b-tied", "pb"], trim=False)),
         ("skip_update", dict(S=4, names=SKIP_UPDATE)),
         ("data_parallel", dict(S=2, R=2)),
-        (FLAG_ALONE, dict(S=2, R=2, names=SKIP_UPDATE_DP)),
+        (REPLICAS_SKIP, dict(S=2, R=2, names=SKIP_UPDATE_DP)),
         ("kill", dict(S=4, victim=2, timeout=KILL_TIMEOUT)),  # terminal
     ]),
 }
@@ -180,17 +179,11 @@ def test_skip_update_flags_travel_on_the_device(spawned: list[dict[str, Any]]) -
     _check_skip_update(spawned, "skip_update", SKIP_UPDATE)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a gradient that is its flag alone (no leaf requires grad), received at the end of "
-    "an asynchronous step (RankLane._receive_in_transit), is not kept (the received value is "
-    "None), so its RB receives it a second time and waits for a message never sent",
-)
 @pytest.mark.parametrize("spawned", [BOTH[0]], indirect=True)
 def test_skip_update_flag_travels_alone(spawned: list[dict[str, Any]]) -> None:
     """pb with a parameterless stage 0: no leaf carries a gradient back to it, so the flag
-    is the whole message."""
-    _check_skip_update(spawned, FLAG_ALONE, ["first-pb"])
+    is the whole message (also at an asynchronous step's end, where it is received early)."""
+    _check_skip_update(spawned, "skip_update", ["first-pb"])
 
 
 @pytest.mark.parametrize("spawned", [BOTH[0]], indirect=True)
@@ -219,7 +212,7 @@ def test_data_parallel_equals_one_replica_with_a_larger_batch(
 @pytest.mark.parametrize("spawned", [BOTH[1]], indirect=True)
 @pytest.mark.parametrize("name", SKIP_UPDATE_DP)
 def test_skip_update_replicas_skip_the_same_updates(spawned: list[dict[str, Any]], name: str) -> None:
-    for rank, got in enumerate(results(spawned, FLAG_ALONE)):
+    for rank, got in enumerate(results(spawned, REPLICAS_SKIP)):
         r = got[name]
         assert "error" not in r, f"rank {rank} ({name}): {r.get('error')}"
         assert r["finite"] and r["max_diff"] < TOL and r["loss_diff"] < TOL, (rank, name, r)
