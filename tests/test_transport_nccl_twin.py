@@ -78,10 +78,11 @@ def phase_host_reads(rank: int, S: int) -> dict[str, Any]:
 
 
 def phase_shared_channels(rank: int, S: int) -> dict[str, Any]:
-    """The review's first finding, replayed: both directions of a boundary on ONE
-    communicator (what one batch_isend_irecv per op on the pipeline group amounted to).
-    gpipe still completes (all forwards' sends, then all backwards'); 1F1B deadlocks at its
-    first steady-state exchange. Terminal: the deadlocked communicators are aborted."""
+    """The review's first (and twelfth) finding, replayed: both directions of a boundary on
+    ONE communicator (what one batch_isend_irecv per op on the pipeline group, or one group
+    per boundary of virtual stages, amounted to). gpipe still completes (all forwards'
+    sends, then all backwards'); 1F1B and interleaved 1F1B deadlock at their first
+    steady-state exchange. Terminal: the deadlocked communicators are aborted."""
     from engine import Pipeline
     from engine.runtime.dist.transport import layout
 
@@ -91,11 +92,27 @@ def phase_shared_channels(rank: int, S: int) -> dict[str, Any]:
         control, channels = real(*args, **kwargs)
         return control, {(c, b): channels[("act", b)] for c, b in channels}
 
+    from engine.runtime.dist import virtual
+
+    real_new = virtual.new_group
+    made: dict[tuple[int, ...], Any] = {}
+
+    def one_per_boundary(pair: list[int], **kw: Any) -> Any:  # both directions: one group
+        # (virtual_transports asks for "act" then "grad" of a boundary, back to back)
+        key = tuple(pair)
+        group = made.pop(key, None)
+        if group is None:
+            group = made[key] = real_new(pair, **kw)
+        return group
+
     layout.pipeline_groups = shared  # type: ignore[assignment]
+    virtual.new_group = one_per_boundary  # type: ignore[assignment]
     out: dict[str, Any] = {}
     try:
-        for name in ("gpipe", "1f1b"):
-            pipe = Pipeline(stage_factories(S), schedule=name, chunks=4, optimizer=_sgd(),
+        for name in ("gpipe", "1f1b", "interleaved"):
+            extra = dict(virtual_stages=2) if name == "interleaved" else {}
+            factories = stage_factories(2 * S if extra else S)
+            pipe = Pipeline(factories, schedule=name, chunks=4, optimizer=_sgd(), **extra,
                             loss_fn=nn.functional.mse_loss, transport="nccl", timeout=60)
             t0 = time.perf_counter()
             try:
@@ -108,6 +125,7 @@ def phase_shared_channels(rank: int, S: int) -> dict[str, Any]:
                 time.sleep(2.0)  # stay up: a peer sees the report, not this rank leaving
     finally:
         layout.pipeline_groups = real  # type: ignore[assignment]
+        virtual.new_group = real_new  # type: ignore[assignment]
     return out
 
 
@@ -555,10 +573,11 @@ def test_one_communicator_for_both_directions_deadlocks_and_is_reported(
     head op (labelled with the message it carries); gpipe completes."""
     for got in _ok(two, f"{HERE}:shared_channels"):
         assert got["gpipe"]["type"] is None, got["gpipe"]
-        r = got["1f1b"]
-        assert r["type"] == "PeerError" and "deadlock" in r["message"], r
-        assert "mb " in r["message"] and "stage" in r["message"], r
-        assert r["seconds"] < 30, r
+        for name in ("1f1b", "interleaved"):
+            r = got[name]
+            assert r["type"] == "PeerError" and "deadlock" in r["message"], (name, r)
+            assert "mb " in r["message"] and "stage" in r["message"], (name, r)
+            assert r["seconds"] < 30, (name, r)
 
 
 def test_no_host_read_per_activation(two: list[dict[str, Any]]) -> None:
