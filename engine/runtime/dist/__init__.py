@@ -17,6 +17,8 @@ Files:
   read.
 - ``lane``: The runner of one rank: its lane of each compiled step program, sends and receives
   included.
+- ``lane_wire``: A rank's messages at a step boundary: what is in transit, received early, or
+  saved.
 - ``mesh``: One DeviceMesh for the pipeline, data-parallel and tensor-parallel dimensions.
 - ``rank``: One stage per process (gloo/NCCL): running a rank's step programs.
 - ``rank_build``: Building one rank's share of a pipeline (gloo/NCCL): :func:`build_rank`.

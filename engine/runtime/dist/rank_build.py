@@ -15,7 +15,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from engine.errors import PipelineConfigError

@@ -43,7 +43,6 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from engine.errors import PipelineConfigError, PipelineInputError
