@@ -63,7 +63,7 @@ from engine.runtime.dist.transport.framing import inline as inline_header
 from engine.runtime.dist.transport.groups import GroupCalls
 from engine.runtime.dist.transport.p2p import P2PTransport
 from engine.runtime.dist.transport.shm import SharedMemorySetup
-from engine.runtime.dist.transport.trailers import take_trailers, trailer_buffers, with_trailers
+from engine.runtime.dist.transport.trailers import take_trailers, trailer_buffers
 from engine.runtime.stage.trees import Signature
 
 __all__ = ["GlooTransport", "HEADER_TAG", "META_TAG"]
@@ -114,10 +114,8 @@ class GlooTransport(AbortFrames, SharedMemorySetup, P2PTransport):
         self, channel: str, stage: int, mb: int, value: Any, flag: Tensor | None = None,
         scale: Tensor | None = None,
     ) -> None:
-        tensors, new = self._check(channel, mb, value)
-        if channel == "grad":
-            tensors = with_trailers(tensors, self, flag, scale)
-        if not tensors and channel == "grad":
+        tensors, new = self._outgoing(channel, mb, value, flag, scale)
+        if tensors is None:
             return  # no leaf carries a gradient: nothing travels
         ts = [t.detach().contiguous() for t in tensors]
         tags = [0] * len(ts)

@@ -68,7 +68,7 @@ from engine.op_label import labelled
 from engine.runtime.dist.transport.base import NCCL_DTYPES, PeerError
 from engine.runtime.dist.transport.control import HANDSHAKE_TAG, SHAPE_TAG
 from engine.runtime.dist.transport.p2p import P2PTransport
-from engine.runtime.dist.transport.trailers import take_trailers, trailer_buffers, with_trailers
+from engine.runtime.dist.transport.trailers import take_trailers, trailer_buffers
 from engine.runtime.stage.trees import Signature
 
 __all__ = ["NCCLTransport"]
@@ -156,12 +156,10 @@ class NCCLTransport(P2PTransport):
         self, channel: str, stage: int, mb: int, value: Any, flag: Tensor | None = None,
         scale: Tensor | None = None,
     ) -> None:
-        tensors, new = self._check(channel, mb, value)
-        if channel == "grad":
-            tensors = with_trailers(tensors, self, flag, scale)
-            if not tensors:
-                return  # no leaf carries a gradient: nothing travels
-        else:
+        tensors, new = self._outgoing(channel, mb, value, flag, scale)
+        if tensors is None:
+            return  # no leaf carries a gradient: nothing travels
+        if channel == "act":
             self._send_shapes(mb, new)
         peer = self.peer_stage(channel, "send")
         ts = [t.detach().contiguous() for t in tensors]

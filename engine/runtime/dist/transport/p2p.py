@@ -35,6 +35,7 @@ from torch import Tensor
 from engine.runtime.dist.first_failure import first
 from engine.runtime.dist.transport.base import PeerError, ShapeAgreementError, Transport
 from engine.runtime.dist.transport.handshake import Handshake
+from engine.runtime.dist.transport.trailers import with_trailers
 from engine.runtime.stage.trees import Signature, flatten
 
 __all__ = ["P2PTransport"]
@@ -178,6 +179,19 @@ class P2PTransport(Handshake, Transport):
             "transport='gloo'/'nccl' every micro-batch must have the structure, constants, dtypes "
             "and requires_grad of the first one (only tensor shapes may change)."
         )
+
+    def _outgoing(
+        self, channel: str, mb: int, value: Any, flag: Tensor | None, scale: Tensor | None
+    ) -> tuple[list[Tensor] | None, Signature | None]:
+        """What :meth:`send` puts on the wire for ``value``: its tensors (a gradient's with
+        its trailers; None when nothing travels: no leaf carries a gradient) and the
+        activation's new Signature when only its shapes changed."""
+        tensors, new = self._check(channel, mb, value)
+        if channel == "grad":
+            tensors = with_trailers(tensors, self, flag, scale)
+            if not tensors:
+                return None, None
+        return tensors, new
 
     def _agreed_recv(self, channel: str, mb: int) -> Signature:
         """The Signature ``mb`` arrives with on ``channel`` (gradients: the shapes its
