@@ -6,7 +6,7 @@ training is launch-bound, one small kernel after another on one stream. Pipeline
 backpropagation splits the model into S stages, each on its own CUDA stream
 (``cuda_streams=True``), so the stages' kernels of different samples overlap, and with
 ``cuda_graphs=True`` every stage's optimizer step (one per micro-batch in pb) is replayed from
-a CUDA graph instead of run through Python and launched (engine/runtime/stage/graphs.py; the
+a CUDA graph instead of run through Python and launched (engine/runtime/capture/optimizer_graphs.py; the
 forwards and backwards are still launched kernel by kernel).
 
 Sides (bench/harness.py: alternating paired rounds, median time ratio with a 95 % interval,

@@ -3,7 +3,7 @@ per-sample loop, eager and captured (issue 23's first goal).
 
 The question: ``engine.models.residual_mlp(64, 10, layers=16, width=W)`` in 8 stages of 2
 layers, one sample per micro-batch, M=8 micro-batches per step, momentum SGD. Does
-``Pipeline(schedule="pb", cuda_graphs="program")`` (engine/runtime/exec/capture_async.py: each
+``Pipeline(schedule="pb", cuda_graphs="program")`` (engine/runtime/capture/asynchronous.py: each
 step's window replayed from one graph, carried activations in static rings) cost at most what
 PyTorch's whole-network recipe costs for the same samples one at a time (goal: <= 1.0x the
 graphed loop, so >= 10x faster than the eager loop), at W = 64, 256 and 1024?

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.runtime.exec.capture import use_backend
-from engine.testing.graph_twin import RecordingTwin
+from engine.runtime.capture.synchronous import use_backend
+from engine.runtime.capture.graph_twin import RecordingTwin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -187,8 +187,8 @@ def test_pb_pairs_run_and_the_engine_replays() -> None:
     reference optimizer path, which the tape can replay), tiny sizes."""
     import pipeline_pb_capture_gpu as pb
 
-    from engine.testing.capture_audit import _reference_optimizer
-    from engine.testing.graph_twin import TapeTwin
+    from engine.runtime.capture.audit import _reference_optimizer
+    from engine.runtime.capture.graph_twin import TapeTwin
 
     twin = TapeTwin()
     with use_backend(twin), _reference_optimizer():

@@ -238,9 +238,9 @@ def test_the_captured_engine_sides_replay_on_the_cpu_twins(schedule: str, monkey
     step, a tape twin for pb's window). engine.optim's CPU reference path reads Adam's step
     count on the host unless ``capturable=True`` (its fused CUDA kernels never do), so the
     test asks for that."""
-    from engine.runtime.exec.capture import use_backend
-    from engine.testing.capture_audit import _reference_optimizer
-    from engine.testing.graph_twin import RecordingTwin, TapeTwin
+    from engine.runtime.capture.synchronous import use_backend
+    from engine.runtime.capture.audit import _reference_optimizer
+    from engine.runtime.capture.graph_twin import RecordingTwin, TapeTwin
 
     real = bench.engine_adamw
     monkeypatch.setattr(bench, "engine_adamw", lambda **kw: real(capturable=True, **kw))

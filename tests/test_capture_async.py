@@ -1,5 +1,5 @@
 """Asynchronous windows captured (``cuda_graphs="program"`` with pb; issue 23 item 1), proven
-on CPU with a tape twin (engine.testing.graph_twin.TapeTwin): a replay re-executes the
+on CPU with a tape twin (engine.runtime.capture.graph_twin.TapeTwin): a replay re-executes the
 capture's aten calls on the capture's tensors and runs none of the window's Python, as a CUDA
 graph does. So the rings, their rotation and the host shift the capture layer applies after
 each replay are exercised exactly as on a GPU, and every result must equal the eager
@@ -16,10 +16,10 @@ from torch import nn
 import engine
 import engine.optim
 from engine.errors import PipelineConfigError
-from engine.runtime.exec import capture_async
-from engine.runtime.exec.capture import ASYNC_REASON, use_backend
-from engine.testing.capture_audit import _reference_optimizer, _state
-from engine.testing.graph_twin import TapeTwin
+from engine.runtime.capture import asynchronous as capture_async
+from engine.runtime.capture.synchronous import ASYNC_REASON, use_backend
+from engine.runtime.capture.audit import _reference_optimizer, _state
+from engine.runtime.capture.graph_twin import TapeTwin
 from test_capture_audit import MITIGATIONS
 
 S, M, D = 3, 3, 4
@@ -369,7 +369,7 @@ def test_the_lr_feed_is_eager_in_learning_windows(mitigation: str) -> None:
 def test_without_the_feed_a_replay_keeps_the_captured_lr(monkeypatch: pytest.MonkeyPatch) -> None:
     """The check that the test above can fail: a replay that does not refill the slots
     (prepare skipped) replays the captured window's lrs, and eager differs."""
-    from engine.runtime.exec import lr_feed
+    from engine.runtime.capture import lr_feed
 
     _device_lr_reference(monkeypatch)
     real = lr_feed.LrFeed.prepare

@@ -1,5 +1,5 @@
 """What capturing an asynchronous window needs, measured on CPU for every accepted schedule x
-mitigation (engine.runtime.exec.carry, engine.testing.carry_audit; issue 23 items 1 and 4).
+mitigation (engine.runtime.capture.carry, engine.runtime.capture.carry_audit; issue 23 items 1 and 4).
 
 An asynchronous window (one ``step()`` of pb, PipeDream or 2BW in steady state) can be
 replayed from a graph only when every tensor it reads from outside is static or carried
@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from engine.runtime.exec.carry import fingerprint, host_affine, plan_carry
+from engine.runtime.capture.carry import fingerprint, host_affine, plan_carry
 from engine.schedule.catalog import FAMILIES, SCHEDULES
-from engine.testing.carry_audit import plan_pipeline
-from engine.testing.dispatch_trace import Recorder
+from engine.runtime.capture.carry_audit import plan_pipeline
+from engine.runtime.capture.dispatch_trace import Recorder
 from test_capture_audit import D, MITIGATIONS, accepted, factory
 
 ASYNC = [s for s in SCHEDULES if not FAMILIES[s].synchronous]

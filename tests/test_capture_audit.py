@@ -1,4 +1,4 @@
-"""CUDA-graph capture preconditions on CPU (engine.testing.capture_audit, issue 23 item 4).
+"""CUDA-graph capture preconditions on CPU (engine.runtime.capture.audit, issue 23 item 4).
 
 Two kinds of tests: every schedule family x mitigation of the catalog is audited and today's
 state is recorded exactly (which of the four preconditions its steady-state window meets and,
@@ -19,7 +19,7 @@ import engine
 import engine.optim
 from engine.errors import PipelineConfigError
 from engine.schedule.catalog import FAMILIES, SCHEDULES
-from engine.testing.capture_audit import CHECKS, audit, audit_pipeline
+from engine.runtime.capture.audit import CHECKS, audit, audit_pipeline
 
 S, M, D = 3, 3, 4
 

@@ -13,7 +13,7 @@ from kernel_support import DEVICE, _on_device  # noqa: F401 (autouse fixture)
 from torch import nn
 
 import engine.optim as eo
-from engine.testing.dispatch_trace import Recorder
+from engine.runtime.capture.dispatch_trace import Recorder
 
 # a float32 number, and a schedule whose values stay float32 numbers (halving): the float
 # path is then given exactly the values the tensor holds

@@ -1,6 +1,6 @@
 """Pipeline(cuda_graphs="program"): whole synchronous steps captured and replayed (issue 23).
 
-On CPU the graph is engine.testing.graph_twin.RecordingTwin: it records the window at capture
+On CPU the graph is engine.runtime.capture.graph_twin.RecordingTwin: it records the window at capture
 and, at every replay, runs the window again with every value made inside it redirected into
 the capture's tensors (as a graph's private pool) and raises if the replay made other calls,
 read other outside memory or read the host -- what a real graph would have replayed wrongly.
@@ -22,9 +22,9 @@ from torch import nn
 import engine
 import engine.optim
 from engine.errors import NonFiniteLossError, PipelineConfigError
-from engine.runtime.exec.capture import ASYNC_REASON, use_backend
-from engine.testing.capture_audit import audit_pipeline
-from engine.testing.graph_twin import RecordingTwin
+from engine.runtime.capture.synchronous import ASYNC_REASON, use_backend
+from engine.runtime.capture.audit import audit_pipeline
+from engine.runtime.capture.graph_twin import RecordingTwin
 
 D = 4
 SYNC = ["gpipe", "1f1b", "zbh1", "naive", "interleaved"]
@@ -163,8 +163,8 @@ def test_staging_buffers_are_static_and_copied_once_per_leaf() -> None:
 def test_the_twin_checks_the_host_bookkeeping_of_a_replay(monkeypatch) -> None:
     """A replay runs no Python: every host field a step changes must come from the captured
     difference. Dropping one (the executor's step count) is caught by the twin."""
-    from engine.runtime.exec import capture
-    from engine.testing.graph_twin import ReplayDivergence
+    from engine.runtime.capture import synchronous as capture
+    from engine.runtime.capture.graph_twin import ReplayDivergence
 
     real = capture._Delta.apply
 
@@ -315,7 +315,7 @@ def test_the_twin_catches_the_cpu_reference_path_branching_on_found_inf() -> Non
     """engine.optim's CPU reference step reads found_inf on the host and returns early: a
     graph of it would replay the finite branch. The twin says so (on CUDA the fused kernels
     read found_inf on the device: test_cuda_a_nan_in_a_replay_skips_as_eager)."""
-    from engine.testing.graph_twin import ReplayDivergence
+    from engine.runtime.capture.graph_twin import ReplayDivergence
 
     a = make("1f1b", on_nonfinite="skip")
     batches = data(5, bad=4)

@@ -382,7 +382,7 @@ def test_captured_skip_update_steps_never_sync_the_host(family: str) -> None:
     run without graphs."""
     from capture_twin import SyncFreeCapture
 
-    from engine.runtime.stage.graphs import StepGraphs
+    from engine.runtime.capture.optimizer_graphs import StepGraphs
 
     a = _pipe("pb", "skip_update", _fused(family), S=2)
     b = _pipe("pb", "skip_update", _fused(family), S=2)
@@ -419,7 +419,7 @@ def test_step_graphs_replay_the_skip() -> None:
     (tests/test_runtime_graphs.py); bitwise the run without graphs."""
     from test_runtime_graphs import Recorder
 
-    from engine.runtime.stage.graphs import StepGraphs
+    from engine.runtime.capture.optimizer_graphs import StepGraphs
 
     def fused(p):
         return engine.optim.SGD(p, lr=0.05, momentum=0.9, fused=True)

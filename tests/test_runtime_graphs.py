@@ -1,4 +1,4 @@
-"""engine/runtime/stage/graphs.py: CUDA graphs of the stages' optimizer steps.
+"""engine/runtime/capture/optimizer_graphs.py: CUDA graphs of the stages' optimizer steps.
 
 On CPU the graph itself is replaced by a recorder that, like a CUDA graph, does NOT run the
 step at capture and runs it at every replay: the decisions (eager, capture, replay, recapture)
@@ -17,7 +17,7 @@ import engine
 import engine.optim as eo
 from engine import Pipeline, PipelineConfigError
 from engine.optim.flat import FlatBinding
-from engine.runtime.stage.graphs import StepGraphs, launch_key
+from engine.runtime.capture.optimizer_graphs import StepGraphs, launch_key
 
 
 class Recorder:

@@ -231,9 +231,9 @@ def test_captured_windows_with_stage_streams_are_fork_joins(schedule: str, monke
     """cuda_graphs="program" with stage streams (issue 23 item 2): each captured window forks
     every stage stream from the caller's stream and joins it back; its waits between stages
     are the hand-offs (test above); results equal the pipeline without streams bit for bit."""
-    from engine.runtime.exec import capture as capture_mod
-    from engine.testing.capture_audit import _reference_optimizer
-    from engine.testing.graph_twin import RecordingTwin, TapeTwin
+    from engine.runtime.capture import synchronous as capture_mod
+    from engine.runtime.capture.audit import _reference_optimizer
+    from engine.runtime.capture.graph_twin import RecordingTwin, TapeTwin
 
     kw = {"on_nonfinite": "skip_update"} if schedule == "pb" else {}
     twin = TapeTwin() if schedule == "pb" else RecordingTwin()

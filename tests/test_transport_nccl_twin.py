@@ -58,7 +58,7 @@ def phase_host_reads(rank: int, S: int) -> dict[str, Any]:
     during one steady step with static shapes, at M = 4 and M = 8 micro-batches: the
     count is the step's (the loss, the verdict), not one per activation."""
     from engine import Pipeline
-    from engine.testing.dispatch_trace import Recorder
+    from engine.runtime.capture.dispatch_trace import Recorder
 
     out: dict[str, Any] = {}
     for name in ("1f1b", "pb"):

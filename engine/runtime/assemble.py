@@ -19,11 +19,11 @@ from torch import nn
 
 from engine.errors import PipelineConfigError, ScheduleError
 from engine.runtime.build.stores import build_module, build_store, resolve_stage_specs
-from engine.runtime.exec.capture import program_capture, refuse_program
+from engine.runtime.capture.synchronous import program_capture, refuse_program
 from engine.runtime.build.config import resolve_mitigations
 from engine.runtime.stage.device_flags import check_skip_update
 from engine.runtime.exec.executor import Executor
-from engine.runtime.stage.graphs import attach_step_graphs
+from engine.runtime.capture.optimizer_graphs import attach_step_graphs
 from engine.runtime.build.host_memory import keep_freed_host_memory
 from engine.runtime.build.l2 import L2State, apply_l2
 from engine.runtime.parts import BuildRequest, PipelineParts

@@ -24,7 +24,7 @@ from engine.errors import NotFlushedError
 from engine.runtime.stage.amp import autocast_context
 
 if TYPE_CHECKING:
-    from engine.runtime.exec.capture import ProgramCapture
+    from engine.runtime.capture.synchronous import ProgramCapture
     from engine.runtime.build.config import PipelineConfig
     from engine.runtime.exec.executor import Executor
     from engine.runtime.build.l2 import L2State
@@ -86,7 +86,7 @@ class PipelineParts:
     balance: list[int] | None = None
     #: tied parameters, one list of (stage, name) per tie (engine/runtime/build/ties.py)
     ties: list[Any] = field(default_factory=list)
-    #: cuda_graphs="program": whole steps replayed from graphs (engine/runtime/exec/capture.py)
+    #: cuda_graphs="program": whole steps replayed from graphs (engine/runtime/capture/synchronous.py)
     capture: ProgramCapture | None = None
     #: gloo/NCCL: the replica x stage layout (a transport.layout.Layout: rank, stage, replica,
     #: groups) and this rank's communication (distributed.RankRuntime or

@@ -39,7 +39,7 @@ from engine.schedule.catalog import lookup
 from engine.schedule.spec import ScheduleSpec
 
 if TYPE_CHECKING:
-    from engine.runtime.exec.capture import ProgramCapture
+    from engine.runtime.capture.synchronous import ProgramCapture
     from engine.runtime.exec.executor import Executor
     from engine.runtime.build.l2 import L2State
     from engine.runtime.stage.stage import Stage
@@ -143,8 +143,8 @@ class Pipeline:
             in Megatron's order. Under gloo/NCCL one process per rank (R = stages / v
             processes per replica) holds its v stages (engine/runtime/dist/virtual.py).
         cuda_graphs: False; ``"optimizer"`` (or True): each stage's optimizer step replayed
-            from a CUDA graph (runtime/stage/graphs.py); ``"program"``: whole synchronous steps per
-            batch shape (runtime/exec/capture.py; ``stats()["capture"]`` says what ran eagerly and
+            from a CUDA graph (runtime/capture/optimizer_graphs.py); ``"program"``: whole synchronous steps per
+            batch shape (runtime/capture/synchronous.py; ``stats()["capture"]`` says what ran eagerly and
             why). engine.optim's fused SGD/Adam/AdamW/NAdam on CUDA; refused otherwise.
         clip_grad_norm: ``max_norm`` of ``torch.nn.utils.clip_grad_norm_`` (``clip_norm_type``
             its p): synchronous schedules clip by the global norm over all stages and replicas,

@@ -7,7 +7,7 @@ with a dispatch mode works on a CPU, per action: the executor's action hook labe
 with the forward, backward or update it belongs to, so a test can hold each phase to a budget
 and name the calls that exceed it.
 
-What the count cannot see (:mod:`engine.testing.dispatch_trace`): the C++ CPU SGD loop and
+What the count cannot see (:mod:`engine.runtime.capture.dispatch_trace`): the C++ CPU SGD loop and
 Triton kernels. :func:`count_pipeline_step` counts each call of the C++ loop as one
 ``<fused optimizer kernel>`` launch (on a GPU the same update is one fused Triton kernel per
 flat bucket); plain momentum SGD runs torch ops on CPU, which are counted as they are.
@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from engine.testing.dispatch_trace import Recorder
+from engine.runtime.capture.dispatch_trace import Recorder
 
 __all__ = ["FUSED", "PHASES", "count_calls", "count_pipeline_step"]
 

@@ -54,8 +54,8 @@ class PipelineConfig:
     trace: bool
     correction_decay: float
     l2_persistence: float = 0.0  # fraction of the device's persisting L2; 0: off
-    #: False, "optimizer" (each stage's optimizer step, engine.runtime.stage.graphs; True means
-    #: this) or "program" (whole synchronous steps, engine.runtime.exec.capture)
+    #: False, "optimizer" (each stage's optimizer step, engine.runtime.capture.optimizer_graphs; True means
+    #: this) or "program" (whole synchronous steps, engine.runtime.capture.synchronous)
     cuda_graphs: bool | str = False
     #: "inputs": activation shapes follow from the first stage's input shapes; "any": they
     #: may depend on the data (NCCL then sends each activation's shapes on the control plane)

@@ -127,7 +127,7 @@ def build_store(
             "torch.optim.Optimizer (e.g. optimizer=lambda params: engine.optim.SGD(params, lr=0.1))"
         )
     if cuda_graphs:
-        from engine.runtime.exec.capture import optimizer_refusal
+        from engine.runtime.capture.synchronous import optimizer_refusal
 
         reason = optimizer_refusal(s, opt, named[0][1].device, cuda_graphs)
         if reason is not None:

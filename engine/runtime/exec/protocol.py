@@ -159,7 +159,7 @@ class StepProtocol:
         #: before a synchronous update phase
         self.ties: Any = None
         #: Pipeline(cuda_graphs="program"): the synchronous loss check on the device, called
-        #: with the step's losses instead of reading them (engine.runtime.exec.capture)
+        #: with the step's losses instead of reading them (engine.runtime.capture.synchronous)
         self.device_check: Callable[[list[Tensor]], None] | None = None
         #: gradient clipping (engine.runtime.exec.clipping): the synchronous global norm is taken
         #: before the update phase; asynchronous stages clip their own groups
@@ -342,7 +342,7 @@ class StepProtocol:
         """The GPUs whose RNG state a synchronous step's rollback point keeps: the stage
         streams' device, or the rank's GPU (one stage per rank under NCCL runs on the
         caller's stream, with no stage streams)."""
-        # a captured step reads no RNG state inside its window (engine.runtime.exec.capture)
+        # a captured step reads no RNG state inside its window (engine.runtime.capture.synchronous)
         if self.device_check is not None:
             return []
         dev = self.streams.device if self.streams.cuda else self.rng_device
@@ -356,7 +356,7 @@ class StepProtocol:
     ) -> StepResult:
         """A synchronous step: run, check the losses, then update every stage at once -- or
         roll back to the point it started from. The window a captured step records
-        (:mod:`~engine.runtime.exec.capture`)."""
+        (:mod:`~engine.runtime.capture.synchronous`)."""
         point = RollbackPoint(self.tracker, self._cuda_devices())
         runner = self.runner
         runner.prepare_sync()

@@ -32,7 +32,7 @@ from engine.runtime.stage import labels
 from engine.runtime.stage.device_flags import SkipFlags
 
 if TYPE_CHECKING:
-    from engine.runtime.stage.graphs import StepGraphs
+    from engine.runtime.capture.optimizer_graphs import StepGraphs
     from engine.runtime.stage.weight_store import WeightStore
 
 __all__ = ["OptimizerBridge"]
@@ -63,7 +63,7 @@ class OptimizerBridge:
         self._fallback_t2 = False
         self._decay = 0.1
         self.delay = 0
-        #: CUDA graphs of the step (Pipeline(cuda_graphs=True); engine.runtime.stage.graphs)
+        #: CUDA graphs of the step (Pipeline(cuda_graphs=True); engine.runtime.capture.optimizer_graphs)
         self.graphs: StepGraphs | None = None
         #: on_nonfinite="skip_update": the found_inf accumulator every step hands the optimizer
         self.skip: SkipFlags | None = None

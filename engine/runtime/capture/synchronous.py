@@ -5,7 +5,7 @@ at a time; on a GPU the host is the bottleneck (issue 23). A CUDA graph of the w
 every stage's forwards, backwards and update -- replays it with one call. What capture
 needs, this module arranges (docs/ALGORITHMS.md, "Capturing whole step programs"):
 
-* the batch in static buffers (:mod:`engine.runtime.exec.staging`, one ``copy_`` per tensor leaf
+* the batch in static buffers (:mod:`engine.runtime.capture.staging`, one ``copy_`` per tensor leaf
   and micro-batch slot, outside the window);
 * no host read inside the window: the non-finite loss check becomes a device count of
   non-finite losses that every stage's update consumes as ``found_inf`` (engine.optim skips
@@ -17,7 +17,7 @@ needs, this module arranges (docs/ALGORITHMS.md, "Capturing whole step programs"
 
 Learning rates stay host numbers: engine.optim's fused kernels take ``lr`` as a launch
 argument, not a device tensor, so a step's *capture key* holds every param group option
-(:func:`engine.runtime.stage.graphs.launch_key`) next to the staging key and the micro-batch
+(:func:`engine.runtime.capture.optimizer_graphs.launch_key`) next to the staging key and the micro-batch
 sizes. A new key runs eagerly once (the warm-up, watched for host reads), is captured when
 it repeats and replayed from then on; at most ``cache`` graphs are kept (least recently used
 dropped). So an LR schedule that changes ``lr`` at every step runs eagerly (the reason is
@@ -34,7 +34,7 @@ executor's events as the graph's edges (one per hand-off; the window forks from 
 stream at its feed and joins back at its end): the stages become concurrent branches (the
 fork-join is checked on CPU by engine.testing.stream_recorder; never run on a GPU).
 
-Asynchronous schedules (pb) are :mod:`engine.runtime.exec.capture_async`'s. Refused when the
+Asynchronous schedules (pb) are :mod:`engine.runtime.capture.asynchronous`'s. Refused when the
 pipeline is built: PipeDream and 2BW (their version buffers alternate: "these asynchronous
 windows are not captured yet"), asynchronous schedules without ``on_nonfinite="skip_update"``,
 gloo/NCCL transports, ``trace=True``, optimizers other than engine.optim's
@@ -57,11 +57,11 @@ from torch import Tensor
 
 from engine.errors import PipelineConfigError
 from engine.runtime.stage import labels
-from engine.runtime.exec.capture_async import AsyncCapture
-from engine.runtime.stage.graphs import CudaGraphBackend, GraphBackend, graph_refusal, launch_key
+from engine.runtime.capture.asynchronous import AsyncCapture
+from engine.runtime.capture.optimizer_graphs import CudaGraphBackend, GraphBackend, graph_refusal, launch_key
 from engine.runtime.exec.result import StepResult
 from engine.runtime.exec.rollback import RollbackPoint
-from engine.runtime.exec.staging import Staging, staging_key
+from engine.runtime.capture.staging import Staging, staging_key
 
 if TYPE_CHECKING:
     from engine.runtime.exec.executor import Executor
@@ -127,7 +127,7 @@ def refuse_program(spec: Any, config: Any, features: Any = None) -> None:
 
 def optimizer_refusal(stage: int, opt: Any, device: torch.device, mode: Any) -> str | None:
     """Why stage ``stage``'s optimizer or device cannot be captured in ``mode`` ("optimizer"
-    or True: :func:`engine.runtime.stage.graphs.graph_refusal`; "program": the same optimizers --
+    or True: :func:`engine.runtime.capture.optimizer_graphs.graph_refusal`; "program": the same optimizers --
     their fused steps take found_inf on the device -- on CUDA, or on the CPU while a test
     backend is installed)."""
     if mode != "program":
@@ -169,7 +169,7 @@ def _check_host(eager: dict[str, Any], replayed: dict[str, Any]) -> None:
     field the step changed; a field the replay's bookkeeping missed is a CUDA-replay bug."""
     wrong = sorted(k for k in eager.keys() | replayed.keys() if eager.get(k) != replayed.get(k))
     if wrong:
-        from engine.testing.graph_twin import ReplayDivergence
+        from engine.runtime.capture.graph_twin import ReplayDivergence
 
         raise ReplayDivergence(
             "host state after the replay differs from the eager step's: "
@@ -424,7 +424,7 @@ class ProgramCapture:
     def _warm_up(self, key: Hashable, xs: list[Any], targets: list[Any], sizes: list[int]) -> StepResult:
         """A key first seen: one eager step, watched for host reads (a window that reads
         the host would replay the first answer forever: it stays eager)."""
-        from engine.testing.dispatch_trace import Recorder
+        from engine.runtime.capture.dispatch_trace import Recorder
 
         rec = Recorder()
         with rec:
@@ -533,7 +533,7 @@ class ProgramCapture:
 def program_capture(ex: Executor) -> Any:
     """The capture layer of ``cuda_graphs="program"``: whole synchronous steps
     (:class:`ProgramCapture`), or asynchronous windows with their rings
-    (:class:`engine.runtime.exec.capture_async.AsyncCapture`)."""
+    (:class:`engine.runtime.capture.asynchronous.AsyncCapture`)."""
     if ex.sync:
         return ProgramCapture(ex)
     return AsyncCapture(ex, _TEST_BACKEND)

@@ -1,10 +1,10 @@
 """A CPU stand-in for ``torch.cuda.CUDAGraph`` that checks what a replay would get wrong.
 
 Why: ``Pipeline(cuda_graphs="program")`` captures whole steps; CI has no GPU. The twin
-implements the capture backend protocol of :mod:`engine.runtime.exec.capture`: ``capture(window)``
+implements the capture backend protocol of :mod:`engine.runtime.capture.synchronous`: ``capture(window)``
 runs the window once under a dispatch recorder (the recording), and every ``replay()`` runs
 the window's Python again under a recorder and compares the two recordings with the capture
-audit's checks (:func:`engine.testing.capture_audit.compare_recordings`): the same aten calls
+audit's checks (:func:`engine.runtime.capture.audit.compare_recordings`): the same aten calls
 with the same constants, every tensor from outside the window at the same address, no host
 read. A difference raises :class:`ReplayDivergence` -- it is what a real graph would have
 replayed wrongly, silently. ``reruns_host = True`` tells the capture layer that the window's
@@ -25,8 +25,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from engine.testing.capture_audit import compare_recordings
-from engine.testing.dispatch_trace import OpRecord, Recorder, _tensors, is_view
+from engine.runtime.capture.audit import compare_recordings
+from engine.runtime.capture.dispatch_trace import OpRecord, Recorder, _tensors, is_view
 
 __all__ = ["RecordingTwin", "ReplayDivergence", "TapeTwin"]
 

@@ -2,7 +2,7 @@
 
 Why: capturing an asynchronous window (pb, PipeDream, 2BW) needs static slots for every
 tensor it carries across windows and a host state that advances by the same amount at every
-window (engine.runtime.exec.carry). :func:`plan_pipeline` runs a pipeline's steady state eagerly
+window (engine.runtime.capture.carry). :func:`plan_pipeline` runs a pipeline's steady state eagerly
 for a few windows under dispatch recorders and returns the plan for its last window: what is
 static, what is carried and how many windows back, what must be staged, the host reads, and
 whether the host counters are affine -- or every reason a capture cannot hold.
@@ -14,9 +14,9 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engine.runtime.exec.carry import CarryPlan, fingerprint, host_affine, plan_carry
-from engine.testing.capture_audit import _leaves, _reference_optimizer
-from engine.testing.dispatch_trace import Recorder
+from engine.runtime.capture.carry import CarryPlan, fingerprint, host_affine, plan_carry
+from engine.runtime.capture.audit import _leaves, _reference_optimizer
+from engine.runtime.capture.dispatch_trace import Recorder
 
 __all__ = ["REFERENCE_SKIP", "WindowPlan", "plan_pipeline"]
 

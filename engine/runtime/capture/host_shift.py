@@ -2,11 +2,11 @@
 
 Why: a replayed graph runs no Python, yet an asynchronous window advances the host's state --
 micro-batch ids in the executor's mailboxes and the stages' stashes, weight versions, update
-and step counts, dict keys that name micro-batches. :func:`engine.runtime.exec.carry.host_affine`
+and step counts, dict keys that name micro-batches. :func:`engine.runtime.capture.carry.host_affine`
 checks on recorded windows that every such integer advances by the same amount each window;
 :class:`HostShift` holds those amounts (the difference between two consecutive windows'
 fingerprints) and adds them to the live objects after each replay, walking them in exactly
-the order :func:`~engine.runtime.exec.carry.fingerprint` does. The objects themselves are those
+the order :func:`~engine.runtime.capture.carry.fingerprint` does. The objects themselves are those
 the captured window left (a replay makes none), so after the shift the host names every
 value it would have named after running the window eagerly -- what a later eager step,
 ``flush()`` or ``state_dict()`` reads.
@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import Tensor
 
-from engine.runtime.exec.carry import _PLAIN, MEASURED, _order, fingerprint
+from engine.runtime.capture.carry import _PLAIN, MEASURED, _order, fingerprint
 
 __all__ = ["HostShift"]
 
@@ -110,7 +110,7 @@ def _int_key(k: Any) -> bool:
 
 
 def _sorted_items(d: dict[Any, Any]) -> list[tuple[Any, Any]]:
-    """``d``'s items in :func:`~engine.runtime.exec.carry.fingerprint`'s order: by value for
+    """``d``'s items in :func:`~engine.runtime.capture.carry.fingerprint`'s order: by value for
     int keys or int tuples (the executor's micro-batch and (stage, micro-batch) keys; fast
     path: a replay shifts hundreds of them), else by the keys' fingerprints."""
     if all(type(k) is int for k in d) or all(type(k) is tuple and _int_key(k) for k in d):

@@ -5,7 +5,7 @@ autograd -- kernel launches with their arguments baked in -- and what a launch-b
 is roughly how many of them launch a kernel. Both can be observed on a CPU: a dispatch mode
 sees every aten call (forward, autograd's backward, optimizer ops), with its tensors' storage
 addresses, whether it writes them, its non-tensor arguments and whether it reads a value back
-on the host. :mod:`engine.testing.capture_audit` compares two recordings of a window for the
+on the host. :mod:`engine.runtime.capture.audit` compares two recordings of a window for the
 capture preconditions; tests count the calls per action for the launch budget (issue 23).
 
 What a dispatch mode cannot see: work outside the dispatcher, i.e. the C++ CPU SGD loop
@@ -205,7 +205,7 @@ class Recorder(TorchDispatchMode):
 class KeepingRecorder(Recorder):
     """A :class:`Recorder` that also keeps the fresh outputs of the calls it records (strong
     references, in ``kept``; :meth:`tensor` reads one): a captured asynchronous window's ring
-    slots are such tensors (engine.runtime.exec.capture_async). Keeping them changes what autograd
+    slots are such tensors (engine.runtime.capture.asynchronous). Keeping them changes what autograd
     does inside the window (it accumulates a gradient in place only into a buffer nobody else
     holds: ``add_`` becomes ``add``), so windows are only comparable when recorded under the
     same keeping."""

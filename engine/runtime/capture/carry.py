@@ -1,13 +1,13 @@
 """What an asynchronous window carries across windows, and whether a capture can carry it.
 
 Why: a synchronous step carries nothing from one step to the next (besides the fixed arena),
-so it is captured as it is (:mod:`engine.runtime.exec.capture`). An asynchronous window -- one
+so it is captured as it is (:mod:`engine.runtime.capture.synchronous`). An asynchronous window -- one
 ``step()`` of pb, PipeDream or 2BW in steady state -- reads tensors that earlier windows made:
 activations autograd saved for backwards that run now, activations and gradients waiting in
 the mailboxes, earlier steps' targets. A CUDA graph reads the addresses its capture read, so
 every such tensor must reach the graph through a fixed *slot* (docs/ALGORITHMS.md, "Capturing
 whole step programs"). This module computes, from dispatch recordings of consecutive eager
-windows (:class:`engine.testing.dispatch_trace.Recorder`), the plan a ring of slots must
+windows (:class:`engine.runtime.capture.dispatch_trace.Recorder`), the plan a ring of slots must
 follow, or why there is none:
 
 * every tensor from outside the last window is either **static** (the same storage at the

@@ -16,7 +16,7 @@ arguments frozen. Replaying a window of a step program is therefore only correct
 4. **compute what eager computes**, bit for bit.
 
 All four are visible below autograd with a ``TorchDispatchMode``
-(:mod:`engine.testing.dispatch_trace`), so CPU CI can say which windows a capture layer may
+(:mod:`engine.runtime.capture.dispatch_trace`), so CPU CI can say which windows a capture layer may
 record today and why the others may not, long before a GPU proves the replay. :func:`audit`
 checks any callable window; :func:`audit_pipeline` runs a pipeline's steady state -- one
 ``step()``: a synchronous schedule's whole step, an asynchronous one's step worth of ticks --
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.testing.dispatch_trace import Access, OpRecord, Recorder
+from engine.runtime.capture.dispatch_trace import Access, OpRecord, Recorder
 
 __all__ = ["CHECKS", "AuditReport", "Finding", "audit", "audit_pipeline", "compare_recordings"]
 

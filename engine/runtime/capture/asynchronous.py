@@ -12,7 +12,7 @@ So (docs/ALGORITHMS.md, "Capturing whole step programs"):
   decisions, so all are recorded alike), with the host state fingerprinted after each window. Once the last
   windows make the same calls, every outside tensor they read is static or carried from a
   fixed call of a fixed earlier window, nothing reads the host and the host counters advance
-  evenly (:func:`engine.runtime.exec.carry.plan_carry`, :func:`~engine.runtime.exec.carry.host_affine`),
+  evenly (:func:`engine.runtime.capture.carry.plan_carry`, :func:`~engine.runtime.capture.carry.host_affine`),
   the next window is captured. A key that never settles runs eagerly with the plan's reason.
 * **Staging.** The batch is copied into static buffers outside the window (one ``copy_`` per
   tensor leaf), and the window's first calls clone them: the clones are made inside the
@@ -25,7 +25,7 @@ So (docs/ALGORITHMS.md, "Capturing whole step programs"):
   replay keeps the host right between replays: every object it holds names the value it
   named after the captured window, one window later.
 * **Host.** A replay runs no Python: the host difference of one window
-  (:class:`engine.runtime.exec.host_shift.HostShift`) is added after each replay.
+  (:class:`engine.runtime.capture.host_shift.HostShift`) is added after each replay.
 * **Leaving.** Anything else that touches the executor (an eager window, ``flush()``,
   ``load_state_dict``) leaves its state elsewhere than the ring assumes: the graph is
   dropped (checked at each step: the stash entries the capture left, and the step counters
@@ -36,7 +36,7 @@ mitigation) with ``on_nonfinite="skip_update"``. PipeDream's and 2BW's version b
 alternate between windows (a cycle of two graphs, not built): refused at build. Eager with
 the reason: any window that reads the host or carries in-place writes, and a stage's LR
 scheduler of a float lr. A scheduler of Tensor lrs is fed from static slots filled before
-each window (:mod:`engine.runtime.exec.lr_feed`): the window copies its values in, never runs it.
+each window (:mod:`engine.runtime.capture.lr_feed`): the window copies its values in, never runs it.
 """
 
 from __future__ import annotations
@@ -51,12 +51,12 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from engine.runtime.stage import labels
-from engine.runtime.exec.carry import CarryPlan, fingerprint, host_affine, plan_carry, ring_depths
-from engine.runtime.stage.graphs import GraphBackend, launch_key
-from engine.runtime.exec.host_shift import HostShift
-from engine.runtime.exec.lr_feed import LrFeed, feed_refusal, make_feeds
+from engine.runtime.capture.carry import CarryPlan, fingerprint, host_affine, plan_carry, ring_depths
+from engine.runtime.capture.optimizer_graphs import GraphBackend, launch_key
+from engine.runtime.capture.host_shift import HostShift
+from engine.runtime.capture.lr_feed import LrFeed, feed_refusal, make_feeds
 from engine.runtime.exec.result import StepResult
-from engine.runtime.exec.staging import Staging, staging_key
+from engine.runtime.capture.staging import Staging, staging_key
 
 if TYPE_CHECKING:
     from engine.runtime.exec.executor import Executor
@@ -80,7 +80,7 @@ def _keeper() -> Any:
     such tensors. The learnt windows and the captured one are all recorded so, because the
     references change autograd's in-place decisions (the calls): the graph replays what the
     learnt windows promised (values equal eager's either way)."""
-    from engine.testing.dispatch_trace import KeepingRecorder
+    from engine.runtime.capture.dispatch_trace import KeepingRecorder
 
     return KeepingRecorder()
 
