@@ -20,8 +20,8 @@ next to the activations (every block returns ``(h, mask)``, which the runtime pa
 next stage as ``module(h, mask)``), so a stage never rebuilds it and a padding or document
 mask could replace it without touching the blocks. The head reuses the token embedding's
 ``nn.Parameter`` (tied weights: on synchronous schedules the engine keeps one copy per
-holding stage equal, engine/runtime/build/ties.py; on asynchronous ones the head reads the value
-the embedding's stage read, engine/runtime/build/tie_carry.py). ``tie=False`` gives the head its
+holding stage equal, engine/runtime/ties/groups.py; on asynchronous ones the head reads the value
+the embedding's stage read, engine/runtime/ties/carry.py). ``tie=False`` gives the head its
 own parameter, initialised to the same values (an untied model, for comparisons).
 The head returns logits as (batch, vocab, time), the layout ``cross_entropy`` takes with
 (batch, time) targets, so the classification loss and accuracy code serves both tasks.

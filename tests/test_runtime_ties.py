@@ -1,4 +1,4 @@
-"""Tied parameters across stages (engine/runtime/build/ties.py): a token embedding whose weight is
+"""Tied parameters across stages (engine/runtime/ties/groups.py): a token embedding whose weight is
 also the output head. Synchronous schedules train it as the unpipelined tied model does, with
 the holders' copies bitwise equal, also when the head holds the embedding *module*;
 asynchronous schedules carry the owner's value (tests/test_runtime_ties_async.py); gloo equals

@@ -1,4 +1,4 @@
-"""Tied parameters on asynchronous schedules (engine/runtime/build/tie_carry.py): the tied weight is
+"""Tied parameters on asynchronous schedules (engine/runtime/ties/carry.py): the tied weight is
 the owner's (the lowest holder's), updated by the owner with the owner's delay, and every
 holder of micro-batch n reads the value the owner's forward of n read. Checked against an
 independent float64 reference (tests/ties_async_ref.py) for pb, pipedream and 2bw with every

@@ -117,7 +117,7 @@ def test_in_flight_messages_resume_on_the_transport_device() -> None:
 def test_tie_flag_travels_on_the_gradients_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tie group's all-reduce under NCCL carries device tensors only: the 'any holder used
     it' flag is made where the gradients live (it was a CPU tensor)."""
-    from engine.runtime.build import ties
+    from engine.runtime.ties import groups as ties
 
     seen: list[torch.device] = []
 

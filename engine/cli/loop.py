@@ -146,7 +146,7 @@ def build_pipeline(
     from engine.cli.config import schedule_facts
 
     torch.manual_seed(cfg.seed)
-    if cfg.task == "lm":  # tied head on every schedule (asynchronous ones: runtime/build/tie_carry.py)
+    if cfg.task == "lm":  # tied head on every schedule (asynchronous ones: runtime/ties/carry.py)
         seq = gpt(num_classes, num_features, cfg.layers, cfg.width, tie=True).to(cfg.device)
     else:
         seq = residual_mlp(num_features, num_classes, cfg.layers, cfg.width).to(cfg.device)

@@ -31,7 +31,7 @@ from engine.runtime.stage.policy import SpecTrain, make_policy
 from engine.runtime.stage.stage import Stage
 from engine.runtime.build.step_features import attach as attach_features
 from engine.runtime.exec.streams import StageStreams, default_stage_streams
-from engine.runtime.build.ties import TiedGradients, tie_stages, with_declared
+from engine.runtime.ties.groups import TiedGradients, tie_stages, with_declared
 from engine.schedule.analysis import analyze, schedule_delays
 from engine.schedule.spec import ScheduleSpec, resolve_schedule
 

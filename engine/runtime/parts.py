@@ -84,7 +84,7 @@ class PipelineParts:
     device: torch.device
     #: layer counts per stage when ``stages`` was an nn.Sequential
     balance: list[int] | None = None
-    #: tied parameters, one list of (stage, name) per tie (engine/runtime/build/ties.py)
+    #: tied parameters, one list of (stage, name) per tie (engine/runtime/ties/groups.py)
     ties: list[Any] = field(default_factory=list)
     #: cuda_graphs="program": whole steps replayed from graphs (engine/runtime/capture/synchronous.py)
     capture: ProgramCapture | None = None

@@ -57,8 +57,8 @@ class Pipeline:
             materialises the whole model), or an ``nn.Sequential`` with ``balance``. A
             parameter (or module) shared by several stages is a tie (``pipe.ties``):
             synchronous schedules give later holders a copy, kept equal by summing the
-            holders' gradients before each update (engine/runtime/build/ties.py); asynchronous
-            ones carry the owner's value to the later holders (runtime/build/tie_carry.py).
+            holders' gradients before each update (engine/runtime/ties/groups.py); asynchronous
+            ones carry the owner's value to the later holders (runtime/ties/carry.py).
 
             What passes between stages: a stage returns a tensor or a tree -- tuples, lists
             and dicts of tensors, nested, with constant leaves (None, numbers, strings) allowed
@@ -154,7 +154,7 @@ class Pipeline:
         offload_activations: saved activations wait in host memory (runtime/stage/offload.py).
         ties: ties between factory-built stages (which cannot share a parameter object), e.g.
             ``[["0:tok.weight", "3:head.weight"]]``: checked at build, trained as an object tie
-            (runtime/build/ties.py).
+            (runtime/ties/groups.py).
         mesh: a DeviceMesh with dims pp, dp, tp (gloo/NCCL; tensor parallelism: runtime/dist/mesh.py).
         activation_shapes: how a multi-process pipeline learns each activation's shapes.
             "inputs" (default): they follow from the first stage's input shapes (static

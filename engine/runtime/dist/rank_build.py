@@ -100,7 +100,7 @@ def build_rank(req: BuildRequest) -> PipelineParts:
                 f"stage {s} has CUDA parameters but transport='gloo' carries CPU tensors; "
                 "use transport='nccl' (one GPU per rank) or keep the model on CPU"
             )
-    from engine.runtime.build.ties import broadcast_owner, connect_ties, tie_stages, with_declared
+    from engine.runtime.ties.groups import broadcast_owner, connect_ties, tie_stages, with_declared
 
     ties: list[Any] = []
     if all(isinstance(m, nn.Module) for m in specs):  # factories: only declared ties

@@ -75,7 +75,7 @@ class GradClipper:
         max_norm, norm_type: as ``torch.nn.utils.clip_grad_norm_``.
         stages: the Stage objects held here.
         synchronous: global norm per step (True) or per stage and update group (False).
-        ties: tie groups (engine.runtime.build.ties): later holders' copies are not counted.
+        ties: tie groups (engine.runtime.ties.groups): later holders' copies are not counted.
     """
 
     def __init__(

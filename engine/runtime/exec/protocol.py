@@ -155,7 +155,7 @@ class StepProtocol:
         #: when a list (CUDA streams): (stage, kind, micro-batch, start, end) timing events
         #: recorded on the stage's stream around every forward and backward
         self.cuda_events: list[tuple[int, str, int, Any, Any]] | None = None
-        #: tied parameters across stages (engine.runtime.build.ties): their gradients are summed
+        #: tied parameters across stages (engine.runtime.ties.groups): their gradients are summed
         #: before a synchronous update phase
         self.ties: Any = None
         #: Pipeline(cuda_graphs="program"): the synchronous loss check on the device, called

@@ -26,7 +26,7 @@ the tie becomes a shared parameter and is trained as one.
 
 Asynchronous schedules keep no copies: the tied parameter lives at its owner only, and the
 value the owner's forward read travels with the micro-batch to the other holders, whose
-gradient travels back to the owner (engine/runtime/build/tie_carry.py; docs/ALGORITHMS.md, "Tied
+gradient travels back to the owner (engine/runtime/ties/carry.py; docs/ALGORITHMS.md, "Tied
 parameters").
 """
 
@@ -223,7 +223,7 @@ def with_declared(
     agree = {f"the shape and dtype of tied {added[k].describe()}": v for k, v in shapes.items()}
     groups = found + added
     if groups and not spec.synchronous:  # the owner's value travels with the micro-batch
-        from engine.runtime.build.tie_carry import carry_ties
+        from engine.runtime.ties.carry import carry_ties
 
         carry_ties(groups, modules, spec)
     return groups, added, agree
