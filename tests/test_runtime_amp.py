@@ -1,4 +1,4 @@
-"""Mixed precision (engine/runtime/stage/amp.py): ``autocast=torch.bfloat16`` equals torch.autocast on
+"""Mixed precision (engine/runtime/precision.py): ``autocast=torch.bfloat16`` equals torch.autocast on
 the unpipelined model, and ``autocast=torch.float16`` equals torch.autocast with
 torch.amp.GradScaler -- the same steps skipped, the same scale, the same weights bit for bit on
 CPU -- for every recomputation mode, with clipping, torch.optim and engine.optim optimizers."""

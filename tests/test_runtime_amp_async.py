@@ -1,4 +1,4 @@
-"""Dynamic float16 loss scaling on asynchronous schedules (engine/runtime/stage/amp.py; docs/ALGORITHMS.md,
+"""Dynamic float16 loss scaling on asynchronous schedules (engine/runtime/precision.py; docs/ALGORITHMS.md,
 "Mixed precision"): one GradScaler state per stage, gradients carrying the scale they were
 computed under. References: torch.amp.GradScaler on the unpipelined model (one stage), a pure
 Python GradScaler rule for the scales, float16 training without loss scaling for the weights,

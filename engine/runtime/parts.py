@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.errors import NotFlushedError
-from engine.runtime.stage.amp import autocast_context
+from engine.runtime.precision import autocast_context
 
 if TYPE_CHECKING:
     from engine.runtime.capture.synchronous import ProgramCapture

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.runtime.stage import inputs as _inputs
-from engine.runtime.stage.amp import check_scaler_state
+from engine.runtime.precision import check_scaler_state
 from engine.runtime.build.config import DEFAULT_CHECKPOINT, PipelineConfig, check_options
 from engine.runtime.parts import BuildRequest, PipelineParts
 from engine.runtime.build.step_features import StepFeatures, check_step_features
@@ -150,7 +150,7 @@ class Pipeline:
             its p): synchronous schedules clip by the global norm over all stages and replicas,
             asynchronous ones each stage's update group by its own (runtime/exec/clipping.py).
         autocast: ``torch.bfloat16``/``float16``: stage functions under ``torch.autocast``,
-            weights float32; float16 adds loss scaling (``grad_scaler``; runtime/stage/amp.py).
+            weights float32; float16 adds loss scaling (``grad_scaler``; runtime/precision.py).
         offload_activations: saved activations wait in host memory (runtime/stage/offload.py).
         ties: ties between factory-built stages (which cannot share a parameter object), e.g.
             ``[["0:tok.weight", "3:head.weight"]]``: checked at build, trained as an object tie

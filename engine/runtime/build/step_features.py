@@ -5,7 +5,7 @@ options of *how a step trains*, independent of the schedule and transport. They 
 here, before any weight exists (:func:`check_step_features`), and attached to the built stages
 and executor in one place (:func:`attach`), for the local and the multi-process runtime alike.
 The concepts live in their own modules: :mod:`~engine.runtime.exec.clipping`,
-:mod:`~engine.runtime.stage.amp`, :mod:`~engine.runtime.stage.offload`.
+:mod:`~engine.runtime.precision`, :mod:`~engine.runtime.stage.offload`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from engine.errors import PipelineConfigError
-from engine.runtime.stage.amp import LossScaler, check_grad_scaler
+from engine.runtime.precision import LossScaler, check_grad_scaler
 from engine.runtime.exec.clipping import GradClipper, check_clip_options
 
 __all__ = ["StepFeatures", "check_step_features", "attach"]

@@ -481,7 +481,7 @@ class RankLane:
 
     def _scale_arrived(self, s: int, tp: Any, i: int) -> None:
         """Asynchronous float16: the loss scale micro-batch i's gradient was computed under
-        waits for stage ``s``'s backward of it (engine/runtime/stage/amp.py)."""
+        waits for stage ``s``'s backward of it (engine/runtime/precision.py)."""
         c = tp.arrived_scales.pop(i, None)
         if c is not None:
             self.p.loss_scaler.carried[(s, i)] = c

@@ -34,7 +34,7 @@ class RankExecutor(StepProtocol):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.immediate_nonfinite = False  # checked once per step, on every rank
-        #: asynchronous float16: gradients carry their loss scale (runtime/stage/amp.py; set by attach)
+        #: asynchronous float16: gradients carry their loss scale (runtime/precision.py; set by attach)
         self.carry_scales = False
         self.rank = rank
         self.transport = rank.transport

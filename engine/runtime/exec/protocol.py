@@ -164,7 +164,7 @@ class StepProtocol:
         #: gradient clipping (engine.runtime.exec.clipping): the synchronous global norm is taken
         #: before the update phase; asynchronous stages clip their own groups
         self.clipper: Any = None
-        #: float16 dynamic loss scaling (engine.runtime.stage.amp), synchronous schedules
+        #: float16 dynamic loss scaling (engine.runtime.precision), synchronous schedules
         self.loss_scaler: Any = None
         #: the GPU of a rank without stage streams (NCCL), whose RNG a rollback restores
         self.rng_device: torch.device | None = None

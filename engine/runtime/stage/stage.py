@@ -43,7 +43,7 @@ from torch.profiler import record_function
 from engine.errors import PipelineInputError
 from engine.runtime.stage import fresh_grads, labels, trees
 from engine.runtime.stage import trace as _trace
-from engine.runtime.stage.amp import autocast_context
+from engine.runtime.precision import autocast_context
 from engine.runtime.stage.inputs import checked_loss
 from engine.runtime.stage.optim_bridge import OptimizerBridge
 from engine.runtime.stage.policy import LIVE, PINNED, Transient, WeightPolicy

@@ -5,7 +5,7 @@ each, after the gradient's leaves and in this order.
   from the last stage to the first with the gradient and never through the host
   (engine/runtime/stage/device_flags.py); a clean micro-batch sends 0.
 * The loss scale the gradient was computed under (asynchronous float16,
-  :attr:`P2PTransport.scales`; engine/runtime/stage/amp.py).
+  :attr:`P2PTransport.scales`; engine/runtime/precision.py).
 
 Why a module of its own: the sender appends them, the receiver posts buffers for them and
 takes them off before the gradient is rebuilt, so the three places must agree on count and
