@@ -19,7 +19,7 @@ A pipeline of undeclared hand-made stages keeps working and saves as before; onl
 into another layout, an export and a start from a plain ``state_dict`` need the names, and
 they refuse with a message that shows how to declare them.
 
-The registry holds modules weakly (like :mod:`engine.runtime.stage.tensor_parallel`'s):
+The registry holds modules weakly (like :mod:`engine.runtime.tensor_parallel`'s):
 nothing is written onto the user's modules. This module imports torch only.
 """
 

@@ -13,7 +13,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from engine.errors import PipelineConfigError
 from engine.runtime.dist.mesh import takes_tp_mesh
-from engine.runtime.stage.tensor_parallel import _decode, _encode
+from engine.runtime.tensor_parallel import _decode, _encode
 
 
 def _factory(s: int, tp_mesh: Any = None) -> nn.Module:

@@ -12,7 +12,7 @@ them as they are: under gloo the stage transport and the loss message on ``pp``'
 and two channel groups per boundary for each pipeline, transport/layout.py), the gradient
 all-reduce on ``dp``'s, and a stage factory that accepts a ``tp_mesh`` keyword is called with
 its ``tp`` sub-mesh, so that the user shards the stage with torch's ``parallelize_module``
-(what then happens to DTensor weights: :mod:`engine.runtime.stage.tensor_parallel`).
+(what then happens to DTensor weights: :mod:`engine.runtime.tensor_parallel`).
 
 ``data_parallel=R`` without a mesh stays the 2-D layout of transport/layout.py (rank ``r``
 runs stage ``r % S`` of replica ``r // S``); with a mesh the ranks are wherever the mesh puts

@@ -87,7 +87,7 @@ def build_rank(req: BuildRequest) -> PipelineParts:
     layout = dataclasses.replace(layout, last_index=place.last)
     mine = place.held(layout.stage)
     from engine.runtime.dist.mesh import with_tp_mesh  # (a tp_mesh= factory gets its sub-mesh)
-    from engine.runtime.stage.tensor_parallel import finish_stages, localize_stages
+    from engine.runtime.tensor_parallel import finish_stages, localize_stages
 
     modules = stage_modules(req, spec, [with_tp_mesh(f, layout) for f in specs], mine)
     tp_stages = localize_stages(modules, mine, layout, spec.stages)  # DTensor weights -> shards

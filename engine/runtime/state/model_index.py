@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.errors import CheckpointError
 from engine.model_names import HOW_TO_DECLARE, NamesError, module_names, naming_of
-from engine.runtime.stage.tensor_parallel import stage_tp
+from engine.runtime.tensor_parallel import stage_tp
 
 if TYPE_CHECKING:
     from engine.runtime.parts import PipelineParts
