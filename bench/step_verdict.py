@@ -1,5 +1,5 @@
 """What the exception safety of synchronous gloo steps costs: the step's verdict through the
-first stage (engine/runtime/dist/distributed.py, ``relay_verdict``: one more message per step, and
+first stage (engine/runtime/ranks/distributed.py, ``relay_verdict``: one more message per step, and
 every stage waits for the first stage's end before its update) against the last stage
 sending the loss to every stage (``share_loss``, the path before abort frames).
 

@@ -186,7 +186,7 @@ py::dict l2_to_dict(const pe::L2Result& r) {
 }
 
 // Device-wide persisting-L2 facts and set-aside, for callers that share one set-aside
-// between several windows (engine/runtime/build/l2.py). Without CUDA: supported=False, reason.
+// between several windows (engine/runtime/setup/l2.py). Without CUDA: supported=False, reason.
 py::dict l2_device(int64_t device) {
   py::dict d;
   d["max_persisting_bytes"] = 0;

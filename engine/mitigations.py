@@ -1,8 +1,8 @@
 """The names of the delay mitigations, one list each (torch-free, so the command line can
 read them without importing torch).
 
-Why a module: the pipeline's options (:mod:`engine.runtime.build.config`), the command line
-(:mod:`engine.cli.config`) and the ranks' settings agreement (:mod:`engine.runtime.dist.agreement`)
+Why a module: the pipeline's options (:mod:`engine.runtime.setup.config`), the command line
+(:mod:`engine.cli.config`) and the ranks' settings agreement (:mod:`engine.runtime.ranks.agreement`)
 each need these lists; written once here, a new mitigation cannot be known to one and not
 the others. Which schedules the mitigations apply to is a schedule fact:
 :attr:`engine.schedule.catalog.Family.live_async`.

@@ -977,7 +977,7 @@ def phase_varlen_mixed(rank: int, S: int, names: list[str], steps: int = 4) -> d
     """phase_varlen with the inline limit of the activation header (transport/framing.py) set
     between the lengths: micro-batches trimmed to 5 or fewer positions carry the header inside
     their first leaf, longer ones send it alone, so changes cross between the two layouts."""
-    from engine.runtime.dist.transport import framing
+    from engine.runtime.ranks.transport import framing
     from engine.runtime.stage.trees import Signature
 
     framing.INLINE_BYTES = 2 * 5 * DIM * 4  # (B/M=2, length, DIM) float32
@@ -1084,7 +1084,7 @@ def _worker(
         results["fatal"] = traceback.format_exc()
     torch.save(results, path)
     try:  # what a normal exit runs: rank 0, the store's host, waits for the others to leave
-        from engine.runtime.dist.transport.teardown import teardown
+        from engine.runtime.ranks.transport.teardown import teardown
 
         teardown()
     except Exception:

@@ -17,7 +17,7 @@ import pytest
 import engine
 from engine.__main__ import build_parser, main
 from engine.cli.config import TrainConfig
-from engine.runtime.build.config import DEFAULT_CHECKPOINT
+from engine.runtime.setup.config import DEFAULT_CHECKPOINT
 
 TINY = ["--dataset", "iris", "--layers", "4", "--width", "8", "--batch-size", "4",
         "--evals-per-epoch", "2", "--no-progress", "--stages", "3", "--chunks", "2"]

@@ -1,5 +1,5 @@
 """Ranks started with different settings fail fast, all of them, naming the setting
-(engine/runtime/dist/agreement.py), instead of deadlocking until the timeout."""
+(engine/runtime/ranks/agreement.py), instead of deadlocking until the timeout."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_fingerprint_covers_every_delay_option_of_the_optimizer() -> None:
     from torch import nn
 
     import engine
-    from engine.runtime.dist.agreement import fingerprint
+    from engine.runtime.ranks.agreement import fingerprint
 
     spec = SimpleNamespace(name="pipedream", stages=2, chunks=2, update_size=1, order="1f1b")
     cfg = SimpleNamespace(transport="gloo", data_parallel=1, checkpoint="never", on_nonfinite="raise")

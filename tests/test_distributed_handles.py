@@ -2,7 +2,7 @@
 released from the schedule itself, not at the next flush. gloo's ``Work.is_completed()``
 stays False until ``wait()``: a sent gradient is released once the previous stage's action
 stream proves it consumed (it sent an activation after the backward of that gradient, see
-engine/runtime/dist/transport/p2p.py). Here: S = 3 processes, 30 steps without a flush; the
+engine/runtime/ranks/transport/p2p.py). Here: S = 3 processes, 30 steps without a flush; the
 works held on every rank after step 30 are exactly those held after step 10, below a small
 constant, and the weights and losses still equal the local run's bit for bit.
 

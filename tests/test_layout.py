@@ -476,7 +476,7 @@ def test_failure_note_gate_can_fail() -> None:
 #: the rooms of engine/runtime/ (a wing, i.e. a sub-package, or a module at its top) and
 #: their floors: an import between two rooms points to a lower floor. Written by the wing
 #: move (issue 28); a new runtime file joins a wing, or the table, before it can land.
-RUNTIME_FLOORS = {"stage": 1, "exec": 2, "build": 3, "parts": 4, "assemble": 5, "dist": 6, "state": 6, "pipeline": 7}
+RUNTIME_FLOORS = {"stage": 1, "exec": 2, "setup": 3, "parts": 4, "assemble": 5, "ranks": 6, "state": 6, "pipeline": 7}
 RUNTIME = "engine" + ".runtime"  # (split: the wing move rewrites dotted runtime paths)
 
 
@@ -514,7 +514,7 @@ def test_runtime_arrows_point_down_the_floors() -> None:
 
 
 def test_stage_wing_imports_no_other_wing() -> None:
-    higher = {"exec", "build", "state", "dist"}
+    higher = {"exec", "setup", "state", "ranks"}
     assert sorted(b for a, b in room_arrows(_graph(type_only=True)) if a == "stage" and b in higher) == []
 
 
@@ -540,17 +540,17 @@ def test_every_wing_map_names_its_files() -> None:
 
 def test_runtime_floor_gate_can_fail() -> None:
     r = RUNTIME
-    floors = {"stage": 1, "exec": 2, "state": 6, "dist": 6, "pipeline": 7}
+    floors = {"stage": 1, "exec": 2, "state": 6, "ranks": 6, "pipeline": 7}
     graph = {
         f"{r}.stage.stage": {f"{r}.exec.executor", f"{r}.stage.trees"},  # up; inside a room
-        f"{r}.state.inflight": {f"{r}.dist.rank", f"{r}.exec.executor"},  # sideways; down
+        f"{r}.state.inflight": {f"{r}.ranks.rank", f"{r}.exec.executor"},  # sideways; down
         f"{r}.pipeline": {f"{r}.state.state", "engine.errors"},  # down; outside the runtime
         f"{r}.newroom": {f"{r}.stage.stage"},  # a room without a floor
     }
     assert arrows_up(graph, floors) == [
         "newroom (floor None) -> stage (floor 1)",
         "stage (floor 1) -> exec (floor 2)",
-        "state (floor 6) -> dist (floor 6)",
+        "state (floor 6) -> ranks (floor 6)",
     ]
     assert arrows_up({f"{r}.exec.executor": {f"{r}.stage.stage"}}, floors) == []
 
@@ -602,5 +602,5 @@ def test_cited_name_gate_can_fail() -> None:
         "engine.runtime.DEFAULT_CHECKPOINT", "engine.runtime.config.DEFAULT_CHECKPOINT"
     }
     assert _resolves("engine.runtime.DEFAULT_CHECKPOINT")
-    assert not _resolves("engine.runtime.config.DEFAULT_CHECKPOINT")  # (moved to build/)
+    assert not _resolves("engine.runtime.config.DEFAULT_CHECKPOINT")  # (moved to setup/)
     assert not _resolves("engine.runtime.NoSuchName")

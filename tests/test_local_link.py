@@ -1,4 +1,4 @@
-"""The same-rank boundary (engine/runtime/dist/transport/local_link.py) in one process: what one
+"""The same-rank boundary (engine/runtime/ranks/transport/local_link.py) in one process: what one
 stage hands over the other receives as it was sent (the local executor's hand-over), the
 handshake's Signature, an error passed on in place of an activation, a receive before its
 send refused by name; and the placement map (engine/runtime/exec/placement.py) of the V."""
@@ -10,7 +10,7 @@ import torch
 
 from engine.errors import PeerError, PipelineInputError
 from engine.runtime.exec.placement import RankPlacement
-from engine.runtime.dist.transport.local_link import LocalLink
+from engine.runtime.ranks.transport.local_link import LocalLink
 from engine.schedule import zbv
 from engine.schedule.spec import resolve_schedule
 

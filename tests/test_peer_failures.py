@@ -1,7 +1,7 @@
 """Failures that come from another rank (issue 21, item 4): without torchrun's agent (the
 store lives in rank 0's process), a rank killed mid-step makes every survivor raise a
 PeerError that names the dead rank -- its neighbours directly, the others through the note
-the first neighbour writes (engine/runtime/dist/first_failure.py) -- within the timeout, also
+the first neighbour writes (engine/runtime/ranks/first_failure.py) -- within the timeout, also
 when the dead rank is rank 0 and the store died with it. No raw gloo error escapes
 (``dist.isend`` to a dead peer fails at once: transport/p2p.py turns it into a PeerError)."""
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from engine import Pipeline
-from engine.runtime.build.batch_norm import DeferredBatchNorm
+from engine.runtime.setup.batch_norm import DeferredBatchNorm
 
 M = 4
 

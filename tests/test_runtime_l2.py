@@ -1,5 +1,5 @@
 """``Pipeline(l2_persistence=...)``: one persisting-L2 set-aside per GPU split across the stages,
-one window per stage stream (engine/runtime/build/l2.py).
+one window per stage stream (engine/runtime/setup/l2.py).
 
 On CPU: the option is validated, reported unsupported (0 bytes and a reason, one warning)
 and changes nothing; the split is a pure function tested with made-up sizes; the wiring
@@ -22,7 +22,7 @@ from torch import nn
 import engine.arena.l2 as arena_l2
 from engine import Pipeline
 from engine.errors import PipelineConfigError
-from engine.runtime.build.l2 import apply_l2, check_l2_option, split_budget
+from engine.runtime.setup.l2 import apply_l2, check_l2_option, split_budget
 
 MiB = 1 << 20
 

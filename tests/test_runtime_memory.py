@@ -176,7 +176,7 @@ print(faults)
 def test_no_page_faults_per_step_in_steady_state(schedule: str) -> None:
     """Compute-bound stages (the bench's 8 x Linear(1024), batch 64, at half the depth):
     weights, gradients and optimizer state live in persistent arena buffers, and freed host
-    memory is kept for reuse (engine/runtime/build/host_memory.py), so a steady-state step touches
+    memory is kept for reuse (engine/runtime/setup/host_memory.py), so a steady-state step touches
     no new page. Measured in a fresh process (the test runner's own allocations would blur
     the count)."""
     pytest.importorskip("resource")

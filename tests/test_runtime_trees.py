@@ -348,7 +348,7 @@ def test_the_wire_signature_names_what_changed() -> None:
     assert "['h'] does not require grad" in sig.mismatch({**ok, "h": h.detach()})
     assert "instead of the agreed structure" in sig.mismatch((h, ok["mask"], 2))
     assert sig.grad_mismatch([torch.zeros(2, 3)]) == "" and "2 gradients instead of 1" in sig.grad_mismatch([h, h])
-    from engine.runtime.dist.transport.gloo import GlooTransport
+    from engine.runtime.ranks.transport.gloo import GlooTransport
 
     tp = GlooTransport(0, [0, 1], None, torch.device("cpu"), 5.0)
     tp._agree("act", "send", sig)

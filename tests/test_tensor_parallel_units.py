@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from engine.errors import PipelineConfigError
-from engine.runtime.dist.mesh import takes_tp_mesh
+from engine.runtime.ranks.mesh import takes_tp_mesh
 from engine.runtime.tensor_parallel import _decode, _encode
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.runtime.dist.transport import framing
+from engine.runtime.ranks.transport import framing
 from engine.runtime.stage.trees import LeafMeta, Signature
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.bool]

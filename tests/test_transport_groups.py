@@ -25,7 +25,7 @@ import torch.distributed as dist
 from distributed_support import _local, _train, batch, spawn, stage_factories
 from torch import nn
 
-from engine.runtime.dist.transport import groups
+from engine.runtime.ranks.transport import groups
 
 linux_threads = pytest.mark.skipif(
     not (os.path.isdir("/proc/self/task") and hasattr(os, "SCHED_BATCH")),

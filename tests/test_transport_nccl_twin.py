@@ -83,7 +83,7 @@ def phase_shared_channels(rank: int, S: int) -> dict[str, Any]:
     gpipe still completes (all forwards' sends, then all backwards'); 1F1B deadlocks at its
     first steady-state exchange. Terminal: the deadlocked communicators are aborted."""
     from engine import Pipeline
-    from engine.runtime.dist.transport import layout
+    from engine.runtime.ranks.transport import layout
 
     real = layout.pipeline_groups
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.runtime.dist.transport import layout
-from engine.runtime.dist.transport.nccl import NCCLTransport
+from engine.runtime.ranks.transport import layout
+from engine.runtime.ranks.transport.nccl import NCCLTransport
 
 
 def _transport() -> NCCLTransport:
@@ -29,7 +29,7 @@ def test_int16_activations_are_refused_at_the_handshake() -> None:
     assert "['ids'] (2, 3) torch.int16" in why and "stage 1 (rank 1)" in why and "stage 2 (rank 2)" in why
     assert "over nccl" in why and "int64" in why and "int16" not in why.split("supported dtypes are")[1]
     assert tp.unsupported({"ids": torch.zeros(2, dtype=torch.int64), "x": torch.zeros(2)}) == ""
-    from engine.runtime.dist.transport.gloo import GlooTransport
+    from engine.runtime.ranks.transport.gloo import GlooTransport
 
     assert GlooTransport(1, [0, 1, 2], None, torch.device("cpu"), 5.0).unsupported(
         torch.zeros(2, dtype=torch.int16)) == ""
@@ -94,7 +94,7 @@ def test_rollback_keeps_the_rank_gpu_rng_without_stage_streams() -> None:
 def test_in_flight_messages_resume_on_the_transport_device() -> None:
     """An unflushed save keeps the messages in flight; a resumed rank must put them back on
     its GPU (they load on the CPU), else its next step feeds CPU tensors to CUDA stages."""
-    from engine.runtime.dist.lane import RankLane
+    from engine.runtime.ranks.lane import RankLane
 
     class Tp:
         device = torch.device("meta")

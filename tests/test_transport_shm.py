@@ -31,7 +31,7 @@ import torch.distributed as dist
 from distributed_support import spawn, stage_factories
 from torch import nn
 
-from engine.runtime.dist.transport import shm
+from engine.runtime.ranks.transport import shm
 
 needs_shm = pytest.mark.skipif(not shm.enabled(), reason="no futex/shared memory here (Linux x86-64)")
 

@@ -35,7 +35,7 @@ from engine.cli import CLIError
 from engine.mitigations import WEIGHT_PREDICTIONS
 from engine.schedule.auto import AUTO_FACTS
 from engine.schedule.catalog import NAMES, ROWS, Family, family, unknown_schedule
-from engine.runtime.build.config import DEFAULT_CHECKPOINT
+from engine.runtime.setup.config import DEFAULT_CHECKPOINT
 
 __all__ = [
     "SCHEDULES",

@@ -37,7 +37,7 @@ from engine.cli.config import (
     config_from_args,
 )
 from engine.cli.loop import TrainResult, train
-from engine.runtime.build.config import CHECKPOINT_MODES, DEFAULT_CHECKPOINT
+from engine.runtime.setup.config import CHECKPOINT_MODES, DEFAULT_CHECKPOINT
 from engine.cli.runlog import CHECKPOINT_FILE, METRICS_FILE
 
 __all__ = [

@@ -6,14 +6,14 @@ imports its own room and the rooms below it, never one above, and nothing import
 
 - floor 7, ``pipeline``: ``engine.Pipeline``: train a model split into stages with any schedule
   of ALGORITHMS.md
-- floor 6, ``dist/``: One process per stage (gloo/NCCL) (dist/__init__.py names each file)
+- floor 6, ``ranks/``: One process per stage (gloo/NCCL) (ranks/__init__.py names each file)
 - floor 6, ``state/``: What a built pipeline saves and reports (state/__init__.py names each
   file)
 - floor 5, ``assemble``: Assembling a pipeline from its stage modules: :func:`build_local` and
-  the steps it shares with :func:`~engine.runtime.dist.rank_build.build_rank`
+  the steps it shares with :func:`~engine.runtime.ranks.rank_build.build_rank`
 - floor 4, ``parts``: What a pipeline is made of: the builders' input (:class:`BuildRequest`)
   and output (:class:`PipelineParts`)
-- floor 3, ``build/``: Building the pieces (build/__init__.py names each file)
+- floor 3, ``setup/``: Building the pieces (setup/__init__.py names each file)
 - floor 2, ``exec/``: Running steps (exec/__init__.py names each file)
 - floor 1, ``stage/``: One stage (stage/__init__.py names each file)
 """
@@ -27,7 +27,7 @@ from typing import Any
 #: they do not move when a file moves between wings
 _LAZY = {
     "Pipeline": "engine.runtime.pipeline",
-    "DEFAULT_CHECKPOINT": "engine.runtime.build.config",
+    "DEFAULT_CHECKPOINT": "engine.runtime.setup.config",
     "Outcome": "engine.runtime.exec.failures",
 }
 

@@ -3,7 +3,7 @@
 This is the facade users meet. It validates the configuration (every invalid combination
 fails here, before any weight exists in a pipeline; :mod:`config`) and calls one builder --
 :func:`~engine.runtime.assemble.build_local` or, under gloo/NCCL,
-:func:`~engine.runtime.dist.rank_build.build_rank` -- which resolves the schedule once (a built-in
+:func:`~engine.runtime.ranks.rank_build.build_rank` -- which resolves the schedule once (a built-in
 family or a user's program; :mod:`engine.schedule.spec`), builds one Stage per module with its
 own optimizer over a flat weight arena (:mod:`build`), derives each stage's delay D_s by
 simulating the schedule and writes it into the optimizer's param groups, and returns the
@@ -30,9 +30,9 @@ from torch import Tensor, nn
 
 from engine.runtime.stage import inputs as _inputs
 from engine.runtime.precision import check_scaler_state
-from engine.runtime.build.config import DEFAULT_CHECKPOINT, PipelineConfig, check_options
+from engine.runtime.setup.config import DEFAULT_CHECKPOINT, PipelineConfig, check_options
 from engine.runtime.parts import BuildRequest, PipelineParts
-from engine.runtime.build.step_features import StepFeatures, check_step_features
+from engine.runtime.setup.step_features import StepFeatures, check_step_features
 from engine.runtime.state.throughput import StepMeter, batch_size
 from engine.schedule.auto import CHOOSERS, Choice
 from engine.schedule.catalog import lookup
@@ -41,7 +41,7 @@ from engine.schedule.spec import ScheduleSpec
 if TYPE_CHECKING:
     from engine.runtime.capture.synchronous import ProgramCapture
     from engine.runtime.exec.executor import Executor
-    from engine.runtime.build.l2 import L2State
+    from engine.runtime.setup.l2 import L2State
     from engine.runtime.stage.stage import Stage
     from engine.runtime.exec.streams import StageStreams
 
@@ -124,7 +124,7 @@ class Pipeline:
             0.51x the time of one stream) and with ``l2_persistence``; off otherwise (eager, pb
             batch 1 was 1.9x slower with them; engine.runtime.exec.streams.default_stage_streams).
         deferred_batch_norm: replace every BatchNorm by a
-            :class:`~engine.runtime.build.batch_norm.DeferredBatchNorm`: each micro-batch is still
+            :class:`~engine.runtime.setup.batch_norm.DeferredBatchNorm`: each micro-batch is still
             normalised with its own statistics, but the running statistics are updated once
             per mini-batch, from all M micro-batches, as an unpipelined model's with the same
             batch. Off: each micro-batch updates them (recomputation never counts twice).
@@ -141,7 +141,7 @@ class Pipeline:
         virtual_stages: v for ``schedule="interleaved"`` (interleaved 1F1B, synchronous):
             the stage modules are the ranks*v virtual stages, rank r running r, r+ranks, ...
             in Megatron's order. Under gloo/NCCL one process per rank (R = stages / v
-            processes per replica) holds its v stages (engine/runtime/dist/virtual.py).
+            processes per replica) holds its v stages (engine/runtime/ranks/virtual.py).
         cuda_graphs: False; ``"optimizer"`` (or True): each stage's optimizer step replayed
             from a CUDA graph (runtime/capture/optimizer_graphs.py); ``"program"``: whole synchronous steps per
             batch shape (runtime/capture/synchronous.py; ``stats()["capture"]`` says what ran eagerly and
@@ -155,7 +155,7 @@ class Pipeline:
         ties: ties between factory-built stages (which cannot share a parameter object), e.g.
             ``[["0:tok.weight", "3:head.weight"]]``: checked at build, trained as an object tie
             (runtime/ties/groups.py).
-        mesh: a DeviceMesh with dims pp, dp, tp (gloo/NCCL; tensor parallelism: runtime/dist/mesh.py).
+        mesh: a DeviceMesh with dims pp, dp, tp (gloo/NCCL; tensor parallelism: runtime/ranks/mesh.py).
         activation_shapes: how a multi-process pipeline learns each activation's shapes.
             "inputs" (default): they follow from the first stage's input shapes (static
             shapes, or a sequence length that changes with the batch); under NCCL the first
@@ -210,7 +210,7 @@ class Pipeline:
         #: what schedule="auto" chose and why (stats()["schedule_choice"]); None otherwise
         self.schedule_choice: Choice | None = None
         if isinstance(schedule, str) and schedule in CHOOSERS:
-            from engine.runtime.build.auto_schedule import choose_for_pipeline
+            from engine.runtime.setup.auto_schedule import choose_for_pipeline
 
             self.schedule_choice = choose_for_pipeline(
                 stages, schedule, chunks=chunks, memory_cap_bytes=memory_cap_bytes,
@@ -247,7 +247,7 @@ class Pipeline:
             mesh=mesh,
         )
         if config.distributed:
-            from engine.runtime.dist.rank_build import build_rank
+            from engine.runtime.ranks.rank_build import build_rank
 
             self.parts: PipelineParts = build_rank(request)
         else:
@@ -421,7 +421,7 @@ class Pipeline:
 
     def _step(self, inputs: Any, targets: Any) -> Tensor:
         if self.config.distributed:
-            from engine.runtime.dist.rank_step import rank_step
+            from engine.runtime.ranks.rank_step import rank_step
 
             return rank_step(self.parts, inputs, targets)
         xs, ts, sizes = _inputs.split(inputs, targets, self.spec.chunks)
@@ -448,7 +448,7 @@ class Pipeline:
         rank = p.layout.rank if p.layout is not None else None
         group = None
         if rank is not None:  # host objects: the world's gloo control group (NCCL included)
-            from engine.runtime.dist.transport.control import world_group
+            from engine.runtime.ranks.transport.control import world_group
 
             group = world_group(p.config.timeout)
         return trace(path, p.stages, p.executor, rank, group)

@@ -1,7 +1,7 @@
 """DTensor stages in the engine: local shards in the arena, DTensors in the forward.
 
 A stage factory shards its module with torch's ``parallelize_module`` (``ColwiseParallel``,
-``RowwiseParallel``, ...) on the ``tp`` sub-mesh it receives (:mod:`engine.runtime.dist.mesh`);
+``RowwiseParallel``, ...) on the ``tp`` sub-mesh it receives (:mod:`engine.runtime.ranks.mesh`);
 its parameters are then DTensors. The engine's machinery -- the flat arena buffers, version
 slots, stashing, prediction, the fused optimizers -- works on plain dense tensors, and every
 one of those operations is elementwise per parameter. So :func:`localize` turns each DTensor

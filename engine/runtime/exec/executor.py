@@ -16,7 +16,7 @@ raised inside one of those actions drops (an asynchronous step; docs/ALGORITHMS.
   already left);
 * an update: skipped.
 
-Under gloo/NCCL a rank runs its own lane instead (:class:`~engine.runtime.dist.rank.RankLane`).
+Under gloo/NCCL a rank runs its own lane instead (:class:`~engine.runtime.ranks.rank.RankLane`).
 """
 
 from __future__ import annotations

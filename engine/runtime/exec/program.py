@@ -94,7 +94,7 @@ class StepProgram:
     unit_makespan: float = 0.0
     fed: int = field(default=0)  # micro-batches fed when it runs, relative to base
     #: per lane (a stage; with virtual stages a rank): its (stage, index in ``stages[stage]``)
-    #: in the order one process runs them (engine/runtime/dist/rank.py)
+    #: in the order one process runs them (engine/runtime/ranks/rank.py)
     lanes: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     def __repr__(self) -> str:

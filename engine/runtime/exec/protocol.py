@@ -8,7 +8,7 @@ raised, skipped or dropped (``on_nonfinite``); and every exception leaves with a
 what the pipeline did about it (an :class:`~engine.runtime.exec.failures.Outcome`). These rules
 are written here once. Where the actions run is a *runner*'s business: the merged order of
 every stage in one process (:class:`~engine.runtime.exec.executor.MergedOrder`) or one rank's lane
-with blocking communication (:class:`~engine.runtime.dist.rank.RankLane`). This is the one-loop
+with blocking communication (:class:`~engine.runtime.ranks.rank.RankLane`). This is the one-loop
 shape of torch.distributed.pipelining: one protocol, different action lists.
 
 The exception guarantees themselves (docs/ALGORITHMS.md, "Exceptions inside a step"):

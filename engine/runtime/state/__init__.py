@@ -3,7 +3,7 @@
 Why a wing: state dicts, the in-flight state of an unflushed pipeline, forward-only evaluation,
 stats() and throughput. They take PipelineParts (runtime/parts.py), never the facade.
 
-Its files may import each other and the rooms below: stage/, exec/, build/, parts.py,
+Its files may import each other and the rooms below: stage/, exec/, setup/, parts.py,
 assemble.py; never a room above (tests/test_layout.py, RUNTIME_FLOORS).
 
 Files:

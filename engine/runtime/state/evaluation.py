@@ -111,7 +111,7 @@ def _group(parts: PipelineParts) -> Any:
         lay = parts.layout
         S = lay.stages
         lines = [[r * S + s for s in range(S)] for r in range(lay.replicas)]
-        if hasattr(lay, "pp_lines"):  # a mesh: one line per (replica, tp rank), runtime/dist/mesh.py
+        if hasattr(lay, "pp_lines"):  # a mesh: one line per (replica, tp rank), runtime/ranks/mesh.py
             lines = lay.pp_lines()
         for ranks in lines:
             g = torch.distributed.new_group(

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from engine.runtime.dist.transport.base import CHANNELS, PeerError, ShapeAgreementError, Transport
-from engine.runtime.dist.transport.gloo import GlooTransport
-from engine.runtime.dist.transport.layout import Layout, init_distributed, make_layout
-from engine.runtime.dist.transport.nccl import NCCLTransport
-from engine.runtime.dist.transport.p2p import P2PTransport
+from engine.runtime.ranks.transport.base import CHANNELS, PeerError, ShapeAgreementError, Transport
+from engine.runtime.ranks.transport.gloo import GlooTransport
+from engine.runtime.ranks.transport.layout import Layout, init_distributed, make_layout
+from engine.runtime.ranks.transport.nccl import NCCLTransport
+from engine.runtime.ranks.transport.p2p import P2PTransport
 
 __all__ = [
     "CHANNELS",

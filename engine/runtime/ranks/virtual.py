@@ -1,6 +1,6 @@
 """Virtual stages across processes (interleaved 1F1B under gloo/NCCL): v stages per rank.
 
-Why a module of its own: with one stage per process (:mod:`engine.runtime.dist.rank`) a rank has
+Why a module of its own: with one stage per process (:mod:`engine.runtime.ranks.rank`) a rank has
 one upstream and one downstream neighbour and all its traffic shares one process group. With
 v virtual stages per rank (virtual stage s on rank s % R, so rank r holds r, r+R, r+2R, ...)
 the same two ranks meet at several stage boundaries -- with R = 2 every boundary joins ranks 0
@@ -10,7 +10,7 @@ process group of its two ranks, and each virtual stage one transport per side
 (:class:`VirtualStageTransport`): the *up* side on boundary s-1 (activations in, gradients
 out), the *down* side on boundary s (activations out, gradients in). Under NCCL each
 boundary gets two groups, one per channel direction (transport/nccl.py says why). Each side
-is a plain :class:`~engine.runtime.dist.transport.p2p.P2PTransport`, whose state is already per boundary
+is a plain :class:`~engine.runtime.ranks.transport.p2p.P2PTransport`, whose state is already per boundary
 (the agreed Signature, the shapes each micro-batch travelled with, the sends it holds), so its
 rules carry over unchanged: on one boundary messages travel in micro-batch order (a virtual
 stage runs its forwards, and its backwards, in micro-batch order), which is what pre-posting
@@ -26,7 +26,7 @@ Placement: virtual stage s runs on rank s % R unless the program names a ``place
 V of ``zbv``/``dualpipev``: rank r holds r and 2R-1-r; or any map from a CSV), which
 :class:`~engine.runtime.exec.placement.RankPlacement` reads. A boundary whose two stages one rank
 holds (the V's bottom, contiguous blocks) gets no process group: its sides are the two ends
-of a :class:`~engine.runtime.dist.transport.local_link.LocalLink`, which hands the value over in
+of a :class:`~engine.runtime.ranks.transport.local_link.LocalLink`, which hands the value over in
 the process, exactly as the single-process executor does.
 
 Supported: synchronous programs with a rank order (``schedule="interleaved"``, ``looped_bfs``,
@@ -47,14 +47,14 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.errors import PipelineConfigError, PipelineInputError
-from engine.runtime.dist.distributed import RankRuntime
+from engine.runtime.ranks.distributed import RankRuntime
 from engine.runtime.exec.placement import RankPlacement
-from engine.runtime.dist.transport.gloo import GlooTransport
-from engine.runtime.dist.transport.groups import GroupCalls, new_group
-from engine.runtime.dist.transport.layout import Layout
-from engine.runtime.dist.transport.local_link import LocalLink
-from engine.runtime.dist.transport.nccl import NCCLTransport
-from engine.runtime.dist.transport.p2p import P2PTransport
+from engine.runtime.ranks.transport.gloo import GlooTransport
+from engine.runtime.ranks.transport.groups import GroupCalls, new_group
+from engine.runtime.ranks.transport.layout import Layout
+from engine.runtime.ranks.transport.local_link import LocalLink
+from engine.runtime.ranks.transport.nccl import NCCLTransport
+from engine.runtime.ranks.transport.p2p import P2PTransport
 from engine.schedule.spec import ScheduleSpec
 
 __all__ = ["check_virtual", "VirtualStageTransport", "VirtualRankRuntime", "virtual_transports"]

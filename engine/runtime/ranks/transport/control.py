@@ -70,7 +70,7 @@ def world_group(timeout: float | None = None) -> Any:
         _WORLD[:] = [default, {}]
     made: dict[float | None, Any] = _WORLD[1]
     if timeout not in made:
-        from engine.runtime.dist.transport.groups import new_group
+        from engine.runtime.ranks.transport.groups import new_group
 
         made[timeout] = new_group(list(range(dist.get_world_size())), backend="gloo", timeout=timeout)
     return made[timeout]

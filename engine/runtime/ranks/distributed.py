@@ -45,11 +45,11 @@ from torch import Tensor, nn
 from engine.errors import PipelineInputError
 from engine.runtime.stage import trees
 from engine.runtime.stage.inputs import describe, first_layer_expectation, one_dim_hint
-from engine.runtime.dist.transport.control import LOSS_TAG, world_group
-from engine.runtime.dist.transport.groups import GroupCalls
-from engine.runtime.dist.transport.layout import Layout
-from engine.runtime.dist.transport.p2p import P2PTransport
-from engine.runtime.dist.transport.shape_notice import ShapeNotices
+from engine.runtime.ranks.transport.control import LOSS_TAG, world_group
+from engine.runtime.ranks.transport.groups import GroupCalls
+from engine.runtime.ranks.transport.layout import Layout
+from engine.runtime.ranks.transport.p2p import P2PTransport
+from engine.runtime.ranks.transport.shape_notice import ShapeNotices
 
 __all__ = ["RankRuntime", "broadcast_balance", "LOSS_TAG"]
 
@@ -279,7 +279,7 @@ class RankRuntime:
     def settle_for_exit(self) -> None:
         """At interpreter exit (transport/teardown.py): the last step's loss messages and
         receive, then every transport of this rank."""
-        from engine.runtime.dist.transport.teardown import settle
+        from engine.runtime.ranks.transport.teardown import settle
 
         settle([work for work, _out in self._loss_sends])
         self._loss_sends = []
@@ -345,7 +345,7 @@ class RankRuntime:
         self, loss: Tensor | None, nonfinite: int, aborted: bool
     ) -> tuple[Tensor | None, int, bool]:
         """:meth:`share_loss` of a synchronous gloo step with abort frames (engine/runtime/
-        dist/lane.py): the last stage sends (loss, non-finite count, its own abort) to the
+        ranks/lane.py): the last stage sends (loss, non-finite count, its own abort) to the
         first, which adds what it learned (every abort frame of a synchronous step reaches it:
         the micro-batch that failed still owes it a gradient) and sends the verdict down the
         pipeline: each stage forwards it to the next as soon as it has it. Returns (loss or

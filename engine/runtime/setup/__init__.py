@@ -1,4 +1,4 @@
-"""Building the pieces: runtime/build/, floor 3 of engine/runtime/.
+"""Building the pieces: runtime/setup/, floor 3 of engine/runtime/.
 
 Why a wing: validated options (config), stage modules and weight stores, automatic balance
 and schedule choice,

@@ -2,7 +2,7 @@
 
 The layers are profiled on one micro-batch (``sample``) and split with the exact solver of
 :mod:`engine.partition`, for the schedule's weight versions and activation counts. Under
-gloo/NCCL global rank 0 decides and broadcasts (see :mod:`engine.runtime.dist.rank`): timings
+gloo/NCCL global rank 0 decides and broadcasts (see :mod:`engine.runtime.ranks.rank`): timings
 differ between processes, and every rank must cut at the same layers.
 """
 

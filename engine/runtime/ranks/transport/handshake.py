@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.runtime.dist.transport.base import DTYPES
+from engine.runtime.ranks.transport.base import DTYPES
 from engine.runtime.stage.trees import LeafMeta, Signature, unflatten
 
 __all__ = ["Handshake"]
@@ -33,7 +33,7 @@ _ERROR = -1  # length of a meta message that says "the sender failed its dry run
 
 
 class Handshake:
-    """The handshake methods of :class:`~engine.runtime.dist.transport.p2p.P2PTransport` (which
+    """The handshake methods of :class:`~engine.runtime.ranks.transport.p2p.P2PTransport` (which
     provides ``stage``, ``ranks``, ``meta``, ``who`` and ``wait``; each transport says how a
     metadata message travels: ``meta_send``/``meta_recv``, CPU tensors on the pipeline's
     gloo group or on NCCL's control plane)."""

@@ -35,7 +35,7 @@ class StepFeatures:
     offload_activations: bool = False
 
     def describe(self) -> dict[str, Any]:
-        """What every rank must agree on (engine.runtime.dist.agreement)."""
+        """What every rank must agree on (engine.runtime.ranks.agreement)."""
         return {
             "clip_grad_norm": self.clip_grad_norm,
             "clip_norm_type": self.clip_norm_type,

@@ -4,23 +4,23 @@ One process holds one stage (or, with virtual stages, one side of a boundary). T
 runs the stage's action stream from the schedule IR; ``SF``/``SB`` become asynchronous sends,
 ``RF``/``RB`` receives. Two transports implement that over torch.distributed:
 
-* :class:`~engine.runtime.dist.transport.gloo.GlooTransport` (CPU tensors): gloo's tagged,
+* :class:`~engine.runtime.ranks.transport.gloo.GlooTransport` (CPU tensors): gloo's tagged,
   eagerly progressing point-to-point messages, receives posted ahead, an 8-byte header per
   activation (so shapes may change at any micro-batch), abort frames in band, and
   shared-memory rings between neighbours on one host;
-* :class:`~engine.runtime.dist.transport.nccl.NCCLTransport` (GPU tensors): NCCL's untagged,
+* :class:`~engine.runtime.ranks.transport.nccl.NCCLTransport` (GPU tensors): NCCL's untagged,
   in-order communicators, one per channel direction, batched posts, no header and no host
   read while shapes stay the same, and every host message on the control plane
-  (:mod:`~engine.runtime.dist.transport.control`).
+  (:mod:`~engine.runtime.ranks.transport.control`).
 
 Both agree shapes and dtypes at the first step (the handshake,
-:mod:`~engine.runtime.dist.transport.handshake`) and check every later message against the
+:mod:`~engine.runtime.ranks.transport.handshake`) and check every later message against the
 agreement here (:meth:`P2PTransport._check`), so a mismatch is a
 :class:`~engine.errors.ShapeAgreementError` naming both ranks rather than a garbled tensor. A
 stage may pass a tree of tensors (:mod:`engine.runtime.stage.trees`): the agreement is its
 :class:`~engine.runtime.stage.trees.Signature`. A gradient is one message per leaf that
 requires grad (none when no leaf does) and its trailers
-(:mod:`~engine.runtime.dist.transport.trailers`); the gradient of micro-batch i has the
+(:mod:`~engine.runtime.ranks.transport.trailers`); the gradient of micro-batch i has the
 shapes of the activation of i, which both ends remember.
 """
 
@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.runtime.dist.first_failure import first
-from engine.runtime.dist.transport.base import PeerError, ShapeAgreementError, Transport
-from engine.runtime.dist.transport.handshake import Handshake
+from engine.runtime.ranks.first_failure import first
+from engine.runtime.ranks.transport.base import PeerError, ShapeAgreementError, Transport
+from engine.runtime.ranks.transport.handshake import Handshake
 from engine.runtime.stage.trees import Signature, flatten
 
 __all__ = ["P2PTransport"]
@@ -207,7 +207,7 @@ class P2PTransport(Handshake, Transport):
     def settle_for_exit(self) -> None:
         """At interpreter exit (transport/teardown.py): sends waited for briefly, then the
         transport forgets everything (receives posted ahead end with the group)."""
-        from engine.runtime.dist.transport.teardown import settle
+        from engine.runtime.ranks.transport.teardown import settle
 
         for works, _t, _what in self._sends.values():
             settle(works)

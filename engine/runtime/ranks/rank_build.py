@@ -2,9 +2,9 @@
 
 Why a module of its own: under ``torchrun`` a process builds only the stages it holds (from
 factories, so no process materialises the whole model), checks with every other rank that
-they were all built alike (:mod:`~engine.runtime.dist.agreement`), connects its point-to-point
+they were all built alike (:mod:`~engine.runtime.ranks.agreement`), connects its point-to-point
 transport and its data-parallel gradient reduction, and gets a
-:class:`~engine.runtime.dist.rank.RankExecutor` to run its lane of each step program. What it
+:class:`~engine.runtime.ranks.rank.RankExecutor` to run its lane of each step program. What it
 shares with a local build (policies, delays, stages) is :mod:`~engine.runtime.assemble`'s;
 it returns the same :class:`~engine.runtime.parts.PipelineParts`.
 """
@@ -22,11 +22,11 @@ from engine.errors import PipelineConfigError
 from engine.runtime.assemble import (
     attach_ties, equip, make_stages, resolve_spec, stage_modules,
 )
-from engine.runtime.build.stores import build_store, resolve_stage_specs
+from engine.runtime.setup.stores import build_store, resolve_stage_specs
 from engine.runtime.parts import BuildRequest, PipelineParts
 from engine.runtime.exec.placement import RankPlacement
-from engine.runtime.dist.rank import RankExecutor
-from engine.runtime.build.step_features import attach as attach_features
+from engine.runtime.ranks.rank import RankExecutor
+from engine.runtime.setup.step_features import attach as attach_features
 from engine.runtime.exec.streams import StageStreams
 from engine.runtime.stage.device_flags import SkipFlags
 
@@ -35,10 +35,10 @@ __all__ = ["build_rank"]
 
 def build_rank(req: BuildRequest) -> PipelineParts:
     """This rank's stages, transport, gradient reduction and executor (module docstring)."""
-    from engine.runtime.dist.distributed import RankRuntime, broadcast_balance
-    from engine.runtime.dist.transport.groups import GroupCalls
-    from engine.runtime.dist.transport.layout import init_distributed, make_layout, transport_device
-    from engine.runtime.dist.transport import make_transport
+    from engine.runtime.ranks.distributed import RankRuntime, broadcast_balance
+    from engine.runtime.ranks.transport.groups import GroupCalls
+    from engine.runtime.ranks.transport.layout import init_distributed, make_layout, transport_device
+    from engine.runtime.ranks.transport import make_transport
 
     cfg = req.config
     try:
@@ -47,7 +47,7 @@ def build_rank(req: BuildRequest) -> PipelineParts:
         raise PipelineConfigError(str(exc)) from None
     balance = req.balance
     if isinstance(balance, str):
-        from engine.runtime.build.balance import auto_balance
+        from engine.runtime.setup.balance import auto_balance
 
         args = (req.stages, balance, req.schedule, req.chunks, req.order, req.num_stages,
                 req.sample, req.memory_cap_bytes)
@@ -68,13 +68,13 @@ def build_rank(req: BuildRequest) -> PipelineParts:
         )
     virtual = spec.program is not None and spec.program.rank_order is not None
     ranks = spec.stages
-    if virtual:  # v stages per rank (engine/runtime/dist/virtual.py)
-        from engine.runtime.dist.virtual import check_virtual
+    if virtual:  # v stages per rank (engine/runtime/ranks/virtual.py)
+        from engine.runtime.ranks.virtual import check_virtual
 
         ranks = check_virtual(spec, cfg.data_parallel)
     try:
-        if req.mesh is not None:  # tensor parallelism (runtime/dist/mesh.py)
-            from engine.runtime.dist.mesh import mesh_layout, refuse_with_mesh
+        if req.mesh is not None:  # tensor parallelism (runtime/ranks/mesh.py)
+            from engine.runtime.ranks.mesh import mesh_layout, refuse_with_mesh
 
             refuse_with_mesh(virtual, req.ties, req.stages)
             layout = mesh_layout(req.mesh, ranks, cfg.timeout)
@@ -86,7 +86,7 @@ def build_rank(req: BuildRequest) -> PipelineParts:
     place = RankPlacement.of(spec)  # round-robin, the V, or any map (engine/runtime/exec/placement.py)
     layout = dataclasses.replace(layout, last_index=place.last)
     mine = place.held(layout.stage)
-    from engine.runtime.dist.mesh import with_tp_mesh  # (a tp_mesh= factory gets its sub-mesh)
+    from engine.runtime.ranks.mesh import with_tp_mesh  # (a tp_mesh= factory gets its sub-mesh)
     from engine.runtime.tensor_parallel import finish_stages, localize_stages
 
     modules = stage_modules(req, spec, [with_tp_mesh(f, layout) for f in specs], mine)
@@ -110,7 +110,7 @@ def build_rank(req: BuildRequest) -> PipelineParts:
     connect_ties(ties, ranks, cfg.data_parallel, layout.stage, layout.replica, place.rank_of,
                  cfg.timeout)
     built = [build_store(m, s, req.optimizer, cfg.cuda_graphs) for s, m in zip(mine, modules, strict=True)]
-    from engine.runtime.dist.agreement import agree, fingerprint
+    from engine.runtime.ranks.agreement import agree, fingerprint
 
     bridge = built[0][1]
     options = dict(
@@ -129,7 +129,7 @@ def build_rank(req: BuildRequest) -> PipelineParts:
     broadcast_owner(declared, here, lambda s: layout.replica * ranks + place.rank_of(s))
     rank: Any
     if virtual:
-        from engine.runtime.dist.virtual import VirtualRankRuntime, virtual_transports
+        from engine.runtime.ranks.virtual import VirtualRankRuntime, virtual_transports
 
         tps = virtual_transports(cfg.transport, layout, spec.stages, device, cfg.timeout, place)
         rank = VirtualRankRuntime(layout, tps, cfg.timeout, first_index=place.first, chunks=spec.chunks)
@@ -149,7 +149,7 @@ def build_rank(req: BuildRequest) -> PipelineParts:
             for side in getattr(t, "sides", [t]):
                 side.notices = rank.notices
                 side.every_header = cfg.activation_shapes == "any"
-    from engine.runtime.dist.transport.teardown import track
+    from engine.runtime.ranks.transport.teardown import track
 
     track(rank)  # its pending communication is settled at exit, before finalization
     made = make_stages(req, spec, modules, built, mine)

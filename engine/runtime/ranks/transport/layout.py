@@ -10,7 +10,7 @@ Groups: one pipeline group per replica (its S ranks) and one data-parallel group
 (its R ranks; the gradient all-reduce). Under gloo the pipeline group carries the
 point-to-point traffic and the host messages (the engine creates it, also when there is one
 replica: not the default group, which the user may also use; transport/groups.py). Under
-NCCL (:mod:`~engine.runtime.dist.transport.nccl`, which says why):
+NCCL (:mod:`~engine.runtime.ranks.transport.nccl`, which says why):
 
 * the pipeline group carries device collectives only (clipping norms, loss-scale flags);
 * each boundary between stages b and b+1 gets two groups of its two ranks, one per channel
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.runtime.dist.transport.groups import new_group
+from engine.runtime.ranks.transport.groups import new_group
 
 __all__ = [
     "ChannelGroups", "Layout", "make_layout", "init_distributed", "pipeline_groups",
@@ -182,7 +182,7 @@ def init_distributed(backend: str, timeout: float) -> None:
         dist.init_process_group(name, store=store, rank=rank, world_size=world, timeout=td)
     else:
         dist.init_process_group(name, timeout=td)
-    from engine.runtime.dist.transport.teardown import created_default_group
+    from engine.runtime.ranks.transport.teardown import created_default_group
 
     created_default_group()  # destroyed at exit, before the interpreter's finalization
 
@@ -246,7 +246,7 @@ def make_layout(
             if s == stage:
                 dp_ranks, dp_group = ranks, g
     control, channels = pipeline_groups(lines, rank, nccl, timeout)
-    from engine.runtime.dist.transport.control import world_group
+    from engine.runtime.ranks.transport.control import world_group
 
     world_group(timeout)  # (collective when first made: here, at the same point on every rank)
     if not dp_ranks:

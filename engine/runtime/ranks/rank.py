@@ -1,9 +1,9 @@
 """One stage per process (gloo/NCCL): running a rank's step programs.
 
 Why a module of its own: under ``torchrun`` a process holds only its own stage (built by
-:func:`~engine.runtime.dist.rank_build.build_rank`), runs only its stage's list of each
+:func:`~engine.runtime.ranks.rank_build.build_rank`), runs only its stage's list of each
 compiled step program -- sends and receives through the blocking point-to-point transport --
-and meets the other ranks for three things (:mod:`engine.runtime.dist.distributed`): the shape
+and meets the other ranks for three things (:mod:`engine.runtime.ranks.distributed`): the shape
 handshake at the first step, the step's loss (sent by the last stage to every rank of its
 replica), and the data-parallel all-reduce of the flat gradient buffers.
 
@@ -12,14 +12,14 @@ check (on every rank, from the shared loss message), then its update; an asynchr
 runs the whole list. The weights after any number of steps equal the local run's bit for bit
 on CPU: every rank executes exactly its stage's actions of the same compiled programs.
 With virtual stages (interleaved 1F1B) a rank builds and runs its v stages, their actions
-merged in the schedule's rank order (:mod:`engine.runtime.dist.virtual`).
+merged in the schedule's rank order (:mod:`engine.runtime.ranks.virtual`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from engine.runtime.dist.lane import RankLane
+from engine.runtime.ranks.lane import RankLane
 from engine.runtime.exec.protocol import StepProtocol
 
 __all__ = ["RankExecutor"]

@@ -2,7 +2,7 @@
 
 Why: when the user's stage raises on one rank in the middle of a step, its peers block in
 receives for tensors that will never come. Instead the failing rank runs the rest of its
-step's sends and receives (engine/runtime/dist/rank.py), sending an *abort frame* in place of each
+step's sends and receives (engine/runtime/ranks/rank.py), sending an *abort frame* in place of each
 message it owes; a peer whose receive gets one stops computing, and does the same. Every
 message of the step is still sent and received, in the same order, so no rank is left
 waiting and the transport's bookkeeping (receives posted ahead, sends held) stays in step.
@@ -106,7 +106,7 @@ def is_abort(t: Tensor) -> bool:
 
 
 class AbortFrames:
-    """Mixin of :class:`~engine.runtime.dist.transport.p2p.P2PTransport`: sending abort frames."""
+    """Mixin of :class:`~engine.runtime.ranks.transport.p2p.P2PTransport`: sending abort frames."""
 
     backend: str
     device: torch.device

@@ -15,8 +15,8 @@ mapped it, so nothing is left behind by a crash. The sender appends a record
 receives in posting order per (peer, tag), as gloo does, keeps a record that arrives before
 its receive, and accepts a message shorter than the posted buffer (gloo does too: the
 transport's fills rely on it, framing.py). :class:`SharedMemoryCalls` has the interface of
-:class:`~engine.runtime.dist.transport.groups.GroupCalls` and stands in for it in
-:class:`~engine.runtime.dist.transport.p2p.P2PTransport` (whose rank also sends its loss
+:class:`~engine.runtime.ranks.transport.groups.GroupCalls` and stands in for it in
+:class:`~engine.runtime.ranks.transport.p2p.P2PTransport` (whose rank also sends its loss
 and verdict messages through it); the handshake and the collectives stay on gloo, which
 also carries:
 
@@ -277,7 +277,7 @@ class _Received:
 class SharedMemoryCalls:
     """``send(t, peer, tag)`` / ``recv(buf, src, tag)`` returning works with ``wait(timeout)``:
     through a ring with each peer in ``rings`` (global rank -> (outgoing, incoming)), through
-    ``gloo`` (a :class:`~engine.runtime.dist.transport.groups.GroupCalls`) with the others
+    ``gloo`` (a :class:`~engine.runtime.ranks.transport.groups.GroupCalls`) with the others
     and for what does not fit (module docstring)."""
 
     def __init__(self, gloo: Any, rings: dict[int, tuple[Ring, Ring]]) -> None:
@@ -459,7 +459,7 @@ def attach(
 
 
 class SharedMemorySetup:
-    """Mixin of :class:`~engine.runtime.dist.transport.p2p.P2PTransport`: its gloo messages
+    """Mixin of :class:`~engine.runtime.ranks.transport.p2p.P2PTransport`: its gloo messages
     with the neighbouring stages through shared memory where they share this host."""
 
     backend: str

@@ -65,10 +65,10 @@ from torch import Tensor
 
 from engine.errors import PipelineInputError
 from engine.op_label import labelled
-from engine.runtime.dist.transport.base import NCCL_DTYPES, PeerError
-from engine.runtime.dist.transport.control import HANDSHAKE_TAG, SHAPE_TAG
-from engine.runtime.dist.transport.p2p import P2PTransport
-from engine.runtime.dist.transport.trailers import take_trailers, trailer_buffers, with_trailers
+from engine.runtime.ranks.transport.base import NCCL_DTYPES, PeerError
+from engine.runtime.ranks.transport.control import HANDSHAKE_TAG, SHAPE_TAG
+from engine.runtime.ranks.transport.p2p import P2PTransport
+from engine.runtime.ranks.transport.trailers import take_trailers, trailer_buffers, with_trailers
 from engine.runtime.stage.trees import Signature
 
 __all__ = ["NCCLTransport"]
@@ -313,7 +313,7 @@ class NCCLTransport(P2PTransport):
         return super().held() + len(self._shape_sends)
 
     def settle_for_exit(self) -> None:
-        from engine.runtime.dist.transport.teardown import settle
+        from engine.runtime.ranks.transport.teardown import settle
 
         settle([w for w, _t in self._shape_sends])
         super().settle_for_exit()

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from engine.errors import PeerError, PipelineInputError
-from engine.runtime.dist.transport.control import NOTICE_TAG
+from engine.runtime.ranks.transport.control import NOTICE_TAG
 from engine.runtime.stage import trees
 
 __all__ = ["ShapeNotices"]

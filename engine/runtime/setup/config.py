@@ -15,7 +15,7 @@ from typing import Any
 
 from engine.errors import PipelineConfigError
 from engine.mitigations import WEIGHT_PREDICTIONS
-from engine.runtime.build.l2 import check_l2_option
+from engine.runtime.setup.l2 import check_l2_option
 from engine.schedule.catalog import live_async
 from engine.schedule.spec import ScheduleSpec
 
@@ -117,8 +117,8 @@ def check_options(
     if not isinstance(data_parallel, int) or isinstance(data_parallel, bool) or data_parallel < 1:
         raise PipelineConfigError(f"data_parallel={data_parallel!r} must be an int >= 1")
     distributed = transport != "local"
-    if mesh is not None:  # tensor parallelism: the mesh says the replicas (runtime/dist/mesh.py)
-        from engine.runtime.build.mesh_option import check_mesh
+    if mesh is not None:  # tensor parallelism: the mesh says the replicas (runtime/ranks/mesh.py)
+        from engine.runtime.setup.mesh_option import check_mesh
 
         data_parallel = check_mesh(mesh, transport, data_parallel)["dp"]
     if data_parallel > 1 and not distributed:

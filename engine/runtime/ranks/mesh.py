@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.errors import PipelineConfigError
-from engine.runtime.build.mesh_option import MESH_DIMS, check_mesh, mesh_sizes
-from engine.runtime.dist.transport.layout import Layout, pipeline_groups
+from engine.runtime.setup.mesh_option import MESH_DIMS, check_mesh, mesh_sizes
+from engine.runtime.ranks.transport.layout import Layout, pipeline_groups
 
 __all__ = ["MESH_DIMS", "MeshLayout", "check_mesh", "mesh_layout", "with_tp_mesh"]
 
@@ -94,7 +94,7 @@ def mesh_layout(mesh: Any, ranks: int, timeout: float | None = None) -> MeshLayo
     control, channels = pipeline_groups(
         [[r for _, r in sorted(v)] for _, v in sorted(lines.items())], rank, nccl, timeout
     )
-    from engine.runtime.dist.transport.control import world_group
+    from engine.runtime.ranks.transport.control import world_group
 
     world_group(timeout)  # (collective when first made: here, at the same point on every rank)
     return MeshLayout(

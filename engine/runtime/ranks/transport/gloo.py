@@ -56,14 +56,14 @@ import torch
 from torch import Tensor
 
 from engine.errors import PipelineInputError
-from engine.runtime.dist.transport.abort import DROP_MARK, MARK, AbortFrames, Aborted, Dropped, frame_kind
-from engine.runtime.dist.transport.base import PeerError
-from engine.runtime.dist.transport.framing import Posted, fills, frame, framed_buffers, head_message, read_header
-from engine.runtime.dist.transport.framing import inline as inline_header
-from engine.runtime.dist.transport.groups import GroupCalls
-from engine.runtime.dist.transport.p2p import P2PTransport
-from engine.runtime.dist.transport.shm import SharedMemorySetup
-from engine.runtime.dist.transport.trailers import take_trailers, trailer_buffers, with_trailers
+from engine.runtime.ranks.transport.abort import DROP_MARK, MARK, AbortFrames, Aborted, Dropped, frame_kind
+from engine.runtime.ranks.transport.base import PeerError
+from engine.runtime.ranks.transport.framing import Posted, fills, frame, framed_buffers, head_message, read_header
+from engine.runtime.ranks.transport.framing import inline as inline_header
+from engine.runtime.ranks.transport.groups import GroupCalls
+from engine.runtime.ranks.transport.p2p import P2PTransport
+from engine.runtime.ranks.transport.shm import SharedMemorySetup
+from engine.runtime.ranks.transport.trailers import take_trailers, trailer_buffers, with_trailers
 from engine.runtime.stage.trees import Signature
 
 __all__ = ["GlooTransport", "HEADER_TAG", "META_TAG"]

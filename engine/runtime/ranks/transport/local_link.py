@@ -13,7 +13,7 @@ whether a gradient comes back) and the input gradient as the stage's backward re
 So the two stages compute exactly what they compute in one process, bit for bit.
 
 The two ends (:class:`LocalEnd`) stand in for the two :class:`P2PTransport` sides of the
-boundary inside :class:`~engine.runtime.dist.virtual.VirtualStageTransport`: the same calls
+boundary inside :class:`~engine.runtime.ranks.virtual.VirtualStageTransport`: the same calls
 (send/recv, the handshake's send_meta/recv_meta, poison, the shape acceptance check), so the
 rank's runtime does not know which boundaries cross processes. An error passed down the
 pipeline in place of an activation (a shape a stage cannot take) is left in the box too and
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from engine.errors import PeerError, PipelineInputError
-from engine.runtime.dist.transport.p2p import P2PTransport
+from engine.runtime.ranks.transport.p2p import P2PTransport
 from engine.runtime.stage.trees import Signature
 
 __all__ = ["LocalLink", "LocalEnd"]

@@ -1,7 +1,7 @@
 """The ``mesh=`` option checked with the other options, before anything is built.
 
-Why apart from :mod:`engine.runtime.dist.mesh`: checking an option is the configuration's job
-(engine/runtime/build/config.py), which sits below the multi-process code that lays ranks out on
+Why apart from :mod:`engine.runtime.ranks.mesh`: checking an option is the configuration's job
+(engine/runtime/setup/config.py), which sits below the multi-process code that lays ranks out on
 the mesh; this module needs only torch and the mesh's names and sizes.
 """
 

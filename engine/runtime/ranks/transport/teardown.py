@@ -14,7 +14,7 @@ live transport of this process completes or cancels what it still has in flight 
 short wait, since the peer already received them in every flow the engine runs; receives
 posted ahead are left to the group's destruction) and drops its references to its groups;
 then, if the engine created the default process group
-(:func:`~engine.runtime.dist.transport.layout.init_distributed`), it releases the copy that
+(:func:`~engine.runtime.ranks.transport.layout.init_distributed`), it releases the copy that
 ``torch.distributed.nn.functional`` captured (:func:`release_captured_world`) and destroys
 it. With no reference left the group's C++ object dies right there: the gloo threads are
 joined on the main thread while the interpreter is still whole (checked by
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from engine.runtime.dist.first_failure import _store
+from engine.runtime.ranks.first_failure import _store
 
 __all__ = ["track", "created_default_group", "teardown"]
 
@@ -140,7 +140,7 @@ def teardown() -> None:
             pass
     _LIVE.clear()
     exit_rendezvous()
-    from engine.runtime.dist.transport.control import forget_world_group
+    from engine.runtime.ranks.transport.control import forget_world_group
 
     forget_world_group()  # (the NCCL job's gloo control group: no reference may outlive it)
     if _STATE["created"] and dist.is_available() and dist.is_initialized():

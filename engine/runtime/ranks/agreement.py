@@ -19,7 +19,7 @@ from torch import nn
 
 from engine.errors import PipelineConfigError
 from engine.mitigations import MITIGATION_OPTIONS
-from engine.runtime.dist.transport.control import all_gather_bytes, world_group
+from engine.runtime.ranks.transport.control import all_gather_bytes, world_group
 
 __all__ = ["fingerprint", "agree"]
 
@@ -72,7 +72,7 @@ def agree(
     """Exchange fingerprints with every rank (on the world's control group; ``device`` is
     where the rank's stage lives, unused by the exchange); raise on every rank at the first
     difference.
-    ``stage_of``: rank -> (stage, replica, tp rank) under a mesh (runtime/dist/mesh.py); the ranks
+    ``stage_of``: rank -> (stage, replica, tp rank) under a mesh (runtime/ranks/mesh.py); the ranks
     that compare parameters are then those with the same stage and tp rank."""
     prints = _all_gather_json(mine, timeout)
     keys: list[str] = []

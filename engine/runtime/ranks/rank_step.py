@@ -4,7 +4,7 @@ handshake at its first step, and the translation of its failure for its peers.
 Why a module of its own: every rank receives the same ``step(inputs, targets)`` call, but
 only the rank holding stage 0 reads the inputs and only the one holding the last stage reads
 the targets (under a V placement one rank holds both); the rest get the shapes through the
-handshake. Running the rank's step program is :class:`~engine.runtime.dist.rank.RankExecutor`'s.
+handshake. Running the rank's step program is :class:`~engine.runtime.ranks.rank.RankExecutor`'s.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import Tensor
 from engine.errors import PeerError, PipelineInputError
 from engine.runtime.stage import inputs as _inputs
 from engine.runtime.stage import trees
-from engine.runtime.dist.first_failure import as_peer_error, begin, report
+from engine.runtime.ranks.first_failure import as_peer_error, begin, report
 
 if TYPE_CHECKING:
     from engine.runtime.parts import PipelineParts

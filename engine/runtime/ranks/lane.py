@@ -11,7 +11,7 @@ never come), so:
 * in a synchronous gloo step of one replica, an exception raised inside the user's stage (or
   an abort frame received from a peer) does not stop the rank: it runs the rest of its lane's
   communication computing nothing, sending abort frames in place of what it owes
-  (:mod:`~engine.runtime.dist.transport.abort`). The step's verdict (:meth:`RankRuntime.relay_verdict`)
+  (:mod:`~engine.runtime.ranks.transport.abort`). The step's verdict (:meth:`RankRuntime.relay_verdict`)
   then tells every rank, which all roll back; the failing rank raises the user's exception,
   the others :class:`~engine.errors.PeerStepError`;
 * in an asynchronous gloo step the failing rank applies the local run's outcome to what its
@@ -44,12 +44,12 @@ from torch import Tensor
 from engine.errors import NonFiniteLossError, PeerError, PeerStepError, PipelineInputError
 from engine.runtime.stage import trees
 from engine.runtime.exec.failures import Outcome, discard_partial
-from engine.runtime.dist.first_failure import as_peer_error, begin, first, report
+from engine.runtime.ranks.first_failure import as_peer_error, begin, first, report
 from engine.runtime.exec.program import OP_NAMES, RB, RF, SB, SF, B, F, StepProgram, U, W
 from engine.runtime.exec.protocol import StepProtocol
 from engine.runtime.exec.result import StepResult, _Input
 from engine.runtime.stage.stage import DROPPED
-from engine.runtime.dist.transport.abort import Aborted, Dropped
+from engine.runtime.ranks.transport.abort import Aborted, Dropped
 
 __all__ = ["RankLane"]
 
@@ -339,7 +339,7 @@ class RankLane:
     @contextmanager
     def reported(self) -> Iterator[None]:
         """A flush: counted as a collective call, its failure named for the peers
-        (:mod:`~engine.runtime.dist.first_failure`)."""
+        (:mod:`~engine.runtime.ranks.first_failure`)."""
         begin()
         if self.rank.broken:
             raise PeerError(self.rank.broken)
