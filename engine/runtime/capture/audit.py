@@ -244,7 +244,7 @@ def _pipeline_labels(pipe: Any, batches: Sequence[tuple[Any, Any]], warmup: int
     static: list[tuple[int, int, str]] = []
     for st in pipe.stages:
         store = st.store
-        weights = [*store.live_flats(), *(f for b in list(store._flats) for f in store.flats(b))]
+        weights = [*store.live_flats(), *store.slot_flats()]
         for f in weights:
             static.append((f.data_ptr(), f.numel() * f.element_size(),
                            "weight buffers (live and version slots rotate)"))

@@ -76,7 +76,7 @@ def plan_pipeline(
             with rec:
                 pipe.step(x, y)
             recorders.append(rec)
-            prints.append(fingerprint(pipe._executor))
+            prints.append(fingerprint(pipe.parts.executor))
     spans = [[(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in _leaves(b)]
              for b in batches[warmup:warmup + windows]]
 

@@ -27,7 +27,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["Access", "KeepingRecorder", "OpRecord", "Recorder", "host_sync_reason", "is_view"]
+__all__ = ["Access", "KeepingRecorder", "OpRecord", "Recorder", "host_sync_reason", "is_view",
+           "op_name", "returns_fresh", "schema"]
 
 _aten = torch.ops.aten
 #: ops that return a host value or a shape that depends on the data: on a GPU each one waits
@@ -43,14 +44,29 @@ _NO_KERNEL = {"detach", "alias", "lift_fresh", "empty", "empty_strided", "empty_
               "_record_function_enter_new", "_record_function_exit"}  # profiler labels
 
 
+def schema(func: Any) -> Any:
+    """An aten overload's schema (torch keeps it as ``func._schema``; this is the one read)."""
+    return func._schema
+
+
+def op_name(func: Any) -> str:
+    """``func``'s name without its namespace (``aten::add_.Tensor`` -> ``add_``)."""
+    return str(schema(func).name.split("::")[-1])
+
+
+def returns_fresh(func: Any) -> bool:
+    """Whether ``func``'s outputs are new tensors (none aliases an argument)."""
+    return not any(r.alias_info is not None for r in schema(func).returns)
+
+
 def host_sync_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> str | None:
     """Why ``func`` waits for the device on a GPU (None: it does not)."""
-    base = func._schema.name.split("::")[-1]
+    base = op_name(func)
     if base in _METADATA:
         return None
     if any(tag in func.tags for tag in _SYNC_TAGS):
         return "reads a value back or has a data-dependent output shape"
-    rets = [str(r.type) for r in func._schema.returns]
+    rets = [str(r.type) for r in schema(func).returns]
     if rets and all(r in _SCALAR_RETURNS for r in rets):
         return f"returns a host {rets[0]}"
     if base in ("_to_copy", "copy_", "to"):
@@ -63,10 +79,10 @@ def host_sync_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], o
 
 def is_view(func: Any) -> bool:
     """True when ``func`` launches no kernel: a view, a metadata change or an allocation."""
-    base = func._schema.name.split("::")[-1]
+    base = op_name(func)
     if base in _NO_KERNEL or base in _METADATA:
         return True
-    rets = func._schema.returns
+    rets = schema(func).returns
     return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
 
 
@@ -158,11 +174,11 @@ class Recorder(TorchDispatchMode):
         return Access(role, write, t.data_ptr(), storage, tuple(t.shape), t.dtype, source)
 
     def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        schema = func._schema
+        sig = schema(func)
         view = is_view(func)
         accesses: list[Access] = []
         constants: list[str] = []
-        for pos, arg in enumerate(schema.arguments):
+        for pos, arg in enumerate(sig.arguments):
             if pos < len(args):
                 value = args[pos]
             elif arg.name in kwargs:
@@ -186,7 +202,7 @@ class Recorder(TorchDispatchMode):
                 if a is not None:
                     accesses.append(a)
         # outputs that alias an input (views, in-place results) were recorded as inputs
-        if not any(r.alias_info is not None for r in schema.returns):
+        if not any(r.alias_info is not None for r in sig.returns):
             for k, t in enumerate(_tensors(out)):
                 a = self._access(f"out:{k}", True, t, True)
                 if a is not None:
@@ -218,7 +234,7 @@ class KeepingRecorder(Recorder):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         n = len(self.ops)
-        if not any(r.alias_info is not None for r in func._schema.returns):
+        if returns_fresh(func):
             for k, t in enumerate(_tensors(out)):
                 self.kept[(n, k)] = t
         self._record(func, args, kwargs, out)

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from engine.runtime.capture.audit import compare_recordings
-from engine.runtime.capture.dispatch_trace import OpRecord, Recorder, _tensors, is_view
+from engine.runtime.capture.dispatch_trace import OpRecord, Recorder, _tensors, is_view, returns_fresh
 
 __all__ = ["RecordingTwin", "ReplayDivergence", "TapeTwin"]
 
@@ -52,7 +52,7 @@ class _Pool(Recorder):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        fresh = not any(r.alias_info is not None for r in func._schema.returns)
+        fresh = returns_fresh(func)
         k = len(self.ops)
         if not self.replaying:
             self.kept.append(_tensors(out) if fresh else None)
@@ -124,7 +124,7 @@ class _Tape(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if not is_view(func):
-            fresh = not any(r.alias_info is not None for r in func._schema.returns)
+            fresh = returns_fresh(func)
             # aliases of the memory each argument names *now* (a kernel's pointers): a
             # parameter's ``.data`` is re-pointed between buffers later, which a graph
             # never sees

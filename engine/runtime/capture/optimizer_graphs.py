@@ -45,10 +45,10 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
 import torch
-import torch.optim.optimizer as _torch_optimizer
 from torch import Tensor
 
 from engine.runtime.stage import labels
+from engine.runtime.stage.optim_bridge import has_step_hooks
 
 __all__ = ["CudaGraphBackend", "StepGraphs", "attach_step_graphs", "graph_refusal", "launch_key"]
 
@@ -93,12 +93,7 @@ def launch_key(opt: Any, extra: tuple[Hashable, ...] = (), *, reference_ok: bool
     """Everything the next ``opt.step()``'s launches depend on, or why that step cannot be
     replayed from a graph (a str). ``extra``: the caller's arguments of the step;
     ``reference_ok``: accept the reference path (a CPU test twin replays its torch ops)."""
-    if (
-        opt._optimizer_step_pre_hooks
-        or opt._optimizer_step_post_hooks
-        or _torch_optimizer._global_optimizer_pre_hooks
-        or _torch_optimizer._global_optimizer_post_hooks
-    ):
+    if has_step_hooks(opt):
         return "optimizer step hooks are registered (a replay would not call them)"
     if labels.profiling():
         return "a profiler is recording (the step's labels need an eager step)"

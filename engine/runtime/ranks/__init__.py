@@ -1,11 +1,11 @@
-"""One process per stage (gloo/NCCL): runtime/ranks/, floor 6 of engine/runtime/.
+"""One process per stage (gloo/NCCL): runtime/ranks/, floor 9 of engine/runtime/.
 
 Why a wing: building a rank's share (build_rank), its executor, its step call, configuration
 agreement, first-failure reports, virtual stages, and the point-to-point transports
 (transport/). Below the facade, above the parts.
 
-Its files may import each other and the rooms below: stage/, exec/, setup/, parts.py,
-assemble.py; never a room above (tests/test_layout.py, RUNTIME_FLOORS).
+Its files may import each other and every room below: setup/, capture/, exec/, stage/, ...,
+parts.py, assemble.py; never a room above (tests/test_layout.py, RUNTIME_FLOORS).
 
 Files:
 

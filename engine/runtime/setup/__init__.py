@@ -1,12 +1,13 @@
-"""Building the pieces: runtime/setup/, floor 3 of engine/runtime/.
+"""Setting up the pieces: runtime/setup/, floor 6 of engine/runtime/.
 
-Why a wing: validated options (config), stage modules and weight stores, automatic balance
-and schedule choice,
-deferred BatchNorm, tied parameters, the L2 plan, host memory, and the step features (clipping,
-mixed precision, offload) attached at the end of a build. The assembly of these into
-PipelineParts is runtime/assemble.py, one floor above runtime/parts.py.
+Why a wing: what a build makes before the assembly: validated options (config), stage
+modules and weight stores, automatic balance and schedule choice, deferred BatchNorm, the L2
+plan, host memory, and the step features (clipping, mixed precision, offload) attached at the
+end of a build. The assembly of these into PipelineParts is runtime/assemble.py, two floors
+above (runtime/parts.py between).
 
-Its files may import each other and the rooms below: stage/, exec/; never a room above
+Its files may import each other and the rooms below: capture/, exec/, tensor_parallel, stage/,
+precision, ties/; never a room above
 (tests/test_layout.py, RUNTIME_FLOORS).
 
 Files:
@@ -26,8 +27,5 @@ Files:
 - ``step_features``: The training features layered on a pipeline's step: clipping, mixed
   precision, offload.
 - ``stores``: Building a pipeline's stages: modules, optimizers, weight arenas, stores.
-- ``tie_carry``: Tied parameters on asynchronous schedules: the owner's value travels with the
-  micro-batch.
-- ``ties``: Tied parameters: one ``nn.Parameter`` used by several stages (a language model's
-  token embedding and its output head).
+
 """

@@ -21,7 +21,8 @@ weight store's parameter order (the order the optimizer factory received the par
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.optim.optimizer as _torch_optimizer
@@ -32,10 +33,35 @@ from engine.runtime.stage import labels
 from engine.runtime.stage.device_flags import SkipFlags
 
 if TYPE_CHECKING:
-    from engine.runtime.capture.optimizer_graphs import StepGraphs
     from engine.runtime.stage.weight_store import WeightStore
 
 __all__ = ["OptimizerBridge"]
+
+
+class StepReplayer(Protocol):
+    """What runs a bridge's step from recorded graphs (engine.runtime.capture.optimizer_graphs,
+    a floor above this one, attaches it)."""
+
+    def run(self, step: Callable[[], None], extra: tuple[Hashable, ...] = ()) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+def has_step_hooks(opt: Any) -> bool:
+    """Whether step hooks are registered on ``opt`` or for every optimizer (an eager step
+    must then go through ``opt.step()``, and a replay would skip them)."""
+    return bool(
+        opt._optimizer_step_pre_hooks
+        or opt._optimizer_step_post_hooks
+        or _torch_optimizer._global_optimizer_pre_hooks
+        or _torch_optimizer._global_optimizer_post_hooks
+    )
+
+
+def _stepped(opt: Any) -> None:
+    """What an LR scheduler's wrapper of ``opt.step`` records (else it warns that
+    ``scheduler.step()`` ran before ``optimizer.step()``)."""
+    opt._opt_called = True
 
 
 def _is_engine_optimizer(opt: Any) -> bool:
@@ -64,7 +90,7 @@ class OptimizerBridge:
         self._decay = 0.1
         self.delay = 0
         #: CUDA graphs of the step (Pipeline(cuda_graphs=True); engine.runtime.capture.optimizer_graphs)
-        self.graphs: StepGraphs | None = None
+        self.graphs: StepReplayer | None = None
         #: on_nonfinite="skip_update": the found_inf accumulator every step hands the optimizer
         self.skip: SkipFlags | None = None
 
@@ -197,7 +223,7 @@ class OptimizerBridge:
             return
         extra = (found_inf.data_ptr(),) if found_inf is not None else ()
         self.graphs.run(lambda: self._eager_step(found_inf), extra)
-        self.opt._opt_called = True  # type: ignore[attr-defined]  (see _eager_step)
+        _stepped(self.opt)
 
     def _eager_step(self, found_inf: Tensor | None = None) -> None:
         """``opt.step()``; without step hooks and with no profiler recording, the step
@@ -205,20 +231,11 @@ class OptimizerBridge:
         label alone costs a dispatcher round trip per update)."""
         opt = self.opt
         raw = getattr(type(opt).step, "__wrapped__", None)
-        if (
-            raw is None
-            or labels.profiling()
-            or opt._optimizer_step_pre_hooks
-            or opt._optimizer_step_post_hooks
-            or _torch_optimizer._global_optimizer_pre_hooks
-            or _torch_optimizer._global_optimizer_post_hooks
-        ):
+        if raw is None or labels.profiling() or has_step_hooks(opt):
             opt.step() if found_inf is None else opt.step(found_inf=found_inf)
         else:
             raw(opt) if found_inf is None else raw(opt, found_inf=found_inf)
-            # what an LR scheduler's wrapper of opt.step would record (else it warns that
-            # scheduler.step() ran before optimizer.step())
-            opt._opt_called = True  # type: ignore[attr-defined]
+            _stepped(opt)
 
     def _torch_step(self) -> None:
         if not self._fallback_t2 or self.delay == 0:
