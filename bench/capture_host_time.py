@@ -6,7 +6,7 @@ the host shift applied after it (engine/runtime/capture/asynchronous.py). A stub
 for CUDA graphs: its capture runs the window once (so the pipeline's state is real), its
 replays do nothing. Measured against the eager step of the same pipeline on the same machine
 (alternating paired rounds, bench/harness.py), on pb batch 1, S=8, M=8, the issue's model
-(``engine.models.residual_mlp(64, 10, layers=16, width=64)``), SGD + SC + LWP, skip_update,
+(``engine.demo.models.residual_mlp(64, 10, layers=16, width=64)``), SGD + SC + LWP, skip_update,
 engine.optim's reference path on both sides (``PE_CPU_LOOP=0``: the CPU loop reads found_inf on
 the host, which a captured window may not).
 

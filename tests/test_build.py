@@ -52,7 +52,8 @@ def test_build_info_has_the_documented_keys_and_types() -> None:
 
 
 def test_info_command_reports_the_extension() -> None:
-    from engine import _C, info
+    from engine import _C
+    from engine.cli import info
 
     facts = info.collect()
     assert facts["extension"] == "built"
@@ -66,7 +67,7 @@ def test_the_extension_uses_the_process_libstdcxx() -> None:
     (issue 22, 2026-11-26: its CXX=/opt/gcc/bin/g++ links libstdc++ statically); setup.py
     now picks a compiler that links it shared and checks the module it built."""
     from engine import _C
-    from engine.cxx_runtime import needed_libraries
+    from engine.tooling.cxx_runtime import needed_libraries
 
     needed = needed_libraries(_C.__file__)
     assert any(n.startswith("libstdc++.so") for n in needed), needed
@@ -77,8 +78,8 @@ def test_the_extension_uses_the_process_libstdcxx() -> None:
 def test_the_needed_reader_tells_a_static_libstdcxx(static: bool, tmp_path: Path) -> None:
     """The check above can fail: a library built with -static-libstdc++ names no libstdc++,
     and engine info says so, with the fix."""
-    from engine.cxx_runtime import needed_libraries
-    from engine.info import libstdcxx_linkage
+    from engine.tooling.cxx_runtime import needed_libraries
+    from engine.cli.info import libstdcxx_linkage
 
     src = tmp_path / "x.cpp"
     src.write_text('#include <sstream>\n#include <string>\n'
@@ -93,7 +94,7 @@ def test_the_needed_reader_tells_a_static_libstdcxx(static: bool, tmp_path: Path
 
 
 def test_the_needed_reader_refuses_what_it_cannot_read(tmp_path: Path) -> None:
-    from engine.cxx_runtime import needed_libraries
+    from engine.tooling.cxx_runtime import needed_libraries
 
     bad = tmp_path / "not-elf.so"
     bad.write_bytes(b"hello, world" * 10)
@@ -186,7 +187,7 @@ def test_setup_picks_a_compiler_that_links_libstdcxx_shared(tmp_path: Path) -> N
     """pick_compilers (what setup.py runs before building): the compiler a build would use
     is kept when it links libstdc++ shared, and replaced (CXX and CC, with a note) by one
     that does when it links it statically; a static-only machine gets an error with the fix."""
-    from engine import cxx_runtime as cr
+    from engine.tooling import cxx_runtime as cr
 
     static = _static_wrapper(tmp_path)
     assert cr.compiler_links_shared("g++") is True
@@ -203,7 +204,7 @@ def test_setup_picks_a_compiler_that_links_libstdcxx_shared(tmp_path: Path) -> N
 def test_a_machine_with_only_a_static_libstdcxx_compiler_gets_the_fix(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from engine import cxx_runtime as cr
+    from engine.tooling import cxx_runtime as cr
 
     static = _static_wrapper(tmp_path)
     monkeypatch.setattr(cr, "compiler_links_shared", lambda cxx: False)  # every compiler static
@@ -213,7 +214,7 @@ def test_a_machine_with_only_a_static_libstdcxx_compiler_gets_the_fix(
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_the_post_build_check_fails_a_static_module(tmp_path: Path) -> None:
-    """``python engine/cxx_runtime.py FILE`` (CMakeLists.txt's post-build step): 1 with the
+    """``python engine/tooling/cxx_runtime.py FILE`` (CMakeLists.txt's post-build step): 1 with the
     fix for a module with libstdc++ inside, 0 for the installed engine._C."""
     from engine import _C
 
@@ -221,7 +222,7 @@ def test_the_post_build_check_fails_a_static_module(tmp_path: Path) -> None:
     src.write_text("#include <string>\nstd::string f() { return std::string(40, 'x'); }\n")
     lib = tmp_path / "libx.so"
     subprocess.run([_static_wrapper(tmp_path), "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
-    script = Path(__file__).resolve().parents[1] / "engine" / "cxx_runtime.py"
+    script = Path(__file__).resolve().parents[1] / "engine" / "tooling/cxx_runtime.py"
     bad = subprocess.run([sys.executable, str(script), str(lib)], capture_output=True, text=True)
     assert bad.returncode == 1 and "statically" in bad.stderr and "CXX=" in bad.stderr
     good = subprocess.run([sys.executable, str(script), _C.__file__], capture_output=True, text=True)
@@ -230,9 +231,9 @@ def test_the_post_build_check_fails_a_static_module(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_the_pick_command_says_which_compiler_a_build_uses(tmp_path: Path) -> None:
-    """``python engine/cxx_runtime.py --pick`` (.ci/gpu's build phase prints it, since pip
+    """``python engine/tooling/cxx_runtime.py --pick`` (.ci/gpu's build phase prints it, since pip
     hides setup.py's own note): kept, switched with the reason, or refused with the fix."""
-    script = ROOT / "engine" / "cxx_runtime.py"
+    script = ROOT / "engine" / "tooling/cxx_runtime.py"
 
     def pick(**env: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, str(script), "--pick"], capture_output=True,

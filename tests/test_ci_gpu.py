@@ -81,7 +81,7 @@ def test_each_phase_lists_its_commands_and_writes_nothing(tmp_path: Path) -> Non
 
     build = listed["build"]
     assert list(build) == ["build/compiler", "build/install", "build/info", "build/pytest-build"]
-    assert build["build/compiler"][1:] == ["engine/cxx_runtime.py", "--pick"]
+    assert build["build/compiler"][1:] == ["engine/tooling/cxx_runtime.py", "--pick"]
     assert build["build/install"][1:] == ["-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", "."]
     assert build["build/info"][1:] == ["-m", "engine", "info"]
     # after the build: the arena, its bindings' error paths and the libstdc++ check

@@ -12,7 +12,7 @@ import engine.optim
 from engine.__main__ import main
 from engine.cli.config import CLIError, TrainConfig, check_config
 from engine.cli.loop import build_pipeline
-from engine.corpus import ALPHABET
+from engine.demo.corpus import ALPHABET
 
 
 def test_muon_stages_use_one_lr_for_both_parts():

@@ -1,4 +1,4 @@
-"""engine.data: bundled datasets load offline, split and standardise deterministically, and
+"""engine.demo.data: bundled datasets load offline, split and standardise deterministically, and
 the epoch order is a pure function of (seed, epoch) -- what resuming relies on."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.data import DATASETS, DatasetError, epoch_order, load_dataset
+from engine.demo.data import DATASETS, DatasetError, epoch_order, load_dataset
 
 
 @pytest.mark.parametrize("name", ["digits", "iris", "wine", "breast_cancer"])

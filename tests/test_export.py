@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 import engine
 from engine.errors import CheckpointError
-from engine.hf import next_token_labels, split_causal_lm
+from engine.integrations.hf import next_token_labels, split_causal_lm
 from engine.serialization import write_plain
 
 M = 2

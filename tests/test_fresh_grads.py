@@ -142,14 +142,14 @@ def _cuda_pipeline(schedule: str, fresh: bool, **kw):
     import torch.nn.functional as F
 
     import engine
-    import engine.models
+    import engine.demo.models
     import engine.optim
 
     old = fg.MAX_BYTES
     fg.MAX_BYTES = old if fresh else -1
     try:
         torch.manual_seed(0)
-        net = engine.models.residual_mlp(64, 10, layers=8, width=64).cuda()
+        net = engine.demo.models.residual_mlp(64, 10, layers=8, width=64).cuda()
         layers = list(net.children())
         stages = [nn.Sequential(*layers[2 * s : 2 * s + 2]) for s in range(4)]
         opt_kw = kw.pop("opt", {})

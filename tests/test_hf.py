@@ -1,4 +1,4 @@
-"""engine.hf: a Hugging Face causal LM split into stages trains through the pipeline exactly
+"""engine.integrations.hf: a Hugging Face causal LM split into stages trains through the pipeline exactly
 as the unsplit model does with the same micro-batches (GPT-2 with tied embeddings and padding
 masks; Llama with rotary positions). Models are built from configs: no downloads.
 
@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import engine
-from engine.hf import next_token_labels, split_causal_lm
+from engine.integrations.hf import next_token_labels, split_causal_lm
 
 M = 2  # micro-batches per step
 

@@ -1,7 +1,7 @@
 """Kernel launches per stage and micro-batch against a plain loop doing the same math
 (issue 23, item 3: at most 1.1x), counted as aten calls on CPU (engine.testing.launch_count).
 
-The model is the issue's: ``engine.models.residual_mlp(64, 10, layers=16, width=64)`` in 8
+The model is the issue's: ``engine.demo.models.residual_mlp(64, 10, layers=16, width=64)`` in 8
 stages of 2 layers, one sample per micro-batch, 8 micro-batches per step. Every call the
 engine makes beyond the plain loop is listed below by what it is for, so any new launch on
 the hot path fails a test that names it.
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import engine
-import engine.models
+import engine.demo.models
 import engine.optim
 from engine.runtime.stage import fresh_grads
 from engine.testing.launch_count import FUSED, count_calls, count_pipeline_step
@@ -58,11 +58,11 @@ GOAL = 1.1
 
 def model() -> nn.Sequential:
     torch.manual_seed(0)
-    return engine.models.residual_mlp(FEATURES, CLASSES, layers=LAYERS, width=WIDTH)
+    return engine.demo.models.residual_mlp(FEATURES, CLASSES, layers=LAYERS, width=WIDTH)
 
 
 def stages_of(net: nn.Sequential) -> list[nn.Sequential]:
-    return engine.models.split_layers(net, engine.models.even_balance(LAYERS, S))
+    return engine.demo.models.split_layers(net, engine.demo.models.even_balance(LAYERS, S))
 
 
 def data(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""The language-model task (engine/models.py ``gpt``, engine/corpus.py, ``--task lm``): the
+"""The language-model task (engine/demo/models.py ``gpt``, engine/demo/corpus.py, ``--task lm``): the
 corpus is the same bytes everywhere, the model is causal and its pipelined forward equals
 the whole model's, the synchronous schedules train the tied GPT as the unpipelined model
 does, and ``train --task lm`` runs end to end."""
@@ -11,9 +11,9 @@ from torch import nn
 
 import engine
 from engine.__main__ import main
-from engine.corpus import ALPHABET, CORPUS_BYTES, corpus_sha256, encode, generate_corpus
-from engine.data import LM_CONTEXT, load_lm_dataset
-from engine.models import ModelError, gpt, split_layers
+from engine.demo.corpus import ALPHABET, CORPUS_BYTES, corpus_sha256, encode, generate_corpus
+from engine.demo.data import LM_CONTEXT, load_lm_dataset
+from engine.demo.models import ModelError, gpt, split_layers
 from engine.schedule.catalog import SCHEDULES, SYNCHRONOUS
 
 VOCAB, T, M = len(ALPHABET), 16, 2

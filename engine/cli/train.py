@@ -86,14 +86,14 @@ def _per_task(option: str) -> str:
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Options shared by ``train`` and ``compare``: data, model, optimizer, run length."""
-    from engine.data import DATASETS
+    from engine.demo.data import DATASETS
 
     p.add_argument(
         "--task",
         choices=TASKS,
         default="classify",
         help="classify (default: residual MLP on --dataset) or lm (GPT-style decoder on the "
-        "generated character corpus, engine/corpus.py)",
+        "generated character corpus, engine/demo/corpus.py)",
     )
     p.add_argument(
         "--dataset", default="digits", help=f"one of {', '.join(DATASETS)} (default digits)"

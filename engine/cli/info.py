@@ -64,8 +64,8 @@ def collect() -> dict[str, Any]:
 
 def libstdcxx_linkage(path: str) -> str:
     """"shared" when the extension at ``path`` uses the process's libstdc++ (as it must),
-    else what is wrong and what to do (engine.cxx_runtime: why)."""
-    from engine.cxx_runtime import links_shared, static_problem
+    else what is wrong and what to do (engine.tooling.cxx_runtime: why)."""
+    from engine.tooling.cxx_runtime import links_shared, static_problem
 
     try:
         shared = links_shared(path)

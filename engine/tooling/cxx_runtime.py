@@ -13,8 +13,8 @@ it shared (:func:`pick_compilers`), checks the module it built (:func:`links_sha
 CMakeLists.txt runs this file on its output; ``python -m engine info`` reports it. Only the
 standard library here: setup.py loads this file by path, before engine is installed.
 
-    python engine/cxx_runtime.py PATH/_C*.so   # exit 1, with the fix, if libstdc++ is static
-    python engine/cxx_runtime.py --pick        # which compiler a build here uses, and why
+    python engine/tooling/cxx_runtime.py PATH/_C*.so   # exit 1, with the fix, if libstdc++ is static
+    python engine/tooling/cxx_runtime.py --pick        # which compiler a build here uses, and why
 """
 
 from __future__ import annotations
@@ -149,11 +149,11 @@ def pick_compilers(environ: Mapping[str, str] = os.environ) -> tuple[dict[str, s
             cc = _c_compiler_beside(exe)
             env = {"CXX": exe, **({"CC": cc} if cc else {})}
             return env, (f"{current} links libstdc++ statically, which crashes engine._C "
-                         f"(engine/cxx_runtime.py); building with {exe} instead")
+                         f"(engine/tooling/cxx_runtime.py); building with {exe} instead")
     raise RuntimeError(
         f"the C++ compiler {current!r} links libstdc++ statically, and no other compiler found "
         "here links it shared; engine._C built so would crash the process on its first error "
-        "message (engine/cxx_runtime.py). Set CXX (and CC) to a compiler whose libstdc++ is "
+        "message (engine/tooling/cxx_runtime.py). Set CXX (and CC) to a compiler whose libstdc++ is "
         "shared -- the one torch was built with, e.g. CXX=/usr/bin/g++ CC=/usr/bin/gcc")
 
 
@@ -162,7 +162,7 @@ def static_problem(path: str | Path) -> str:
     message for the build's check, CMake's post-build step and ``python -m engine info``."""
     return (f"{path}: libstdc++ is linked in statically (no libstdc++.so among its NEEDED "
             "libraries), so the process holds two C++ runtimes and this module crashes it on "
-            "its first error message (engine/cxx_runtime.py). Rebuild with a compiler whose "
+            "its first error message (engine/tooling/cxx_runtime.py). Rebuild with a compiler whose "
             "libstdc++ is shared: CXX=/usr/bin/g++ CC=/usr/bin/gcc")
 
 
@@ -180,7 +180,7 @@ def describe_pick(environ: Mapping[str, str] = os.environ) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """``python engine/cxx_runtime.py FILE...``: 1 (with the fix) if a file is static;
+    """``python engine/tooling/cxx_runtime.py FILE...``: 1 (with the fix) if a file is static;
     ``--pick``: :func:`describe_pick` (1, with the fix, when no compiler here will do)."""
     if argv == ["--pick"]:
         try:

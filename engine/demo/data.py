@@ -16,7 +16,7 @@ do, so they are not used).
 * ``breast_cancer``, ``wine``, ``iris``: the other bundled sklearn tables, for quick checks.
 
 * ``lm`` (``--task lm``): next-character prediction on the generated corpus of
-  ``engine.corpus`` (120,000 ASCII bytes, 29 symbols, sha256-checked by the tests), cut into
+  ``engine.demo.corpus`` (120,000 ASCII bytes, 29 symbols, sha256-checked by the tests), cut into
   non-overlapping windows of ``LM_CONTEXT`` + 1 characters; x is a window's first
   ``LM_CONTEXT`` characters and y the same shifted by one. The last 10% of the windows are the
   test set (a contiguous tail, not a shuffle, so no test text overlaps training text).
@@ -194,7 +194,7 @@ def load_lm_dataset(context: int = LM_CONTEXT, *, test_fraction: float = 0.1) ->
         raise DatasetError(f"test_fraction={test_fraction!r} must lie strictly between 0 and 1")
     import torch
 
-    from engine.corpus import ALPHABET, CORPUS_SEED, encode, generate_corpus
+    from engine.demo.corpus import ALPHABET, CORPUS_SEED, encode, generate_corpus
 
     ids = torch.tensor(encode(generate_corpus()), dtype=torch.int64)
     n = len(ids) // (context + 1)
@@ -208,7 +208,7 @@ def load_lm_dataset(context: int = LM_CONTEXT, *, test_fraction: float = 0.1) ->
         x[-n_test:],
         y[-n_test:],
         len(ALPHABET),
-        f"generated corpus (engine/corpus.py, seed {CORPUS_SEED}): {len(ids):,} characters, "
+        f"generated corpus (engine/demo/corpus.py, seed {CORPUS_SEED}): {len(ids):,} characters, "
         f"{len(ALPHABET)} symbols, windows of {context}",
     )
 
