@@ -15,7 +15,7 @@ from torch import nn
 
 import engine.optim as eo
 from engine import Pipeline
-from engine.runtime.stage.trace import validate_trace_events
+from engine.trace_events import validate as validate_trace_events
 
 pytestmark = pytest.mark.cuda
 

@@ -69,7 +69,7 @@ def test_mixed_precision_under_gloo_equals_the_local_run() -> None:
 def test_trace_under_gloo_merges_every_rank(tmp_path: Any) -> None:
     import json
 
-    from engine.runtime.stage.trace import validate_trace_events
+    from engine.trace_events import validate as validate_trace_events
 
     path = str(tmp_path / "trace.json")
     res = spawn(2, [("trace", dict(S=2, path=path))])

@@ -16,7 +16,7 @@ from torch import nn
 
 from engine import Pipeline
 from engine.runtime.stage import trace as trace_mod
-from engine.runtime.stage.trace import validate_trace_events
+from engine.trace_events import validate as validate_trace_events
 
 D, M = 4, 4
 

@@ -59,6 +59,11 @@ def test_chrome_trace(tmp_path: Path) -> None:
     meta = [e for e in loaded["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"]
     assert [e["args"]["name"] for e in meta] == ["stage 0", "stage 1", "stage 2"]
     assert loaded["otherData"]["delays"] == list(rep.delays)
+    # one writer (engine/trace_events.py): the modelled trace is a valid trace-event document
+    # in the shape pipe.trace(path) records
+    from engine.trace_events import validate
+
+    assert validate(loaded) == []
 
 
 def test_import_is_light() -> None:
