@@ -64,7 +64,7 @@ def test_kernels_install_under_the_engine_namespace(tmp_path) -> None:
     assert top is None or not top.startswith(repo)
 
 
-#: module names that moved, kept importable with a DeprecationWarning until 0.3 (engine/_moved.py)
+#: module names that moved, kept importable with a DeprecationWarning until 0.3 (engine._deprecation.py)
 MOVED = {
     "engine.hf": "engine.integrations.hf",
     "engine.models": "engine.demo.models",
@@ -81,12 +81,12 @@ MOVED = {
 def test_a_moved_module_keeps_its_old_name_with_a_deprecation_warning(old: str) -> None:
     import importlib
 
-    import engine._moved
+    import engine._deprecation
 
     new = importlib.import_module(MOVED[old])
     with pytest.warns(DeprecationWarning) as caught:
         module = importlib.reload(importlib.import_module(old))
     text = str(caught[0].message)
-    assert MOVED[old] in text and f"removed in {engine._moved.REMOVED_IN}" in text
+    assert MOVED[old] in text and f"removed in {engine._deprecation.REMOVED_IN}" in text
     assert module.__all__ == new.__all__
     assert all(getattr(module, name) is getattr(new, name) for name in new.__all__)

@@ -1,6 +1,6 @@
 """Moved to :mod:`engine.runtime.capture.dispatch_trace` (the capture wing); removed in 0.3."""
 
-from engine._moved import moved
+from engine._deprecation import moved
 from engine.runtime.capture.dispatch_trace import *  # noqa: F403
 from engine.runtime.capture.dispatch_trace import __all__  # noqa: F401
 
