@@ -129,6 +129,16 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorStep
     #: the group's lr as the fused kernels load it on a device, or None (lr_values.on_device)
     device_lr = staticmethod(lr_values.on_device)
 
+    def set_group_options(self, **options: Any) -> None:
+        """Write ``options`` into every param group, each group checked with them first as a
+        constructor's keywords are: a bad value raises a ValueError naming it and the group,
+        and nothing is written. The pipeline sets the options its mitigations need this way
+        (docs/DESIGN.md, "One switch per mitigation")."""
+        for i, group in enumerate(self.param_groups):
+            self._check_options({**group, **options}, f"param_groups[{i}]: ")
+        for group in self.param_groups:
+            group.update(options)
+
     def effective_lrs(self) -> list[float]:
         """``effective_lr`` of every param group, in order."""
         return [self.effective_lr(g) for g in self.param_groups]

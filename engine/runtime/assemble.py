@@ -106,10 +106,12 @@ def make_stages(
         )
         if bridge is not None:
             bridge.set_delay(delays[s])
+            try:
+                bridge.serve(prediction is not None, correction, cfg.correction_decay)
+            except ValueError as exc:
+                raise PipelineConfigError(f"stage {s}: {exc}") from None
             if isinstance(policy, SpecTrain) and bridge.is_engine:
                 bridge.set_group_option("prediction_horizon", float(policy.s_f))
-            if correction and not bridge.keeps_delta:
-                bridge.enable_fallback_correction(cfg.correction_decay)
             if device_flags:
                 bridge.enable_skip_flags()
         st = Stage(

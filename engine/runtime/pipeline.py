@@ -84,8 +84,10 @@ class Pipeline:
         loss_fn: ``loss_fn(output, target) -> scalar``, the *mean* over the micro-batch's samples.
         optimizer: ``params -> optimizer``, called once per stage with that stage's parameters
             (its param groups become the stage's flat buckets). The pipeline writes each stage's
-            delay D_s into ``group["delay"]``. Mitigations are options of the optimizer
-            (engine.optim: ``spike_compensation``, ``prediction``, ``discrepancy_correction``).
+            delay D_s into ``group["delay"]``. Mitigations of the update rule are options of the
+            optimizer (engine.optim: ``spike_compensation``, ``delay_compensation``,
+            PipeMareLR); those that change which weights F and B read are the pipeline's
+            (``weight_prediction``, ``discrepancy_correction``).
         checkpoint: activation recomputation: "never" (default, the fastest: stages keep what
             autograd saved), "except_last" (all but the last stage re-run their forward in the
             backward) or "always" (``torch.utils.checkpoint``): about 1.4-1.5x per step for
@@ -104,14 +106,18 @@ class Pipeline:
             time is the median of ``balance_repeats`` runs; ``balance_profile``, a JSON file
             path, is reused when it exists (checked against the model) and written
             otherwise, so reruns cut at the same layers on a loaded machine.
-        weight_prediction: which weights the forwards of an asynchronous live-weight schedule
-            read: "lwp" (the optimizer's prediction, horizon D_s), "spectrain" or
-            "spectrain_reuse". Default: "lwp" when the stage optimizer has ``prediction`` set.
-            (How the prediction is computed -- "linear" or "momentum" -- is the optimizer's
-            ``prediction`` option.)
-        discrepancy_correction: PipeMare T2 (B reads w - tau_s * delta). Default: on when the
-            stage optimizer has ``discrepancy_correction=True``; ``True`` with a plain torch
-            optimizer makes the runtime track delta (decay ``correction_decay``).
+        weight_prediction: the switch of weight prediction, i.e. which weights the forwards of
+            an asynchronous live-weight schedule read: "lwp" (the optimizer's prediction,
+            horizon D_s), "spectrain" or "spectrain_reuse"; None (default): off. The pipeline
+            asks an engine optimizer to predict (``prediction="linear"``, unless it was built
+            with ``prediction="momentum"``: that option chooses the form); a plain torch
+            optimizer's prediction is computed by the runtime. Deprecated spelling (removed in
+            0.3): no pipeline option and an engine optimizer built with ``prediction``.
+        discrepancy_correction: the switch of PipeMare T2 (B reads w - tau_s * delta): the
+            pipeline asks an engine optimizer to keep delta (decay ``correction_decay``), or
+            tracks it itself for a plain torch optimizer. Deprecated spelling (removed in
+            0.3): no pipeline option and an engine optimizer built with
+            ``discrepancy_correction=True``.
         lr_scheduler: ``optimizer -> LRScheduler`` per stage, created after delays are set,
             stepped after every update.
         on_nonfinite: "raise", "skip" or "skip_update" a non-finite loss (see ``step``).

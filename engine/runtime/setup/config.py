@@ -9,10 +9,10 @@ mitigations are resolved against the stage optimizers once they exist
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine._deprecation import deprecated
 from engine.errors import PipelineConfigError
 from engine.mitigations import WEIGHT_PREDICTIONS
 from engine.runtime.setup.l2 import check_l2_option
@@ -215,12 +215,15 @@ def resolve_mitigations(
     bridges: list[Any],
     weight_prediction: str | None,
     discrepancy_correction: bool | None,
-    warn: Callable[[str], None] | None = None,
 ) -> tuple[str | None, bool]:
     """(weight prediction, discrepancy correction) for ``spec`` given the stage optimizers
-    (their ``bridge``); the optimizer options are the source of truth, the pipeline options
-    select which weights F and B read or switch on the runtime's fallback for plain
-    torch.optim optimizers."""
+    (their ``bridge``). The pipeline's options are the switches (docs/DESIGN.md, "One switch
+    per mitigation"): they choose which weights F and B read, and the builder then asks each
+    stage optimizer for what that needs (an engine optimizer's ``prediction`` and
+    ``discrepancy_correction`` group options, or the runtime's own computation for a plain
+    torch.optim one). An engine optimizer built with ``prediction`` or
+    ``discrepancy_correction`` and no pipeline option still switches the mitigation on, the
+    deprecated spelling."""
     if weight_prediction is not None and weight_prediction not in WEIGHT_PREDICTIONS:
         raise PipelineConfigError(
             f"weight_prediction={weight_prediction!r}; choose None or one of "
@@ -240,6 +243,8 @@ def resolve_mitigations(
         opt_correction = opt_correction or bool(corr)
     mitigable = live_async(spec.weights, spec.synchronous)
     if weight_prediction is None and opt_prediction is not None and mitigable:
+        deprecated(f"switching weight prediction on with the stage optimizer's "
+                   f"prediction={opt_prediction!r} alone", "Pipeline(weight_prediction='lwp')")
         weight_prediction = "lwp"
     if (weight_prediction is not None or opt_prediction is not None) and not mitigable:
         why = "has no delay" if spec.synchronous else "already uses stashed weights"
@@ -248,19 +253,15 @@ def resolve_mitigations(
             f"asynchronous schedules such as 'pb'; {spec.describe()} {why}. Use schedule='pb' "
             "or drop the prediction option (pipeline and optimizer)."
         )
-    engine_opts = [b for b in bridges if b is not None and b.opt is not None and b.is_engine]
-    if weight_prediction is not None and engine_opts and opt_prediction is None:
-        raise PipelineConfigError(
-            f"weight_prediction={weight_prediction!r} needs the stage optimizer to predict: "
-            "build it with prediction='linear' (or 'momentum'), e.g. "
-            "engine.optim.SGD(p, lr, momentum=0.9, prediction='linear')"
-        )
     if weight_prediction in ("spectrain", "spectrain_reuse") and opt_prediction == "momentum":
         raise PipelineConfigError(
             f"weight_prediction={weight_prediction!r} is SpecTrain's linear extrapolation "
             "(s * lr * v); the stage optimizers use prediction='momentum'. Build them with "
             "prediction='linear', or use weight_prediction='lwp' to keep the momentum form."
         )
+    if discrepancy_correction is None and opt_correction and mitigable:
+        deprecated("switching discrepancy correction on with the stage optimizer's "
+                   "discrepancy_correction=True alone", "Pipeline(discrepancy_correction=True)")
     correction = opt_correction if discrepancy_correction is None else bool(discrepancy_correction)
     if correction and not mitigable:
         raise PipelineConfigError(
@@ -271,11 +272,6 @@ def resolve_mitigations(
         raise PipelineConfigError(
             "combine at most one backward-weight mitigation: discrepancy_correction (PipeMare "
             f"T2) and weight_prediction={weight_prediction!r} both redefine the weights B reads"
-        )
-    if correction and not opt_correction and engine_opts:
-        raise PipelineConfigError(
-            "discrepancy_correction=True: build the engine optimizer with "
-            "discrepancy_correction=True (it keeps PipeMare's delta)"
         )
     _check_delay_compensation(spec, bridges, correction)
     return weight_prediction, correction

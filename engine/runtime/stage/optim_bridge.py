@@ -120,10 +120,23 @@ class OptimizerBridge:
         h = self.opt.param_groups[0].get("prediction_horizon") if self.opt.param_groups else None
         return float(self.delay if h is None else h)
 
-    def enable_fallback_correction(self, decay: float) -> None:
-        """Track PipeMare's delta here (the optimizer does not keep one)."""
-        self._fallback_t2 = True
-        self._decay = decay
+    def serve(self, prediction: bool, correction: bool, decay: float) -> None:
+        """Have the weights the pipeline's mitigations read computed: an engine optimizer is
+        asked to predict (``prediction="linear"`` unless it already predicts, maybe in the
+        momentum form) or to keep PipeMare's delta (with decay ``decay`` unless it keeps one
+        already), through its validated :meth:`~engine.optim.DelayOptimizer.set_group_options`
+        (a ValueError names what it refuses); for a plain torch optimizer the bridge computes
+        the prediction itself and tracks the delta here."""
+        if not self.is_engine:
+            self._fallback_t2, self._decay = correction, decay
+            return
+        options: dict[str, Any] = {}
+        if prediction and not self.predicts:
+            options["prediction"] = "linear"
+        if correction and not self.keeps_delta:
+            options.update(discrepancy_correction=True, correction_decay=decay)
+        if options:
+            self.opt.set_group_options(**options)
 
     def enable_skip_flags(self) -> None:
         """Skip updates on the device when a flagged micro-batch is in the group
