@@ -29,7 +29,7 @@ from torch import Tensor
 from engine.optim import functional_muon as fm
 from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _is_real_number
 from engine.optim.flat import FlatBinding
-from engine.optim.options import scalar
+from engine.optim.options import DelayOptions, scalar, takes_delay_options
 
 __all__ = ["Muon"]
 
@@ -40,6 +40,11 @@ ADAMW_DEFAULTS: dict[str, Any] = {
     "adamw_eps": 1e-10,
     "adamw_weight_decay": 0.0,
 }
+
+
+#: the delay option Muon lacks (delay compensation's derivation does not cover the
+#: orthogonalisation after momentum, docs/ALGORITHMS.md "Muon under delay")
+_NO_DELAY_COMPENSATION = ("delay_compensation",)
 
 
 class Muon(DelayOptimizer):
@@ -61,6 +66,7 @@ class Muon(DelayOptimizer):
     #: the flat bucket being stepped (set around the base class's flat step), else None
     _layout: FlatBinding | None = None
 
+    @takes_delay_options(without=_NO_DELAY_COMPENSATION)
     def __init__(
         self,
         params: Any,
@@ -80,12 +86,7 @@ class Muon(DelayOptimizer):
         adamw_weight_decay: float = ADAMW_DEFAULTS["adamw_weight_decay"],
         maximize: bool = False,
         fused: bool | None = None,
-        delay: int = 0,
-        spike_compensation: bool = False,
-        prediction: str | None = None,
-        prediction_horizon: float | None = None,
-        discrepancy_correction: bool = False,
-        correction_decay: float = 0.1,
+        delay_options: DelayOptions,
     ) -> None:
         if isinstance(ns_coefficients, list):
             ns_coefficients = tuple(ns_coefficients)
@@ -110,12 +111,7 @@ class Muon(DelayOptimizer):
             # the base class's torch flags; Muon has no differentiable or foreach path
             "foreach": None,
             "differentiable": False,
-            "delay": delay,
-            "spike_compensation": spike_compensation,
-            "prediction": prediction,
-            "prediction_horizon": prediction_horizon,
-            "discrepancy_correction": discrepancy_correction,
-            "correction_decay": correction_decay,
+            **delay_options.group(without=_NO_DELAY_COMPENSATION),
             "fused": fused,
         }
         DelayOptimizer.__init__(self, params, defaults)

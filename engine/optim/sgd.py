@@ -10,7 +10,7 @@ from torch import Tensor
 
 from engine.optim import lr_values
 from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _functional, _is_real_number
-from engine.optim.options import scalar
+from engine.optim.options import DelayOptions, scalar, takes_delay_options
 from engine.update_rules import lr_product
 
 __all__ = ["SGD"]
@@ -60,6 +60,7 @@ class SGD(DelayOptimizer):
 
     _family = "sgd"
 
+    @takes_delay_options()
     def __init__(
         self,
         params: Any,
@@ -73,14 +74,8 @@ class SGD(DelayOptimizer):
         foreach: bool | None = None,
         differentiable: bool = False,
         fused: bool | None = None,
-        delay: int = 0,
-        spike_compensation: bool = False,
-        prediction: str | None = None,
-        prediction_horizon: float | None = None,
-        discrepancy_correction: bool = False,
-        correction_decay: float = 0.1,
-        delay_compensation: float = 0.0,
         state_dtype: torch.dtype | str | None = None,
+        delay_options: DelayOptions,
     ) -> None:
         defaults = {
             **DELAY_DEFAULTS,
@@ -92,13 +87,7 @@ class SGD(DelayOptimizer):
             "maximize": maximize,
             "foreach": foreach,
             "differentiable": differentiable,
-            "delay": delay,
-            "spike_compensation": spike_compensation,
-            "prediction": prediction,
-            "prediction_horizon": prediction_horizon,
-            "discrepancy_correction": discrepancy_correction,
-            "correction_decay": correction_decay,
-            "delay_compensation": delay_compensation,
+            **delay_options.group(),
             "state_dtype": state_dtype,
             "fused": fused,
         }
