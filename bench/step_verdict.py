@@ -48,7 +48,7 @@ def main() -> None:
     batches = data(args.steps, args.chunks * args.micro_batch, args.width)
     for case in args.cases:
         runner = EngineRunner(case, S, args.chunks, args.width, args.layers, 60.0)
-        ex = runner.pipe._executor
+        ex = runner.pipe.parts.executor
         assert ex.rank.relay, "the verdict path is off for this pipeline"
 
         def block(relay: bool, runner: EngineRunner = runner, ex: object = ex) -> object:

@@ -39,8 +39,8 @@ namespace {
 // Every binding runs inside `guard`: whatever C++ throws under it is caught here and turned
 // into a Python exception with PyErr_SetString, then handed to pybind11 as
 // error_already_set, which its dispatcher restores first, before (and instead of) any
-// registered exception translator. See csrc/errors.h for why (issue 22: a TORCH_CHECK that
-// crossed the default path crashed a CUDA build). Called only inside a catch block.
+// registered exception translator. See csrc/errors.h for why (a TORCH_CHECK that crossed
+// the default path crashed a CUDA build). Called only inside a catch block.
 [[noreturn]] void raise(PyObject* type, const char* what) {
   PyErr_SetString(type, what);
   throw py::error_already_set();

@@ -129,7 +129,7 @@ def test_ctrl_c_during_a_replay_finishes_the_step_then_raises() -> None:
     import signal
 
     pipe, ref, _ = run_both("sc", 12)
-    w = pipe._capture._window
+    w = pipe.parts.capture._window
     assert w is not None
     inner = w.replay
 

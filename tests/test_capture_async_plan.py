@@ -149,7 +149,7 @@ def test_a_host_counter_that_does_not_advance_evenly_fails() -> None:
     cannot be kept up to date."""
 
     def bump(pipe, w: int) -> None:
-        pipe._executor.stages[0].updates += w * w
+        pipe.parts.executor.stages[0].updates += w * w
 
     plan = plan_pipeline(with_skip_update("pb", "plain"), batches(), before_window=bump)
     assert not plan.capturable

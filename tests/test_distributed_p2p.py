@@ -33,12 +33,12 @@ STEPS = 6
 
 
 def _counts(pipe: Any) -> dict[str, int]:
-    tp = pipe._rank.transport
+    tp = pipe.parts.rank.transport
     return {
         "posted": len(tp._posted),
         "sends": len(tp._sends),
         "act_sends": sum(1 for ch, _ in tp._sends if ch == "act"),
-        "loss_sends": len(pipe._rank._loss_sends),
+        "loss_sends": len(pipe.parts.rank._loss_sends),
     }
 
 

@@ -43,7 +43,7 @@ def test_clip_and_float16_on_cuda_streams_equal_torch_amp() -> None:
                     optimizer=lambda p: eo.SGD(p, lr=0.05, momentum=0.9), autocast=torch.float16,
                     grad_scaler=dict(init_scale=2.0**20, growth_interval=2), clip_grad_norm=0.5,
                     cuda_streams=True)
-    assert pipe._streams.cuda
+    assert pipe.parts.streams.cuda
     for x, y in _batches(6, scale=50.0):
         pipe.step(x, y)
         opt.zero_grad()

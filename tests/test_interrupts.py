@@ -139,7 +139,7 @@ def test_an_ignored_sigint_stays_ignored_and_defers_nothing(times: int) -> None:
         pipe.stages[0].module.times = times
         pipe.step(*_batch())  # no KeyboardInterrupt
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-        assert not pipe._executor.interrupts.pending
+        assert not pipe.parts.executor.interrupts.pending
         pipe.step(*_batch())  # and none raised a step later
     finally:
         signal.signal(signal.SIGINT, previous)

@@ -136,7 +136,7 @@ def _async_fp16(schedule: str, scale: float | None, batches: list[Any], **kw: An
     pipe = Pipeline(_stages(3), schedule=schedule, chunks=M, loss_fn=nn.functional.mse_loss,
                     optimizer=OPTS["engine"], autocast=torch.float16, **extra, **kw)
     if scale is None:  # the reference: float16 without loss scaling
-        pipe._executor.loss_scaler = None
+        pipe.parts.executor.loss_scaler = None
         for st in pipe.stages:
             st.loss_scaler = None
     for x, y in batches:

@@ -70,7 +70,7 @@ def _run(pipe: Pipeline, batches: list[Any]) -> Pipeline:
 
 def _unscaled(pipe: Pipeline) -> Pipeline:
     """float16 without loss scaling (the device flags stay: they skip nothing here)."""
-    pipe._executor.loss_scaler = None
+    pipe.parts.executor.loss_scaler = None
     for st in pipe.stages:
         st.loss_scaler = None
     return pipe

@@ -151,7 +151,7 @@ def test_staging_buffers_are_static_and_copied_once_per_leaf() -> None:
         y = (torch.randn(6, 2, generator=g), torch.arange(6))
         assert torch.equal(a.step(x, y), b.step(x, y))
         assert same_state(a, b)
-        (staging,) = a._capture._staging.values()
+        (staging,) = a.parts.capture._staging.values()
         now = [t.data_ptr() for t in staging.buffers()]
         assert len(now) == 3 * 4  # slots x (x, mask, target, ids)
         assert ptrs is None or now == ptrs
@@ -194,7 +194,7 @@ def test_a_new_shape_recaptures_once_then_replays() -> None:
 
 def test_the_cache_is_bounded() -> None:
     a, b = make("gpipe"), make("gpipe", False)
-    a._capture.cache = 2
+    a.parts.capture.cache = 2
     for batch in (6, 9, 12):
         run_both(a, b, data(3, batch=batch, seed=batch))
     cap = a.stats()["capture"]
@@ -332,7 +332,7 @@ def ctrl_c_during_a_replay(a, b, batches) -> None:
     for x, y in batches[:4]:
         a.step(x, y)
         b.step(x, y)
-    (graph,) = a._capture._graphs.values()
+    (graph,) = a.parts.capture._graphs.values()
     inner = graph.replay
 
     def replay() -> None:
@@ -376,7 +376,7 @@ def test_a_step_that_reads_the_host_is_not_captured() -> None:
 def test_an_action_hook_runs_eagerly() -> None:
     a, b = make("gpipe"), make("gpipe", False)
     seen = []
-    a._executor.action_hook = lambda s, k, i: seen.append(k)
+    a.parts.executor.action_hook = lambda s, k, i: seen.append(k)
     cap = run_both(a, b, data(3))
     assert cap["captures"] == 0 and "action hook" in cap["last_eager_reason"] and seen
 

@@ -62,7 +62,7 @@ def _run(name: str, device: str, S: int = 4, M: int = 4, steps: int = 6):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_gpu_streams_keep_the_cpu_semantics(name: str) -> None:
     gpu, gprobes, glosses = _run(name, "cuda")
-    assert gpu._executor.streams.cuda and len(gpu._executor.streams.streams) == gpu.num_stages
+    assert gpu.parts.executor.streams.cuda and len(gpu.parts.executor.streams.streams) == gpu.num_stages
     cpu, cprobes, closses = _run(name, "cpu")
     for s in range(cpu.num_stages):
         assert gpu.stages[s].records == cpu.stages[s].records, f"stage {s}: versions differ"
@@ -97,7 +97,7 @@ def test_gpu_stages_overlap_in_time() -> None:
     x = torch.randn(8 * 256, width, device="cuda")
     pipe.step(x, None)  # warm-up (allocator, cuBLAS handles)
     torch.cuda.synchronize()
-    ex = pipe._executor
+    ex = pipe.parts.executor
     ex.cuda_events = []
     ref = torch.cuda.Event(enable_timing=True)
     ref.record()
@@ -123,4 +123,4 @@ def test_gpu_streams_can_be_turned_off() -> None:
         optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
         cuda_streams=False,
     )
-    assert not pipe._executor.streams.cuda
+    assert not pipe.parts.executor.streams.cuda

@@ -131,7 +131,7 @@ def test_cpu_pipeline_reports_unsupported_warns_once_and_changes_nothing() -> No
     info = st["l2_persistence"]
     assert info["requested"] == 0.5 and info["set_aside_bytes"] == 0
     assert "cpu" in info["reason"] and "CUDA" in info["reason"]
-    assert pipe._streams.cuda is False  # no stage streams were forced on
+    assert pipe.parts.streams.cuda is False  # no stage streams were forced on
     assert all(st.store.on_live_moved is None for st in pipe.stages)
     # training is the same, bit for bit
     assert [loss.item() for loss in _train(pipe)] == [loss.item() for loss in _train(reference)]
@@ -308,7 +308,7 @@ def test_cuda_pipeline_splits_the_set_aside_and_sets_a_window_per_stage_stream()
     assert info["set_aside_bytes"] == arena_l2.device_limits(dev)["set_aside_bytes"] >= sum(got)
     handles = []
     for s, st in enumerate(pipe.stages):
-        handle = int(pipe._streams.streams[st.index].cuda_stream)
+        handle = int(pipe.parts.streams.streams[st.index].cuda_stream)
         handles.append(handle)
         w = arena_l2.stream_window(dev, handle)
         live = _live_window_bucket(st)
@@ -333,7 +333,7 @@ def test_cuda_window_follows_live_when_a_stashing_schedule_retires_it() -> None:
     torch.cuda.synchronize()
     assert any(st.store.retirements for st in pipe.stages)  # live did move
     for s, st in enumerate(pipe.stages):
-        w = arena_l2.stream_window(dev, int(pipe._streams.streams[st.index].cuda_stream))
+        w = arena_l2.stream_window(dev, int(pipe.parts.streams.streams[st.index].cuda_stream))
         assert w["base"] == _live_window_bucket(st).data_ptr(), f"stage {s}"
 
 
@@ -345,6 +345,6 @@ def test_cuda_one_stage_gets_a_stage_stream_for_its_window() -> None:
         [nn.Linear(64, 4).cuda()], schedule="gpipe", chunks=2, loss_fn=nn.functional.mse_loss,
         optimizer=lambda p: torch.optim.SGD(p, lr=0.1), l2_persistence=True,
     )
-    assert pipe._streams.cuda and pipe.stats()["l2_persisting_bytes"][0] > 0
+    assert pipe.parts.streams.cuda and pipe.stats()["l2_persisting_bytes"][0] > 0
     pipe.step(torch.randn(4, 64, device="cuda"), torch.randn(4, 4, device="cuda"))
     torch.cuda.synchronize()

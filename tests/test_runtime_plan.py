@@ -73,12 +73,12 @@ def test_executed_actions_equal_schedule_ir(
     for s in range(S):
         assert rows[s] == [str(a) for a in sched.actions[s]], f"stage {s}"
     pipe = _pipe(name, order, S, M, k)
-    pipe._executor.log = []
+    pipe.parts.executor.log = []
     g = torch.Generator().manual_seed(1)
     for _ in range(T):
         pipe.step(torch.randn(M, 2, generator=g), torch.randn(M, 2, generator=g))
     pipe.flush()
-    ran = [[a for s2, a in pipe._executor.log if s2 == s] for s in range(S)]
+    ran = [[a for s2, a in pipe.parts.executor.log if s2 == s] for s in range(S)]
     for s in range(S):
         compute = [a for a in sched.actions[s] if not a.kind.is_comm]
         assert ran[s] == compute, f"stage {s}"

@@ -36,7 +36,7 @@ def _data(t: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("schedule", ["1f1b", "zbh1", "pb", "pipedream"])
 def test_trace_has_one_event_per_executed_action(schedule: str, tmp_path: Path) -> None:
     pipe, ref = _pipe(schedule), _pipe(schedule)
-    pipe._executor.log = []
+    pipe.parts.executor.log = []
     path = tmp_path / "trace.json"
     with pipe.trace(path):
         for t in range(3):
@@ -50,9 +50,9 @@ def test_trace_has_one_event_per_executed_action(schedule: str, tmp_path: Path) 
     events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     kinds = {"F": "forward", "B": "backward", "W": "weight", "U": "update"}
     # every action the executor logged appears once, on its stage's track
-    assert len(events) == len(pipe._executor.log) > 0
+    assert len(events) == len(pipe.parts.executor.log) > 0
     per_stage = sorted((e["tid"], e["cat"]) for e in events)
-    logged = sorted((s, kinds[str(a)[0]]) for s, a in pipe._executor.log)
+    logged = sorted((s, kinds[str(a)[0]]) for s, a in pipe.parts.executor.log)
     assert per_stage == logged
     for e in events:
         assert e["name"].startswith(f"stage{e['tid']}/")

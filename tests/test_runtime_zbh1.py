@@ -40,7 +40,7 @@ def test_weight_gradients_accumulate_only_at_w() -> None:
         grads = [p.grad for p in stages[s].parameters() if p.grad is not None]
         seen.append((s, kind, n, float(sum(g.abs().sum() for g in grads))))
 
-    pipe._executor.action_hook = hook
+    pipe.parts.executor.action_hook = hook
     pipe.step(torch.randn(2 * M, 4), torch.randn(2 * M, 2))
     for s in range(S):
         mine = [(k, n, g) for st, k, n, g in seen if st == s]
@@ -54,7 +54,7 @@ def test_weight_gradients_accumulate_only_at_w() -> None:
     assert stats["activation_peak"] == [min(M, S)] * S
     # the engine's clock replays what ran with the analysis' unit costs (F = B = W = 1)
     assert stats["bubble_fraction"] == pytest.approx(analyze(generate("zbh1", S, M)).bubble_fraction)
-    assert pipe._executor.in_flight() == 0
+    assert pipe.parts.executor.in_flight() == 0
 
 
 def test_hand_written_program_equals_built_in_bitwise() -> None:
@@ -83,7 +83,7 @@ def test_partly_split_synchronous_program_equals_whole_backwards() -> None:
     whole = head + "s0: F0 F1 B0 B1 U0-1\ns1: F0 B0 F1 B1 U0-1\n"
     a, b = _stages(2), _stages(2)
     pa, pb = _pipe(a, split), _pipe(b, whole)
-    assert pa._executor.spec.split_only == (frozenset(), frozenset({0, 1}))
+    assert pa.parts.executor.spec.split_only == (frozenset(), frozenset({0, 1}))
     g = torch.Generator().manual_seed(0)
     for _ in range(2):
         x, y = torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)
@@ -116,7 +116,7 @@ def test_asynchronous_program_with_w_equals_whole_backwards() -> None:
     program = dataclasses.replace(base, name="pbw", actions=actions, ticks=None)
     a, b = _stages(2), _stages(2)
     whole, split = _pipe(a, "pb", chunks=2, order="1f1b"), _pipe(b, program)
-    assert split._executor.spec.split_backward and not split._executor.spec.synchronous
+    assert split.parts.executor.spec.split_backward and not split.parts.executor.spec.synchronous
     at_w: list[float] = []  # k = 1: a stage's gradients are empty when each W starts
 
     def hook(s: int, kind: str, n: int) -> None:
@@ -124,7 +124,7 @@ def test_asynchronous_program_with_w_equals_whole_backwards() -> None:
             # as they count: a GPU stage's buffer is stale, not zeroed, after an update
             at_w.append(float(sum(f.abs().sum() for f in split.stages[s].store.grad_state())))
 
-    split._executor.action_hook = hook
+    split.parts.executor.action_hook = hook
     g = torch.Generator().manual_seed(2)
     for _ in range(2):
         x, y = torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)

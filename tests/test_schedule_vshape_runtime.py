@@ -133,7 +133,7 @@ def test_overlapped_pair_runs_forward_then_backward() -> None:
     pipe = Pipeline(_model(4), chunks=4, loss_fn=nn.functional.mse_loss, schedule=program,
                     optimizer=_opt)
     ran: list[tuple[int, str, int]] = []
-    pipe._executor.action_hook = lambda s, kind, n: ran.append((s, kind, n))
+    pipe.parts.executor.action_hook = lambda s, kind, n: ran.append((s, kind, n))
     pipe.step(torch.randn(8, 4), torch.randn(8, 2))
     assert program.overlaps
     for sa, a, sb, b in program.overlaps:

@@ -70,12 +70,12 @@ def test_one_event_per_cross_stream_dependency(schedule: str, kw: dict) -> None:
     for x, y in data[:3]:
         assert torch.equal(pipe.step(x, y), plain.step(x, y))
     backend.reset()
-    pipe._executor.log = []
+    pipe.parts.executor.log = []
     loss = pipe.step(*data[3])
     # stage streams never chain a synchronous step's backwards (Executor.prepare_sync: the
     # accumulation would be ordered with the last stage's stream only); the check can fail
     assert not any(st.chain for st in pipe.stages)
-    assert dict(backend.counts) == expected(pipe._executor.log, chained=False)
+    assert dict(backend.counts) == expected(pipe.parts.executor.log, chained=False)
     assert backend.counts["event_query"] == 0 and backend.counts["synchronize"] == 0
     assert backend.violations == [] and backend.early_frees == []
     assert torch.equal(loss, plain.step(*data[3]))
@@ -91,7 +91,7 @@ def test_waits_follow_the_pipeline() -> None:
     for x, y in batches(3):
         pipe.step(x, y)
     names = {st.index: backend_stream.name for st, backend_stream in
-             ((st, pipe._executor.streams.streams[st.index]) for st in pipe.stages)}
+             ((st, pipe.parts.executor.streams.streams[st.index]) for st in pipe.stages)}
     index = {v: k for k, v in names.items()}
     for waiter, producer in backend.waits:
         if "caller" in (waiter, producer):
@@ -138,7 +138,7 @@ def test_the_recording_backend_counts_what_cuda_does() -> None:
     cpu = make("pb", stages=8, chunks=8, on_nonfinite="skip_update")
     backend = recording_streams(cpu)
     pipe = make("pb", stages=8, chunks=8, device="cuda", on_nonfinite="skip_update", cuda_streams=True)
-    assert pipe._executor.streams.cuda and pipe._executor.streams.separate
+    assert pipe.parts.executor.streams.cuda and pipe.parts.executor.streams.separate
     data = batches(3, chunks=8)
     for x, y in data[:2]:
         cpu.step(x, y)
@@ -167,12 +167,12 @@ def test_stage_streams_are_off_by_default_on_one_gpu() -> None:
 
 @pytest.mark.cuda
 def test_a_gpu_pipeline_runs_on_one_stream_unless_asked() -> None:
-    assert not make("pb", device="cuda")._executor.streams.separate
-    assert make("pb", device="cuda", cuda_streams=True)._executor.streams.separate
+    assert not make("pb", device="cuda").parts.executor.streams.separate
+    assert make("pb", device="cuda", cuda_streams=True).parts.executor.streams.separate
     # captured asynchronous windows: stage streams by default; captured synchronous: not
     assert make("pb", device="cuda", cuda_graphs="program",
-                on_nonfinite="skip_update")._executor.streams.separate
-    assert not make("1f1b", device="cuda", cuda_graphs="program")._executor.streams.separate
+                on_nonfinite="skip_update").parts.executor.streams.separate
+    assert not make("1f1b", device="cuda", cuda_graphs="program").parts.executor.streams.separate
 
 
 @pytest.mark.parametrize("schedule", ["pb", "1f1b", "pipedream", "zbh1"])
@@ -188,13 +188,13 @@ def test_recorded_event_edges_are_exactly_the_hand_offs(schedule: str) -> None:
     for x, y in data[:3]:
         pipe.step(x, y)
     backend.reset()
-    pipe._executor.log = []
+    pipe.parts.executor.log = []
     pipe.step(*data[3])
-    index = {stream.name: s for s, stream in pipe._executor.streams.streams.items()}
+    index = {stream.name: s for s, stream in pipe.parts.executor.streams.streams.items()}
     got = Counter((index[w], index[p]) for w, p in backend.waits if "caller" not in (w, p))
     chained = any(st.chain for st in pipe.stages)  # (never, with stage streams)
     want: Counter = Counter()
-    for s, a in pipe._executor.log:
+    for s, a in pipe.parts.executor.log:
         if a.kind.name == "FORWARD" and s > 0:
             want[(s, s - 1)] += 1
         if a.kind.name == "BACKWARD" and s < S - 1 and not chained:
@@ -271,7 +271,7 @@ def test_captured_windows_with_stage_streams_are_fork_joins(schedule: str, monke
 def test_a_window_left_unjoined_is_found() -> None:
     pipe = make("pb")
     backend = recording_streams(pipe)
-    streams = pipe._executor.streams
+    streams = pipe.parts.executor.streams
     with backend.fork_join() as found:
         streams.wait_caller()
         with streams.on(0):
@@ -292,7 +292,7 @@ def test_cuda_captured_with_stage_streams_equals_eager(schedule: str) -> None:
     kw = {"on_nonfinite": "skip_update"} if schedule == "pb" else {}
     a = make(schedule, device="cuda", cuda_graphs="program", cuda_streams=True, **kw)
     b = make(schedule, device="cuda", **kw)
-    assert a._executor.streams.separate
+    assert a.parts.executor.streams.separate
     for x, y in batches(24):
         assert torch.equal(a.step(x.cuda(), y.cuda()), b.step(x.cuda(), y.cuda()))
     a.flush()

@@ -46,12 +46,12 @@ def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def pipe_streams(pipe: engine.Pipeline) -> list:
-    return list(pipe._executor.streams.streams.values())
+    return list(pipe.parts.executor.streams.streams.values())
 
 
 def _watch_step_starts(pipe: engine.Pipeline) -> list[int]:
     """After each wait_caller: nothing the streams hold is alone (held at most until then)."""
-    streams = pipe._executor.streams
+    streams = pipe.parts.executor.streams
     inner = streams.wait_caller
     lonely: list[int] = []
 
@@ -102,7 +102,7 @@ def test_held_memory_is_bounded() -> None:
     in the bookkeeping, at no cost in memory, until it is alone.)"""
     pipe = make("pb")
     recording_streams(pipe)
-    streams = pipe._executor.streams
+    streams = pipe.parts.executor.streams
     sizes = []
     g = torch.Generator().manual_seed(2)
     for _ in range(12):
@@ -136,7 +136,7 @@ def test_a_free_into_the_callers_pool_before_the_join_is_found() -> None:
     stage 0's stream, which read them, is not joined."""
     pipe = make("pb")
     backend = recording_streams(pipe)
-    streams = pipe._executor.streams
+    streams = pipe.parts.executor.streams
     streams.wait_caller()
     x = torch.randn(3, D)
     streams.from_caller([x], [0])
@@ -162,10 +162,10 @@ def test_an_exception_mid_step_keeps_hand_overs_safe() -> None:
         if calls["n"] == 7:
             raise RuntimeError("injected")
 
-    pipe._executor.action_hook = hook
+    pipe.parts.executor.action_hook = hook
     with pytest.raises(RuntimeError, match="injected"):
         pipe.step(*data[1])
-    pipe._executor.action_hook = None
+    pipe.parts.executor.action_hook = None
     for x, y in data[2:]:
         pipe.step(x, y)
     pipe.flush()
@@ -187,10 +187,10 @@ def test_a_rolled_back_synchronous_step_keeps_hand_overs_safe() -> None:
         if calls["n"] == 9:
             raise RuntimeError("injected")
 
-    pipe._executor.action_hook = hook
+    pipe.parts.executor.action_hook = hook
     with pytest.raises(RuntimeError, match="injected"):
         pipe.step(*data[1])
-    pipe._executor.action_hook = None
+    pipe.parts.executor.action_hook = None
     for x, y in data[1:]:
         pipe.step(x, y)
     assert backend.counts["record_stream"] == 0
@@ -206,7 +206,7 @@ def test_cuda_stage_streams_equal_one_stream_and_hold_no_more_than_a_step(schedu
     torch.manual_seed(0)
     on = _cuda(schedule, True, **kw)
     off = _cuda(schedule, False, **kw)
-    assert on._executor.streams.separate and not off._executor.streams.separate
+    assert on.parts.executor.streams.separate and not off.parts.executor.streams.separate
     after = []
     for x, y in batches(10):
         x, y = x.cuda(), y.cuda()

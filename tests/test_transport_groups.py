@@ -130,7 +130,7 @@ def phase_verdict_paths(rank: int, S: int) -> dict[str, Any]:
     kw = dict(schedule="1f1b", chunks=2, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     pipe = Pipeline(stage_factories(S), loss_fn=nn.functional.mse_loss, transport="gloo",
                     timeout=30, **kw)
-    ex = pipe._executor
+    ex = pipe.parts.executor
     pattern = [True, True, False, False, False, True, False, True]
     losses = []
     for t, relay in enumerate(pattern):

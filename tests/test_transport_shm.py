@@ -221,7 +221,7 @@ def _rings(S: int, ring_kb: str | None, width: int, on: str) -> dict[str, Any]:
     ref_losses = [ref.step(x, y).detach().clone() for x, y in data]
     mine = list(pipe.stages[0].module.parameters())
     theirs = list(ref.stages[pipe.layout.stage].module.parameters())
-    calls = pipe._rank.transport.calls
+    calls = pipe.parts.rank.transport.calls
     return {
         "equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
         and all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)),
@@ -266,7 +266,7 @@ def phase_virtual(rank: int, S: int) -> dict[str, Any]:
     for st in pipe.stages:
         mine, theirs = st.module.parameters(), ref.stages[st.index].module.parameters()
         equal &= all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
-    sides = [side for tp in pipe._rank.transports.values() for side in tp.sides]
+    sides = [side for tp in pipe.parts.rank.transports.values() for side in tp.sides]
     return {"equal": equal, "calls": sorted(type(getattr(t, "calls", t)).__name__ for t in sides)}
 
 

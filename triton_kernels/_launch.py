@@ -1,7 +1,7 @@
 """Helpers shared by the optimizer kernels' launchers and bodies.
 
 Launch policy: one program per BLOCK elements of a flat buffer. On a GPU BLOCK is 1024 with 4
-warps (memory-bound elementwise code; larger blocks do not help on H100), i.e. 8 elements per
+warps (memory-bound elementwise code; larger blocks do not help), i.e. 8 elements per
 thread, two 128-bit accesses per fp32 tensor. A launch that mixes element widths (bf16/fp16
 weights beside fp32 state or gradients) uses BLOCK 512, 4 elements per thread: Triton gives
 each access 128 bits where it can (8 bf16, 4 fp32 elements), so at 8 elements per thread the

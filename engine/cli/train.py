@@ -127,7 +127,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_CHECKPOINT,
         help=f"activation recomputation, engine.Pipeline's checkpoint= (default "
         f"{DEFAULT_CHECKPOINT}, as the API's: fastest; except_last/always re-run forwards in "
-        "the backward, ~1.5x slower per step for 2-4x less activation memory)",
+        "the backward: slower steps for less activation memory, README 'Activation "
+        "recomputation')",
     )
     p.add_argument(
         "--checkpoint",

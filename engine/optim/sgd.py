@@ -234,8 +234,7 @@ class SGD(DelayOptimizer):
         if isinstance(lr, Tensor):
             # kept on the device by a step with a device lr: the coefficient stays there too
             # (lr * c with the host's arithmetic), so a captured window recomputing a
-            # prediction reads nothing back (issue 23; the H100 run of 2026-11-26 found
-            # SC+LWP windows with an LR scheduler eager for good because of that read)
+            # prediction reads nothing back (a read would keep such windows eager for good)
             return lr_product(lr, rule(group["prediction"], 1.0, group["momentum"], horizon))
         if lr is None:
             lr = self.effective_lr(group)

@@ -39,11 +39,7 @@ from engine.schedule.catalog import lookup
 from engine.schedule.spec import ScheduleSpec
 
 if TYPE_CHECKING:
-    from engine.runtime.capture.synchronous import ProgramCapture
-    from engine.runtime.exec.executor import Executor
-    from engine.runtime.setup.l2 import L2State
     from engine.runtime.stage.stage import Stage
-    from engine.runtime.exec.streams import StageStreams
 
 __all__ = ["Pipeline"]
 
@@ -90,8 +86,8 @@ class Pipeline:
             (``weight_prediction``, ``discrepancy_correction``).
         checkpoint: activation recomputation: "never" (default, the fastest: stages keep what
             autograd saved), "except_last" (all but the last stage re-run their forward in the
-            backward) or "always" (``torch.utils.checkpoint``): about 1.4-1.5x per step for
-            2-4x less activation memory (README, "Activation recomputation").
+            backward) or "always" (``torch.utils.checkpoint``): slower steps for less
+            activation memory (README, "Activation recomputation", has the measurements).
         transport: "local", "gloo" or "nccl" (one process per stage under ``torchrun
             --nproc-per-node S*data_parallel``: global rank r runs stage r % S of replica
             r // S; every rank calls ``step(inputs, targets)``, stage 0 reads ``inputs``, the
@@ -126,9 +122,9 @@ class Pipeline:
         timeout: seconds any wait on another rank may take (gloo/NCCL).
         cuda_streams: local transport: one CUDA stream per stage with event hand-offs, so
             stages overlap on one GPU. None (default): on where an asynchronous schedule's
-            windows are captured (``cuda_graphs="program"``: pb batch 1 on an H100 took 0.32-
-            0.51x the time of one stream) and with ``l2_persistence``; off otherwise (eager, pb
-            batch 1 was 1.9x slower with them; engine.runtime.exec.streams.default_stage_streams).
+            windows are captured (``cuda_graphs="program"``) and with ``l2_persistence``; off
+            otherwise, where they were measured to lose
+            (engine.runtime.exec.streams.default_stage_streams says why).
         deferred_batch_norm: replace every BatchNorm by a
             :class:`~engine.runtime.setup.batch_norm.DeferredBatchNorm`: each micro-batch is still
             normalised with its own statistics, but the running statistics are updated once
@@ -314,28 +310,6 @@ class Pipeline:
     def discrepancy_correction(self) -> bool:
         return self.parts.discrepancy_correction
 
-    # the names tests and tools used before the parts existed (engine code reads pipe.parts)
-
-    @property
-    def _executor(self) -> Executor:
-        return self.parts.executor
-
-    @property
-    def _rank(self) -> Any:
-        return self.parts.rank
-
-    @property
-    def _streams(self) -> StageStreams:
-        return self.parts.streams
-
-    @property
-    def _capture(self) -> ProgramCapture | None:
-        return self.parts.capture
-
-    @property
-    def _l2(self) -> L2State:
-        return self.parts.l2
-
     # ------------------------------------------------------------------ facts in words
 
     @property
@@ -381,11 +355,11 @@ class Pipeline:
 
     @property
     def steps(self) -> int:
-        return self._executor.steps
+        return self.parts.executor.steps
 
     @property
     def skipped_steps(self) -> int:
-        return self._executor.skipped_steps
+        return self.parts.executor.skipped_steps
 
     # ------------------------------------------------------------------ running
 
@@ -480,7 +454,7 @@ class Pipeline:
         gradient (a partial update group is applied as the mean over what arrived). Returns the
         mean loss of micro-batches whose forward completed during the flush (None if none).
         After a flush the next step() refills the pipeline from empty. A no-op for sync."""
-        return self._executor.drain()
+        return self.parts.executor.drain()
 
     @property
     def flushed(self) -> bool:
@@ -505,7 +479,7 @@ class Pipeline:
 
     def reset_stats(self) -> None:
         """Restart the clock and peak counters (e.g. after warm-up)."""
-        self._executor.clock.reset()
+        self.parts.executor.clock.reset()
         self._meter.reset()
         for st in self.stages:
             st.busy_ns = 0
@@ -521,8 +495,8 @@ class Pipeline:
         from engine.runtime.state.state import pipeline_state_dict
 
         state = pipeline_state_dict(self.parts)
-        if self._executor.loss_scaler is not None:  # float16: the scale and its growth tracker
-            state["loss_scaler"] = self._executor.loss_scaler.state_dict()
+        if self.parts.executor.loss_scaler is not None:  # float16: the scale and its growth tracker
+            state["loss_scaler"] = self.parts.executor.loss_scaler.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any], *, override_hyperparameters: bool = False) -> None:
@@ -531,7 +505,7 @@ class Pipeline:
         ``override_hyperparameters`` (then the checkpoint's values win, as torch's)."""
         from engine.runtime.state.state import load_pipeline_state_dict
 
-        scaler = self._executor.loss_scaler
+        scaler = self.parts.executor.loss_scaler
         check_scaler_state(scaler, state)  # (float16's scale: before anything changes)
         load_pipeline_state_dict(self.parts, {k: v for k, v in state.items() if k != "loss_scaler"},
                                  override_hyperparameters)

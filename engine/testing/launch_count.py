@@ -1,7 +1,7 @@
 """Aten calls per action of a pipeline step, and of a plain loop doing the same math.
 
-Why: on a GPU at batch 1 a step costs what its launches cost (issue 23: 2,738 kernel
-launches per pb step against 1,576 for a plain per-sample loop). Counting aten calls that
+Why: on a GPU at batch 1 a step costs what its launches cost (docs/design-notes.md has the
+counts that started this). Counting aten calls that
 launch a kernel (views, allocations and metadata excluded: :func:`dispatch_trace.is_view`)
 with a dispatch mode works on a CPU, per action: the executor's action hook labels every call
 with the forward, backward or update it belongs to, so a test can hold each phase to a budget

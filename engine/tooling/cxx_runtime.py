@@ -4,11 +4,10 @@ compiler that links it shared.
 Why: a module that carries its own copy of libstdc++ (linked in statically) shares
 ``std::`` objects -- strings, streams, locales -- with torch's libraries, which use the
 shared one; the two copies' locale state differ, and the first error message engine._C
-formatted through an ``std::ostringstream`` (``c10::str``) crashed the process (SIGSEGV,
-issue 22). On the H100 machine of 2026-11-26 that was every CUDA build: its environment sets
-``CXX=/opt/gcc/bin/g++``, a toolchain that links libstdc++ statically even when told
-``-lstdc++`` (no ``libstdc++.so.6`` among the module's NEEDED entries; found with cuda-gdb and
-the reader below). So setup.py probes the compiler before building and picks one that links
+formatted through an ``std::ostringstream`` (``c10::str``) crashed the process (SIGSEGV).
+Toolchains exist that link libstdc++ statically even when told ``-lstdc++`` (no
+``libstdc++.so.6`` among the module's NEEDED entries; docs/design-notes.md, "A second C++
+runtime"). So setup.py probes the compiler before building and picks one that links
 it shared (:func:`pick_compilers`), checks the module it built (:func:`links_shared`), and
 CMakeLists.txt runs this file on its output; ``python -m engine info`` reports it. Only the
 standard library here: setup.py loads this file by path, before engine is installed.

@@ -1,7 +1,7 @@
 """Asynchronous windows captured as graphs (``Pipeline(cuda_graphs="program")`` with pb).
 
 Why: an asynchronous pipeline's step is a window of ticks that repeats once the pipeline is
-full; on a GPU at batch 1 its launches are the cost (issue 23). Unlike a synchronous step it
+full; on a GPU at batch 1 its launches are the cost. Unlike a synchronous step it
 carries work across windows -- activations saved for backwards that run one or two windows
 later, mailboxes, earlier steps' targets -- and a graph reads the addresses its capture read.
 So (docs/ALGORITHMS.md, "Capturing whole step programs"):
@@ -395,8 +395,7 @@ class AsyncCapture:
         """Drop the events of the activations and gradients in the mailboxes (True with stage
         streams). Before a capture: they were recorded by the eager window before it, and a
         captured stream may not wait for uncaptured work (CUDA invalidates the capture:
-        "dependency created on uncaptured work in another stream", the H100 run of
-        2026-11-26); that window ended joined to the caller's stream, and the capture's
+        "dependency created on uncaptured work in another stream"); that window ended joined to the caller's stream, and the capture's
         stage streams fork from it, so the work they marked is ordered before anyway."""
         ex = self.ex
         if not ex.streams.separate:

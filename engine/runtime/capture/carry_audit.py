@@ -1,4 +1,4 @@
-"""The ring an asynchronous window needs, measured on a CPU (issue 23, item 1).
+"""The ring an asynchronous window needs, measured on a CPU.
 
 Why: capturing an asynchronous window (pb, PipeDream, 2BW) needs static slots for every
 tensor it carries across windows and a host state that advances by the same amount at every

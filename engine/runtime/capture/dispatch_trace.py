@@ -6,7 +6,7 @@ is roughly how many of them launch a kernel. Both can be observed on a CPU: a di
 sees every aten call (forward, autograd's backward, optimizer ops), with its tensors' storage
 addresses, whether it writes them, its non-tensor arguments and whether it reads a value back
 on the host. :mod:`engine.runtime.capture.audit` compares two recordings of a window for the
-capture preconditions; tests count the calls per action for the launch budget (issue 23).
+capture preconditions; tests count the calls per action for the launch budget.
 
 What a dispatch mode cannot see: work outside the dispatcher, i.e. the C++ CPU SGD loop
 (``engine._C.sgd_step_cpu``, set ``PE_CPU_LOOP=0`` to route those steps through torch ops,

@@ -4,7 +4,7 @@ Why: a pb window updates each stage several times (once per update group), and e
 the stage's scheduler after every update: the next update (and an in-kernel weight
 prediction) reads the new lr. Deferring the steps to after the window would change which lr
 those updates read; stepping the scheduler inside the window records its device writes
-(``fill_`` of a Tensor lr) with one window's values baked in. So (issue 23), for Tensor
+(``fill_`` of a Tensor lr) with one window's values baked in. So, for Tensor
 learning rates only:
 
 * before the window, :meth:`LrFeed.prepare` steps the scheduler ``n`` times on the host --

@@ -1,7 +1,7 @@
 """CUDA graphs of the stages' optimizer steps (``Pipeline(cuda_graphs=True)``).
 
-Why: a stage's update is one fused kernel launch per flat buffer plus ~0.1 ms of Python
-(option checks, dispatch, packing ~25 launch arguments). For small stages, and for pb with
+Why: a stage's update is one fused kernel launch per flat buffer plus the Python around it
+(option checks, dispatch, packing some 25 launch arguments). For small stages, and for pb with
 batch 1 where every micro-batch ends in an update at every stage, that host time is most of
 the update. A CUDA graph replays the recorded launches with one call.
 

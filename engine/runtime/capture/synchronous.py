@@ -1,7 +1,7 @@
 """Whole synchronous steps captured as one graph (``Pipeline(cuda_graphs="program")``).
 
 Why: a synchronous step driven from Python launches each forward, backward and update one
-at a time; on a GPU the host is the bottleneck (issue 23). A CUDA graph of the whole step --
+at a time; on a GPU the host is the bottleneck. A CUDA graph of the whole step --
 every stage's forwards, backwards and update -- replays it with one call. What capture
 needs, this module arranges (docs/ALGORITHMS.md, "Capturing whole step programs"):
 

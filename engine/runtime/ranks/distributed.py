@@ -315,7 +315,7 @@ class RankRuntime:
         """Post this step's receive of the loss message before the step's work (gloo).
 
         Why not a broadcast: a collective at the end of every step makes all ranks meet
-        (measured: ~7 ms a step with 4 ranks on 2 cores). A receive posted up front costs
+        (milliseconds a step where ranks share cores, docs/design-notes.md). A receive posted up front costs
         nothing while the step runs, and the first stage, which finishes last in most
         schedules, finds the message already there. Loss messages use their own tag, so they
         never match the gradients the last stage sends on the same pair of ranks.
@@ -356,7 +356,7 @@ class RankRuntime:
         it sends costs it a gloo post; down the chain a stage forwards while it waits for the
         next step's first activation, which comes after the verdict anyway. The same number of
         messages; measured against the star on the shared 2-core machine, not distinguishable
-        from noise (bench/README.md, issue 28)."""
+        from noise (bench/README.md, "The step boundary")."""
         if self.nccl:
             return self.nccl_verdict(loss, nonfinite, aborted)
         lay, tp = self.layout, self.transport

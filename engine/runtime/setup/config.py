@@ -30,10 +30,9 @@ __all__ = [
 ]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
-#: Activation recomputation by default: none. Measured (bench/recompute.py, README "Activation
-#: recomputation"): recomputing every stage but the last makes a 1F1B step 1.4-1.5x slower for
-#: 2.3-4.4x less activation memory; recompute where the activations do not fit. The CLI's
-#: ``--recompute`` default is this same constant.
+#: Activation recomputation by default: none. Recomputing trades step time for activation
+#: memory (README, "Activation recomputation", has the measurements): recompute where the
+#: activations do not fit. The CLI's ``--recompute`` default is this same constant.
 DEFAULT_CHECKPOINT = "never"
 TRANSPORTS = ("local", "gloo", "nccl")
 NONFINITE = ("raise", "skip", "skip_update")

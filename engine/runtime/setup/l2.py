@@ -143,9 +143,9 @@ def apply_l2(stages: Sequence[Any], streams: Any, fraction: float, owner: object
     if not got["ok"]:
         return _unsupported(state, str(got["reason"]), warn=True)
     # What the device holds now. It may differ from the request either way: rounded down
-    # (less than asked: the shares are split again) or up to its allocation granularity (an
-    # H100 reported 3,276,800 bytes for a request of 5,120: the shares stay as asked, and the
-    # set-aside reported is the device's, issue 22).
+    # (less than asked: the shares are split again) or up to its allocation granularity (a
+    # small request is granted megabytes: the shares stay as asked, and the set-aside
+    # reported is the device's).
     granted = int(got["granted_bytes"])
     if granted < sum(shares):
         shares = split_budget(granted, shares)

@@ -59,8 +59,8 @@ _NULL = contextlib.nullcontext()
 
 #: stages with at most this many weight bytes make a backward read the live weights by
 #: copying them into the forward's transient (one memcpy per backward) rather than through
-#: saved-tensor hooks (a Python call per saved tensor, ~16 per residual block): below ~1 MiB
-#: the copy is the cheaper of the two (pb, batch 1, S=8: 43 ms -> 35 ms a step on CPU)
+#: saved-tensor hooks (a Python call per saved tensor, some 16 per residual block): below
+#: about 1 MiB the copy is the cheaper of the two (docs/design-notes.md)
 REBASE_MAX_BYTES = 1 << 20
 
 

@@ -17,15 +17,12 @@ writes, that loop thread wakes -- and under the default policy the scheduler let
 thread preempt the running one, typically a stage's main thread in the middle of posting a
 send on the same connection, holding that connection's lock. The loop thread then finds the
 lock taken (gloo's handler only try-locks) and spins on ``epoll_wait`` until the main thread
-runs again: measured with ``perf stat`` on 4 ranks sharing 2 cores, 2,000-3,000 extra
-``epoll_wait`` calls per step and rank, up to 1 ms of CPU a step. SCHED_BATCH (``sched(7)``)
-is the policy for threads that should not preempt on wakeup; the loop thread still runs as
-soon as a core is free or the running thread blocks, which in a pipeline is within the
-step's next wait. Measured on that machine in alternating paired rounds against torch's
-schedules (bench/README.md, "gloo's network thread"): the engine's steps 11 % (1F1B) and
-17 % (GPipe) shorter; the same policy on torch's thread shortens torch's by about 8 %. On a
-machine with a free core per thread a waking thread finds an idle core, so the policy should
-change little there (not measured). Set ``ENGINE_GLOO_BATCH=0`` to keep the default policy.
+runs again, thousands of extra ``epoll_wait`` calls per step where ranks share cores.
+SCHED_BATCH (``sched(7)``) is the policy for threads that should not preempt on wakeup; the
+loop thread still runs as soon as a core is free or the running thread blocks, which in a
+pipeline is within the step's next wait. The measurements, with and without it:
+bench/README.md, "gloo's network thread". On a machine with a free core per thread a waking
+thread finds an idle core, so the policy should change little there. Set ``ENGINE_GLOO_BATCH=0`` to keep the default policy.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A clean end for the processes of a multi-process pipeline (issue 21, item 3).
+"""A clean end for the processes of a multi-process pipeline.
 
 Why: a process that exits without tearing its gloo group down leaves that group's C++ state
 (worker threads, the TCP transport's loop thread, communication still pending) to be torn
