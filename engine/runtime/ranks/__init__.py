@@ -15,6 +15,8 @@ Files:
   actions.
 - ``first_failure``: Which rank failed first: a note every rank of a multi-process pipeline can
   read.
+- ``in_transit``: Messages in transit at a step boundary: received at an asynchronous NCCL
+  step's end, saved with the in-flight state.
 - ``lane``: The runner of one rank: its lane of each compiled step program, sends and receives
   included.
 - ``mesh``: One DeviceMesh for the pipeline, data-parallel and tensor-parallel dimensions.

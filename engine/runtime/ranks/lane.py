@@ -29,7 +29,7 @@ never come), so:
   (``RANK_STOPPED``).
 
 Under NCCL a rank also receives, at the end of each asynchronous step, every message its
-neighbours sent in the step that it has not received yet (:meth:`RankLane._receive_in_transit`),
+neighbours sent in the step that it has not received yet (engine/runtime/ranks/in_transit.py),
 so no NCCL operation stays pending across a step boundary (transport/nccl.py says why).
 """
 
@@ -42,21 +42,22 @@ from typing import Any
 from torch import Tensor
 
 from engine.errors import NonFiniteLossError, PeerError, PeerStepError, PipelineInputError
-from engine.runtime.stage import trees
 from engine.runtime.exec.failures import Outcome, discard_partial
 from engine.runtime.ranks.first_failure import as_peer_error, begin, first, report
 from engine.runtime.exec.program import OP_NAMES, RB, RF, SB, SF, B, F, StepProgram, U, W
 from engine.runtime.exec.protocol import StepProtocol
 from engine.runtime.exec.result import StepResult, _Input
 from engine.runtime.stage.stage import DROPPED
+from engine.runtime.ranks.in_transit import InTransit
 from engine.runtime.ranks.transport.abort import Aborted, Dropped
 
 __all__ = ["RankLane"]
 
 
-class RankLane:
+class RankLane(InTransit):
     """The runner of one rank (module docstring): its lane of each compiled program, sends
-    and receives included; what it computes it hands on through per-stage outboxes."""
+    and receives included; what it computes it hands on through per-stage outboxes (and
+    what is in transit at a step boundary: :class:`InTransit`)."""
 
     #: a rank that stopped between two actions would leave its peers waiting for messages
     stops_between_actions = False
@@ -485,75 +486,3 @@ class RankLane:
         c = tp.arrived_scales.pop(i, None)
         if c is not None:
             self.p.loss_scaler.carried[(s, i)] = c
-
-    # ------------------------------------------------------------------ saving in flight
-
-    def _in_transit(self, channel: str) -> list[int]:
-        """Micro-batches whose ``channel`` message the neighbour sent in this segment's steps
-        so far and this rank has not received (the schedule says: both run the same programs;
-        a message is received within a few steps of its send, 4S+4 is ample)."""
-        p = self.p
-        s = self.s
-        peer = s - 1 if channel == "act" else s + 1
-        if not 0 <= peer < p.S:
-            return []
-        send, recv = (SF, RF) if channel == "act" else (SB, RB)
-        sent: set[int] = set()
-        got: set[int] = set()
-        for jj in range(max(0, p.j - 4 * p.S - 4), p.j):
-            prog, base = p.compiler.step(jj), jj * p.M
-            sent.update(base + rel for op, rel in prog.stages[peer] if op == send)
-            got.update(base + rel for op, rel in prog.stages[s] if op == recv)
-        return sorted(sent - got)
-
-    def _receive_in_transit(self) -> None:
-        """Receive now what the neighbours sent in this segment's steps and this rank has not
-        received, keeping it for its RF/RB op (the run does not change)."""
-        tp = self.transport
-        for channel in ("act", "grad"):
-            for mb in self._in_transit(channel):
-                if (channel, mb) not in self._early:  # (an earlier call received it)
-                    value = tp.recv(channel, self.s, mb)
-                    if channel == "grad" and self.p.flags is not None:
-                        self._flag_arrived(self.stage, tp, mb)
-                    if channel == "grad" and self.p.carry_scales:
-                        self._scale_arrived(self.s, tp, mb)
-                    # (kept even when None: a gradient whose only message was its flag was
-                    # received, and its RB must not post a second receive for it)
-                    self._early[(channel, mb)] = value
-
-    def wire_state(self) -> dict[str, Any]:
-        """Messages at a step boundary, for the in-flight state (:mod:`~engine.runtime.state.inflight`;
-        every rank calls it at the same step): what the neighbours sent and this rank has not
-        received is received now and kept for its RF/RB op (the run does not change), this
-        rank's own sends are waited for (its neighbours receive them in their call), and the
-        outbox holds what it will send. A rank loading the result starts with those."""
-        tp = self.transport
-        self._receive_in_transit()
-        tp.wait_sends()
-        mail = [("received", self._early), ("outbox", self._outbox)]
-        # the shapes the gradients of activations in flight travel with (a resumed rank has
-        # not seen those activations travel)
-        out: dict[str, Any] = {"shapes": tp.wire_shapes()}
-        for key, box in mail:
-            out[key] = []
-            for (c, mb), v in sorted(box.items()):
-                value, flags = trees.detached_copy(v)  # a tensor, or a tree of them
-                flag = self._out_flags.get((self.s, mb)) if key == "outbox" and c == "grad" else None
-                out[key].append({"channel": c, "mb": mb, "value": value, "grad": flags,
-                                 "flag": None if flag is None else flag.clone()})
-        return out
-
-    def load_wire_state(self, state: dict[str, Any]) -> None:
-        """Undo :meth:`wire_state` in a fresh rank: early receives, the outbox, and the shapes
-        of the activations in flight (older states have none: the agreed shapes then)."""
-        self._out_flags.clear()
-        self.transport.restore_wire_shapes(state.get("shapes", {}))
-        for key, box in (("received", self._early), ("outbox", self._outbox)):
-            box.clear()
-            device = self.transport.device  # (saved tensors load on the CPU)
-            for d in state[key]:
-                value = trees.map_tensors(lambda t: t.to(device), d["value"])
-                box[(d["channel"], d["mb"])] = trees.with_grad_flags(value, d["grad"])
-                if d.get("flag") is not None:
-                    self._out_flags[(self.s, d["mb"])] = d["flag"].to(self.transport.device)
