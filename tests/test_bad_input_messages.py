@@ -1,5 +1,5 @@
-"""The last bad inputs of issue 21, item 5: each gets an error naming the culprit and
-changes nothing -- an out-of-range class label (the stage and the micro-batch), a plain
+"""Bad inputs whose messages must name the culprit: each gets an error saying what is wrong
+and changes nothing -- an out-of-range class label (the stage and the micro-batch), a plain
 function as a stage, engine.save into a missing folder (the user's path), spike_compensation
 on a synchronous schedule (refused like delay_compensation), and the message slips (a batch
 size suggestion, a corrupted format field, a 1-D input, the tie error's schedule list)."""
