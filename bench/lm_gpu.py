@@ -21,7 +21,7 @@ around every block):
   ``on_nonfinite="skip_update"``; against the unsplit model trained by a plain micro-batch
   accumulation loop (per step M forwards under autocast, backwards of loss/M, one fused
   ``torch.optim.AdamW`` step) captured as one CUDA graph (``harness.whole_step_graph``) --
-  the same math (tests/test_bench_lm_gpu.py checks one engine step against one loop step
+  the same math (tests/bench/test_bench_lm_gpu.py checks one engine step against one loop step
   on CPU). Goals: captured engine <= 1.05x the captured loop's step time at <= 1.1x its
   peak memory.
 * ``pb``: pb with spike compensation and linear weight prediction (AdamW with

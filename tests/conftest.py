@@ -74,7 +74,7 @@ def sigint_default() -> Iterator[None]:
     inherits SIGINT as ignored, and Python then installs no handler; the engine leaves an
     ignored SIGINT ignored (engine/runtime/exec/interrupts.py). A test that sends itself a
     Ctrl-C, or checks the handler a step restores, sets the handler it relies on with this
-    fixture (tests/test_interrupts.py checks that every such module does).
+    fixture (tests/runtime/test_interrupts.py checks that every such module does).
     """
     if threading.current_thread() is not threading.main_thread():  # pragma: no cover
         pytest.skip("SIGINT handlers can only be set from the main thread")

@@ -10,7 +10,7 @@ barrier) before every fp32 store; at 4 per thread every tensor shares one layout
 bf16/fp16 64-bit accesses, still fully coalesced) and nothing is exchanged between threads.
 Under ``TRITON_INTERPRET=1`` every program instance costs milliseconds of Python, so the
 launcher uses a large block there; tests can pass a small one to exercise the multi-program
-path. tests/test_triton_aot.py compiles every variant for sm_90 and checks these widths.
+path. tests/kernels/test_triton_aot.py compiles every variant for sm_90 and checks these widths.
 
 ``cast_rne`` exists because the interpreter converts fp32 to bf16 by truncation while
 GPUs and torch round to nearest even: doing the rounding with integer ops gives the same bits

@@ -3,7 +3,7 @@
 Why generated: the LM task must give the same bytes on every machine, work offline and ship
 nothing large. A grammar driven by a fixed integer generator (splitmix64, pure Python
 integer arithmetic, so no library or platform can change the stream) produces the text, and
-``tests/test_lm.py`` checks its sha256. Licence: the text is produced by this project's own
+``tests/demo/test_lm.py`` checks its sha256. Licence: the text is produced by this project's own
 code (the project's licence); no third-party text is involved.
 
 What it contains, so that there is structure to learn at several ranges: sentences with

@@ -62,7 +62,7 @@ def default_stage_streams(on_cuda: bool, l2: bool, captured_async: bool = False)
     eager, the kernels at batch 1 are too short for stages to overlap, and each hand-off
     costs an event record and a stream wait on the host, so streams lose (the measurements:
     bench/README.md, "Captured step programs on one H100"). Synchronous schedules captured
-    with stage streams are exact (tests/test_stream_events.py) but their speed is not
+    with stage streams are exact (tests/runtime/test_stream_events.py) but their speed is not
     measured: off there, as eager; ``cuda_streams=True`` turns them on anywhere."""
     return on_cuda and (l2 or captured_async)
 

@@ -5,7 +5,7 @@ gradients before they are added into the arena's flat gradient buffers (4 MiB fo
 1024 x 1024 layer, per micro-batch), activations, input gradients. glibc's allocator serves
 blocks above its mmap threshold with fresh mappings and returns the top of the heap to the
 OS when enough of it is free; either way the next step touches those pages again and takes
-a minor page fault per 4 KiB, thousands per step (tests/test_runtime_memory.py counts
+a minor page fault per 4 KiB, thousands per step (tests/runtime/test_runtime_memory.py counts
 them). With the mmap threshold fixed at 32 MiB and the trim
 threshold at 1 GiB, freed blocks stay in the heap and the steady state faults no pages.
 

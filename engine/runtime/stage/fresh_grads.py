@@ -4,7 +4,7 @@ Why: a stage's parameters keep their ``.grad`` as views of the arena's flat grad
 for the stage's whole life, so autograd's AccumulateGrad adds every new gradient in place:
 one ``add_`` launch per parameter and micro-batch, where a plain loop with
 ``zero_grad(set_to_none=True)`` launches none (a large share of a pb batch-1 step's launches:
-tests/test_launch_counts.py counts them). Here, around a backward, the parameters'
+tests/runtime/capture/test_launch_counts.py counts them). Here, around a backward, the parameters'
 ``.grad`` are set to None, so AccumulateGrad hands each new gradient over without a launch
 (post-accumulate hooks still fire), and afterwards every ``.grad`` points at its view again
 and the new gradients are added with one ``torch._foreach_add_``: the same elementwise

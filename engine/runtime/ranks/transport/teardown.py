@@ -18,7 +18,7 @@ then, if the engine created the default process group
 ``torch.distributed.nn.functional`` captured (:func:`release_captured_world`) and destroys
 it. With no reference left the group's C++ object dies right there: the gloo threads are
 joined on the main thread while the interpreter is still whole (checked by
-tests/test_clean_exit.py: no gloo or store thread is left after the teardown). A group the
+tests/runtime/ranks/test_clean_exit.py: no gloo or store thread is left after the teardown). A group the
 user created stays theirs to destroy; its pending work is still settled. Without
 torchrun's agent rank 0 also waits (bounded) for the other ranks to reach their exit, since
 its process hosts the store they read the first failure from (:func:`exit_rendezvous`).

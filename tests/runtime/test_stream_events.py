@@ -6,7 +6,7 @@ dependencies: one event per hand-off between stages (an activation to the next s
 gradient to the previous one), one event on the caller's stream that every stage waits for
 (inputs, weights the caller wrote), and one wait per stage for the caller before it reads
 the losses; no polling; and no ``record_stream`` (the allocator's polled events): handed-over
-tensors are held until the next step's start instead (tests/test_stream_memory.py).
+tensors are held until the next step's start instead (tests/runtime/test_stream_memory.py).
 """
 
 from __future__ import annotations

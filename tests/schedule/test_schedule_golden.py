@@ -3,7 +3,7 @@
 A change to a generator shows up as a diff of these files in review. To regenerate them
 after an intended change, run
 
-    ENGINE_REGEN_GOLDEN=1 python3 -m pytest tests/test_schedule_golden.py
+    ENGINE_REGEN_GOLDEN=1 python3 -m pytest tests/schedule/test_schedule_golden.py
 
 and review the diff of tests/golden/schedules/ before committing.
 """

@@ -1,6 +1,6 @@
 """Importing a bench/ script leaves the importer's environment as it was.
 
-Why: on the GPU machine, pytest collects tests/test_bench_host_cost.py, which loads
+Why: on the GPU machine, pytest collects tests/bench/test_bench_host_cost.py, which loads
 bench/host_cost.py; that script used to set TRITON_INTERPRET=1 at import, so every Triton
 kernel module the same worker imported afterwards ran through the interpreter on CUDA
 tensors (nine Adam/AMSGrad tests failed with "Cannot call @triton.jit'd outside of the

@@ -60,7 +60,7 @@ def test_bad_declarations_are_refused(ties: Any, match: str) -> None:
 
 def test_declared_tie_on_an_asynchronous_schedule_carries_the_owner_value() -> None:
     """pipedream: the declared head leaves its module and reads the owner's value, so the
-    run equals the object-tied one bit for bit (tests/test_runtime_ties_async.py)."""
+    run equals the object-tied one bit for bit (tests/runtime/ties/test_runtime_ties_async.py)."""
     pipe = Pipeline(tied_factories(3, head_seed=5), ties=declaration(3), **_kw("pipedream"))
     ref = Pipeline(tied_stages(3), **_kw("pipedream"))
     assert pipe.ties[0].carried and "weight" not in dict(pipe.stages[2].module.named_parameters())

@@ -167,9 +167,9 @@ def test_every_test_module_that_uses_sigint_sets_its_handler() -> None:
 
 # The local tests that send SIGINT; test_distributed_failures' workers take minutes.
 _SIGINT_TESTS = [
-    "tests/test_interrupts.py",
-    "tests/test_runtime_capture.py::test_ctrl_c_during_a_replay_finishes_the_step_then_raises",
-    "tests/test_capture_async.py::test_ctrl_c_during_a_replay_finishes_the_step_then_raises",
+    "tests/runtime/test_interrupts.py",
+    "tests/runtime/capture/test_runtime_capture.py::test_ctrl_c_during_a_replay_finishes_the_step_then_raises",
+    "tests/runtime/capture/test_capture_async.py::test_ctrl_c_during_a_replay_finishes_the_step_then_raises",
 ]
 _STARTED_IGNORING = (
     "import signal, sys, pytest\n"

@@ -3,7 +3,7 @@
 On a GPU machine conftest.py leaves TRITON_INTERPRET unset, so Triton compiles the kernels
 and refuses CPU tensors: a test that builds a ``fused=True`` optimizer over a CPU model passes
 in CPU CI (interpreter on) and fails on the GPU. That once cost 36 failures in
-tests/test_optim_fused.py. Running the kernel test modules here with TRITON_INTERPRET=0 puts
+tests/optim/test_optim_fused.py. Running the kernel test modules here with TRITON_INTERPRET=0 puts
 them in the same "compiled Triton" state with no GPU: each test must then run on the
 kernel-test device (tests/kernel_support.py) and skip with its reason, never fail.
 """

@@ -1,7 +1,7 @@
 """Profiler labels cost nothing when no profiler records: an action enters record_function
 (a dispatcher round trip on enter and exit, ~25 us per action measured on 2 cores) only while
 a profiler is on. With one, every action keeps its 'stage{s}/{kind}{n}' label
-(tests/test_runtime_sync.py::test_record_function_labels)."""
+(tests/runtime/test_runtime_sync.py::test_record_function_labels)."""
 
 from __future__ import annotations
 

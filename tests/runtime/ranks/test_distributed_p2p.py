@@ -4,7 +4,7 @@ steps. gloo's ``Work.is_completed()`` stays False until ``wait()``, so a list pr
 it grows forever; these counts would catch that.
 
 Cost: one 3-process spawn, ~10 s on 2 cores. (Bit-exact equality with the local run, which
-the posted-ahead receives must not change, is tests/test_distributed_gloo.py's.)
+the posted-ahead receives must not change, is tests/runtime/ranks/test_distributed_gloo.py's.)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""README's examples mean what they say, beyond running (tests/test_doc_blocks.py runs every
+"""README's examples mean what they say, beyond running (tests/docs/test_doc_blocks.py runs every
 Python block as pasted): the hand-written schedule text is accepted and equals the built-in
 family it claims to equal, and the transformer keeps its tie and equals the unpipelined model."""
 

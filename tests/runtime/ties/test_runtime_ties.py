@@ -1,7 +1,7 @@
 """Tied parameters across stages (engine/runtime/ties/groups.py): a token embedding whose weight is
 also the output head. Synchronous schedules train it as the unpipelined tied model does, with
 the holders' copies bitwise equal, also when the head holds the embedding *module*;
-asynchronous schedules carry the owner's value (tests/test_runtime_ties_async.py); gloo equals
+asynchronous schedules carry the owner's value (tests/runtime/ties/test_runtime_ties_async.py); gloo equals
 the local run bit for bit."""
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def test_shared_modules_that_cannot_be_one_tie_are_refused() -> None:
 @pytest.mark.parametrize("schedule", ASYNC)
 def test_asynchronous_schedules_carry_the_tie(schedule: str) -> None:
     """The head's parameter leaves its module: the owner's value is carried to it
-    (tests/test_runtime_ties_async.py checks the numbers)."""
+    (tests/runtime/ties/test_runtime_ties_async.py checks the numbers)."""
     stages = tied_stages(3)
     pipe = Pipeline(stages, schedule=schedule, chunks=M, loss_fn=nn.functional.cross_entropy,
                     optimizer=_optimizer)

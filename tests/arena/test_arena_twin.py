@@ -5,7 +5,7 @@ hand, and a race in it, or in a test of it, shows only now and then on one (H100
 workers: test_cuda_release_... passed, then failed with the same code). A traced CPU arena
 runs that same logic and logs its CUDA calls; ArenaTwin replays them on a happens-before
 model of the device next to what each CUDA test does on its streams. Each CUDA test of
-tests/test_arena.py that orders streams has its twin here, run with events that are still
+tests/arena/test_arena.py that orders streams has its twin here, run with events that are still
 pending (every wait enqueued) and already done (waits skipped), and the twin of the old form
 of the release test shows the race it had.
 """

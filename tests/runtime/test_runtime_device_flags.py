@@ -245,7 +245,7 @@ def test_refusals_name_what_is_wrong() -> None:
             optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
         )
     assert all(torch.equal(a, p) for a, p in zip(before, (p for m in stages for p in m.parameters()), strict=True))
-    # (under gloo/NCCL the flags travel with the gradients: tests/test_distributed_gloo.py)
+    # (under gloo/NCCL the flags travel with the gradients: tests/runtime/ranks/test_distributed_gloo.py)
     spec = _pipe("pb", "skip").spec
     assert check_skip_update(spec, []) is True
     # a synchronous schedule checks the step's losses once before its update phase: any optimizer
@@ -416,7 +416,7 @@ def test_step_graphs_replay_the_skip() -> None:
     """With the step replayed from a (CUDA) graph, found_inf is a launch argument like any
     buffer: the accumulator is one persistent tensor, so the key repeats and skipped and
     applied updates replay from the same graph. On CPU a recorder stands in for the graph
-    (tests/test_runtime_graphs.py); bitwise the run without graphs."""
+    (tests/runtime/capture/test_runtime_graphs.py); bitwise the run without graphs."""
     from test_runtime_graphs import Recorder
 
     from engine.runtime.capture.optimizer_graphs import StepGraphs

@@ -86,8 +86,8 @@ def test_each_phase_lists_its_commands_and_writes_nothing(tmp_path: Path) -> Non
     assert build["build/info"][1:] == ["-m", "engine", "info"]
     # after the build: the arena, its bindings' error paths and the libstdc++ check
     build_files = [a for a in build["build/pytest-build"] if a.startswith("tests/")]
-    assert build_files == ["tests/test_arena.py", "tests/test_arena_bindings.py",
-                           "tests/test_build.py"]
+    assert build_files == ["tests/arena/test_arena.py", "tests/arena/test_arena_bindings.py",
+                           "tests/tooling/test_build.py"]
     assert f"--junitxml={out}/build/junit-build.xml" in build["build/pytest-build"]
 
     test = listed["test"]

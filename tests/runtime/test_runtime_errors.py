@@ -270,7 +270,7 @@ def test_nonfinite_async_drops_microbatch_everywhere(schedule: str, mode: str) -
 
 
 def test_stages_must_not_be_one_module_object() -> None:
-    """Tied parameters and shared submodules are ties (tests/test_runtime_ties.py); one
+    """Tied parameters and shared submodules are ties (tests/runtime/ties/test_runtime_ties.py); one
     module object as two whole stages is refused, with how to tie instead."""
     lin = nn.Linear(4, 4)
     with pytest.raises(PipelineConfigError, match=r"stage 1 is the module of stage 0 \(Linear\).*uses the shared one"):
