@@ -22,8 +22,8 @@ FIXTURE = "from kernel_support import DEVICE, _on_device\n"
 
 def gpu_test_files() -> list[Path]:
     ci = (TESTS.parent / ".ci" / "gpu").read_text()
-    named = {TESTS.parent / m for m in re.findall(r"tests/test_\w+\.py", ci)}
-    marked = {p for p in TESTS.glob("test_*.py")
+    named = {TESTS.parent / m for m in re.findall(r"tests/[\w/]*test_\w+\.py", ci)}
+    marked = {p for p in TESTS.rglob("test_*.py")
               if re.search(r"mark\.cuda|\b_on_device\b|device=\"cuda\"|\"cuda\"", p.read_text())}
     return sorted(named | marked)
 

@@ -1009,7 +1009,7 @@ def test_arena_lives_with_its_params_and_is_collected_with_them() -> None:
 
 # ----------------------------------------------------------------------------- bench/l2_persistence.py
 
-BENCH = __import__("pathlib").Path(__file__).resolve().parents[1] / "bench" / "l2_persistence.py"
+BENCH = __import__("pathlib").Path(__file__).resolve().parents[2] / "bench" / "l2_persistence.py"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit path")

@@ -24,7 +24,7 @@ import torch
 
 from engine import _C
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CUDA_BUILD = bool(_C.build_info()["cuda"])
 MISSING = 99  # a slot id / bucket index that does not exist
 

@@ -17,7 +17,7 @@ from torch import nn
 from engine.runtime.capture.synchronous import use_backend
 from engine.runtime.capture.graph_twin import RecordingTwin
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import pipeline_capture_gpu as bench  # noqa: E402
 

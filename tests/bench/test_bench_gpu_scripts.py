@@ -21,7 +21,7 @@ import pytest
 import torch
 from bench_support import load_bench
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit path")
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from bench_support import load_bench
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 
 harness = load_bench("harness")

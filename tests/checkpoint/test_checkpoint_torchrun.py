@@ -15,7 +15,7 @@ import pytest
 import torch
 from bench_support import load_bench
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from engine.__main__ import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = [
     "--dataset",
     "iris",

@@ -15,7 +15,7 @@ import pytest
 import engine.cli.train
 from engine.__main__ import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = ["--dataset", "iris", "--layers", "4", "--width", "8", "--stages", "2", "--chunks", "2"]
 
 # `python -m engine ARGV...` as if `module` were not installed: a finder placed first on

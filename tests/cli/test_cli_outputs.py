@@ -14,7 +14,7 @@ import torch
 
 from engine.__main__ import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = ["--dataset", "iris", "--layers", "4", "--width", "8", "--batch-size", "4",
         "--evals-per-epoch", "1", "--no-progress", "--stages", "2", "--epochs", "1"]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from doc_blocks import Block, DirectiveError, fences, python_blocks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCKS = [b for path in DOCS for b in python_blocks(path)]
 

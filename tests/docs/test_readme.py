@@ -12,7 +12,7 @@ from doc_blocks import fences
 
 import engine
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _blocks(lang: str) -> list[str]:

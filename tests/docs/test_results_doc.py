@@ -13,7 +13,7 @@ import torch
 from bench_support import load_bench
 
 rd = load_bench("results_doc")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEADER = "| method | S | final acc | samples/s | bubble |\n|---|---|---|---|---|\n"
 
 

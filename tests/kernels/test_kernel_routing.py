@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 # every module that may launch kernels: builds fused=True optimizers or imports triton_kernels
 # (not the helpers, nor the ahead-of-time compile test, which compiles for sm_90 and launches
 # nothing and takes minutes)
@@ -34,7 +34,7 @@ KNOWN_FAILING: list[str] = []
 
 def kernel_modules() -> list[Path]:
     found = sorted(
-        p for p in TESTS.glob("*.py")
+        p for p in TESTS.rglob("*.py")
         if p.name not in _NOT_LAUNCHING and _LAUNCHES.search(p.read_text())
     )
     names = {p.name for p in found}

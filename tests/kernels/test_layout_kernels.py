@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ROOT / "triton_kernels"  # installed as engine.triton_kernels (setup.py package_dir)
 LEAF = ROOT / "engine" / "update_rules.py"
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DTYPES = ("float32", "bfloat16", "float16")
 BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
 N_ARENA = 4096  # arena buckets are padded to the alignment: n is a multiple of 16

@@ -22,7 +22,7 @@ import engine.optim as eo
 from engine import arena
 from engine.optim import cpu_loop, functional
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 GRAIN = 32768  # the loop's at::parallel_for grain

@@ -28,7 +28,7 @@ pytestmark = [
     pytest.mark.skipif(not hasattr(os, "kill"), reason="needs os.kill"),
     pytest.mark.usefixtures("sigint_default"),
 ]
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 class _Sigint(nn.Module):
@@ -159,7 +159,7 @@ def test_every_test_module_that_uses_sigint_sets_its_handler() -> None:
     """A module that sends SIGINT or checks its handler requests ``sigint_default`` (or, in
     a spawned worker, sets the default handler itself); otherwise it fails only when the
     suite runs in the background."""
-    users = [p for p in sorted(TESTS.glob("*.py"))
+    users = [p for p in sorted(TESTS.rglob("*.py"))
              if p.name != "conftest.py" and _SIGINT_USE.search(p.read_text())]
     assert {"test_interrupts.py", "test_runtime_capture.py"} <= {p.name for p in users}
     assert [p.name for p in users if not _SETS_ITS_HANDLER.search(p.read_text())] == []
@@ -181,7 +181,8 @@ _STARTED_IGNORING = (
 def test_the_sigint_tests_pass_in_a_process_that_ignores_sigint() -> None:
     """As under ``nohup pytest ... &``: the child inherits SIGINT as ignored (checked in the
     child before pytest starts) and the tests that send SIGINT pass as in the foreground."""
-    this = f"tests/{Path(__file__).name}::{test_the_sigint_tests_pass_in_a_process_that_ignores_sigint.__name__}"
+    this = (f"{Path(__file__).resolve().relative_to(TESTS.parent)}::"
+            f"{test_the_sigint_tests_pass_in_a_process_that_ignores_sigint.__name__}")
     proc = subprocess.run(
         [sys.executable, "-c", _STARTED_IGNORING, "-q", "-p", "no:cacheprovider",
          "-o", "addopts=--strict-markers", f"--deselect={this}", *_SIGINT_TESTS],

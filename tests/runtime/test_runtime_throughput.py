@@ -15,7 +15,7 @@ from torch import nn
 from engine import Pipeline
 from engine.runtime.state.throughput import batch_size
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_counts_samples_and_tokens() -> None:

@@ -121,7 +121,7 @@ def test_a_trace_never_entered_warns_and_writes_nothing(tmp_path: Path) -> None:
 
 
 def test_readme_features_snippet_runs(tmp_path: Path, monkeypatch: Any) -> None:
-    readme = Path(__file__).resolve().parents[1] / "README.md"
+    readme = Path(__file__).resolve().parents[2] / "README.md"
     text = readme.read_text()
     start = text.index("## Clipping, mixed precision, offload, traces")
     block = text[start:].split("```python\n", 1)[1].split("```", 1)[0]

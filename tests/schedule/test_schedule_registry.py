@@ -50,7 +50,7 @@ def test_variants_cover_every_order() -> None:
 def test_one_list_of_names_everywhere() -> None:
     """The API's error, the command line, README and ALGORITHMS.md list the catalog's families
     in the catalog's order (the API's message: tests/schedule/test_schedule_auto.py)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     readme = root.joinpath("README.md").read_text()
     listed = readme.split("same thirteen in the same order):", 1)[1].split("; or", 1)[0]
     assert tuple(re.findall(r"`([\w-]+)`", listed)) == NAMES

@@ -75,7 +75,7 @@ def test_import_is_light() -> None:
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
-        cwd=Path(__file__).parent.parent,
+        cwd=Path(__file__).parents[2],
         check=True,
     )
     assert out.stdout.strip() == "False False"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CU_SOURCES = sorted((ROOT / "csrc" / "cuda").glob("*.cu"))
 
 
@@ -222,7 +222,7 @@ def test_the_post_build_check_fails_a_static_module(tmp_path: Path) -> None:
     src.write_text("#include <string>\nstd::string f() { return std::string(40, 'x'); }\n")
     lib = tmp_path / "libx.so"
     subprocess.run([_static_wrapper(tmp_path), "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
-    script = Path(__file__).resolve().parents[1] / "engine" / "tooling/cxx_runtime.py"
+    script = Path(__file__).resolve().parents[2] / "engine" / "tooling/cxx_runtime.py"
     bad = subprocess.run([sys.executable, str(script), str(lib)], capture_output=True, text=True)
     assert bad.returncode == 1 and "statically" in bad.stderr and "CXX=" in bad.stderr
     good = subprocess.run([sys.executable, str(script), _C.__file__], capture_output=True, text=True)

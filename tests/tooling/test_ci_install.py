@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SPEC = importlib.util.spec_from_file_location("build_stamp", ROOT / ".ci" / "build_stamp.py")
 stamp = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(stamp)

@@ -40,7 +40,7 @@ pytestmark = [
     pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
 ]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 SCRIPT = textwrap.dedent(
     """
     import atexit, os, sys

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from distributed_support import configs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 R = 4
 
 
