@@ -93,6 +93,26 @@ def test_the_needed_reader_tells_a_static_libstdcxx(static: bool, tmp_path: Path
     assert report == "shared" if not static else report.startswith("STATIC") and "CXX=" in report
 
 
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="needs binutils' readelf")
+def test_the_needed_reader_agrees_with_readelf() -> None:
+    """The module's own ELF reader (kept because readelf and pyelftools are not guaranteed
+    where it runs: docs/DESIGN.md) reads what binutils reads, on the extension and on
+    libraries of the system and of torch."""
+    import re
+
+    import torch
+
+    from engine import _C
+    from engine.tooling.cxx_runtime import needed_libraries
+
+    torch_lib = Path(torch.__file__).parent / "lib"
+    files = [Path(_C.__file__), *sorted(torch_lib.glob("libc10.so"))]
+    for f in files:
+        out = subprocess.run(["readelf", "-d", "-W", str(f)], capture_output=True, text=True,
+                             check=True).stdout
+        assert needed_libraries(f) == re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]", out), f
+
+
 def test_the_needed_reader_refuses_what_it_cannot_read(tmp_path: Path) -> None:
     from engine.tooling.cxx_runtime import needed_libraries
 
