@@ -2,14 +2,16 @@
 
 Why one place: a renamed option or a moved module is public API; the old spelling keeps
 working with a DeprecationWarning that names the new spelling and the release that removes
-the old one, and every such warning says it the same way, pointing at the user's line.
+the old one, pointing at the user's line.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import warnings
+from typing import Any
 
 __all__ = ["REMOVED_IN", "deprecated", "moved"]
 
@@ -39,7 +41,11 @@ def deprecated(old: str, new: str) -> None:
                   DeprecationWarning, stacklevel=_caller_level())
 
 
-def moved(old: str, new: str) -> None:
-    """Warn that module ``old`` is now ``new``."""
+def moved(old: str, new: str, namespace: dict[str, Any]) -> list[str]:
+    """Module ``old`` (its ``namespace``) is now ``new``: warn, fill the namespace with the new
+    module's public names and return them (the old module's ``__all__``)."""
+    module = importlib.import_module(new)
     warnings.warn(f"{old} moved to {new}; import it from there ({old} is removed in {REMOVED_IN})",
                   DeprecationWarning, stacklevel=_caller_level())
+    namespace.update({name: getattr(module, name) for name in module.__all__})
+    return list(module.__all__)

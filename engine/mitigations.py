@@ -37,18 +37,7 @@ def is_real_number(x: Any) -> bool:
 class DelayOptions:
     """The delay keywords of an engine optimizer, with their defaults (per param group, like
     ``lr``: the pipeline writes each stage's ``delay``, a group may override any of them).
-
-    Attributes:
-        delay: D_s, updates between a micro-batch's forward and the update of its gradient.
-        spike_compensation: SC_D (Kosson et al.) with D = ``delay``.
-        prediction: None, ``"linear"`` or ``"momentum"``: the form of the predicted weights
-            (:meth:`~engine.optim.DelayOptimizer.predicted_weights`).
-        prediction_horizon: H; None means the group's delay.
-        discrepancy_correction: keep PipeMare T2's delta
-            (:meth:`~engine.optim.DelayOptimizer.backward_weights`).
-        correction_decay: PipeMare's D_decay, in (0, 1).
-        delay_compensation: DC-ASGD's lambda, >= 0 (0: off).
-    """
+    What each means: ``engine.optim.SGD``'s docstring and ALGORITHMS.md."""
 
     delay: int = 0
     spike_compensation: bool = False

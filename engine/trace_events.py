@@ -14,8 +14,7 @@ import json
 import os
 from typing import Any
 
-__all__ = ["complete", "document", "process_name", "thread_name", "thread_sort_index",
-           "validate", "write"]
+__all__ = ["complete", "document", "metadata", "validate", "write"]
 
 Event = dict[str, Any]
 
@@ -28,17 +27,10 @@ def complete(name: str, cat: str, ts: float, dur: float, pid: int, tid: int,
             "args": args}
 
 
-def process_name(pid: int, name: str) -> Event:
-    return {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}}
-
-
-def thread_name(pid: int, tid: int, name: str) -> Event:
-    return {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
-
-
-def thread_sort_index(pid: int, tid: int, index: int) -> Event:
-    return {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
-            "args": {"sort_index": index}}
+def metadata(kind: str, pid: int, tid: int = 0, **args: Any) -> Event:
+    """A metadata event: ``process_name``/``thread_name`` (``name=``), ``thread_sort_index``
+    (``sort_index=``)."""
+    return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": args}
 
 
 def document(events: list[Event], other: dict[str, Any] | None = None) -> dict[str, Any]:

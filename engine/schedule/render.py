@@ -167,10 +167,11 @@ def chrome_trace(
     """
     report = analyze(schedule, costs)
     tl = report.timeline
-    events = [trace_events.process_name(0, schedule.name)]
+    meta = trace_events.metadata
+    events = [meta("process_name", 0, name=schedule.name)]
     for s in range(schedule.stages):
-        events += [trace_events.thread_name(0, s, f"stage {s}"),
-                   trace_events.thread_sort_index(0, s, s)]
+        events += [meta("thread_name", 0, s, name=f"stage {s}"),
+                   meta("thread_sort_index", 0, s, sort_index=s)]
         for i, a in enumerate(schedule.actions[s]):
             if a.kind not in _CATEGORY:
                 continue

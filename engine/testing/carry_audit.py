@@ -1,7 +1,4 @@
-"""Moved to :mod:`engine.runtime.capture.carry_audit` (the capture wing); removed in 0.3."""
-
+"""Moved to :mod:`engine.runtime.capture.carry_audit`; this name is removed in 0.3."""
 from engine._deprecation import moved
-from engine.runtime.capture.carry_audit import *  # noqa: F403
-from engine.runtime.capture.carry_audit import __all__  # noqa: F401
 
-moved(__name__, "engine.runtime.capture.carry_audit")
+__all__ = moved(__name__, "engine.runtime.capture.carry_audit", globals())

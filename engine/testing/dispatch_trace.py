@@ -1,7 +1,4 @@
-"""Moved to :mod:`engine.runtime.capture.dispatch_trace` (the capture wing); removed in 0.3."""
-
+"""Moved to :mod:`engine.runtime.capture.dispatch_trace`; this name is removed in 0.3."""
 from engine._deprecation import moved
-from engine.runtime.capture.dispatch_trace import *  # noqa: F403
-from engine.runtime.capture.dispatch_trace import __all__  # noqa: F401
 
-moved(__name__, "engine.runtime.capture.dispatch_trace")
+__all__ = moved(__name__, "engine.runtime.capture.dispatch_trace", globals())

@@ -205,6 +205,9 @@ _PLAIN = (bool, str, type(None), float)
 MEASURED = frozenset({"busy_ns", "clock", "memory_held", "memory_ready", "memory_clean",
                       "memory_to_caller"})
 
+#: modules of CPU stand-ins for the device (fingerprint leaves their objects opaque)
+_DEVICE_STAND_INS = ("engine.testing", "engine.runtime.capture.graph_twin")
+
 
 def fingerprint(root: Any) -> Any:
     """The host state reachable from ``root`` through engine objects, dicts, lists, tuples
@@ -230,9 +233,9 @@ def fingerprint(root: Any) -> Any:
         if isinstance(v, (set, frozenset)):
             return ("set", tuple(sorted((walk(x) for x in v), key=_order)))
         mod = type(v).__module__ or ""
-        # (engine.testing's stand-ins -- fake streams and events -- are the device's, not
-        # the host's bookkeeping, as torch.cuda.Event objects are)
-        if not mod.startswith("engine.") or mod.startswith("engine.testing") or \
+        # (the CPU stand-ins -- fake streams and events, graph twins -- are the device's,
+        # not the host's bookkeeping, as torch.cuda.Event objects are)
+        if not mod.startswith("engine.") or mod.startswith(_DEVICE_STAND_INS) or \
                 callable(v) and not hasattr(v, "__dict__"):
             return ("opaque", type(v).__qualname__)
         if id(v) in seen:

@@ -29,6 +29,7 @@ import torch.optim.optimizer as _torch_optimizer
 from torch import Tensor
 
 from engine.optim.flat import FlatBinding
+from engine.optim.functional import prediction_coeff
 from engine.runtime.stage import labels
 from engine.runtime.stage.device_flags import SkipFlags
 
@@ -284,12 +285,10 @@ class OptimizerBridge:
             if mom is None or h == 0:
                 out.copy_(p.detach())
                 continue
-            m = float(group.get("momentum", 0.0))
-            coeff = h if group.get("prediction", "linear") != "momentum" else sum(
-                m**j for j in range(1, int(h) + 1)
-            )
             lr = float(group["lr"]) * float(group.get("lr_scale", 1.0))
-            torch.add(p.detach(), mom, alpha=-lr * coeff, out=out)
+            coeff = prediction_coeff(group.get("prediction") or "linear", lr,
+                                     float(group.get("momentum", 0.0)), h)
+            torch.add(p.detach(), mom, alpha=-coeff, out=out)
 
     def write_backward_weights(self, store: WeightStore, buf: int) -> None:
         """PipeMare T2's w - tau_s * delta into buffer ``buf`` (live weights where no delta)."""

@@ -67,8 +67,9 @@ class Timeline:
             name, cat, (t0 - self.origin) / 1000.0, (t1 - t0) / 1000.0, self.rank, stage, args))
 
     def metadata(self) -> list[dict[str, Any]]:
-        return [trace_events.process_name(self.rank, f"rank {self.rank}"),
-                *(trace_events.thread_name(self.rank, s, f"stage {s}") for s in sorted(self.stages))]
+        meta = trace_events.metadata
+        return [meta("process_name", self.rank, name=f"rank {self.rank}"),
+                *(meta("thread_name", self.rank, s, name=f"stage {s}") for s in sorted(self.stages))]
 
 
 #: the timeline being recorded, or None (the hot path checks only this)
