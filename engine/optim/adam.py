@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from engine.optim import lr_values
-from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _functional, _is_real_number
-from engine.optim.options import DelayOptions, scalar, takes_delay_options
+from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _functional
+from engine.optim.options import DelayOptions, is_real_number, scalar, takes_delay_options
 
 __all__ = ["Adam", "AdamW"]
 
@@ -98,7 +98,7 @@ class _AdamBase(DelayOptimizer):
                 if b.numel() != 1:
                     raise ValueError(f"{where}Tensor betas[{i}] must be 1-element")
                 value = float(b.detach())
-            elif _is_real_number(b):
+            elif is_real_number(b):
                 value = float(b)
             else:
                 raise TypeError(f"{where}betas[{i}]={b!r} is invalid: it must be a float")
@@ -111,7 +111,7 @@ class _AdamBase(DelayOptimizer):
             if not isinstance(group[name], bool):
                 raise TypeError(f"{where}{name}={group[name]!r} is invalid: it must be True or False")
         eps = group["eps"]
-        if not (_is_real_number(eps) and eps >= 0.0):
+        if not (is_real_number(eps) and eps >= 0.0):
             raise ValueError(f"{where}eps={eps!r} is invalid: it must be a float >= 0")
         if not isinstance(group.get("amsgrad", False), bool):  # NAdam has no amsgrad
             raise TypeError(f"{where}amsgrad={group['amsgrad']!r} is invalid: it must be True or False")

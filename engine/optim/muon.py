@@ -27,9 +27,9 @@ import torch
 from torch import Tensor
 
 from engine.optim import functional_muon as fm
-from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _is_real_number
+from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer
 from engine.optim.flat import FlatBinding
-from engine.optim.options import DelayOptions, scalar, takes_delay_options
+from engine.optim.options import DelayOptions, is_real_number, scalar, takes_delay_options
 
 __all__ = ["Muon"]
 
@@ -142,10 +142,10 @@ class Muon(DelayOptimizer):
                 )
         for key in ("momentum", "eps", "adamw_eps", "adamw_weight_decay"):
             value = group[key]
-            if not (_is_real_number(value) and value >= 0.0):
+            if not (is_real_number(value) and value >= 0.0):
                 raise ValueError(f"{where}{key}={value!r} is invalid: it must be a float >= 0")
         adamw_lr = group["adamw_lr"]
-        if adamw_lr is not None and not (_is_real_number(adamw_lr) and adamw_lr >= 0.0):
+        if adamw_lr is not None and not (is_real_number(adamw_lr) and adamw_lr >= 0.0):
             raise ValueError(
                 f"{where}adamw_lr={adamw_lr!r} is invalid: a float >= 0, or None (the group's lr)"
             )
@@ -153,7 +153,7 @@ class Muon(DelayOptimizer):
             if not isinstance(group[flag], bool):
                 raise TypeError(f"{where}{flag}={group[flag]!r} is invalid: it must be True or False")
         coeffs = group["ns_coefficients"]
-        if not (isinstance(coeffs, tuple) and len(coeffs) == 3 and all(map(_is_real_number, coeffs))):
+        if not (isinstance(coeffs, tuple) and len(coeffs) == 3 and all(map(is_real_number, coeffs))):
             raise ValueError(
                 f"{where}ns_coefficients={coeffs!r} is invalid: give three floats (a, b, c)"
             )
@@ -169,7 +169,7 @@ class Muon(DelayOptimizer):
                 + " or ".join(repr(f) for f in fm.ADJUST_LR_FNS)
             )
         betas = group["adamw_betas"]
-        if not (isinstance(betas, tuple) and len(betas) == 2 and all(map(_is_real_number, betas))
+        if not (isinstance(betas, tuple) and len(betas) == 2 and all(map(is_real_number, betas))
                 and all(0.0 <= b < 1.0 for b in betas)):
             raise ValueError(
                 f"{where}adamw_betas={betas!r} is invalid: give (beta1, beta2), each in [0, 1)"

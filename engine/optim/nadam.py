@@ -25,9 +25,9 @@ from torch import Tensor
 
 from engine.optim.adam import _AdamBase
 from engine.optim import lr_values
-from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _is_real_number
+from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer
 from engine.optim.functional_nadam import stage_beta1
-from engine.optim.options import DelayOptions, scalar, takes_delay_options
+from engine.optim.options import DelayOptions, is_real_number, scalar, takes_delay_options
 
 __all__ = ["NAdam"]
 
@@ -91,7 +91,7 @@ class NAdam(_AdamBase):
         if any(isinstance(b, Tensor) for b in group["betas"]):
             raise TypeError(f"{where}NAdam takes betas as floats, got {group['betas']!r}")
         decay = group["momentum_decay"]
-        if not (_is_real_number(decay) and decay >= 0.0):
+        if not (is_real_number(decay) and decay >= 0.0):
             raise ValueError(f"{where}Invalid momentum_decay value: {decay!r} (it must be a float >= 0)")
         if group["spike_compensation"]:
             raise ValueError(
@@ -107,7 +107,7 @@ class NAdam(_AdamBase):
         rule = group["stage_beta1"]
         if rule is None:
             return
-        if not (isinstance(rule, tuple) and len(rule) == 2 and _is_real_number(rule[0])
+        if not (isinstance(rule, tuple) and len(rule) == 2 and is_real_number(rule[0])
                 and isinstance(rule[1], int) and not isinstance(rule[1], bool)):
             raise TypeError(
                 f"{where}stage_beta1={rule!r} is invalid: give (beta1_max, num_stages), e.g. "

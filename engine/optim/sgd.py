@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from engine.optim import lr_values
-from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _functional, _is_real_number
-from engine.optim.options import DelayOptions, scalar, takes_delay_options
+from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _functional
+from engine.optim.options import DelayOptions, is_real_number, scalar, takes_delay_options
 from engine.update_rules import lr_product
 
 __all__ = ["SGD"]
@@ -108,10 +108,10 @@ class SGD(DelayOptimizer):
         super()._check_options(group, where)
         # torch's conditions: momentum >= 0 (no upper bound), dampening any number
         m = group["momentum"]
-        if not (_is_real_number(m) and m >= 0.0):
+        if not (is_real_number(m) and m >= 0.0):
             raise ValueError(f"{where}Invalid momentum value: {m!r} (momentum must be a number >= 0)")
         d = group["dampening"]
-        if not _is_real_number(d):
+        if not is_real_number(d):
             raise TypeError(f"{where}dampening={d!r} is invalid: it must be a number")
         if not isinstance(group["nesterov"], bool):
             raise TypeError(f"{where}nesterov={group['nesterov']!r} is invalid: it must be True or False")

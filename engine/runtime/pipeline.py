@@ -23,7 +23,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -42,6 +42,21 @@ if TYPE_CHECKING:
     from engine.runtime.stage.stage import Stage
 
 __all__ = ["Pipeline"]
+
+_T = TypeVar("_T")
+
+
+class _Part(Generic[_T]):
+    """``pipe.<name>``: the read-only view of ``pipe.parts.<name>``, what the builder returned."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, pipe: Any, owner: type | None = None) -> _T:
+        return self if pipe is None else getattr(pipe.parts, self.name)  # type: ignore[return-value]
+
+    def __set__(self, pipe: Any, value: Any) -> None:
+        raise AttributeError(f"Pipeline.{self.name} is read-only (pipe.parts.{self.name})")
 
 
 class Pipeline:
@@ -261,54 +276,19 @@ class Pipeline:
     # ------------------------------------------------------------------ the parts
     # (read-only views of what the builder returned: ``pipe.parts``, engine/runtime/parts.py)
 
-    @property
-    def spec(self) -> ScheduleSpec:
-        return self.parts.spec
-
-    @property
-    def config(self) -> PipelineConfig:
-        return self.parts.config
-
-    @property
-    def features(self) -> StepFeatures:
-        return self.parts.features
-
-    @property
-    def stages(self) -> list[Stage]:
-        return self.parts.stages
-
-    @property
-    def delays(self) -> list[int]:
-        return self.parts.delays
-
-    @property
-    def device(self) -> torch.device:
-        return self.parts.device
-
-    @property
-    def layout(self) -> Any:
-        """gloo/NCCL: this rank's place in the replica x stage layout; None locally."""
-        return self.parts.layout
-
-    @property
-    def replicas(self) -> int:
-        return self.parts.replicas
-
-    @property
-    def balance(self) -> list[int] | None:
-        return self.parts.balance
-
-    @property
-    def ties(self) -> list[Any]:
-        return self.parts.ties
-
-    @property
-    def weight_prediction(self) -> str | None:
-        return self.parts.weight_prediction
-
-    @property
-    def discrepancy_correction(self) -> bool:
-        return self.parts.discrepancy_correction
+    spec: _Part[ScheduleSpec] = _Part()
+    config: _Part[PipelineConfig] = _Part()
+    features: _Part[StepFeatures] = _Part()
+    stages: _Part[list[Stage]] = _Part()
+    delays: _Part[list[int]] = _Part()
+    device: _Part[torch.device] = _Part()
+    #: gloo/NCCL: this rank's place in the replica x stage layout; None locally
+    layout: _Part[Any] = _Part()
+    replicas: _Part[int] = _Part()
+    balance: _Part[list[int] | None] = _Part()
+    ties: _Part[list[Any]] = _Part()
+    weight_prediction: _Part[str | None] = _Part()
+    discrepancy_correction: _Part[bool] = _Part()
 
     # ------------------------------------------------------------------ facts in words
 

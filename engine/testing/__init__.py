@@ -8,10 +8,8 @@ ordering, run on a traced CPU arena and checked for races) and ``engine.testing.
 (a ``torch.distributed`` backend, ``"nccl_twin"``, that enforces NCCL's ordering rules on CPU
 tensors and reports deadlocks).
 
-The CUDA-graph twins live in the capture wing beside the code they check
-(``engine.runtime.capture.graph_twin``, ``.audit``, ``.carry_audit``, ``.dispatch_trace``);
-their old names here (``engine.testing.graph_twin``, ``capture_audit``, ``carry_audit``,
-``dispatch_trace``) still import, with a DeprecationWarning, until 0.3."""
+The CUDA-graph twins live in the capture wing (``engine.runtime.capture``); their old names
+here still import, with a DeprecationWarning, until 0.3."""
 
 from __future__ import annotations
 
