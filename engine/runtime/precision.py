@@ -51,8 +51,12 @@ from torch import Tensor
 from engine.errors import PipelineConfigError
 
 __all__ = [
-    "check_grad_scaler", "SCALER_DEFAULTS", "LossScaler", "autocast_context", "check_scaler_state",
+    "AUTOCAST_DTYPES", "check_grad_scaler", "check_precision", "SCALER_DEFAULTS", "LossScaler",
+    "attach_precision", "autocast_context", "check_scaler_state",
 ]
+
+#: the values of ``Pipeline(autocast=...)`` besides None
+AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
 #: torch.amp.GradScaler's defaults
 SCALER_DEFAULTS: dict[str, Any] = {
@@ -308,3 +312,67 @@ def check_scaler_state(scaler: LossScaler | None, state: dict[str, Any]) -> None
             + ("with" if scaler is not None else "without")
             + " it; build the pipeline with the same autocast option"
         )
+
+
+def check_precision(autocast: object, grad_scaler: object) -> dict[str, Any]:
+    """``Pipeline(autocast=..., grad_scaler=...)`` checked before any weight exists: the loss
+    scaler's options (GradScaler's defaults filled in), or a PipelineConfigError."""
+    if autocast is not None and autocast not in AUTOCAST_DTYPES:
+        raise PipelineConfigError(
+            f"autocast={autocast!r}: pass torch.bfloat16, torch.float16 or None (weights stay "
+            "float32 in the arena; each stage's forward runs under torch.autocast)"
+        )
+    return check_grad_scaler(grad_scaler, autocast)  # type: ignore[arg-type]
+
+
+def attach_precision(
+    autocast: torch.dtype, scaler_options: dict[str, Any], ex: Any, stages: list[Any], spec: Any,
+    device: torch.device, group: Any = None,
+) -> None:
+    """Autocast on every built stage, and for float16 the loss scaler on the stages and their
+    executor ``ex`` (module docstring; ``group``: the pipeline's process group under gloo/NCCL)."""
+    for st in stages:  # each stage's own device (a local pipeline may span devices)
+        dev = st.store.params[0].device if st.store.params else device
+        st.autocast = (autocast, dev.type)
+    if autocast is not torch.float16:
+        return
+    sync = spec.synchronous
+    if not sync:
+        _check_async_optimizers(stages, spec)
+        if spec.split_backward:
+            raise PipelineConfigError(
+                f"autocast=torch.float16 with {spec.describe()}: an asynchronous program "
+                "that splits backwards into B and W could apply a micro-batch's weight gradient "
+                "in an update group other than its B's, under another loss scale (precision.py); "
+                "use autocast=torch.bfloat16 or a program without split backwards"
+            )
+    scaler = LossScaler(scaler_options, device, synchronous=sync)
+    scaler.group = group
+    ex.loss_scaler = scaler
+    for st in stages:
+        st.loss_scaler = scaler
+        if st.bridge is None or not st.bridge.is_engine:
+            continue
+        if sync:  # GradScaler's protocol: the optimizer skips its whole update on the device
+            dev = st.store.params[0].device if st.store.params else device
+            st.bridge.opt.found_inf = scaler.found_inf_on(dev)
+        elif st.bridge.skip is None:  # the device flags take each update group's found_inf
+            st.bridge.enable_skip_flags()
+    if not sync:  # one GradScaler state per stage; gradients carry their scale (precision.py)
+        for st in stages:
+            scaler.add_stage(st)
+        for tp in getattr(ex, "transports", {}).values():
+            tp.scales = True
+            ex.carry_scales = True
+
+
+def _check_async_optimizers(stages: list[Any], spec: Any) -> None:
+    for st in stages:
+        b = st.bridge
+        if b is not None and b.opt is not None and not b.is_engine:
+            raise PipelineConfigError(
+                f"autocast=torch.float16 with {spec.describe()}: stage {st.index}'s "
+                f"optimizer is a {type(b.opt).__module__}.{type(b.opt).__qualname__}, which takes "
+                "no found_inf to skip an overflowing update group on the device; use an "
+                "engine.optim optimizer, autocast=torch.bfloat16, or a synchronous schedule"
+            )

@@ -4,8 +4,9 @@ Why a module: ``Pipeline(clip_grad_norm=..., autocast=..., offload_activations=.
 options of *how a step trains*, independent of the schedule and transport. They are validated
 here, before any weight exists (:func:`check_step_features`), and attached to the built stages
 and executor in one place (:func:`attach`), for the local and the multi-process runtime alike.
-The concepts live in their own modules: :mod:`~engine.runtime.exec.clipping`,
-:mod:`~engine.runtime.precision`, :mod:`~engine.runtime.stage.offload`.
+The concepts live in their own modules, their checks and attachment included:
+:mod:`~engine.runtime.exec.clipping`, :mod:`~engine.runtime.precision`,
+:mod:`~engine.runtime.stage.offload`.
 """
 
 from __future__ import annotations
@@ -16,12 +17,10 @@ from typing import Any
 import torch
 
 from engine.errors import PipelineConfigError
-from engine.runtime.precision import LossScaler, check_grad_scaler
 from engine.runtime.exec.clipping import GradClipper, check_clip_options
+from engine.runtime.precision import attach_precision, check_precision
 
 __all__ = ["StepFeatures", "check_step_features", "attach"]
-
-AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -54,12 +53,7 @@ def check_step_features(
     offload_activations: object,
 ) -> StepFeatures:
     max_norm, norm_type = check_clip_options(clip_grad_norm, clip_norm_type)
-    if autocast is not None and autocast not in AUTOCAST_DTYPES:
-        raise PipelineConfigError(
-            f"autocast={autocast!r}: pass torch.bfloat16, torch.float16 or None (weights stay "
-            "float32 in the arena; each stage's forward runs under torch.autocast)"
-        )
-    scaler = check_grad_scaler(grad_scaler, autocast)  # type: ignore[arg-type]
+    scaler = check_precision(autocast, grad_scaler)
     if not isinstance(offload_activations, bool):
         raise PipelineConfigError(
             f"offload_activations={offload_activations!r} must be True or False"
@@ -86,53 +80,8 @@ def attach(
         st.clipper = clipper
     if feats.offload_activations:
         _attach_offload(stages, spec, device)
-    if feats.autocast is None:
-        return
-    for st in stages:  # each stage's own device (a local pipeline may span devices)
-        dev = st.store.params[0].device if st.store.params else device
-        st.autocast = (feats.autocast, dev.type)
-    if feats.autocast is not torch.float16:
-        return
-    sync = spec.synchronous
-    if not sync:
-        _check_async_optimizers(stages, spec)
-        if spec.split_backward:
-            raise PipelineConfigError(
-                f"autocast=torch.float16 with {spec.describe()}: an asynchronous program "
-                "that splits backwards into B and W could apply a micro-batch's weight gradient "
-                "in an update group other than its B's, under another loss scale (amp.py); "
-                "use autocast=torch.bfloat16 or a program without split backwards"
-            )
-    scaler = LossScaler(feats.grad_scaler, device, synchronous=sync)
-    scaler.group = group
-    ex.loss_scaler = scaler
-    for st in stages:
-        st.loss_scaler = scaler
-        if st.bridge is None or not st.bridge.is_engine:
-            continue
-        if sync:  # GradScaler's protocol: the optimizer skips its whole update on the device
-            dev = st.store.params[0].device if st.store.params else device
-            st.bridge.opt.found_inf = scaler.found_inf_on(dev)
-        elif st.bridge.skip is None:  # the device flags take each update group's found_inf
-            st.bridge.enable_skip_flags()
-    if not sync:  # one GradScaler state per stage; gradients carry their scale (amp.py)
-        for st in stages:
-            scaler.add_stage(st)
-        for tp in getattr(ex, "transports", {}).values():
-            tp.scales = True
-            ex.carry_scales = True
-
-
-def _check_async_optimizers(stages: list[Any], spec: Any) -> None:
-    for st in stages:
-        b = st.bridge
-        if b is not None and b.opt is not None and not b.is_engine:
-            raise PipelineConfigError(
-                f"autocast=torch.float16 with {spec.describe()}: stage {st.index}'s "
-                f"optimizer is a {type(b.opt).__module__}.{type(b.opt).__qualname__}, which takes "
-                "no found_inf to skip an overflowing update group on the device; use an "
-                "engine.optim optimizer, autocast=torch.bfloat16, or a synchronous schedule"
-            )
+    if feats.autocast is not None:
+        attach_precision(feats.autocast, feats.grad_scaler, ex, stages, spec, device, group)
 
 
 def _attach_offload(stages: list[Any], spec: Any, device: torch.device) -> None:

@@ -30,7 +30,7 @@ def with_trailers(
     if tp.flags:  # (flag None: a clean micro-batch)
         out.append(torch.zeros(1, dtype=torch.float32, device=tp.device) if flag is None
                    else flag.reshape(1).float())
-    if tp.scales:  # (the stage's backward set it: amp.py)
+    if tp.scales:  # (the stage's backward set it: precision.py)
         if scale is None:
             raise ValueError("a gradient of an asynchronous float16 step has no loss scale")
         out.append(scale.reshape(1).float())
