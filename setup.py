@@ -154,7 +154,8 @@ def _cxx_runtime():
     """engine/tooling/cxx_runtime.py, loaded by path (engine itself is not importable yet), once."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_pe_cxx_runtime", ROOT / "engine" / "tooling/cxx_runtime.py")
+    path = ROOT / "engine" / "tooling" / "cxx_runtime.py"
+    spec = importlib.util.spec_from_file_location("_pe_cxx_runtime", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -509,11 +509,11 @@ def test_failure_note_gate_can_fail() -> None:
     assert note_kinds_outside_the_enum("p.note_outcome(e, a, b, Outcome.DROPPED)\n", members, False) == []
 
 
-# ------------------------------------------------------------------ runtime wings (issue 28)
+# ------------------------------------------------------------------ runtime rooms
 
 #: the rooms of engine/runtime/ (a wing, i.e. a sub-package, or a module at its top) and
-#: their floors: an import between two rooms points to a lower floor. Written by the wing
-#: move (issue 28); a new runtime file joins a wing, or the table, before it can land.
+#: their floors: an import between two rooms points to a lower floor. The rooms are concepts
+#: (docs/DESIGN.md, "Layout"); a new runtime file joins a room, or the table, before it lands.
 RUNTIME_FLOORS = {
     "precision": 1, "ties": 1, "stage": 2, "tensor_parallel": 3, "exec": 4, "capture": 5,
     "setup": 6, "parts": 7, "assemble": 8, "ranks": 9, "state": 9, "pipeline": 10,

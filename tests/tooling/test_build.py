@@ -242,7 +242,7 @@ def test_the_post_build_check_fails_a_static_module(tmp_path: Path) -> None:
     src.write_text("#include <string>\nstd::string f() { return std::string(40, 'x'); }\n")
     lib = tmp_path / "libx.so"
     subprocess.run([_static_wrapper(tmp_path), "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
-    script = Path(__file__).resolve().parents[2] / "engine" / "tooling/cxx_runtime.py"
+    script = Path(__file__).resolve().parents[2] / "engine" / "tooling" / "cxx_runtime.py"
     bad = subprocess.run([sys.executable, str(script), str(lib)], capture_output=True, text=True)
     assert bad.returncode == 1 and "statically" in bad.stderr and "CXX=" in bad.stderr
     good = subprocess.run([sys.executable, str(script), _C.__file__], capture_output=True, text=True)
@@ -253,7 +253,7 @@ def test_the_post_build_check_fails_a_static_module(tmp_path: Path) -> None:
 def test_the_pick_command_says_which_compiler_a_build_uses(tmp_path: Path) -> None:
     """``python engine/tooling/cxx_runtime.py --pick`` (.ci/gpu's build phase prints it, since pip
     hides setup.py's own note): kept, switched with the reason, or refused with the fix."""
-    script = ROOT / "engine" / "tooling/cxx_runtime.py"
+    script = ROOT / "engine" / "tooling" / "cxx_runtime.py"
 
     def pick(**env: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, str(script), "--pick"], capture_output=True,
