@@ -151,10 +151,11 @@ def _prebuilt_info(path: str) -> dict:
 
 @functools.cache
 def _cxx_runtime():
-    """engine/cxx_runtime.py, loaded by path (engine itself is not importable yet), once."""
+    """engine/tooling/cxx_runtime.py, loaded by path (engine itself is not importable yet), once."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_pe_cxx_runtime", ROOT / "engine" / "cxx_runtime.py")
+    path = ROOT / "engine" / "tooling" / "cxx_runtime.py"
+    spec = importlib.util.spec_from_file_location("_pe_cxx_runtime", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -162,7 +163,7 @@ def _cxx_runtime():
 
 def _use_a_shared_libstdcxx_compiler() -> None:
     """Point CXX/CC at a compiler that links libstdc++ shared, if the configured one does
-    not (engine/cxx_runtime.py: why; the H100 machine's CXX=/opt/gcc/bin/g++ does not)."""
+    not (engine/tooling/cxx_runtime.py: why; the H100 machine's CXX=/opt/gcc/bin/g++ does not)."""
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -214,7 +215,7 @@ def _extension():
 
 class _BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
     """torch's BuildExtension (ninja), plus PE_PREBUILT_C: copy a module built elsewhere; a
-    module it compiled must link libstdc++ shared (engine/cxx_runtime.py) or the build fails."""
+    module it compiled must link libstdc++ shared (engine/tooling/cxx_runtime.py) or the build fails."""
 
     def build_extension(self, ext) -> None:
         prebuilt = os.environ.get("PE_PREBUILT_C", "").strip()

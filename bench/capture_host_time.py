@@ -2,11 +2,11 @@
 
 What a replayed step costs the host, apart from the GPU: the staging copies (one ``copy_`` per
 tensor leaf and micro-batch slot), the ring's rotation replay, the window's replay call, and
-the host shift applied after it (engine/runtime/exec/capture_async.py). A stub backend stands in
+the host shift applied after it (engine/runtime/capture/asynchronous.py). A stub backend stands in
 for CUDA graphs: its capture runs the window once (so the pipeline's state is real), its
 replays do nothing. Measured against the eager step of the same pipeline on the same machine
 (alternating paired rounds, bench/harness.py), on pb batch 1, S=8, M=8, the issue's model
-(``engine.models.residual_mlp(64, 10, layers=16, width=64)``), SGD + SC + LWP, skip_update,
+(``engine.demo.models.residual_mlp(64, 10, layers=16, width=64)``), SGD + SC + LWP, skip_update,
 engine.optim's reference path on both sides (``PE_CPU_LOOP=0``: the CPU loop reads found_inf on
 the host, which a captured window may not).
 
@@ -31,7 +31,7 @@ from harness import paired, summary_line  # noqa: E402
 from overhead import M, S, digits_data, stepper  # noqa: E402
 from pipeline_pb_capture_gpu import pipeline  # noqa: E402
 
-from engine.runtime.exec.capture import use_backend  # noqa: E402
+from engine.runtime.capture.synchronous import use_backend  # noqa: E402
 
 
 class StubBackend:

@@ -12,7 +12,7 @@ The per-element formula is written ONCE, below, as a few assignments in the comm
 C and Python expressions (names, ``+ - *``, parentheses). :func:`kernel_source` turns them into
 the kernel body; :func:`evaluate` runs the same statements on torch/numpy arrays, so the
 kernel's math is checked against ``engine.optim.functional.sgd_update`` on CPU
-(tests/test_bench_cupy.py) where no GPU exists. The coefficients are computed here, from
+(tests/bench/test_bench_cupy.py) where no GPU exists. The coefficients are computed here, from
 their definitions (not by the engine's helpers)::
 
     a  = m^D                              (spike compensation, Kosson et al.)

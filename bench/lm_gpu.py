@@ -2,7 +2,7 @@
 engine's captured pipelines against the same model trained by a plain PyTorch loop.
 
 The question: on a model people train, does a pipeline on one GPU cost what the best plain
-loop costs? The model is ``engine.models.gpt`` (what ``python -m engine --task lm`` trains):
+loop costs? The model is ``engine.demo.models.gpt`` (what ``python -m engine --task lm`` trains):
 token and position embeddings, ``--layers`` pre-norm transformer blocks (causal
 self-attention, then a 4x MLP), a final LayerNorm and an LM head tied to the token embedding.
 Default size GPT-2 small: d=768, 12 heads, 12 blocks, vocabulary 50304 (GPT-2's 50257 padded
@@ -21,7 +21,7 @@ around every block):
   ``on_nonfinite="skip_update"``; against the unsplit model trained by a plain micro-batch
   accumulation loop (per step M forwards under autocast, backwards of loss/M, one fused
   ``torch.optim.AdamW`` step) captured as one CUDA graph (``harness.whole_step_graph``) --
-  the same math (tests/test_bench_lm_gpu.py checks one engine step against one loop step
+  the same math (tests/bench/test_bench_lm_gpu.py checks one engine step against one loop step
   on CPU). Goals: captured engine <= 1.05x the captured loop's step time at <= 1.1x its
   peak memory.
 * ``pb``: pb with spike compensation and linear weight prediction (AdamW with
@@ -104,7 +104,7 @@ from harness import (  # noqa: E402
 
 import engine  # noqa: E402
 import engine.optim  # noqa: E402
-from engine.models import gpt, split_layers  # noqa: E402
+from engine.demo.models import gpt, split_layers  # noqa: E402
 
 NAME = "lm_gpu"
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1

@@ -1,5 +1,5 @@
 """Basis rotation's cost on the bundled language model: time per optimizer step and state bytes,
-against AdamW, over the parameters of ``engine.models.gpt`` as ``--task lm`` builds it.
+against AdamW, over the parameters of ``engine.demo.models.gpt`` as ``--task lm`` builds it.
 
 Why: basis rotation is matrix work (covariance products every step, eigh/QR on refreshes,
 four projections per matrix), so its price is not a bandwidth ratio like the elementwise
@@ -25,8 +25,8 @@ import time
 import torch
 
 import engine
-from engine.data import load_lm_dataset
-from engine.models import gpt
+from engine.demo.data import load_lm_dataset
+from engine.demo.models import gpt
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ Cases (``--cases``; the targets are those of the runtime rewrite, this script on
   forwards / all backwards / a step per stage (gpipe), forward+backward per micro-batch with
   accumulation (1f1b, same math), and a dataflow tick loop with live weights and one update
   per micro-batch per stage (pb, update_size 1, delays 2(S-1-s)). Target <= 1.25x.
-* ``pb-batch1``: engine.models.residual_mlp(64, 10, layers=16, width=64) in 8 stages of 2
+* ``pb-batch1``: engine.demo.models.residual_mlp(64, 10, layers=16, width=64) in 8 stages of 2
   layers, one sample per micro-batch, M=8, SGD + spike compensation + linear weight
   prediction (pb, lwp), against a plain per-sample loop over the unsplit model with
   torch.optim.SGD (momentum 0.9). Different math (no delay there): the ratio prices what
@@ -67,7 +67,7 @@ from overhead_peers import (  # noqa: E402
 )
 
 import engine  # noqa: E402
-import engine.models  # noqa: E402  (not among engine's lazy attributes)
+import engine.demo.models  # noqa: E402  (not among engine's lazy attributes)
 from engine.optim import cpu_loop  # noqa: E402
 
 S = 8
@@ -130,9 +130,9 @@ def dense_stages() -> list[nn.Module]:
 
 def residual_stages() -> list[nn.Module]:
     torch.manual_seed(0)
-    model = engine.models.residual_mlp(64, 10, layers=16, width=64)
+    model = engine.demo.models.residual_mlp(64, 10, layers=16, width=64)
     layers, out, start = list(model.children()), [], 0
-    for count in engine.models.even_balance(16, S):
+    for count in engine.demo.models.even_balance(16, S):
         out.append(nn.Sequential(*layers[start : start + count]))
         start += count
     return out
@@ -253,7 +253,7 @@ def pb_batch1_case(mitigations: str = "sc+lwp") -> Case:
 
     def build() -> tuple[Step, Step]:
         torch.manual_seed(0)
-        model = engine.models.residual_mlp(64, 10, layers=16, width=64)
+        model = engine.demo.models.residual_mlp(64, 10, layers=16, width=64)
         opt = torch.optim.SGD(model.parameters(), lr=PB1_LR, momentum=MOMENTUM)
         return (stepper(pb_batch1_pipeline(residual_stages(), mitigations).step, data),
                 stepper(PerSampleLoop(model, M, F.cross_entropy, opt), data))

@@ -31,7 +31,7 @@ median time ratio with a 95 % interval, ``torch.cuda.synchronize`` around every 
   and backwards of loss/M then ``step()``, captured once after a side-stream warm-up
   (PyTorch's whole-network recipe) and replayed after one copy of the batch into its static
   input -- the same math as the engine's synchronous step (equal up to rounding order;
-  tests/test_bench_capture_gpu.py checks one step of each on CPU).
+  tests/bench/test_bench_capture_gpu.py checks one step of each on CPU).
 
 Engine sides: engine.optim.SGD(lr=1e-3, momentum=0.9), ``checkpoint="never"``,
 ``on_nonfinite="skip_update"`` (nothing read on the host); each trained 4 steps before

@@ -21,7 +21,7 @@ stages), the same micro-batches and the same optimizer (SGD with momentum):
   needs M >= 2S). No activation recomputation on either side.
   Each side runs as its users get it: torch's schedules on the default process group, the
   engine on groups of its own whose gloo network thread it runs under SCHED_BATCH
-  (engine/runtime/dist/transport/groups.py), its neighbours' messages through shared-memory
+  (engine/runtime/ranks/transport/groups.py), its neighbours' messages through shared-memory
   rings when they share the host (transport/shm.py; ``ENGINE_SHM=0``: gloo for everything).
   ``--peer-net-batch`` gives torch's side the scheduling too.
 * ``async_vs_gpipe``: ``engine`` ``pipedream`` / ``2bw`` / ``pb`` vs ``engine`` ``gpipe``, next
@@ -301,7 +301,7 @@ def main() -> None:
                     help="v, stages per rank of the interleaved cases (S*v stage modules)")
     ap.add_argument("--peer-net-batch", action="store_true",
                     help="run torch's side with the default group's gloo network thread under "
-                    "SCHED_BATCH too, as the engine runs its own groups' (engine/runtime/dist/"
+                    "SCHED_BATCH too, as the engine runs its own groups' (engine/runtime/ranks/"
                     "transport/groups.py): the comparison without that advantage")
     args = ap.parse_args()
     under_torchrun(args.ranks, __file__)
@@ -310,7 +310,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     S, rank = dist.get_world_size(), dist.get_rank()
     if args.peer_net_batch:  # the default group's thread is the only one so far: torch's side
-        from engine.runtime.dist.transport.groups import batch_network_threads
+        from engine.runtime.ranks.transport.groups import batch_network_threads
 
         if batch_network_threads() == 0:
             ap.error("--peer-net-batch: no gloo network thread could be put under SCHED_BATCH")

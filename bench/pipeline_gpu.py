@@ -6,14 +6,14 @@ training is launch-bound, one small kernel after another on one stream. Pipeline
 backpropagation splits the model into S stages, each on its own CUDA stream
 (``cuda_streams=True``), so the stages' kernels of different samples overlap, and with
 ``cuda_graphs=True`` every stage's optimizer step (one per micro-batch in pb) is replayed from
-a CUDA graph instead of run through Python and launched (engine/runtime/stage/graphs.py; the
+a CUDA graph instead of run through Python and launched (engine/runtime/capture/optimizer_graphs.py; the
 forwards and backwards are still launched kernel by kernel).
 
 Sides (bench/harness.py: alternating paired rounds, median time ratio with a 95 % interval,
 ``torch.cuda.synchronize`` around every block):
 
 * candidate: ``engine.Pipeline`` with ``schedule="pb"``, M=8 micro-batches of one sample,
-  engine.models.residual_mlp(64, 10, layers=16, width=--width) in 8 stages of 2 layers,
+  engine.demo.models.residual_mlp(64, 10, layers=16, width=--width) in 8 stages of 2 layers,
   ``engine.optim.SGD(lr=1e-3, momentum=0.9, spike_compensation=True, prediction="linear")``
   with ``weight_prediction="lwp"`` (bench/overhead.py's pb-batch1 case, on the GPU),
   ``checkpoint="never"``, ``cuda_streams=True``, ``on_nonfinite="skip_update"`` (no host read
@@ -55,7 +55,7 @@ from overhead import MOMENTUM, PB1_LR, PB1_MITIGATIONS, M, S, digits_data, stepp
 from overhead_peers import PerSampleLoop  # noqa: E402
 
 import engine  # noqa: E402
-import engine.models  # noqa: E402  (not among engine's lazy attributes)
+import engine.demo.models  # noqa: E402  (not among engine's lazy attributes)
 
 TARGET_RATIO = 1 / 3  # engine time / loop time: ">= 3x a plain per-sample loop"
 LAYERS, FEATURES, CLASSES = 16, 64, 10
@@ -68,12 +68,12 @@ def graphs_keyword() -> bool:
 
 def model(width: int) -> nn.Sequential:
     torch.manual_seed(0)
-    return engine.models.residual_mlp(FEATURES, CLASSES, layers=LAYERS, width=width)
+    return engine.demo.models.residual_mlp(FEATURES, CLASSES, layers=LAYERS, width=width)
 
 
 def stages_of(net: nn.Sequential) -> list[nn.Module]:
     layers, out, start = list(net.children()), [], 0
-    for count in engine.models.even_balance(LAYERS, S):
+    for count in engine.demo.models.even_balance(LAYERS, S):
         out.append(nn.Sequential(*layers[start : start + count]))
         start += count
     return out

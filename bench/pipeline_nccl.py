@@ -31,7 +31,7 @@ spans the whole pipeline):
   size in ``--p2p-sizes`` (a small message for latency; 1 MiB and 64 MiB for bandwidth). The
   candidate is the engine's NCCL transport path itself: a two-stage pipeline of the pair
   (``data_parallel`` = world / 2) trains one step, which agrees the shapes, then its
-  :class:`~engine.runtime.dist.transport.nccl.NCCLTransport` sends activation i and receives
+  :class:`~engine.runtime.ranks.transport.nccl.NCCLTransport` sends activation i and receives
   gradient i (stage 0) while the other side receives activation i and sends it back as
   gradient i (stage 1): the calls the executor makes for SF/RF/SB/RB, on the engine's own
   direction groups. The peer is what a careful user writes: ``dist.batch_isend_irecv`` of one
@@ -350,7 +350,7 @@ class EngineLink:
         # one step agrees the shapes (the handshake)
         self.pipe.step(x if self.stage == 0 else None, x if self.stage == 1 else None)
         self.pipe.flush()
-        self.tp = self.pipe._rank.transport
+        self.tp = self.pipe.parts.rank.transport
         # (an activation that requires grad, as the handshake agreed: its gradient travels back)
         self.buf = torch.ones(1, numel, device=device, requires_grad=True)
         self.mb = 1 << 20  # micro-batch ids of its own, away from the step's

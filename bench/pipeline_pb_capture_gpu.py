@@ -1,9 +1,9 @@
 """pb at batch 1 on one GPU, captured: engine windows replayed from CUDA graphs vs the plain
 per-sample loop, eager and captured (issue 23's first goal).
 
-The question: ``engine.models.residual_mlp(64, 10, layers=16, width=W)`` in 8 stages of 2
+The question: ``engine.demo.models.residual_mlp(64, 10, layers=16, width=W)`` in 8 stages of 2
 layers, one sample per micro-batch, M=8 micro-batches per step, momentum SGD. Does
-``Pipeline(schedule="pb", cuda_graphs="program")`` (engine/runtime/exec/capture_async.py: each
+``Pipeline(schedule="pb", cuda_graphs="program")`` (engine/runtime/capture/asynchronous.py: each
 step's window replayed from one graph, carried activations in static rings) cost at most what
 PyTorch's whole-network recipe costs for the same samples one at a time (goal: <= 1.0x the
 graphed loop, so >= 10x faster than the eager loop), at W = 64, 256 and 1024?
@@ -56,7 +56,7 @@ from overhead import MOMENTUM, PB1_LR, PB1_MITIGATIONS, M, S, digits_data, stepp
 from overhead_peers import PerSampleLoop  # noqa: E402
 
 import engine  # noqa: E402
-import engine.models  # noqa: E402
+import engine.demo.models  # noqa: E402
 import engine.optim  # noqa: E402
 
 WIDTHS = (64, 256, 1024)
@@ -65,13 +65,13 @@ LAYERS, FEATURES, CLASSES = 16, 64, 10
 
 def model(width: int, layers: int = LAYERS) -> nn.Sequential:
     torch.manual_seed(0)
-    return engine.models.residual_mlp(FEATURES, CLASSES, layers=layers, width=width)
+    return engine.demo.models.residual_mlp(FEATURES, CLASSES, layers=layers, width=width)
 
 
 def pipeline(width: int, mode: object, device: torch.device, layers: int = LAYERS,
              stages: int = S, streams: bool = False) -> engine.Pipeline:
     opt_kw, pipe_kw = PB1_MITIGATIONS["sc+lwp"]
-    parts = engine.models.split_layers(model(width, layers), engine.models.even_balance(layers, stages))
+    parts = engine.demo.models.split_layers(model(width, layers), engine.demo.models.even_balance(layers, stages))
     return engine.Pipeline(
         [p.to(device) for p in parts], schedule="pb", chunks=M, loss_fn=F.cross_entropy,
         optimizer=lambda p: engine.optim.SGD(p, lr=PB1_LR, momentum=MOMENTUM, **opt_kw),

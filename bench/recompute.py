@@ -15,7 +15,7 @@ micro-batch leaves saved at each stage (its input plus every tensor autograd sav
 recomputation a stage holds peak x saved bytes; with it, peak x input bytes plus one
 micro-batch's saved bytes while it is recomputed (the last stage never recomputes).
 
-Cases: ``gpt`` (engine.models.gpt: 10 layers, width 64, context 32, batch 8 per
+Cases: ``gpt`` (engine.demo.models.gpt: 10 layers, width 64, context 32, batch 8 per
 micro-batch) and ``cnn`` (4 stages of two 3x3 convolutions, 16 channels, 32x32 images,
 batch 8 per micro-batch).
 
@@ -40,7 +40,7 @@ from harness import paired, summary_line, write_ratio_csv  # noqa: E402
 from outputs import DEFAULT_OUT  # noqa: E402
 
 import engine  # noqa: E402
-import engine.models  # noqa: E402
+import engine.demo.models  # noqa: E402
 from engine.cli.loop import activation_bytes  # noqa: E402
 from engine.runtime.stage.trees import call, tensors  # noqa: E402
 
@@ -50,8 +50,8 @@ S, M, BATCH = 4, 8, 8
 def gpt_case() -> tuple[Callable[[], list[nn.Module]], Tensor, Tensor, Callable[..., Tensor]]:
     def make() -> list[nn.Module]:
         torch.manual_seed(0)
-        model = engine.models.gpt(64, 32, layers=10, width=64, heads=2, tie=False)
-        return engine.models.split_layers(model, [3, 2, 2, 3])
+        model = engine.demo.models.gpt(64, 32, layers=10, width=64, heads=2, tie=False)
+        return engine.demo.models.split_layers(model, [3, 2, 2, 3])
 
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 64, (M * BATCH, 33), generator=g)

@@ -1,5 +1,5 @@
 """What the exception safety of synchronous gloo steps costs: the step's verdict through the
-first stage (engine/runtime/dist/distributed.py, ``relay_verdict``: one more message per step, and
+first stage (engine/runtime/ranks/distributed.py, ``relay_verdict``: one more message per step, and
 every stage waits for the first stage's end before its update) against the last stage
 sending the loss to every stage (``share_loss``, the path before abort frames).
 
@@ -48,7 +48,7 @@ def main() -> None:
     batches = data(args.steps, args.chunks * args.micro_batch, args.width)
     for case in args.cases:
         runner = EngineRunner(case, S, args.chunks, args.width, args.layers, 60.0)
-        ex = runner.pipe._executor
+        ex = runner.pipe.parts.executor
         assert ex.rank.relay, "the verdict path is off for this pipeline"
 
         def block(relay: bool, runner: EngineRunner = runner, ex: object = ex) -> object:

@@ -39,8 +39,8 @@ namespace {
 // Every binding runs inside `guard`: whatever C++ throws under it is caught here and turned
 // into a Python exception with PyErr_SetString, then handed to pybind11 as
 // error_already_set, which its dispatcher restores first, before (and instead of) any
-// registered exception translator. See csrc/errors.h for why (issue 22: a TORCH_CHECK that
-// crossed the default path crashed a CUDA build). Called only inside a catch block.
+// registered exception translator. See csrc/errors.h for why (a TORCH_CHECK that crossed
+// the default path crashed a CUDA build). Called only inside a catch block.
 [[noreturn]] void raise(PyObject* type, const char* what) {
   PyErr_SetString(type, what);
   throw py::error_already_set();
@@ -186,7 +186,7 @@ py::dict l2_to_dict(const pe::L2Result& r) {
 }
 
 // Device-wide persisting-L2 facts and set-aside, for callers that share one set-aside
-// between several windows (engine/runtime/build/l2.py). Without CUDA: supported=False, reason.
+// between several windows (engine/runtime/setup/l2.py). Without CUDA: supported=False, reason.
 py::dict l2_device(int64_t device) {
   py::dict d;
   d["max_persisting_bytes"] = 0;

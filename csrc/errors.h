@@ -3,9 +3,9 @@
 // Why not TORCH_CHECK: a c10::Error captures a native backtrace when it is constructed
 // (an unwind walk over every frame up to the interpreter's main), and it then crosses into
 // Python through whichever pybind11 exception translators share this module's pybind11
-// internals (torch's, Triton's, ...). On the H100 machine a TORCH_CHECK in
-// Arena::free_slot killed the process (SIGSEGV) instead of raising, in exactly that path,
-// while the same call raised on CPU builds (issue 22). Our own checks therefore throw
+// internals (torch's, Triton's, ...). On a CUDA build a TORCH_CHECK in Arena::free_slot
+// killed the process (SIGSEGV) instead of raising, in exactly that path, while the same
+// call raised on CPU builds (docs/design-notes.md). Our own checks therefore throw
 // pe::Error, a plain std::runtime_error (no backtrace walk), and every binding catches at
 // its boundary (csrc/bindings.cpp, `guard`) and sets the Python exception itself, so no
 // translator, foreign or ours, ever runs for an exception thrown here.

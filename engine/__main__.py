@@ -24,7 +24,7 @@ import sys
 from typing import NoReturn
 
 from engine.cli import CLIError, CLIFailure
-from engine.data import DatasetError
+from engine.demo.data import DatasetError
 
 COMMANDS = ("info", "train", "compare", "schedule", "bench", "export")
 
@@ -34,7 +34,7 @@ CLI_EXTRA = {"tqdm": "tqdm", "matplotlib": "matplotlib", "sklearn": "scikit-lear
 
 def _missing_cli_package(exc: BaseException) -> str | None:
     """The `cli` extra's package whose absence raised ``exc`` (itself or its direct cause:
-    engine.data wraps a missing scikit-learn in a DatasetError), else None."""
+    engine.demo.data wraps a missing scikit-learn in a DatasetError), else None."""
     for e in (exc, exc.__cause__):
         if isinstance(e, ModuleNotFoundError) and e.name in CLI_EXTRA:
             return CLI_EXTRA[e.name]
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     args.argv = list(sys.argv[2:] if argv is None else argv[1:])
     if args.command == "info":
-        from engine import info
+        from engine.cli import info
 
         return info.main()
     module = importlib.import_module(f"engine.cli.{args.command}")

@@ -105,7 +105,7 @@ def _checked(parts: Any, state: Any, override: bool, pipe: Any = None) -> Any:
     from engine.runtime.state.state import check_state
 
     if pipe is not None:
-        from engine.runtime.stage.amp import check_scaler_state
+        from engine.runtime.precision import check_scaler_state
 
         check_scaler_state(pipe.parts.executor.loss_scaler, state)
     check_state(parts, {k: v for k, v in state.items() if k != "loss_scaler"}, override)

@@ -81,8 +81,8 @@ _HASH, _TEXT = 136, 960
 def control_group(pipe: Pipeline) -> Any:
     """The process group checkpoint control messages and exports use: the job's gloo control
     group (every rank; under NCCL a gloo group beside the NCCL ones, so a host exchange never
-    queues behind a pipeline's device traffic: engine/runtime/dist/transport/control.py)."""
-    from engine.runtime.dist.transport.control import world_group
+    queues behind a pipeline's device traffic: engine/runtime/ranks/transport/control.py)."""
+    from engine.runtime.ranks.transport.control import world_group
 
     return world_group(pipe.parts.config.timeout)
 
@@ -161,7 +161,7 @@ def raise_first(statuses: list[tuple[str, str]], what: str) -> None:
 def _layout(pipe: Pipeline) -> dict[str, Any]:
     lay = pipe.layout
     out = {"world": lay.world, "stages": lay.stages, "replicas": lay.replicas, "schedule": pipe.spec.name}
-    if getattr(lay, "tp", 1) > 1:  # tensor parallelism: each file holds one tp shard (runtime/dist/mesh.py)
+    if getattr(lay, "tp", 1) > 1:  # tensor parallelism: each file holds one tp shard (runtime/ranks/mesh.py)
         out["tensor_parallel"] = lay.tp
     return out
 
@@ -266,7 +266,7 @@ def save_dir(pipe: Pipeline, path: str | os.PathLike[str]) -> None:
 def _commit(pipe: Pipeline, path: str, nonce_name: str, statuses: list[tuple[str, str]]) -> None:
     """Rank 0: write the manifest atomically, then delete rank files it does not name."""
     S = pipe.layout.stages
-    place = getattr(pipe.layout, "place_of", lambda r: (r % S, r // S, 0))  # (a mesh: runtime/dist/mesh.py)
+    place = getattr(pipe.layout, "place_of", lambda r: (r % S, r // S, 0))  # (a mesh: runtime/ranks/mesh.py)
     writer = _writer_of(pipe)
     ranks = [
         {"rank": r, "stage": place(r)[0], "replica": place(r)[1], "file": f"rank{r:05d}-{nonce_name}",

@@ -2,7 +2,7 @@
 
 Why: a pipeline is a way to train a model, not a format to keep it in. ``engine.export``
 gives the model's own ``state_dict`` -- names as in the model the stages were cut from
-(:mod:`engine.model_names`; for ``engine.hf.split_causal_lm`` the Hugging Face model's, so
+(:mod:`engine.model_names`; for ``engine.integrations.hf.split_causal_lm`` the Hugging Face model's, so
 ``model.load_state_dict(...)`` and ``save_pretrained`` work) -- from a pipeline of any layout
 or from a checkpoint; ``engine.load(pipe, "model.safetensors")`` starts a pipeline from such
 a file (or a Hugging Face one), each process reading only its stages' tensors, its

@@ -11,7 +11,7 @@ Who declares it:
 * :func:`engine.partition.split_sequential` (and with it ``Pipeline(seq, balance=...)``, the
   partitioner and the command line): its stages keep the model's layer names, so the naming
   is the identity;
-* :func:`engine.hf.split_causal_lm`: each stage maps its ``tok``/``blocks.i``/``head`` to the
+* :func:`engine.integrations.hf.split_causal_lm`: each stage maps its ``tok``/``blocks.i``/``head`` to the
   Hugging Face model's ``transformer.wte``/``transformer.h.j``/``lm_head``;
 * the user, for hand-made stages and stage factories: :func:`named_stage`.
 
@@ -19,7 +19,7 @@ A pipeline of undeclared hand-made stages keeps working and saves as before; onl
 into another layout, an export and a start from a plain ``state_dict`` need the names, and
 they refuse with a message that shows how to declare them.
 
-The registry holds modules weakly (like :mod:`engine.runtime.stage.tensor_parallel`'s):
+The registry holds modules weakly (like :mod:`engine.runtime.tensor_parallel`'s):
 nothing is written onto the user's modules. This module imports torch only.
 """
 
@@ -38,7 +38,7 @@ __all__ = ["named_stage", "declare", "naming_of", "module_names", "carry_naming"
 #: what a refusal says when a stage has no names
 HOW_TO_DECLARE = (
     "build the pipeline from one model (an nn.Sequential with balance=, or "
-    "engine.hf.split_causal_lm), or declare each stage's names in the whole model with "
+    "engine.integrations.hf.split_causal_lm), or declare each stage's names in the whole model with "
     "engine.named_stage(stage_or_factory, 'prefix') or engine.named_stage(stage_or_factory, "
     "{'local.module': 'model.module', ...})"
 )

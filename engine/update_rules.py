@@ -6,7 +6,7 @@ on which arguments are valid, and on the coefficients computed from the options 
 compensation's a and b, NAdam's mu). Those rules used to live in ``engine.optim.functional``,
 so importing a kernel imported ``engine.optim`` and with it every optimizer, while
 ``engine.optim.dispatch`` imported the kernels back: the one package-level import circle
-(issue 28). This module imports torch only; both sides import it and nothing above them.
+This module imports torch only; both sides import it and nothing above them.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Why: a CUDA graph capture is invalidated by any op that waits for the device (an
 shows on a GPU, at ``capture_end`` (``cudaErrorStreamCaptureInvalidated``). On the H100 the
 skip_update step of Adam did one: ``torch._foreach_add_(steps, zero_dim_tensor)`` resolves to
 the Scalar overload, an ``.item()`` (issue 22). The ops are the same on the CPU, so
-:class:`SyncFreeCapture`, used as engine.runtime.stage.graphs' backend, runs the step under a
+:class:`SyncFreeCapture`, used as engine.runtime.capture.optimizer_graphs' backend, runs the step under a
 dispatch mode that fails on every op that would wait for the device or cross devices.
 """
 
@@ -63,7 +63,7 @@ class NoHostSync(TorchDispatchMode):
 
 
 class SyncFreeCapture:
-    """engine.runtime.stage.graphs backend: nothing runs at "capture" (as with a real graph); the
+    """engine.runtime.capture.optimizer_graphs backend: nothing runs at "capture" (as with a real graph); the
     first replay, which StepGraphs runs right after the capture, runs the step under
     :class:`NoHostSync` and keeps its op list, later replays run it plainly."""
 

@@ -14,9 +14,20 @@ import sys
 import threading
 import types
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+
+# The test files live in folders that mirror engine/ (tests/runtime/, tests/optim/, ...); the
+# support modules beside this file and the test modules themselves are imported by their bare
+# names (``import distributed_support``; a spawned rank's phase "test_transport_nccl_twin:x"),
+# from any folder and in the worker processes distributed tests spawn, which inherit
+# sys.path. So tests/ and every folder under it that holds test modules go on sys.path.
+_TESTS = Path(__file__).resolve().parent
+for _folder in sorted({p.parent for p in _TESTS.rglob("test_*.py")} | {_TESTS}, reverse=True):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
@@ -74,7 +85,7 @@ def sigint_default() -> Iterator[None]:
     inherits SIGINT as ignored, and Python then installs no handler; the engine leaves an
     ignored SIGINT ignored (engine/runtime/exec/interrupts.py). A test that sends itself a
     Ctrl-C, or checks the handler a step restores, sets the handler it relies on with this
-    fixture (tests/test_interrupts.py checks that every such module does).
+    fixture (tests/runtime/test_interrupts.py checks that every such module does).
     """
     if threading.current_thread() is not threading.main_thread():  # pragma: no cover
         pytest.skip("SIGINT handlers can only be set from the main thread")

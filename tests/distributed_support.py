@@ -199,8 +199,8 @@ def phase_equal(
                 "ref_delays": list(ref.delays),
                 "seconds": time.perf_counter() - t0,
                 # bookkeeping a rank keeps must not grow with the number of steps
-                "leftovers": len(pipe._executor.inputs)
-                + len(pipe._rank.transport._sends),
+                "leftovers": len(pipe.parts.executor.inputs)
+                + len(pipe.parts.rank.transport._sends),
             }
         except Exception:
             out[name] = {"error": traceback.format_exc()}
@@ -209,12 +209,12 @@ def phase_equal(
 
 def _held(pipe: Any) -> dict[str, int]:
     """The works a rank holds: sends by channel, receives posted ahead, loss messages."""
-    tp = pipe._rank.transport
+    tp = pipe.parts.rank.transport
     return {
         "act_sends": sum(1 for ch, _ in tp._sends if ch == "act"),
         "grad_sends": sum(1 for ch, _ in tp._sends if ch == "grad"),
         "posted": len(tp._posted),
-        "loss_sends": len(pipe._rank._loss_sends),
+        "loss_sends": len(pipe.parts.rank._loss_sends),
     }
 
 
@@ -653,7 +653,7 @@ def phase_trees(rank: int, S: int) -> dict[str, Any]:
             pipe = Pipeline(tree_factories(first), transport=transport_under_test(), timeout=30, **kw)
             ref = Pipeline([f().to(device_under_test()) for f in tree_factories(first)], **kw)
             out[name] = _against_local(pipe, ref, tree_batch, 4)
-            tp = pipe._rank.transport
+            tp = pipe.parts.rank.transport
             sent = tp.meta.get(("act", "send"))
             grads = tp.meta.get(("grad", "send"))
             out[name] |= {
@@ -980,8 +980,8 @@ def phase_varlen(
             ref = Pipeline([m.to(device_under_test()) for m in varlen_stages(S, bool(tie), trim)],
                            **kw)  # (.to keeps a tied Parameter one object)
             out[name] = _against_local(pipe, ref, varlen_batch, steps)
-            tp = pipe._rank.transport
-            notices = getattr(pipe._rank, "notices", None)
+            tp = pipe.parts.rank.transport
+            notices = getattr(pipe.parts.rank, "notices", None)
             out[name] |= {
                 "ties": len(pipe.ties),
                 "shape_changes": tp.shape_changes,
@@ -997,7 +997,7 @@ def phase_varlen_mixed(rank: int, S: int, names: list[str], steps: int = 4) -> d
     """phase_varlen with the inline limit of the activation header (transport/framing.py) set
     between the lengths: micro-batches trimmed to 5 or fewer positions carry the header inside
     their first leaf, longer ones send it alone, so changes cross between the two layouts."""
-    from engine.runtime.dist.transport import framing
+    from engine.runtime.ranks.transport import framing
     from engine.runtime.stage.trees import Signature
 
     framing.INLINE_BYTES = 2 * 5 * DIM * 4  # (B/M=2, length, DIM) float32
@@ -1104,7 +1104,7 @@ def _worker(
         results["fatal"] = traceback.format_exc()
     torch.save(results, path)
     try:  # what a normal exit runs: rank 0, the store's host, waits for the others to leave
-        from engine.runtime.dist.transport.teardown import teardown
+        from engine.runtime.ranks.transport.teardown import teardown
 
         teardown()
     except Exception:
@@ -1355,7 +1355,7 @@ def phase_interleaved(rank: int, R: int, v: int = 2, steps: int = 2) -> dict[str
                     torch.equal(a, b)
                     for s in held
                     for a, b in zip(
-                        pipe._executor.by_index[s].module.parameters(),
+                        pipe.parts.executor.by_index[s].module.parameters(),
                         ref.stages[s].module.parameters(),
                         strict=True,
                     )
@@ -1363,8 +1363,8 @@ def phase_interleaved(rank: int, R: int, v: int = 2, steps: int = 2) -> dict[str
                 "losses_equal": same_losses,
                 "updates": [st.updates for st in pipe.stages],
                 "ties": len(pipe.ties),
-                "leftovers": len(pipe._executor.inputs)
-                + sum(tp.held() for tp in pipe._executor.transports.values()),
+                "leftovers": len(pipe.parts.executor.inputs)
+                + sum(tp.held() for tp in pipe.parts.executor.transports.values()),
                 "seconds": time.perf_counter() - t0,
             }
             if name == "mlp":  # evaluate() runs through the v stages of every rank
@@ -1481,8 +1481,8 @@ def phase_rank_programs(rank: int, R: int, csvs: dict[str, str]) -> dict[str, An
                 "losses_equal": same,
                 "weights_equal": _same_weights(pipe, ref),
                 "updates": [st.updates for st in pipe.stages],
-                "leftovers": len(pipe._executor.inputs)
-                + sum(tp.held() for tp in pipe._executor.transports.values()),
+                "leftovers": len(pipe.parts.executor.inputs)
+                + sum(tp.held() for tp in pipe.parts.executor.transports.values()),
             }
             if name in ("zbv", "dualpipev", "blocks", "blocks-reversed"):
                 x_eval = batch(99, 2 * M)[0]

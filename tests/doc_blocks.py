@@ -2,7 +2,7 @@
 
 Why: README examples drifted from the code they show (a ``Sequential(...)``, an undefined
 ``loss``, a torchrun example that trained nothing) because nothing ran them.
-tests/test_doc_blocks.py runs every ```python block of README.md and docs/*.md as pasted.
+tests/docs/test_doc_blocks.py runs every ```python block of README.md and docs/*.md as pasted.
 
 How a block runs is said by an HTML comment on the last non-blank line above its fence (it
 does not render: say the same in the text beside the block):

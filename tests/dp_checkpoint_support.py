@@ -1,4 +1,4 @@
-"""What each rank runs for tests/test_checkpoint_dp.py: checkpoints of data-parallel
+"""What each rank runs for tests/checkpoint/test_checkpoint_dp.py: checkpoints of data-parallel
 pipelines, where replica 0 of each (stage, tp rank) writes the weights and optimizer state and
 every other replica only its own part (issue 27, item 3).
 

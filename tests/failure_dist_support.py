@@ -33,7 +33,7 @@ def _pipe(S: int, name: str, **extra: Any) -> Any:
 
 def _weights(pipe: Any, stages: list[int] | None = None) -> list[torch.Tensor]:
     held = stages if stages is not None else [st.index for st in pipe.stages]
-    return [p.detach().clone() for s in held for p in pipe._executor.by_index[s].module.parameters()]
+    return [p.detach().clone() for s in held for p in pipe.parts.executor.by_index[s].module.parameters()]
 
 
 def _sigint_during_forward(module: nn.Module) -> Any:
@@ -77,13 +77,13 @@ def _local_recovery(S: int, name: str, case: str, stage: int) -> tuple[Any, int]
                 if not done and s == stage and kind == "F":
                     done = True
                     raise KeyboardInterrupt
-            ref._executor.action_hook = hook
+            ref.parts.executor.action_hook = hook
             try:
                 ref.step(x, y)
             except KeyboardInterrupt:
                 pass
-            ref._executor.action_hook = None
-            if ref._executor.sync:  # rolled back: the same step again (the rank's completed)
+            ref.parts.executor.action_hook = None
+            if ref.parts.executor.sync:  # rolled back: the same step again (the rank's completed)
                 ref.step(x, y)
         elif case == "nonfinite":
             try:
@@ -334,7 +334,7 @@ def phase_async_drop(rank: int, S: int, names: list[str], cases: list[list[Any]]
                 held = [st.index for st in pipe.stages]
                 out[key] = {
                     "raised": raised, "steps": pipe.steps,
-                    "dropped": pipe._executor.dropped, "ref_dropped": ref._executor.dropped,
+                    "dropped": pipe.parts.executor.dropped, "ref_dropped": ref.parts.executor.dropped,
                     "weights_equal": all(
                         torch.equal(a, b)
                         for a, b in zip(_weights(pipe), _weights(ref, held), strict=True)

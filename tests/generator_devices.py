@@ -2,7 +2,7 @@
 
 Why static: torch refuses to fill a CUDA tensor from a CPU ``torch.Generator`` ("Expected a
 'cuda' device type for generator but found 'cpu'"), but only on a machine with a GPU. On
-the H100, 38 tests of tests/test_optim_multi.py never ran for that reason (issue 22): under
+the H100, 38 tests of tests/optim/test_optim_multi.py never ran for that reason (issue 22): under
 tests/kernel_support.py's autouse fixture, ``torch.randn(n, generator=cpu_gen)`` with no
 ``device=`` draws on the CUDA default device. CPU CI can see the pattern in the source.
 

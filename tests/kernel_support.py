@@ -17,7 +17,7 @@ NO_KERNELS = (
     f"GPU, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')!r}); unset TRITON_INTERPRET "
     "and conftest.py picks the interpreter where there is no GPU"
 )
-# for tests that launch the kernels on DEVICE tensors (tests/test_optim_fused.py)
+# for tests that launch the kernels on DEVICE tensors (tests/optim/test_optim_fused.py)
 needs_kernels = pytest.mark.skipif(not KERNELS_RUN, reason=NO_KERNELS)
 
 

@@ -1,5 +1,5 @@
 """What each rank of ``ENGINE_NCCL_TWIN=1 torchrun --standalone --nproc-per-node R
-tests/nccl_torchrun_job.py OUT`` runs (tests/test_transport_nccl_torchrun.py): the engine
+tests/nccl_torchrun_job.py OUT`` runs (tests/runtime/ranks/test_transport_nccl_torchrun.py): the engine
 initialises the process group itself (``Pipeline(transport="nccl")``, no
 ``init_process_group`` here), and every schedule family trains against the local run of the
 same configuration, bit for bit. Each rank writes ``OUT/rank{r}.json``: per family, whether

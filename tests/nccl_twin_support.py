@@ -1,4 +1,4 @@
-"""What each rank runs for tests/test_nccl_twin.py: cases on the NCCL twin, one spawn.
+"""What each rank runs for tests/testing/test_nccl_twin.py: cases on the NCCL twin, one spawn.
 
 Four ranks; the two-rank scenarios run on the pairs (0, 1) and (2, 3) at once, each case on
 fresh groups (a deadlock or a timeout aborts its communicators). Ranks are in step between

@@ -1,5 +1,5 @@
 """What each rank runs in the unflushed save / resume tests under gloo
-(tests/test_resume_inflight_ranks.py); spawned by distributed_support.spawn as phases
+(tests/checkpoint/test_resume_inflight_ranks.py); spawned by distributed_support.spawn as phases
 ``resume_support.<name>``.
 
 Why a module apart from distributed_support: these phases compare a run saved unflushed at

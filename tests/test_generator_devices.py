@@ -16,14 +16,14 @@ from generator_devices import check_file, check_source
 
 TESTS = Path(__file__).resolve().parent
 #: the import that puts a sample under kernel_support's device fixture (kept off the start of
-#: a line here: tests/test_ci_gpu.py reads such lines as this file using the fixture)
+#: a line here: tests/tooling/test_ci_gpu.py reads such lines as this file using the fixture)
 FIXTURE = "from kernel_support import DEVICE, _on_device\n"
 
 
 def gpu_test_files() -> list[Path]:
     ci = (TESTS.parent / ".ci" / "gpu").read_text()
-    named = {TESTS.parent / m for m in re.findall(r"tests/test_\w+\.py", ci)}
-    marked = {p for p in TESTS.glob("test_*.py")
+    named = {TESTS.parent / m for m in re.findall(r"tests/[\w/]*test_\w+\.py", ci)}
+    marked = {p for p in TESTS.rglob("test_*.py")
               if re.search(r"mark\.cuda|\b_on_device\b|device=\"cuda\"|\"cuda\"", p.read_text())}
     return sorted(named | marked)
 
@@ -113,7 +113,7 @@ def test_the_check_accepts(name: str) -> None:
 
 
 def test_the_original_multi_file_fails_the_check() -> None:
-    """tests/test_optim_multi.py as it was on the H100 (main f2dacbd), its line 40."""
+    """tests/optim/test_optim_multi.py as it was on the H100 (main f2dacbd), its line 40."""
     before = FIXTURE + """
 def _tensors(n, dtype, gen, roles, offset):
     base = torch.randn

@@ -62,3 +62,31 @@ def test_kernels_install_under_the_engine_namespace(tmp_path) -> None:
     repo = str(Path(__file__).resolve().parents[1])
     assert ours is not None and ours.startswith(os.path.join(repo, "triton_kernels"))
     assert top is None or not top.startswith(repo)
+
+
+#: module names that moved, kept importable with a DeprecationWarning until 0.3 (engine._deprecation.py)
+MOVED = {
+    "engine.hf": "engine.integrations.hf",
+    "engine.models": "engine.demo.models",
+    "engine.data": "engine.demo.data",
+    "engine.corpus": "engine.demo.corpus",
+    "engine.testing.graph_twin": "engine.runtime.capture.graph_twin",
+    "engine.testing.capture_audit": "engine.runtime.capture.audit",
+    "engine.testing.carry_audit": "engine.runtime.capture.carry_audit",
+    "engine.testing.dispatch_trace": "engine.runtime.capture.dispatch_trace",
+}
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_a_moved_module_keeps_its_old_name_with_a_deprecation_warning(old: str) -> None:
+    import importlib
+
+    import engine._deprecation
+
+    new = importlib.import_module(MOVED[old])
+    with pytest.warns(DeprecationWarning) as caught:
+        module = importlib.reload(importlib.import_module(old))
+    text = str(caught[0].message)
+    assert MOVED[old] in text and f"removed in {engine._deprecation.REMOVED_IN}" in text
+    assert module.__all__ == new.__all__
+    assert all(getattr(module, name) is getattr(new, name) for name in new.__all__)

@@ -251,7 +251,7 @@ def private_uses(source: str) -> list[str]:
 #: (issue 28: 80 at d5862fc, where the issue counted 98 more loosely; the builders returning
 #: PipelineParts, WeightStore.kept_state, Stage.rerun_forward and P2PTransport.held cut it).
 #: The count may only go down: give the object a public method or property.
-PRIVATE_USES = 18
+PRIVATE_USES = 13
 
 
 def _runtime_private_uses() -> dict[str, list[str]]:
@@ -286,6 +286,44 @@ def test_private_attribute_gate_can_fail() -> None:
     )
     assert private_uses(bad) == ["9: store._slots", "9: st._call", "11: t._version"]
     assert private_uses("def g(pipe):\n    return pipe.executor.steps\n") == []
+
+
+#: the one import of engine.testing in production code: the NCCL twin backend, loaded where
+#: ENGINE_NCCL_TWIN is set (a CPU stand-in for NCCL, docs/DESIGN.md "The NCCL transport")
+TESTING_IMPORTS_ALLOWED = {("engine.runtime.ranks.transport.layout", "engine.testing.nccl_twin")}
+
+
+def imports_of_testing(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(production module, engine.testing module) pairs some import runs along (``graph``:
+    type-only and function-level imports counted). engine.testing is instrumentation for
+    tests: code that ships a feature must not need it."""
+    def testing(m: str) -> bool:
+        return m == "engine.testing" or m.startswith("engine.testing.")
+
+    return {(m, d) for m, deps in graph.items() if not testing(m) for d in deps if testing(d)}
+
+
+def test_production_code_imports_nothing_from_engine_testing_but_the_nccl_twin() -> None:
+    assert imports_of_testing(_graph(type_only=True)) - TESTING_IMPORTS_ALLOWED == set()
+
+
+def test_testing_import_gate_can_fail(tmp_path: Path) -> None:
+    # made-up modules: a function-level and a type-only import of engine.testing are caught,
+    # engine.testing importing production code is not, and the allowed pair passes
+    (tmp_path / "a.py").write_text("def f():\n    from engine.testing.graph_twin import X\n")
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import engine.testing\n"
+    (tmp_path / "b.py").write_text(typed)
+    (tmp_path / "c.py").write_text("from engine.runtime.capture.graph_twin import RecordingTwin\n")
+    (tmp_path / "d.py").write_text("import engine.testing.nccl_twin\n")
+    names = {"a": "engine.runtime.capture.synchronous", "b": "engine.runtime.exec.protocol",
+             "c": "engine.testing.graph_twin", "d": "engine.runtime.ranks.transport.layout"}
+    known = {*names.values(), "engine.testing", "engine.testing.nccl_twin",
+             "engine.runtime.capture.graph_twin"}
+    graph = {m: _imports(m, tmp_path / f"{f}.py", known, True) for f, m in names.items()}
+    assert imports_of_testing(graph) - TESTING_IMPORTS_ALLOWED == {
+        ("engine.runtime.capture.synchronous", "engine.testing.graph_twin"),
+        ("engine.runtime.exec.protocol", "engine.testing"),
+    }
 
 
 def test_no_hidden_module_lookups() -> None:
@@ -471,12 +509,15 @@ def test_failure_note_gate_can_fail() -> None:
     assert note_kinds_outside_the_enum("p.note_outcome(e, a, b, Outcome.DROPPED)\n", members, False) == []
 
 
-# ------------------------------------------------------------------ runtime wings (issue 28)
+# ------------------------------------------------------------------ runtime rooms
 
 #: the rooms of engine/runtime/ (a wing, i.e. a sub-package, or a module at its top) and
-#: their floors: an import between two rooms points to a lower floor. Written by the wing
-#: move (issue 28); a new runtime file joins a wing, or the table, before it can land.
-RUNTIME_FLOORS = {"stage": 1, "exec": 2, "build": 3, "parts": 4, "assemble": 5, "dist": 6, "state": 6, "pipeline": 7}
+#: their floors: an import between two rooms points to a lower floor. The rooms are concepts
+#: (docs/DESIGN.md, "Layout"); a new runtime file joins a room, or the table, before it lands.
+RUNTIME_FLOORS = {
+    "precision": 1, "ties": 1, "stage": 2, "tensor_parallel": 3, "exec": 4, "capture": 5,
+    "setup": 6, "parts": 7, "assemble": 8, "ranks": 9, "state": 9, "pipeline": 10,
+}
 RUNTIME = "engine" + ".runtime"  # (split: the wing move rewrites dotted runtime paths)
 
 
@@ -513,8 +554,8 @@ def test_runtime_arrows_point_down_the_floors() -> None:
     assert arrows_up(_graph(type_only=True), RUNTIME_FLOORS) == []
 
 
-def test_stage_wing_imports_no_other_wing() -> None:
-    higher = {"exec", "build", "state", "dist"}
+def test_stage_wing_imports_no_room_above_it() -> None:
+    higher = {room for room, floor in RUNTIME_FLOORS.items() if floor > RUNTIME_FLOORS["stage"]}
     assert sorted(b for a, b in room_arrows(_graph(type_only=True)) if a == "stage" and b in higher) == []
 
 
@@ -540,17 +581,17 @@ def test_every_wing_map_names_its_files() -> None:
 
 def test_runtime_floor_gate_can_fail() -> None:
     r = RUNTIME
-    floors = {"stage": 1, "exec": 2, "state": 6, "dist": 6, "pipeline": 7}
+    floors = {"stage": 1, "exec": 2, "state": 6, "ranks": 6, "pipeline": 7}
     graph = {
         f"{r}.stage.stage": {f"{r}.exec.executor", f"{r}.stage.trees"},  # up; inside a room
-        f"{r}.state.inflight": {f"{r}.dist.rank", f"{r}.exec.executor"},  # sideways; down
+        f"{r}.state.inflight": {f"{r}.ranks.rank", f"{r}.exec.executor"},  # sideways; down
         f"{r}.pipeline": {f"{r}.state.state", "engine.errors"},  # down; outside the runtime
         f"{r}.newroom": {f"{r}.stage.stage"},  # a room without a floor
     }
     assert arrows_up(graph, floors) == [
         "newroom (floor None) -> stage (floor 1)",
         "stage (floor 1) -> exec (floor 2)",
-        "state (floor 6) -> dist (floor 6)",
+        "state (floor 6) -> ranks (floor 6)",
     ]
     assert arrows_up({f"{r}.exec.executor": {f"{r}.stage.stage"}}, floors) == []
 
@@ -602,5 +643,5 @@ def test_cited_name_gate_can_fail() -> None:
         "engine.runtime.DEFAULT_CHECKPOINT", "engine.runtime.config.DEFAULT_CHECKPOINT"
     }
     assert _resolves("engine.runtime.DEFAULT_CHECKPOINT")
-    assert not _resolves("engine.runtime.config.DEFAULT_CHECKPOINT")  # (moved to build/)
+    assert not _resolves("engine.runtime.config.DEFAULT_CHECKPOINT")  # (moved to setup/)
     assert not _resolves("engine.runtime.NoSuchName")

@@ -2,7 +2,7 @@
 pipeline, no engine code): docs/ALGORITHMS.md's version tables and update rules, written out
 per micro-batch, with the tie's semantics -- one tied weight owned by its lowest holder,
 updated by the owner with the owner's delay, and read by every holder of micro-batch n at the
-value the owner's forward of n read (tests/test_runtime_ties_async.py).
+value the owner's forward of n read (tests/runtime/ties/test_runtime_ties_async.py).
 
 Micro-batch n at stage s (n counted from 0, k the update size, w = S - 1 - s):
 

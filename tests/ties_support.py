@@ -1,5 +1,5 @@
 """Declared ties between factory-built stages (``Pipeline(ties=...)``): the factories and
-what each rank runs (tests/test_runtime_ties_declared.py; spawned as ``ties_support.<name>``).
+what each rank runs (tests/runtime/ties/test_runtime_ties_declared.py; spawned as ``ties_support.<name>``).
 
 Why factories built the GPT-2 way: each factory builds the whole tied model and returns its
 stage, so the last stage's head holds a parameter *object* of its own (another process's, or

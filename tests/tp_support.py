@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.runtime.stage.tensor_parallel import input_placements, stage_tp
+from engine.runtime.tensor_parallel import input_placements, stage_tp
 
 D, HEADS, HIDDEN, T, OUT = 8, 4, 16, 3, 4
 STEPS = 6

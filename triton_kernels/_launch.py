@@ -1,7 +1,7 @@
 """Helpers shared by the optimizer kernels' launchers and bodies.
 
 Launch policy: one program per BLOCK elements of a flat buffer. On a GPU BLOCK is 1024 with 4
-warps (memory-bound elementwise code; larger blocks do not help on H100), i.e. 8 elements per
+warps (memory-bound elementwise code; larger blocks do not help), i.e. 8 elements per
 thread, two 128-bit accesses per fp32 tensor. A launch that mixes element widths (bf16/fp16
 weights beside fp32 state or gradients) uses BLOCK 512, 4 elements per thread: Triton gives
 each access 128 bits where it can (8 bf16, 4 fp32 elements), so at 8 elements per thread the
@@ -10,7 +10,7 @@ barrier) before every fp32 store; at 4 per thread every tensor shares one layout
 bf16/fp16 64-bit accesses, still fully coalesced) and nothing is exchanged between threads.
 Under ``TRITON_INTERPRET=1`` every program instance costs milliseconds of Python, so the
 launcher uses a large block there; tests can pass a small one to exercise the multi-program
-path. tests/test_triton_aot.py compiles every variant for sm_90 and checks these widths.
+path. tests/kernels/test_triton_aot.py compiles every variant for sm_90 and checks these widths.
 
 ``cast_rne`` exists because the interpreter converts fp32 to bf16 by truncation while
 GPUs and torch round to nearest even: doing the rounding with integer ops gives the same bits

@@ -63,7 +63,7 @@ def _advance_steps(steps: list[Tensor], found_inf: Tensor | None) -> None:
     elif found_inf.device == steps[0].device:
         # a list of tensors, never one 0-dim tensor: Python's overload resolution turns a lone
         # 0-dim tensor into a Scalar (an .item(), a host sync that invalidated CUDA graph
-        # captures of skip_update steps on the H100, issue 22); the list overload reads it on
+        # captures of skip_update steps); the list overload reads it on
         # the device
         inc = (found_inf.reshape(()) == 0).to(steps[0].dtype)
         torch._foreach_add_(steps, [inc] * len(steps))

@@ -79,8 +79,8 @@ def _sgd_body(
         tl.store(buf_ptr + offs, v_st, mask=mask)
         # One explicit fused multiply-add each, not left to the compiler: on a GPU it
         # contracts a*b + c*d into fma(c, d, a*b) or fma(a, b, c*d) as it likes, and did so
-        # differently for the two lines (SC with delay 1 was 1 ulp off Nesterov on the H100,
-        # issue 22). Written the same way, SC_1 (sc_a = m, sc_b = 1: g * 1 is exact) is
+        # differently for the two lines (SC with delay 1 came out 1 ulp off Nesterov on a
+        # GPU). Written the same way, SC_1 (sc_a = m, sc_b = 1: g * 1 is exact) is
         # Nesterov bit for bit on every device; the interpreter rounds fma as a*b, then + c.
         if SC:
             upd = tl.fma(sc_a, v, g * sc_b)

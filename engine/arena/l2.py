@@ -9,7 +9,7 @@ machines and a benchmark wants to report "not available" rather than crash.
 Two ways to ask: :func:`request` sets the device-wide set-aside *and* one window (one stage
 alone on a GPU, a benchmark); :func:`window` sets only a window with its share of a set-aside
 the caller manages with :func:`set_aside` / :func:`reset` (several stages on one GPU, where
-each request would overwrite the others' set-aside: engine/runtime/build/l2.py).
+each request would overwrite the others' set-aside: engine/runtime/setup/l2.py).
 """
 
 from __future__ import annotations

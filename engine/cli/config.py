@@ -18,8 +18,8 @@ sample's total contribution fixed: it is the linear rule written for the dampene
 momentum convention, translated to PyTorch's. ``--no-scaling`` uses --lr/--momentum as given.
 
 Tasks: ``--task classify`` (default) trains the residual MLP on ``--dataset``;
-``--task lm`` trains the GPT-style decoder of ``engine.models.gpt`` on the generated corpus
-(``engine.data.load_lm_dataset``). ``--layers``, ``--width``, ``--stages`` and ``--lr`` default
+``--task lm`` trains the GPT-style decoder of ``engine.demo.models.gpt`` on the generated corpus
+(``engine.demo.data.load_lm_dataset``). ``--layers``, ``--width``, ``--stages`` and ``--lr`` default
 per task (:data:`TASK_DEFAULTS`); an option given on the command line always wins.
 
 Only the standard library is imported at module level, so ``python -m engine --help`` stays fast.
@@ -35,7 +35,7 @@ from engine.cli import CLIError
 from engine.mitigations import WEIGHT_PREDICTIONS
 from engine.schedule.auto import AUTO_FACTS
 from engine.schedule.catalog import NAMES, ROWS, Family, family, unknown_schedule
-from engine.runtime.build.config import DEFAULT_CHECKPOINT
+from engine.runtime.setup.config import DEFAULT_CHECKPOINT
 
 __all__ = [
     "SCHEDULES",
@@ -170,8 +170,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def check_config(cfg: TrainConfig) -> None:
     """Reject bad settings with a message that names the option and the fix (before any work)."""
-    from engine.data import DATASETS
-    from engine.models import ModelError, even_balance
+    from engine.demo.data import DATASETS
+    from engine.demo.models import ModelError, even_balance
 
     if cfg.task not in TASKS:
         raise CLIError(f"unknown --task {cfg.task!r}; choose one of {', '.join(TASKS)}")
@@ -180,7 +180,7 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.task == "lm" and cfg.dataset != "digits":
         raise CLIError(
             f"--dataset {cfg.dataset} applies to --task classify; --task lm trains on the "
-            "generated corpus (engine/corpus.py)"
+            "generated corpus (engine/demo/corpus.py)"
         )
     if cfg.dataset not in DATASETS:
         raise CLIError(f"unknown dataset {cfg.dataset!r}; choose one of {', '.join(DATASETS)}")

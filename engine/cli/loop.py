@@ -142,11 +142,11 @@ def build_pipeline(
     import torch
 
     import engine
-    from engine.models import even_balance, gpt, residual_mlp, split_layers
+    from engine.demo.models import even_balance, gpt, residual_mlp, split_layers
     from engine.cli.config import schedule_facts
 
     torch.manual_seed(cfg.seed)
-    if cfg.task == "lm":  # tied head on every schedule (asynchronous ones: runtime/build/tie_carry.py)
+    if cfg.task == "lm":  # tied head on every schedule (asynchronous ones: runtime/ties/carry.py)
         seq = gpt(num_classes, num_features, cfg.layers, cfg.width, tie=True).to(cfg.device)
     else:
         seq = residual_mlp(num_features, num_classes, cfg.layers, cfg.width).to(cfg.device)
@@ -286,7 +286,7 @@ def train(
     from tqdm import tqdm
 
     import engine
-    from engine.data import epoch_order, load_dataset, load_lm_dataset
+    from engine.demo.data import epoch_order, load_dataset, load_lm_dataset
 
     check_config(cfg)
     torch.set_num_threads(cfg.threads)

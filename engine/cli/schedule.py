@@ -1,7 +1,8 @@
 """``python -m engine schedule NAME|FILE``: print, analyse and draw a schedule.
 
-Why here as well as ``python -m engine.schedule``: the command line a user discovers is
-``python -m engine``; this subcommand uses only the public ``engine.schedule`` API (generate,
+Why in the command line: the command a user discovers is ``python -m engine``
+(``python -m engine.schedule`` runs this same subcommand); it uses only the public
+``engine.schedule`` API (generate,
 the rank-program families, from_csv/to_csv, format_schedule, analyze, render_timeline,
 chrome_trace) and adds the one-line errors of the CLI. It prints the schedule's text form (one
 row per stage, cut into blocks of tick columns that fit ``--width``) and the analysis summary

@@ -37,7 +37,7 @@ from engine.cli.config import (
     config_from_args,
 )
 from engine.cli.loop import TrainResult, train
-from engine.runtime.build.config import CHECKPOINT_MODES, DEFAULT_CHECKPOINT
+from engine.runtime.setup.config import CHECKPOINT_MODES, DEFAULT_CHECKPOINT
 from engine.cli.runlog import CHECKPOINT_FILE, METRICS_FILE
 
 __all__ = [
@@ -86,14 +86,14 @@ def _per_task(option: str) -> str:
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Options shared by ``train`` and ``compare``: data, model, optimizer, run length."""
-    from engine.data import DATASETS
+    from engine.demo.data import DATASETS
 
     p.add_argument(
         "--task",
         choices=TASKS,
         default="classify",
         help="classify (default: residual MLP on --dataset) or lm (GPT-style decoder on the "
-        "generated character corpus, engine/corpus.py)",
+        "generated character corpus, engine/demo/corpus.py)",
     )
     p.add_argument(
         "--dataset", default="digits", help=f"one of {', '.join(DATASETS)} (default digits)"
@@ -127,7 +127,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_CHECKPOINT,
         help=f"activation recomputation, engine.Pipeline's checkpoint= (default "
         f"{DEFAULT_CHECKPOINT}, as the API's: fastest; except_last/always re-run forwards in "
-        "the backward, ~1.5x slower per step for 2-4x less activation memory)",
+        "the backward: slower steps for less activation memory, README 'Activation "
+        "recomputation')",
     )
     p.add_argument(
         "--checkpoint",

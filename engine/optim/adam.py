@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from engine.optim import lr_values
-from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _functional, _is_real_number
-from engine.optim.options import scalar
+from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _functional
+from engine.optim.options import DelayOptions, is_real_number, scalar, takes_delay_options
 
 __all__ = ["Adam", "AdamW"]
 
@@ -48,13 +48,7 @@ class _AdamBase(DelayOptimizer):
         differentiable: bool,
         fused: bool | None,
         decoupled_weight_decay: bool,
-        delay: int,
-        spike_compensation: bool,
-        prediction: str | None,
-        prediction_horizon: float | None,
-        discrepancy_correction: bool,
-        correction_decay: float,
-        delay_compensation: float = 0.0,
+        delay_options: DelayOptions,
         state_dtype: torch.dtype | str | None = None,
     ) -> None:
         if isinstance(betas, list):
@@ -71,13 +65,7 @@ class _AdamBase(DelayOptimizer):
             "capturable": capturable,
             "differentiable": differentiable,
             "decoupled_weight_decay": decoupled_weight_decay,
-            "delay": delay,
-            "spike_compensation": spike_compensation,
-            "prediction": prediction,
-            "prediction_horizon": prediction_horizon,
-            "discrepancy_correction": discrepancy_correction,
-            "correction_decay": correction_decay,
-            "delay_compensation": delay_compensation,
+            **delay_options.group(),
             "fused": fused,
         }
         if self._family == "adam":  # NAdam keeps fp32 moments (no state_dtype option)
@@ -110,7 +98,7 @@ class _AdamBase(DelayOptimizer):
                 if b.numel() != 1:
                     raise ValueError(f"{where}Tensor betas[{i}] must be 1-element")
                 value = float(b.detach())
-            elif _is_real_number(b):
+            elif is_real_number(b):
                 value = float(b)
             else:
                 raise TypeError(f"{where}betas[{i}]={b!r} is invalid: it must be a float")
@@ -123,7 +111,7 @@ class _AdamBase(DelayOptimizer):
             if not isinstance(group[name], bool):
                 raise TypeError(f"{where}{name}={group[name]!r} is invalid: it must be True or False")
         eps = group["eps"]
-        if not (_is_real_number(eps) and eps >= 0.0):
+        if not (is_real_number(eps) and eps >= 0.0):
             raise ValueError(f"{where}eps={eps!r} is invalid: it must be a float >= 0")
         if not isinstance(group.get("amsgrad", False), bool):  # NAdam has no amsgrad
             raise TypeError(f"{where}amsgrad={group['amsgrad']!r} is invalid: it must be True or False")
@@ -239,6 +227,7 @@ class Adam(_AdamBase):
     their own dtype, torch fused's layout (14 B/param per bf16 step instead of 22).
     """
 
+    @takes_delay_options()
     def __init__(
         self,
         params: Any,
@@ -254,22 +243,13 @@ class Adam(_AdamBase):
         differentiable: bool = False,
         fused: bool | None = None,
         decoupled_weight_decay: bool = False,
-        delay: int = 0,
-        spike_compensation: bool = False,
-        prediction: str | None = None,
-        prediction_horizon: float | None = None,
-        discrepancy_correction: bool = False,
-        correction_decay: float = 0.1,
-        delay_compensation: float = 0.0,
         state_dtype: torch.dtype | str | None = None,
+        delay_options: DelayOptions,
     ) -> None:
         super().__init__(
             params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
             capturable=capturable, differentiable=differentiable, fused=fused,
-            decoupled_weight_decay=decoupled_weight_decay, delay=delay,
-            spike_compensation=spike_compensation, prediction=prediction,
-            prediction_horizon=prediction_horizon, discrepancy_correction=discrepancy_correction,
-            correction_decay=correction_decay, delay_compensation=delay_compensation,
+            decoupled_weight_decay=decoupled_weight_decay, delay_options=delay_options,
             state_dtype=state_dtype,
         )
 
@@ -281,6 +261,7 @@ class AdamW(_AdamBase):
     bit on CPU. Prediction extrapolates the whole applied step, decay included.
     """
 
+    @takes_delay_options()
     def __init__(
         self,
         params: Any,
@@ -295,23 +276,13 @@ class AdamW(_AdamBase):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
-        delay: int = 0,
-        spike_compensation: bool = False,
-        prediction: str | None = None,
-        prediction_horizon: float | None = None,
-        discrepancy_correction: bool = False,
-        correction_decay: float = 0.1,
-        delay_compensation: float = 0.0,
         state_dtype: torch.dtype | str | None = None,
+        delay_options: DelayOptions,
     ) -> None:
         super().__init__(
             params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
             capturable=capturable, differentiable=differentiable, fused=fused,
-            decoupled_weight_decay=True, delay=delay,
-            spike_compensation=spike_compensation, prediction=prediction,
-            prediction_horizon=prediction_horizon, discrepancy_correction=discrepancy_correction,
-            correction_decay=correction_decay, delay_compensation=delay_compensation,
-            state_dtype=state_dtype,
+            decoupled_weight_decay=True, delay_options=delay_options, state_dtype=state_dtype,
         )
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -38,22 +38,15 @@ from engine.optim.computed import ComputedWeights
 from engine.optim.dispatch import FUSED_DTYPES, paths, use_fused
 from engine.optim.flat import FlatBinding, arena_binding
 from engine.optim.multi import MultiTensorSteps
-from engine.optim.options import (
-    DELAY_DEFAULTS,
-    PREDICTION_MODES,
-    is_real_number,
-)
+from engine.optim.options import DELAY_DEFAULTS, PREDICTION_MODES
 from engine.optim.state_io import StateDictIO
-from engine.optim.validation import PARAM_DTYPES, OptionChecks
+from engine.optim.validation import OptionChecks
 
 __all__ = ["DelayOptimizer", "PREDICTION_MODES", "DELAY_DEFAULTS", "MOMENT_KEYS"]
 
 #: torch's own state, which the ``state_dtype`` option may keep in bf16/fp16
 MOMENT_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
-# kept for the subclasses' imports
-_is_real_number = is_real_number
-_PARAM_DTYPES = PARAM_DTYPES
 _EMPTY: dict[str, Any] = {}
 _warned_fallback: set[Any] = set()
 
@@ -128,6 +121,16 @@ class DelayOptimizer(OptionChecks, StateDictIO, ComputedWeights, MultiTensorStep
 
     #: the group's lr as the fused kernels load it on a device, or None (lr_values.on_device)
     device_lr = staticmethod(lr_values.on_device)
+
+    def set_group_options(self, **options: Any) -> None:
+        """Write ``options`` into every param group, each group checked with them first as a
+        constructor's keywords are: a bad value raises a ValueError naming it and the group,
+        and nothing is written. The pipeline sets the options its mitigations need this way
+        (docs/DESIGN.md, "One switch per mitigation")."""
+        for i, group in enumerate(self.param_groups):
+            self._check_options({**group, **options}, f"param_groups[{i}]: ")
+        for group in self.param_groups:
+            group.update(options)
 
     def effective_lrs(self) -> list[float]:
         """``effective_lr`` of every param group, in order."""

@@ -2,7 +2,7 @@
 
 Why a module: torch accepts ``lr``, ``betas`` and ``weight_decay`` as Tensors, of any shape
 with one element, and with ``differentiable=True`` autograd must reach them through the step
-(torch's suite checks both; issue 22). The reference math (functional.py,
+(torch's suite checks both). The reference math (functional.py,
 functional_nadam.py) routes them through these helpers so that the float path stays torch's
 op for op and only Tensor values take the tensor-friendly ops.
 """

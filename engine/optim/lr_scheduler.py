@@ -3,8 +3,9 @@
     lr_{k,s} = lr_k * tau_s ** -(1 - min(k / K, 1))        tau_s = max(delay_s, 1)
 
 ``group["lr"]`` is the rate the next update applies, as with torch's schedulers: a user
-logging ``param_groups[0]["lr"]`` or ``get_last_lr()`` sees what is applied (issue 22; until
-then the multiplier lived in ``group["lr_scale"]`` and was applied inside the step).
+logging ``param_groups[0]["lr"]`` or ``get_last_lr()`` sees what is applied (a
+``group["lr_scale"]`` that older checkpoints carry is still applied inside the step,
+engine/optim/base.py).
 
 How it composes with the base schedule lr_k, which belongs to other schedulers:
 

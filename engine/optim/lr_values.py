@@ -1,5 +1,5 @@
 """What a param group's learning rate is at a step: a number, or a device tensor the fused
-kernels load (issue 23, "learning rates as device tensors").
+kernels load.
 
 Why a device tensor: a fused kernel that takes lr as a launch argument bakes the value into
 the launch, so a CUDA graph that replays it keeps the old value and an LR schedule forces a

@@ -27,9 +27,9 @@ import torch
 from torch import Tensor
 
 from engine.optim import functional_muon as fm
-from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _is_real_number
+from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer
 from engine.optim.flat import FlatBinding
-from engine.optim.options import scalar
+from engine.optim.options import DelayOptions, is_real_number, scalar, takes_delay_options
 
 __all__ = ["Muon"]
 
@@ -40,6 +40,11 @@ ADAMW_DEFAULTS: dict[str, Any] = {
     "adamw_eps": 1e-10,
     "adamw_weight_decay": 0.0,
 }
+
+
+#: the delay option Muon lacks (delay compensation's derivation does not cover the
+#: orthogonalisation after momentum, docs/ALGORITHMS.md "Muon under delay")
+_NO_DELAY_COMPENSATION = ("delay_compensation",)
 
 
 class Muon(DelayOptimizer):
@@ -61,6 +66,7 @@ class Muon(DelayOptimizer):
     #: the flat bucket being stepped (set around the base class's flat step), else None
     _layout: FlatBinding | None = None
 
+    @takes_delay_options(without=_NO_DELAY_COMPENSATION)
     def __init__(
         self,
         params: Any,
@@ -80,12 +86,7 @@ class Muon(DelayOptimizer):
         adamw_weight_decay: float = ADAMW_DEFAULTS["adamw_weight_decay"],
         maximize: bool = False,
         fused: bool | None = None,
-        delay: int = 0,
-        spike_compensation: bool = False,
-        prediction: str | None = None,
-        prediction_horizon: float | None = None,
-        discrepancy_correction: bool = False,
-        correction_decay: float = 0.1,
+        delay_options: DelayOptions,
     ) -> None:
         if isinstance(ns_coefficients, list):
             ns_coefficients = tuple(ns_coefficients)
@@ -110,12 +111,7 @@ class Muon(DelayOptimizer):
             # the base class's torch flags; Muon has no differentiable or foreach path
             "foreach": None,
             "differentiable": False,
-            "delay": delay,
-            "spike_compensation": spike_compensation,
-            "prediction": prediction,
-            "prediction_horizon": prediction_horizon,
-            "discrepancy_correction": discrepancy_correction,
-            "correction_decay": correction_decay,
+            **delay_options.group(without=_NO_DELAY_COMPENSATION),
             "fused": fused,
         }
         DelayOptimizer.__init__(self, params, defaults)
@@ -146,10 +142,10 @@ class Muon(DelayOptimizer):
                 )
         for key in ("momentum", "eps", "adamw_eps", "adamw_weight_decay"):
             value = group[key]
-            if not (_is_real_number(value) and value >= 0.0):
+            if not (is_real_number(value) and value >= 0.0):
                 raise ValueError(f"{where}{key}={value!r} is invalid: it must be a float >= 0")
         adamw_lr = group["adamw_lr"]
-        if adamw_lr is not None and not (_is_real_number(adamw_lr) and adamw_lr >= 0.0):
+        if adamw_lr is not None and not (is_real_number(adamw_lr) and adamw_lr >= 0.0):
             raise ValueError(
                 f"{where}adamw_lr={adamw_lr!r} is invalid: a float >= 0, or None (the group's lr)"
             )
@@ -157,7 +153,7 @@ class Muon(DelayOptimizer):
             if not isinstance(group[flag], bool):
                 raise TypeError(f"{where}{flag}={group[flag]!r} is invalid: it must be True or False")
         coeffs = group["ns_coefficients"]
-        if not (isinstance(coeffs, tuple) and len(coeffs) == 3 and all(map(_is_real_number, coeffs))):
+        if not (isinstance(coeffs, tuple) and len(coeffs) == 3 and all(map(is_real_number, coeffs))):
             raise ValueError(
                 f"{where}ns_coefficients={coeffs!r} is invalid: give three floats (a, b, c)"
             )
@@ -173,7 +169,7 @@ class Muon(DelayOptimizer):
                 + " or ".join(repr(f) for f in fm.ADJUST_LR_FNS)
             )
         betas = group["adamw_betas"]
-        if not (isinstance(betas, tuple) and len(betas) == 2 and all(map(_is_real_number, betas))
+        if not (isinstance(betas, tuple) and len(betas) == 2 and all(map(is_real_number, betas))
                 and all(0.0 <= b < 1.0 for b in betas)):
             raise ValueError(
                 f"{where}adamw_betas={betas!r} is invalid: give (beta1, beta2), each in [0, 1)"

@@ -25,9 +25,9 @@ from torch import Tensor
 
 from engine.optim.adam import _AdamBase
 from engine.optim import lr_values
-from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _is_real_number
+from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer
 from engine.optim.functional_nadam import stage_beta1
-from engine.optim.options import scalar
+from engine.optim.options import DelayOptions, is_real_number, scalar, takes_delay_options
 
 __all__ = ["NAdam"]
 
@@ -45,6 +45,7 @@ class NAdam(_AdamBase):
     _family = "nadam"
     _shared_scalars = (("step", 0.0), ("mu_product", 1.0))
 
+    @takes_delay_options()
     def __init__(
         self,
         params: Any,
@@ -60,14 +61,8 @@ class NAdam(_AdamBase):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
-        delay: int = 0,
-        spike_compensation: bool = False,
-        prediction: str | None = None,
-        prediction_horizon: float | None = None,
-        discrepancy_correction: bool = False,
-        correction_decay: float = 0.1,
-        delay_compensation: float = 0.0,
         stage_beta1: tuple[float, int] | None = None,
+        delay_options: DelayOptions,
     ) -> None:
         if isinstance(betas, list):
             betas = tuple(betas)
@@ -85,13 +80,7 @@ class NAdam(_AdamBase):
             "foreach": foreach,
             "capturable": capturable,
             "differentiable": differentiable,
-            "delay": delay,
-            "spike_compensation": spike_compensation,
-            "prediction": prediction,
-            "prediction_horizon": prediction_horizon,
-            "discrepancy_correction": discrepancy_correction,
-            "correction_decay": correction_decay,
-            "delay_compensation": delay_compensation,
+            **delay_options.group(),
             "stage_beta1": stage_beta1,
             "fused": fused,
         }
@@ -102,7 +91,7 @@ class NAdam(_AdamBase):
         if any(isinstance(b, Tensor) for b in group["betas"]):
             raise TypeError(f"{where}NAdam takes betas as floats, got {group['betas']!r}")
         decay = group["momentum_decay"]
-        if not (_is_real_number(decay) and decay >= 0.0):
+        if not (is_real_number(decay) and decay >= 0.0):
             raise ValueError(f"{where}Invalid momentum_decay value: {decay!r} (it must be a float >= 0)")
         if group["spike_compensation"]:
             raise ValueError(
@@ -118,7 +107,7 @@ class NAdam(_AdamBase):
         rule = group["stage_beta1"]
         if rule is None:
             return
-        if not (isinstance(rule, tuple) and len(rule) == 2 and _is_real_number(rule[0])
+        if not (isinstance(rule, tuple) and len(rule) == 2 and is_real_number(rule[0])
                 and isinstance(rule[1], int) and not isinstance(rule[1], bool)):
             raise TypeError(
                 f"{where}stage_beta1={rule!r} is invalid: give (beta1_max, num_stages), e.g. "

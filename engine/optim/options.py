@@ -1,50 +1,67 @@
 """Options every engine optimizer understands, their defaults, and their validation.
 
 Why per param group: the pipeline sets each stage's delay D_s on its optimizer's groups, and
-a user may give groups their own lr or weight decay, so the delay-related options
-(``delay``, ``spike_compensation``, ``prediction``, ``prediction_horizon``,
-``discrepancy_correction``, ``correction_decay``, ``delay_compensation``) are group defaults
-like ``lr``. Every check names the option, its value and the group, and runs before anything
-changes.
+a user may give groups their own lr or weight decay, so the delay options
+(:class:`engine.mitigations.DelayOptions`: their one list, defaults and checks) are group
+defaults like ``lr``. Every check names the option, its value and the group, and runs before
+anything changes.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
-from typing import Any
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
+from engine.mitigations import PREDICTION_MODES, DelayOptions, is_real_number
+
 __all__ = [
     "DELAY_DEFAULTS",
     "PREDICTION_MODES",
-    "check_delay_compensation",
+    "DelayOptions",
     "check_delay_options",
     "check_state_dtype",
     "check_torch_flags",
     "is_real_number",
     "scalar",
+    "takes_delay_options",
 ]
 
-#: Valid values of the ``prediction`` option (public API, see ALGORITHMS.md).
-PREDICTION_MODES: tuple[str, ...] = ("linear", "momentum")
+#: the delay options every engine optimizer's groups hold, with their defaults (Muon has no
+#: ``delay_compensation``, so it is not among them), and torch's ``fused``
+DELAY_DEFAULTS: dict[str, Any] = {**DelayOptions().group(without=("delay_compensation",)),
+                                  "fused": None}
 
-# Options every engine optimizer understands, with their defaults.
-DELAY_DEFAULTS: dict[str, Any] = {
-    "delay": 0,
-    "spike_compensation": False,
-    "prediction": None,
-    "prediction_horizon": None,
-    "discrepancy_correction": False,
-    "correction_decay": 0.1,
-    "fused": None,
-}
+_Init = TypeVar("_Init", bound=Callable[..., None])
 
 
-def is_real_number(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+def takes_delay_options(without: tuple[str, ...] = ()) -> Callable[[_Init], _Init]:
+    """Give an optimizer's ``__init__(self, ..., delay_options: DelayOptions)`` the keywords of
+    :class:`DelayOptions` (keyword-only, with their defaults; ``without``: those it lacks): a
+    caller passes ``delay=3, prediction="linear"``, the constructor receives one
+    ``DelayOptions``, and ``inspect.signature`` (``help``) lists the keywords in its place."""
+    names = [f for f in dataclasses.fields(DelayOptions) if f.name not in without]
+
+    def wrap(init: _Init) -> _Init:
+        sig = inspect.signature(init)
+        own = [p for p in sig.parameters.values() if p.name != "delay_options"]
+        keywords = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                      annotation=f.type) for f in names]
+
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            given = {f.name: kwargs.pop(f.name) for f in names if f.name in kwargs}
+            init(self, *args, delay_options=DelayOptions(**given), **kwargs)
+
+        __init__.__signature__ = sig.replace(parameters=[*own, *keywords])  # type: ignore[attr-defined]
+        return __init__  # type: ignore[return-value]
+
+    return wrap
 
 
 def scalar(x: Any) -> Any:
@@ -92,55 +109,12 @@ def check_delay_options(group: dict[str, Any], where: str) -> None:
         raise ValueError(
             f"{where}Invalid weight_decay value: {group['weight_decay']!r} (it must be >= 0)"
         )
-    delay = group["delay"]
-    if not isinstance(delay, numbers.Integral) or isinstance(delay, bool):
-        raise TypeError(
-            f"{where}delay={delay!r} is invalid: the delay is a whole number of updates (an int >= 0)"
-        )
-    if delay < 0:
-        raise ValueError(
-            f"{where}delay={delay!r} is invalid: the delay counts updates applied between a forward "
-            "and the update of its gradient, so it must be >= 0"
-        )
-    mode = group["prediction"]
-    if mode is not None and mode not in PREDICTION_MODES:
-        raise ValueError(
-            f"{where}prediction={mode!r} is not a prediction mode; valid values are None, "
-            + ", ".join(repr(m) for m in PREDICTION_MODES)
-        )
-    horizon = group["prediction_horizon"]
-    if horizon is not None and not (is_real_number(horizon) and horizon >= 0 and math.isfinite(horizon)):
-        raise ValueError(
-            f"{where}prediction_horizon={horizon!r} is invalid: use None (the group's delay) or a number >= 0"
-        )
-    if mode == "momentum" and horizon is not None and int(horizon) != horizon:
-        raise ValueError(
-            f"{where}prediction_horizon={horizon!r} is invalid for prediction='momentum': it "
-            "sums m + m^2 + ... + m^H, so H must be a whole number (or use 'linear')"
-        )
-    decay = group["correction_decay"]
-    if not (is_real_number(decay) and 0.0 < decay < 1.0):
-        raise ValueError(
-            f"{where}correction_decay={decay!r} is invalid: PipeMare's D_decay must lie in (0, 1) "
-            "(gamma = D_decay ** (1 / delay))"
-        )
-    check_delay_compensation(group, where)
+    DelayOptions.check(group, where)
     check_state_dtype(group, where)
     check_torch_flags(group, where)
     for name in ("maximize", "spike_compensation", "discrepancy_correction"):
         if not isinstance(group[name], bool):
             raise TypeError(f"{where}{name}={group[name]!r} is invalid: it must be True or False")
-
-
-def check_delay_compensation(group: dict[str, Any], where: str) -> None:
-    """``delay_compensation`` (DC-ASGD's lambda, ALGORITHMS.md "Delay-compensated
-    gradients"): a finite number >= 0; 0 (the default, also when absent) is off."""
-    lam = group.get("delay_compensation", 0.0)
-    if not (is_real_number(lam) and math.isfinite(lam) and lam >= 0.0):
-        raise ValueError(
-            f"{where}delay_compensation={lam!r} is invalid: it is DC-ASGD's lambda in "
-            "g + lambda * g * g * (w_t - w_(t-tau)), a finite number >= 0 (0 turns it off)"
-        )
 
 
 #: values of the ``state_dtype`` option (SGD, Adam, AdamW): None and torch.float32 are the

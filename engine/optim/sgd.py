@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from engine.optim import lr_values
-from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _functional, _is_real_number
-from engine.optim.options import scalar
+from engine.optim.base import DELAY_DEFAULTS, DelayOptimizer, _functional
+from engine.optim.options import DelayOptions, is_real_number, scalar, takes_delay_options
 from engine.update_rules import lr_product
 
 __all__ = ["SGD"]
@@ -60,6 +60,7 @@ class SGD(DelayOptimizer):
 
     _family = "sgd"
 
+    @takes_delay_options()
     def __init__(
         self,
         params: Any,
@@ -73,14 +74,8 @@ class SGD(DelayOptimizer):
         foreach: bool | None = None,
         differentiable: bool = False,
         fused: bool | None = None,
-        delay: int = 0,
-        spike_compensation: bool = False,
-        prediction: str | None = None,
-        prediction_horizon: float | None = None,
-        discrepancy_correction: bool = False,
-        correction_decay: float = 0.1,
-        delay_compensation: float = 0.0,
         state_dtype: torch.dtype | str | None = None,
+        delay_options: DelayOptions,
     ) -> None:
         defaults = {
             **DELAY_DEFAULTS,
@@ -92,13 +87,7 @@ class SGD(DelayOptimizer):
             "maximize": maximize,
             "foreach": foreach,
             "differentiable": differentiable,
-            "delay": delay,
-            "spike_compensation": spike_compensation,
-            "prediction": prediction,
-            "prediction_horizon": prediction_horizon,
-            "discrepancy_correction": discrepancy_correction,
-            "correction_decay": correction_decay,
-            "delay_compensation": delay_compensation,
+            **delay_options.group(),
             "state_dtype": state_dtype,
             "fused": fused,
         }
@@ -119,10 +108,10 @@ class SGD(DelayOptimizer):
         super()._check_options(group, where)
         # torch's conditions: momentum >= 0 (no upper bound), dampening any number
         m = group["momentum"]
-        if not (_is_real_number(m) and m >= 0.0):
+        if not (is_real_number(m) and m >= 0.0):
             raise ValueError(f"{where}Invalid momentum value: {m!r} (momentum must be a number >= 0)")
         d = group["dampening"]
-        if not _is_real_number(d):
+        if not is_real_number(d):
             raise TypeError(f"{where}dampening={d!r} is invalid: it must be a number")
         if not isinstance(group["nesterov"], bool):
             raise TypeError(f"{where}nesterov={group['nesterov']!r} is invalid: it must be True or False")
@@ -245,8 +234,7 @@ class SGD(DelayOptimizer):
         if isinstance(lr, Tensor):
             # kept on the device by a step with a device lr: the coefficient stays there too
             # (lr * c with the host's arithmetic), so a captured window recomputing a
-            # prediction reads nothing back (issue 23; the H100 run of 2026-11-26 found
-            # SC+LWP windows with an LR scheduler eager for good because of that read)
+            # prediction reads nothing back (a read would keep such windows eager for good)
             return lr_product(lr, rule(group["prediction"], 1.0, group["momentum"], horizon))
         if lr is None:
             lr = self.effective_lr(group)

@@ -10,7 +10,7 @@ stashes S-s weight versions at stage s, 2BW keeps two, GPipe keeps the activatio
 micro-batches while 1F1B keeps at most S-s, and pipelined backprop (dataflow order) keeps
 2(S-1-s)+1. A partitioner that ignores this puts too many layers on stage 0 and runs out of
 memory exactly where it matters. :func:`stage_footprint` gives these counts; they are the
-steady-state values of ALGORITHMS.md, and ``tests/test_partition.py`` checks them against
+steady-state values of ALGORITHMS.md, and ``tests/partition/test_partition.py`` checks them against
 :func:`engine.schedule.analyze`, which measures them by simulating the generated schedules.
 For the asynchronous schedules (pipedream, 2bw, pb) the pipeline stays full across
 mini-batches, so the count does not shrink with small M (PipeDream keeps S-s micro-batches

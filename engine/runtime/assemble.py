@@ -1,7 +1,7 @@
 """Assembling a pipeline from its stage modules: :func:`build_local` and the steps it shares
-with :func:`~engine.runtime.dist.rank_build.build_rank`.
+with :func:`~engine.runtime.ranks.rank_build.build_rank`.
 
-Why a module: once the modules and their weight stores exist (:mod:`~engine.runtime.build.stores`),
+Why a module: once the modules and their weight stores exist (:mod:`~engine.runtime.setup.stores`),
 both transports do the same things -- resolve the weight mitigations against the stage
 optimizers, derive each stage's delay D_s by simulating the schedule and write it into the
 optimizer's param groups, make one :class:`~engine.runtime.stage.stage.Stage` per module with its
@@ -18,20 +18,20 @@ import torch
 from torch import nn
 
 from engine.errors import PipelineConfigError, ScheduleError
-from engine.runtime.build.stores import build_module, build_store, resolve_stage_specs
-from engine.runtime.exec.capture import program_capture, refuse_program
-from engine.runtime.build.config import resolve_mitigations
+from engine.runtime.setup.stores import build_module, build_store, resolve_stage_specs
+from engine.runtime.capture.synchronous import program_capture, refuse_program
+from engine.runtime.setup.config import resolve_mitigations
 from engine.runtime.stage.device_flags import check_skip_update
 from engine.runtime.exec.executor import Executor
-from engine.runtime.stage.graphs import attach_step_graphs
-from engine.runtime.build.host_memory import keep_freed_host_memory
-from engine.runtime.build.l2 import L2State, apply_l2
+from engine.runtime.capture.optimizer_graphs import attach_step_graphs
+from engine.runtime.setup.host_memory import keep_freed_host_memory
+from engine.runtime.setup.l2 import L2State, apply_l2
 from engine.runtime.parts import BuildRequest, PipelineParts
 from engine.runtime.stage.policy import SpecTrain, make_policy
 from engine.runtime.stage.stage import Stage
-from engine.runtime.build.step_features import attach as attach_features
+from engine.runtime.setup.step_features import attach as attach_features
 from engine.runtime.exec.streams import StageStreams, default_stage_streams
-from engine.runtime.build.ties import TiedGradients, tie_stages, with_declared
+from engine.runtime.ties.groups import TiedGradients, tie_stages, with_declared
 from engine.schedule.analysis import analyze, schedule_delays
 from engine.schedule.spec import ScheduleSpec, resolve_schedule
 
@@ -71,7 +71,7 @@ def stage_modules(req: BuildRequest, spec: ScheduleSpec, specs: list[Any], held:
 
     modules = [build_module(specs[s], s) for s in held]
     if req.deferred_batch_norm:
-        from engine.runtime.build.batch_norm import convert_deferred_batch_norm
+        from engine.runtime.setup.batch_norm import convert_deferred_batch_norm
 
         modules = [carry_naming(m, convert_deferred_batch_norm(m, spec.chunks)) for m in modules]
     for s, m in zip(held, modules, strict=True):
@@ -106,10 +106,12 @@ def make_stages(
         )
         if bridge is not None:
             bridge.set_delay(delays[s])
+            try:
+                bridge.serve(prediction is not None, correction, cfg.correction_decay)
+            except ValueError as exc:
+                raise PipelineConfigError(f"stage {s}: {exc}") from None
             if isinstance(policy, SpecTrain) and bridge.is_engine:
                 bridge.set_group_option("prediction_horizon", float(policy.s_f))
-            if correction and not bridge.keeps_delta:
-                bridge.enable_fallback_correction(cfg.correction_decay)
             if device_flags:
                 bridge.enable_skip_flags()
         st = Stage(
@@ -173,7 +175,7 @@ def build_local(req: BuildRequest) -> PipelineParts:
     cfg = req.config
     balance = req.balance
     if isinstance(balance, str):
-        from engine.runtime.build.balance import auto_balance
+        from engine.runtime.setup.balance import auto_balance
 
         balance = auto_balance(
             req.stages, balance, req.schedule, req.chunks, req.order, req.num_stages,

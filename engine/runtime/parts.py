@@ -3,7 +3,7 @@
 
 Why a module: ``Pipeline(...)`` checks its options and calls one builder --
 :func:`~engine.runtime.assemble.build_local` (every stage in this process) or
-:func:`~engine.runtime.dist.rank_build.build_rank` (gloo/NCCL: this rank's stages) -- which
+:func:`~engine.runtime.ranks.rank_build.build_rank` (gloo/NCCL: this rank's stages) -- which
 *returns* the parts, as torchtitan's ``pipeline_module_split`` returns its stages and models.
 The facade holds them and delegates; nothing below it writes into the facade or imports it.
 The state dict, the in-flight state, evaluation, statistics and a rank's step take the parts
@@ -21,15 +21,15 @@ import torch
 from torch import Tensor, nn
 
 from engine.errors import NotFlushedError
-from engine.runtime.stage.amp import autocast_context
+from engine.runtime.precision import autocast_context
 
 if TYPE_CHECKING:
-    from engine.runtime.exec.capture import ProgramCapture
-    from engine.runtime.build.config import PipelineConfig
+    from engine.runtime.capture.synchronous import ProgramCapture
+    from engine.runtime.setup.config import PipelineConfig
     from engine.runtime.exec.executor import Executor
-    from engine.runtime.build.l2 import L2State
+    from engine.runtime.setup.l2 import L2State
     from engine.runtime.stage.stage import Stage
-    from engine.runtime.build.step_features import StepFeatures
+    from engine.runtime.setup.step_features import StepFeatures
     from engine.runtime.exec.streams import StageStreams
     from engine.schedule.spec import ScheduleSpec
 
@@ -62,7 +62,7 @@ class BuildRequest:
     deferred_batch_norm: bool = False
     virtual_stages: int | None = None
     ties: Any = None  #: the user's declared ties (``Pipeline(ties=...)``)
-    mesh: Any = None  #: a DeviceMesh with pp/dp/tp dimensions (engine/runtime/dist/mesh.py)
+    mesh: Any = None  #: a DeviceMesh with pp/dp/tp dimensions (engine/runtime/ranks/mesh.py)
 
 
 @dataclass(eq=False)
@@ -84,9 +84,9 @@ class PipelineParts:
     device: torch.device
     #: layer counts per stage when ``stages`` was an nn.Sequential
     balance: list[int] | None = None
-    #: tied parameters, one list of (stage, name) per tie (engine/runtime/build/ties.py)
+    #: tied parameters, one list of (stage, name) per tie (engine/runtime/ties/groups.py)
     ties: list[Any] = field(default_factory=list)
-    #: cuda_graphs="program": whole steps replayed from graphs (engine/runtime/exec/capture.py)
+    #: cuda_graphs="program": whole steps replayed from graphs (engine/runtime/capture/synchronous.py)
     capture: ProgramCapture | None = None
     #: gloo/NCCL: the replica x stage layout (a transport.layout.Layout: rank, stage, replica,
     #: groups) and this rank's communication (distributed.RankRuntime or

@@ -3,7 +3,7 @@
 This is the facade users meet. It validates the configuration (every invalid combination
 fails here, before any weight exists in a pipeline; :mod:`config`) and calls one builder --
 :func:`~engine.runtime.assemble.build_local` or, under gloo/NCCL,
-:func:`~engine.runtime.dist.rank_build.build_rank` -- which resolves the schedule once (a built-in
+:func:`~engine.runtime.ranks.rank_build.build_rank` -- which resolves the schedule once (a built-in
 family or a user's program; :mod:`engine.schedule.spec`), builds one Stage per module with its
 own optimizer over a flat weight arena (:mod:`build`), derives each stage's delay D_s by
 simulating the schedule and writes it into the optimizer's param groups, and returns the
@@ -23,29 +23,40 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from engine.runtime.stage import inputs as _inputs
-from engine.runtime.stage.amp import check_scaler_state
-from engine.runtime.build.config import DEFAULT_CHECKPOINT, PipelineConfig, check_options
+from engine.runtime.precision import check_scaler_state
+from engine.runtime.setup.config import DEFAULT_CHECKPOINT, PipelineConfig, check_options
 from engine.runtime.parts import BuildRequest, PipelineParts
-from engine.runtime.build.step_features import StepFeatures, check_step_features
+from engine.runtime.setup.step_features import StepFeatures, check_step_features
 from engine.runtime.state.throughput import StepMeter, batch_size
 from engine.schedule.auto import CHOOSERS, Choice
 from engine.schedule.catalog import lookup
 from engine.schedule.spec import ScheduleSpec
 
 if TYPE_CHECKING:
-    from engine.runtime.exec.capture import ProgramCapture
-    from engine.runtime.exec.executor import Executor
-    from engine.runtime.build.l2 import L2State
     from engine.runtime.stage.stage import Stage
-    from engine.runtime.exec.streams import StageStreams
 
 __all__ = ["Pipeline"]
+
+_T = TypeVar("_T")
+
+
+class _Part(Generic[_T]):
+    """``pipe.<name>``: the read-only view of ``pipe.parts.<name>``, what the builder returned."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, pipe: Any, owner: type | None = None) -> _T:
+        return self if pipe is None else getattr(pipe.parts, self.name)  # type: ignore[return-value]
+
+    def __set__(self, pipe: Any, value: Any) -> None:
+        raise AttributeError(f"Pipeline.{self.name} is read-only (pipe.parts.{self.name})")
 
 
 class Pipeline:
@@ -57,8 +68,8 @@ class Pipeline:
             materialises the whole model), or an ``nn.Sequential`` with ``balance``. A
             parameter (or module) shared by several stages is a tie (``pipe.ties``):
             synchronous schedules give later holders a copy, kept equal by summing the
-            holders' gradients before each update (engine/runtime/build/ties.py); asynchronous
-            ones carry the owner's value to the later holders (runtime/build/tie_carry.py).
+            holders' gradients before each update (engine/runtime/ties/groups.py); asynchronous
+            ones carry the owner's value to the later holders (runtime/ties/carry.py).
 
             What passes between stages: a stage returns a tensor or a tree -- tuples, lists
             and dicts of tensors, nested, with constant leaves (None, numbers, strings) allowed
@@ -84,12 +95,14 @@ class Pipeline:
         loss_fn: ``loss_fn(output, target) -> scalar``, the *mean* over the micro-batch's samples.
         optimizer: ``params -> optimizer``, called once per stage with that stage's parameters
             (its param groups become the stage's flat buckets). The pipeline writes each stage's
-            delay D_s into ``group["delay"]``. Mitigations are options of the optimizer
-            (engine.optim: ``spike_compensation``, ``prediction``, ``discrepancy_correction``).
+            delay D_s into ``group["delay"]``. Mitigations of the update rule are options of the
+            optimizer (engine.optim: ``spike_compensation``, ``delay_compensation``,
+            PipeMareLR); those that change which weights F and B read are the pipeline's
+            (``weight_prediction``, ``discrepancy_correction``).
         checkpoint: activation recomputation: "never" (default, the fastest: stages keep what
             autograd saved), "except_last" (all but the last stage re-run their forward in the
-            backward) or "always" (``torch.utils.checkpoint``): about 1.4-1.5x per step for
-            2-4x less activation memory (README, "Activation recomputation").
+            backward) or "always" (``torch.utils.checkpoint``): slower steps for less
+            activation memory (README, "Activation recomputation", has the measurements).
         transport: "local", "gloo" or "nccl" (one process per stage under ``torchrun
             --nproc-per-node S*data_parallel``: global rank r runs stage r % S of replica
             r // S; every rank calls ``step(inputs, targets)``, stage 0 reads ``inputs``, the
@@ -104,14 +117,18 @@ class Pipeline:
             time is the median of ``balance_repeats`` runs; ``balance_profile``, a JSON file
             path, is reused when it exists (checked against the model) and written
             otherwise, so reruns cut at the same layers on a loaded machine.
-        weight_prediction: which weights the forwards of an asynchronous live-weight schedule
-            read: "lwp" (the optimizer's prediction, horizon D_s), "spectrain" or
-            "spectrain_reuse". Default: "lwp" when the stage optimizer has ``prediction`` set.
-            (How the prediction is computed -- "linear" or "momentum" -- is the optimizer's
-            ``prediction`` option.)
-        discrepancy_correction: PipeMare T2 (B reads w - tau_s * delta). Default: on when the
-            stage optimizer has ``discrepancy_correction=True``; ``True`` with a plain torch
-            optimizer makes the runtime track delta (decay ``correction_decay``).
+        weight_prediction: the switch of weight prediction, i.e. which weights the forwards of
+            an asynchronous live-weight schedule read: "lwp" (the optimizer's prediction,
+            horizon D_s), "spectrain" or "spectrain_reuse"; None (default): off. The pipeline
+            asks an engine optimizer to predict (``prediction="linear"``, unless it was built
+            with ``prediction="momentum"``: that option chooses the form); a plain torch
+            optimizer's prediction is computed by the runtime. Deprecated spelling (removed in
+            0.3): no pipeline option and an engine optimizer built with ``prediction``.
+        discrepancy_correction: the switch of PipeMare T2 (B reads w - tau_s * delta): the
+            pipeline asks an engine optimizer to keep delta (decay ``correction_decay``), or
+            tracks it itself for a plain torch optimizer. Deprecated spelling (removed in
+            0.3): no pipeline option and an engine optimizer built with
+            ``discrepancy_correction=True``.
         lr_scheduler: ``optimizer -> LRScheduler`` per stage, created after delays are set,
             stepped after every update.
         on_nonfinite: "raise", "skip" or "skip_update" a non-finite loss (see ``step``).
@@ -120,11 +137,11 @@ class Pipeline:
         timeout: seconds any wait on another rank may take (gloo/NCCL).
         cuda_streams: local transport: one CUDA stream per stage with event hand-offs, so
             stages overlap on one GPU. None (default): on where an asynchronous schedule's
-            windows are captured (``cuda_graphs="program"``: pb batch 1 on an H100 took 0.32-
-            0.51x the time of one stream) and with ``l2_persistence``; off otherwise (eager, pb
-            batch 1 was 1.9x slower with them; engine.runtime.exec.streams.default_stage_streams).
+            windows are captured (``cuda_graphs="program"``) and with ``l2_persistence``; off
+            otherwise, where they were measured to lose
+            (engine.runtime.exec.streams.default_stage_streams says why).
         deferred_batch_norm: replace every BatchNorm by a
-            :class:`~engine.runtime.build.batch_norm.DeferredBatchNorm`: each micro-batch is still
+            :class:`~engine.runtime.setup.batch_norm.DeferredBatchNorm`: each micro-batch is still
             normalised with its own statistics, but the running statistics are updated once
             per mini-batch, from all M micro-batches, as an unpipelined model's with the same
             batch. Off: each micro-batch updates them (recomputation never counts twice).
@@ -141,21 +158,21 @@ class Pipeline:
         virtual_stages: v for ``schedule="interleaved"`` (interleaved 1F1B, synchronous):
             the stage modules are the ranks*v virtual stages, rank r running r, r+ranks, ...
             in Megatron's order. Under gloo/NCCL one process per rank (R = stages / v
-            processes per replica) holds its v stages (engine/runtime/dist/virtual.py).
+            processes per replica) holds its v stages (engine/runtime/ranks/virtual.py).
         cuda_graphs: False; ``"optimizer"`` (or True): each stage's optimizer step replayed
-            from a CUDA graph (runtime/stage/graphs.py); ``"program"``: whole synchronous steps per
-            batch shape (runtime/exec/capture.py; ``stats()["capture"]`` says what ran eagerly and
+            from a CUDA graph (runtime/capture/optimizer_graphs.py); ``"program"``: whole synchronous steps per
+            batch shape (runtime/capture/synchronous.py; ``stats()["capture"]`` says what ran eagerly and
             why). engine.optim's fused SGD/Adam/AdamW/NAdam on CUDA; refused otherwise.
         clip_grad_norm: ``max_norm`` of ``torch.nn.utils.clip_grad_norm_`` (``clip_norm_type``
             its p): synchronous schedules clip by the global norm over all stages and replicas,
             asynchronous ones each stage's update group by its own (runtime/exec/clipping.py).
         autocast: ``torch.bfloat16``/``float16``: stage functions under ``torch.autocast``,
-            weights float32; float16 adds loss scaling (``grad_scaler``; runtime/stage/amp.py).
+            weights float32; float16 adds loss scaling (``grad_scaler``; runtime/precision.py).
         offload_activations: saved activations wait in host memory (runtime/stage/offload.py).
         ties: ties between factory-built stages (which cannot share a parameter object), e.g.
             ``[["0:tok.weight", "3:head.weight"]]``: checked at build, trained as an object tie
-            (runtime/build/ties.py).
-        mesh: a DeviceMesh with dims pp, dp, tp (gloo/NCCL; tensor parallelism: runtime/dist/mesh.py).
+            (runtime/ties/groups.py).
+        mesh: a DeviceMesh with dims pp, dp, tp (gloo/NCCL; tensor parallelism: runtime/ranks/mesh.py).
         activation_shapes: how a multi-process pipeline learns each activation's shapes.
             "inputs" (default): they follow from the first stage's input shapes (static
             shapes, or a sequence length that changes with the batch); under NCCL the first
@@ -210,7 +227,7 @@ class Pipeline:
         #: what schedule="auto" chose and why (stats()["schedule_choice"]); None otherwise
         self.schedule_choice: Choice | None = None
         if isinstance(schedule, str) and schedule in CHOOSERS:
-            from engine.runtime.build.auto_schedule import choose_for_pipeline
+            from engine.runtime.setup.auto_schedule import choose_for_pipeline
 
             self.schedule_choice = choose_for_pipeline(
                 stages, schedule, chunks=chunks, memory_cap_bytes=memory_cap_bytes,
@@ -247,7 +264,7 @@ class Pipeline:
             mesh=mesh,
         )
         if config.distributed:
-            from engine.runtime.dist.rank_build import build_rank
+            from engine.runtime.ranks.rank_build import build_rank
 
             self.parts: PipelineParts = build_rank(request)
         else:
@@ -259,76 +276,19 @@ class Pipeline:
     # ------------------------------------------------------------------ the parts
     # (read-only views of what the builder returned: ``pipe.parts``, engine/runtime/parts.py)
 
-    @property
-    def spec(self) -> ScheduleSpec:
-        return self.parts.spec
-
-    @property
-    def config(self) -> PipelineConfig:
-        return self.parts.config
-
-    @property
-    def features(self) -> StepFeatures:
-        return self.parts.features
-
-    @property
-    def stages(self) -> list[Stage]:
-        return self.parts.stages
-
-    @property
-    def delays(self) -> list[int]:
-        return self.parts.delays
-
-    @property
-    def device(self) -> torch.device:
-        return self.parts.device
-
-    @property
-    def layout(self) -> Any:
-        """gloo/NCCL: this rank's place in the replica x stage layout; None locally."""
-        return self.parts.layout
-
-    @property
-    def replicas(self) -> int:
-        return self.parts.replicas
-
-    @property
-    def balance(self) -> list[int] | None:
-        return self.parts.balance
-
-    @property
-    def ties(self) -> list[Any]:
-        return self.parts.ties
-
-    @property
-    def weight_prediction(self) -> str | None:
-        return self.parts.weight_prediction
-
-    @property
-    def discrepancy_correction(self) -> bool:
-        return self.parts.discrepancy_correction
-
-    # the names tests and tools used before the parts existed (engine code reads pipe.parts)
-
-    @property
-    def _executor(self) -> Executor:
-        return self.parts.executor
-
-    @property
-    def _rank(self) -> Any:
-        return self.parts.rank
-
-    @property
-    def _streams(self) -> StageStreams:
-        return self.parts.streams
-
-    @property
-    def _capture(self) -> ProgramCapture | None:
-        return self.parts.capture
-
-    @property
-    def _l2(self) -> L2State:
-        return self.parts.l2
+    spec: _Part[ScheduleSpec] = _Part()
+    config: _Part[PipelineConfig] = _Part()
+    features: _Part[StepFeatures] = _Part()
+    stages: _Part[list[Stage]] = _Part()
+    delays: _Part[list[int]] = _Part()
+    device: _Part[torch.device] = _Part()
+    #: gloo/NCCL: this rank's place in the replica x stage layout; None locally
+    layout: _Part[Any] = _Part()
+    replicas: _Part[int] = _Part()
+    balance: _Part[list[int] | None] = _Part()
+    ties: _Part[list[Any]] = _Part()
+    weight_prediction: _Part[str | None] = _Part()
+    discrepancy_correction: _Part[bool] = _Part()
 
     # ------------------------------------------------------------------ facts in words
 
@@ -375,11 +335,11 @@ class Pipeline:
 
     @property
     def steps(self) -> int:
-        return self._executor.steps
+        return self.parts.executor.steps
 
     @property
     def skipped_steps(self) -> int:
-        return self._executor.skipped_steps
+        return self.parts.executor.skipped_steps
 
     # ------------------------------------------------------------------ running
 
@@ -421,7 +381,7 @@ class Pipeline:
 
     def _step(self, inputs: Any, targets: Any) -> Tensor:
         if self.config.distributed:
-            from engine.runtime.dist.rank_step import rank_step
+            from engine.runtime.ranks.rank_step import rank_step
 
             return rank_step(self.parts, inputs, targets)
         xs, ts, sizes = _inputs.split(inputs, targets, self.spec.chunks)
@@ -448,7 +408,7 @@ class Pipeline:
         rank = p.layout.rank if p.layout is not None else None
         group = None
         if rank is not None:  # host objects: the world's gloo control group (NCCL included)
-            from engine.runtime.dist.transport.control import world_group
+            from engine.runtime.ranks.transport.control import world_group
 
             group = world_group(p.config.timeout)
         return trace(path, p.stages, p.executor, rank, group)
@@ -474,7 +434,7 @@ class Pipeline:
         gradient (a partial update group is applied as the mean over what arrived). Returns the
         mean loss of micro-batches whose forward completed during the flush (None if none).
         After a flush the next step() refills the pipeline from empty. A no-op for sync."""
-        return self._executor.drain()
+        return self.parts.executor.drain()
 
     @property
     def flushed(self) -> bool:
@@ -499,7 +459,7 @@ class Pipeline:
 
     def reset_stats(self) -> None:
         """Restart the clock and peak counters (e.g. after warm-up)."""
-        self._executor.clock.reset()
+        self.parts.executor.clock.reset()
         self._meter.reset()
         for st in self.stages:
             st.busy_ns = 0
@@ -515,8 +475,8 @@ class Pipeline:
         from engine.runtime.state.state import pipeline_state_dict
 
         state = pipeline_state_dict(self.parts)
-        if self._executor.loss_scaler is not None:  # float16: the scale and its growth tracker
-            state["loss_scaler"] = self._executor.loss_scaler.state_dict()
+        if self.parts.executor.loss_scaler is not None:  # float16: the scale and its growth tracker
+            state["loss_scaler"] = self.parts.executor.loss_scaler.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any], *, override_hyperparameters: bool = False) -> None:
@@ -525,7 +485,7 @@ class Pipeline:
         ``override_hyperparameters`` (then the checkpoint's values win, as torch's)."""
         from engine.runtime.state.state import load_pipeline_state_dict
 
-        scaler = self._executor.loss_scaler
+        scaler = self.parts.executor.loss_scaler
         check_scaler_state(scaler, state)  # (float16's scale: before anything changes)
         load_pipeline_state_dict(self.parts, {k: v for k, v in state.items() if k != "loss_scaler"},
                                  override_hyperparameters)

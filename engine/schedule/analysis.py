@@ -35,7 +35,7 @@ Definitions used (per stage s):
   at once (walking the rank's order); the per-rank memory of multi-stage placements.
 * ``rank_bubble[r]``: Megatron's bubble ratio of rank r, idle time / busy time. For
   interleaved 1F1B with equal costs per virtual stage it is exactly (R-1)/(v*M) whenever
-  M >= R (and max(1, M // R) divides M); with M < R it is larger (tests/test_schedule_interleaved.py).
+  M >= R (and max(1, M // R) divides M); with M < R it is larger (tests/schedule/test_schedule_interleaved.py).
 """
 
 from __future__ import annotations

@@ -53,7 +53,6 @@ __all__ = [
     "FAMILIES",
     "Family",
     "NAMES",
-    "PROGRAM_FAMILIES",
     "Placement",
     "ROWS",
     "SCHEDULES",
@@ -358,10 +357,6 @@ FAMILIES: dict[str, Family] = {f.name: f for f in ROWS if not f.is_program}
 SCHEDULES: tuple[str, ...] = tuple(FAMILIES)
 #: the stream families that flush every mini-batch
 SYNCHRONOUS: frozenset[str] = frozenset(n for n, f in FAMILIES.items() if f.synchronous)
-#: the rank-program families: name -> (stage placement, what it is)
-PROGRAM_FAMILIES: dict[str, tuple[str, str]] = {
-    f.name: (f.placement.label, f.summary) for f in ROWS if f.is_program
-}
 
 
 def unknown_schedule(name: object, also: tuple[str, ...] = (), note: str = "") -> str:

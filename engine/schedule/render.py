@@ -18,6 +18,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from engine import trace_events
 from engine.schedule.analysis import analyze
 from engine.schedule.ir import Kind, Schedule
 from engine.schedule.simulate import Costs
@@ -166,16 +167,11 @@ def chrome_trace(
     """
     report = analyze(schedule, costs)
     tl = report.timeline
-    events: list[dict[str, Any]] = [
-        {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": schedule.name}}
-    ]
+    meta = trace_events.metadata
+    events = [meta("process_name", 0, name=schedule.name)]
     for s in range(schedule.stages):
-        events.append(
-            {"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}}
-        )
-        events.append(
-            {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": s, "args": {"sort_index": s}}
-        )
+        events += [meta("thread_name", 0, s, name=f"stage {s}"),
+                   meta("thread_sort_index", 0, s, sort_index=s)]
         for i, a in enumerate(schedule.actions[s]):
             if a.kind not in _CATEGORY:
                 continue
@@ -193,29 +189,11 @@ def chrome_trace(
                     update=r.update,
                     delay=r.delay,
                 )
-            events.append(
-                {
-                    "name": str(a),
-                    "cat": _CATEGORY[a.kind],
-                    "ph": "X",
-                    "ts": tl.start[s][i] * time_unit_us,
-                    "dur": (tl.end[s][i] - tl.start[s][i]) * time_unit_us,
-                    "pid": 0,
-                    "tid": s,
-                    "args": args,
-                }
-            )
-    return {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {
-            "schedule": schedule.name,
-            "order": schedule.order,
-            "stages": schedule.stages,
-            "chunks": schedule.chunks,
-            "steps": schedule.steps,
-            "update_size": schedule.update_size,
-            "bubble_fraction": report.bubble_fraction,
-            "delays": list(report.delays),
-        },
-    }
+            events.append(trace_events.complete(
+                str(a), _CATEGORY[a.kind], tl.start[s][i] * time_unit_us,
+                (tl.end[s][i] - tl.start[s][i]) * time_unit_us, 0, s, args))
+    return trace_events.document(events, {
+        "schedule": schedule.name, "order": schedule.order, "stages": schedule.stages,
+        "chunks": schedule.chunks, "steps": schedule.steps, "update_size": schedule.update_size,
+        "bubble_fraction": report.bubble_fraction, "delays": list(report.delays),
+    })

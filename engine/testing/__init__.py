@@ -2,14 +2,14 @@
 forward and backward of a pipeline read, and a fault injector for exception-safety tests.
 
 Imported by name (not re-exported here, so ``import engine.testing`` stays light):
-``engine.testing.capture_audit`` (CUDA-graph capture preconditions of a step, on CPU),
 ``engine.testing.launch_count`` (aten calls per action), ``engine.testing.stream_recorder``
-(stream events per step, on CPU), ``engine.testing.graph_twin`` (a CPU stand-in for a CUDA
-graph of a whole step: ``Pipeline(cuda_graphs="program")`` under
-``engine.runtime.exec.capture.use_backend``) and ``engine.testing.dispatch_trace`` (their recorder), ``engine.testing.arena_twin`` (a CUDA
-arena's stream/event ordering, run on a traced CPU arena and checked for races) and
-``engine.testing.nccl_twin`` (a ``torch.distributed`` backend, ``"nccl_twin"``, that enforces
-NCCL's ordering rules on CPU tensors and reports deadlocks)."""
+(stream events per step, on CPU), ``engine.testing.arena_twin`` (a CUDA arena's stream/event
+ordering, run on a traced CPU arena and checked for races) and ``engine.testing.nccl_twin``
+(a ``torch.distributed`` backend, ``"nccl_twin"``, that enforces NCCL's ordering rules on CPU
+tensors and reports deadlocks).
+
+The CUDA-graph twins live in the capture wing (``engine.runtime.capture``); their old names
+here still import, with a DeprecationWarning, until 0.3."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ the device next to the caller's own accesses, with every unordered conflict repo
 
 Why: whether a snapshot, a pooled slot or a writer of the live weights races is decided by
 which stream waits for which event (csrc/arena.cpp), and on a GPU a race shows only now and
-then (a test passed, then failed with the same code on an H100 shared by 12 pytest
-workers). :class:`ArenaTwin` traces a CPU arena (``Arena.trace_start``: the arena runs its
+then (a test passes, then fails with the same code on a busy device). :class:`ArenaTwin` traces a CPU arena (``Arena.trace_start``: the arena runs its
 CUDA ordering code on the CPU buckets and logs each operation instead of calling CUDA),
 stands in for the CUDA streams of :class:`~engine.arena.WeightArena` (``stream=`` arguments
 and the current stream are :class:`TwinStream` objects), and replays the log in order

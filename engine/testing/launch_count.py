@@ -1,13 +1,13 @@
 """Aten calls per action of a pipeline step, and of a plain loop doing the same math.
 
-Why: on a GPU at batch 1 a step costs what its launches cost (issue 23: 2,738 kernel
-launches per pb step against 1,576 for a plain per-sample loop). Counting aten calls that
+Why: on a GPU at batch 1 a step costs what its launches cost (docs/design-notes.md has the
+counts that started this). Counting aten calls that
 launch a kernel (views, allocations and metadata excluded: :func:`dispatch_trace.is_view`)
 with a dispatch mode works on a CPU, per action: the executor's action hook labels every call
 with the forward, backward or update it belongs to, so a test can hold each phase to a budget
 and name the calls that exceed it.
 
-What the count cannot see (:mod:`engine.testing.dispatch_trace`): the C++ CPU SGD loop and
+What the count cannot see (:mod:`engine.runtime.capture.dispatch_trace`): the C++ CPU SGD loop and
 Triton kernels. :func:`count_pipeline_step` counts each call of the C++ loop as one
 ``<fused optimizer kernel>`` launch (on a GPU the same update is one fused Triton kernel per
 flat bucket); plain momentum SGD runs torch ops on CPU, which are counted as they are.
@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from engine.testing.dispatch_trace import Recorder
+from engine.runtime.capture.dispatch_trace import Recorder
 
 __all__ = ["FUSED", "PHASES", "count_calls", "count_pipeline_step"]
 

@@ -5,8 +5,7 @@ Why: on one GPU every stage has its own stream, and every hand-off between stage
 by an event (engine/runtime/exec/streams.py). What that costs per step -- event records, waits,
 tensors handed to the caching allocator with ``record_stream`` (each one makes the allocator
 record an event when the tensor is freed and poll it with ``cudaEventQuery`` before reusing
-the block) -- was only visible in a GPU profile (issue 23: 128 records, 128 waits, 120
-queries per pb step). :class:`RecordingBackend` has the methods of
+the block) -- was only visible in a GPU profile. :class:`RecordingBackend` has the methods of
 :class:`~engine.runtime.exec.streams.CUDABackend`; a :class:`~engine.runtime.exec.streams.StageStreams`
 built on it runs the real stream logic (same code, same calls) with counters instead of CUDA,
 so a CPU test can hold every step to exactly the schedule's cross-stage dependencies.

@@ -1,21 +1,15 @@
-"""Running steps: runtime/exec/, floor 2 of engine/runtime/.
+"""Running steps: runtime/exec/, floor 4 of engine/runtime/.
 
 Why a wing: compiled step programs and what runs them: the executor and its step protocol
 (synchronous commit and rollback, failure outcomes, Ctrl-C at action boundaries), the clock,
-CUDA streams, whole-step capture, clipping, and where each stage lives (placement). It drives
-stage/ and is driven by the builders and the facade.
+CUDA streams, clipping, and where each stage lives (placement). It drives stage/ and is
+driven by capture/, the builders and the facade.
 
-Its files may import each other and the rooms below: stage/; never a room above
-(tests/test_layout.py, RUNTIME_FLOORS).
+Its files may import each other and the rooms below: stage/, tensor_parallel, precision,
+ties/; never a room above (tests/test_layout.py, RUNTIME_FLOORS).
 
 Files:
 
-- ``capture``: Whole synchronous steps captured as one graph
-  (``Pipeline(cuda_graphs="program")``).
-- ``capture_async``: Asynchronous windows captured as graphs
-  (``Pipeline(cuda_graphs="program")`` with pb).
-- ``carry``: What an asynchronous window carries across windows, and whether a capture can
-  carry it.
 - ``clipping``: Gradient-norm clipping across pipeline stages
   (``Pipeline(clip_grad_norm=...)``).
 - ``clock``: The engine's own clock: bubble fractions of the actions that actually ran.
@@ -23,10 +17,7 @@ Files:
   order.
 - ``failures``: What the pipeline did about an exception inside a step, and where it happened:
   the notes every such exception carries.
-- ``host_shift``: The host bookkeeping of one asynchronous window, applied after a replay.
 - ``interrupts``: Ctrl-C inside a step, delivered at the next action boundary.
-- ``lr_feed``: An LR scheduler's values fed to a captured asynchronous window from static
-  slots.
 - ``placement``: Which rank of a multi-process pipeline holds which stage: round-robin, the V,
   or any map.
 - ``program``: Step programs: a schedule's per-stage action streams, cut at ``step()``
@@ -36,7 +27,5 @@ Files:
 - ``result``: What a step hands back (:class:`StepResult`) and what it keeps of each fed
   micro-batch (:class:`_Input`).
 - ``rollback``: What a synchronous step restores when it fails: RNG states and module buffers.
-- ``staging``: Static staging buffers: the user's batch copied to fixed addresses before a
-  captured step.
 - ``streams``: Per-stage streams: CUDA streams on a GPU, a do-nothing stand-in on the CPU.
 """

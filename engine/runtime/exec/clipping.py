@@ -75,7 +75,7 @@ class GradClipper:
         max_norm, norm_type: as ``torch.nn.utils.clip_grad_norm_``.
         stages: the Stage objects held here.
         synchronous: global norm per step (True) or per stage and update group (False).
-        ties: tie groups (engine.runtime.build.ties): later holders' copies are not counted.
+        ties: tie groups (engine.runtime.ties.groups): later holders' copies are not counted.
     """
 
     def __init__(
@@ -98,7 +98,7 @@ class GradClipper:
         self.last: dict[int, Tensor] = {}
         self._coef: Tensor | None = None
         #: tensor parallelism: the stage's tp group, over which shard norms are combined
-        #: (engine/runtime/stage/tensor_parallel.py); None otherwise
+        #: (engine/runtime/tensor_parallel.py); None otherwise
         self.tp_group: Any = None
 
     @staticmethod
@@ -149,7 +149,7 @@ class GradClipper:
         """Tensor parallelism: whole parameters' norms from the shards' (one all-reduce)."""
         if self.tp_group is None:
             return norms
-        from engine.runtime.stage.tensor_parallel import reduce_norms
+        from engine.runtime.tensor_parallel import reduce_norms
 
         return reduce_norms(params, norms, self.norm_type, self.tp_group)
 

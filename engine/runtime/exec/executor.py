@@ -16,7 +16,7 @@ raised inside one of those actions drops (an asynchronous step; docs/ALGORITHMS.
   already left);
 * an update: skipped.
 
-Under gloo/NCCL a rank runs its own lane instead (:class:`~engine.runtime.dist.rank.RankLane`).
+Under gloo/NCCL a rank runs its own lane instead (:class:`~engine.runtime.ranks.rank.RankLane`).
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ class MergedOrder:
         Never with stage streams: autograd orders a backward's gradient accumulation only
         with the stream that called it, so a chain called on the last stage's stream left
         each earlier stage's update (on its own stream) unordered after its gradients -- a
-        race the H100 run of 2026-11-26 found (1f1b and gpipe with ``cuda_streams=True``,
-        captured or eager, differed from one stream). Each stage then calls its own
+        race (1f1b and gpipe with ``cuda_streams=True``, captured or eager, differed from one
+        stream on a GPU). Each stage then calls its own
         backward on its own stream, the gradient handed over with an event, as pb does."""
         stages = self.p.stages
         chain = (self.chain_sync and not self.p.streams.separate and not labels.profiling()

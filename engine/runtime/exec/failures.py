@@ -3,7 +3,7 @@ notes every such exception carries.
 
 Why a module: the outcomes are a closed list (an Enum, gated by tests/test_layout.py), shared
 by the step protocol (:mod:`~engine.runtime.exec.protocol`), which decides them, and its runners
-(:mod:`~engine.runtime.exec.executor`, :mod:`~engine.runtime.dist.rank`), which say what an action that
+(:mod:`~engine.runtime.exec.executor`, :mod:`~engine.runtime.ranks.rank`), which say what an action that
 raised dropped. The non-finite-loss message is written here once.
 """
 
@@ -63,7 +63,7 @@ class Outcome(enum.Enum):
         "waiting): the step completed on this rank and is counted in pipe.steps; do not repeat "
         "it, the next step() takes the next batch."
     )
-    # multi-process steps (engine/runtime/dist/rank.py)
+    # multi-process steps (engine/runtime/ranks/rank.py)
     RANK_STOPPED = (
         "under a multi-process transport this rank stopped in the middle of the step; its peers "
         "raise PeerError naming this rank once their timeout passes. The step cannot be undone "

@@ -24,8 +24,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-try:  # signal's own calls without its enum wrappers (~0.05 ms a step through them, measured
-    import _signal as _raw  # on 4 ranks sharing 2 cores: two calls a step)
+try:  # signal's own calls without its enum wrappers (which cost host time at two calls a
+    import _signal as _raw  # step: docs/design-notes.md)
 except ImportError:  # pragma: no cover - not CPython
     _raw = signal  # type: ignore[no-redef]
 

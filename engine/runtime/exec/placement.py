@@ -11,7 +11,7 @@ every one of them is answered here instead of by ``s % R`` scattered through the
   :attr:`RankPlacement.last`;
 * two neighbouring stages may sit on the same rank (the V's bottom, stages R-1 and R on rank
   R-1; contiguous blocks): that boundary gets no process group and its activations and
-  gradients are handed over in the process (:mod:`engine.runtime.dist.transport.local_link`);
+  gradients are handed over in the process (:mod:`engine.runtime.ranks.transport.local_link`);
 * a tied parameter's holders and the evaluation path follow the map.
 
 Positions are indices into the replica's pipeline (``Layout.pipeline_ranks``), so the map is

@@ -94,7 +94,7 @@ class StepProgram:
     unit_makespan: float = 0.0
     fed: int = field(default=0)  # micro-batches fed when it runs, relative to base
     #: per lane (a stage; with virtual stages a rank): its (stage, index in ``stages[stage]``)
-    #: in the order one process runs them (engine/runtime/dist/rank.py)
+    #: in the order one process runs them (engine/runtime/ranks/rank.py)
     lanes: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     def __repr__(self) -> str:
@@ -112,8 +112,8 @@ def _rounds(
     rounds: every stage runs as far as it can up to its next backward, then every stage whose
     next action is a backward runs it, all of them in ONE autograd call (a ``BB`` op).
 
-    Why rounds: every autograd call has a fixed cost (measured ~80 us on the 2-core CI
-    machine, more than a small stage's whole backward), and in an asynchronous steady state
+    Why rounds: every autograd call has a fixed cost (more than a small stage's whole
+    backward, docs/design-notes.md), and in an asynchronous steady state
     every stage runs a backward per tick. Backwards that are ready at the same time belong to
     different stages and do not feed each other (B(s, m) needs B(s+1, m)'s gradient, which
     comes through a receive that already returned), so one call over their independent graphs,

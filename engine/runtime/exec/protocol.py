@@ -8,7 +8,7 @@ raised, skipped or dropped (``on_nonfinite``); and every exception leaves with a
 what the pipeline did about it (an :class:`~engine.runtime.exec.failures.Outcome`). These rules
 are written here once. Where the actions run is a *runner*'s business: the merged order of
 every stage in one process (:class:`~engine.runtime.exec.executor.MergedOrder`) or one rank's lane
-with blocking communication (:class:`~engine.runtime.dist.rank.RankLane`). This is the one-loop
+with blocking communication (:class:`~engine.runtime.ranks.rank.RankLane`). This is the one-loop
 shape of torch.distributed.pipelining: one protocol, different action lists.
 
 The exception guarantees themselves (docs/ALGORITHMS.md, "Exceptions inside a step"):
@@ -155,16 +155,16 @@ class StepProtocol:
         #: when a list (CUDA streams): (stage, kind, micro-batch, start, end) timing events
         #: recorded on the stage's stream around every forward and backward
         self.cuda_events: list[tuple[int, str, int, Any, Any]] | None = None
-        #: tied parameters across stages (engine.runtime.build.ties): their gradients are summed
+        #: tied parameters across stages (engine.runtime.ties.groups): their gradients are summed
         #: before a synchronous update phase
         self.ties: Any = None
         #: Pipeline(cuda_graphs="program"): the synchronous loss check on the device, called
-        #: with the step's losses instead of reading them (engine.runtime.exec.capture)
+        #: with the step's losses instead of reading them (engine.runtime.capture.synchronous)
         self.device_check: Callable[[list[Tensor]], None] | None = None
         #: gradient clipping (engine.runtime.exec.clipping): the synchronous global norm is taken
         #: before the update phase; asynchronous stages clip their own groups
         self.clipper: Any = None
-        #: float16 dynamic loss scaling (engine.runtime.stage.amp), synchronous schedules
+        #: float16 dynamic loss scaling (engine.runtime.precision), synchronous schedules
         self.loss_scaler: Any = None
         #: the GPU of a rank without stage streams (NCCL), whose RNG a rollback restores
         self.rng_device: torch.device | None = None
@@ -342,7 +342,7 @@ class StepProtocol:
         """The GPUs whose RNG state a synchronous step's rollback point keeps: the stage
         streams' device, or the rank's GPU (one stage per rank under NCCL runs on the
         caller's stream, with no stage streams)."""
-        # a captured step reads no RNG state inside its window (engine.runtime.exec.capture)
+        # a captured step reads no RNG state inside its window (engine.runtime.capture.synchronous)
         if self.device_check is not None:
             return []
         dev = self.streams.device if self.streams.cuda else self.rng_device
@@ -356,7 +356,7 @@ class StepProtocol:
     ) -> StepResult:
         """A synchronous step: run, check the losses, then update every stage at once -- or
         roll back to the point it started from. The window a captured step records
-        (:mod:`~engine.runtime.exec.capture`)."""
+        (:mod:`~engine.runtime.capture.synchronous`)."""
         point = RollbackPoint(self.tracker, self._cuda_devices())
         runner = self.runner
         runner.prepare_sync()

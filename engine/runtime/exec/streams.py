@@ -11,7 +11,7 @@ needs: run on a stage's stream, hand a tensor from one stage's stream to another
 stages wait for the caller's stream (inputs, weights written by the caller) and the caller
 wait for the stages (before it reads losses or weights).
 
-Memory of hand-offs without ``record_stream`` (issue 23 item 3): a tensor made on one stream
+Memory of hand-offs without ``record_stream``: a tensor made on one stream
 and read on another must not have its block handed out again by the caching allocator
 before the reader is done. ``record_stream`` does that by recording an allocator event at
 free and polling it with ``cudaEventQuery``; here each handed-over tensor's storage is
@@ -57,16 +57,13 @@ def default_stage_streams(on_cuda: bool, l2: bool, captured_async: bool = False)
     asynchronous schedule's windows are captured (``cuda_graphs="program"``), where the
     stages' branches then run concurrently inside each graph.
 
-    Why, decided by measurement (one H100, torch 2.11.0+cu130, bench/
-    pipeline_pb_capture_gpu.py, 7 paired rounds, 2026-11-26): pb batch-1 (S=8, M=8, SC+LWP,
-    skip_update), captured, took 1.72 / 2.42 / 7.10 ms a step with stage streams against
-    5.35 / 7.31 / 14.0 ms without, at widths 64 / 256 / 1024 (0.32x / 0.33x / 0.51x), which
-    is 0.47x / 0.55x / 0.68x the per-sample loop captured as one CUDA graph. Eager, streams
-    lose: 134.7 against 71.0 ms a step (../shared/GPU-H100.md, issue 23): at batch 1 the
-    kernels are too short for stages to overlap, and each hand-off costs an event record
-    and a stream wait on the host. Synchronous schedules captured with stage streams are
-    exact (tests/test_stream_events.py) but their speed was not measured: off there, as
-    eager; ``cuda_streams=True`` turns them on anywhere."""
+    Why: inside a captured window the stages' branches run concurrently, which a captured
+    pb window at batch 1 turns into a step several times shorter than on one stream;
+    eager, the kernels at batch 1 are too short for stages to overlap, and each hand-off
+    costs an event record and a stream wait on the host, so streams lose (the measurements:
+    bench/README.md, "Captured step programs on one H100"). Synchronous schedules captured
+    with stage streams are exact (tests/runtime/test_stream_events.py) but their speed is not
+    measured: off there, as eager; ``cuda_streams=True`` turns them on anywhere."""
     return on_cuda and (l2 or captured_async)
 
 

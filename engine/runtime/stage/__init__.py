@@ -1,22 +1,20 @@
-"""One stage: runtime/stage/, floor 1 of engine/runtime/.
+"""One stage: runtime/stage/, floor 2 of engine/runtime/.
 
 Why a wing: what a single stage is and does: its module, weights (live buffers, kept versions,
 saved-tensor hooks), weight policy, activation stash, optimizer bridge and update, the tensor
-trees it takes and returns, and the action labels and trace it writes. Nothing here knows a
+trees it takes and returns, and the action labels and trace it writes (mixed precision is
+runtime/precision.py, below it). Nothing here knows a
 schedule, an executor, another process or the facade: a stage is driven from above.
 
-Its files may import each other and the rooms below: nothing else in runtime/; never a room
+Its files may import each other and the rooms below: precision, ties/; never a room
 above (tests/test_layout.py, RUNTIME_FLOORS).
 
 Files:
 
-- ``amp``: Mixed precision for a pipeline: autocast per stage, dynamic loss scaling across
-  stages.
 - ``device_flags``: Non-finite losses of asynchronous schedules as device flags
   (``on_nonfinite="skip_update"``).
 - ``fresh_grads``: Weight gradients accumulated into the flat buffers with one multi-tensor add
   per backward.
-- ``graphs``: CUDA graphs of the stages' optimizer steps (``Pipeline(cuda_graphs=True)``).
 - ``inputs``: Inputs of a step: the split into micro-batches and the dry-run check before
   anything runs.
 - ``labels``: What the runtime is doing right now: profiler labels and the current action.
@@ -33,8 +31,6 @@ Files:
 - ``stage_update``: A stage's update: the group's gradient made final, clipped, stepped; and
   its recovery.
 - ``stash``: Activations a stage holds between a micro-batch's forward and its backward.
-- ``tensor_parallel``: DTensor stages in the engine: local shards in the arena, DTensors in the
-  forward.
 - ``trace``: A trace of what ran: Chrome/Perfetto trace-event JSON of a pipeline's executed
   actions.
 - ``trees``: Tensor trees between stages: what a stage takes and returns, and how the runtime

@@ -2,17 +2,16 @@
 
 Why: a stage's parameters keep their ``.grad`` as views of the arena's flat gradient buffers
 for the stage's whole life, so autograd's AccumulateGrad adds every new gradient in place:
-one ``add_`` launch per parameter and micro-batch (issue 23: 12 of the ~47 aten calls per
-stage and micro-batch of pb batch-1 on a 16-layer residual MLP, where a plain loop with
-``zero_grad(set_to_none=True)`` launches none). Here, around a backward, the parameters'
+one ``add_`` launch per parameter and micro-batch, where a plain loop with
+``zero_grad(set_to_none=True)`` launches none (a large share of a pb batch-1 step's launches:
+tests/runtime/capture/test_launch_counts.py counts them). Here, around a backward, the parameters'
 ``.grad`` are set to None, so AccumulateGrad hands each new gradient over without a launch
 (post-accumulate hooks still fire), and afterwards every ``.grad`` points at its view again
 and the new gradients are added with one ``torch._foreach_add_``: the same elementwise
 ``view + grad`` in the same order as AccumulateGrad's ``+=``, so the sums are bit for bit
 what they were.
 
-**No zero_ after an update** (issue 23: pb updates every stage at every micro-batch, and
-zeroing the flat buffer was one launch per stage update that the plain loop, which sets
+**No zero_ after an update** (pb updates every stage at every micro-batch, and zeroing the flat buffer was one launch per stage update that the plain loop, which sets
 ``.grad`` to None, does not make). ``WeightStore.zero_grads`` (after an update, or a
 discarded group) marks the group :attr:`FreshGrads.stale` instead; the group's first
 backward then *writes* the views with one ``_foreach_copy_`` (and zeroes, with one
@@ -30,8 +29,7 @@ gradients take this path -- the small, launch-bound stages it is for; big stages
 compute-bound and keep AccumulateGrad's in-place adds.
 
 Only on a GPU, where each ``add_`` is a kernel launch: on a CPU nothing is launched, and
-there this path measured ~12% slower per pb batch-1 step (S=8, width 64, 2-core CPU, paired
-rounds; the fresh allocations cost more than the adds they save). :data:`ON_CPU` turns it on
+there the fresh allocations cost more than the adds they save (docs/design-notes.md). :data:`ON_CPU` turns it on
 for CPU stages too, so CPU tests run (and count the calls of) the GPU path.
 """
 

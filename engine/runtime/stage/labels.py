@@ -6,11 +6,11 @@ test instrumentation (:class:`engine.testing.Probe`) needs to know which action 
 read in. Both are on the hot path, so both are cheap:
 
 * ``profiling()`` is True only while a torch profiler records; a ``record_function`` label
-  costs a dispatcher round trip on enter and exit even with no profiler attached (measured
-  ~25 us per action on the 2-core CI box, 4 ranks), so labels are entered only then.
+  costs a dispatcher round trip on enter and exit even with no profiler attached, so labels
+  are entered only then.
 * ``CURRENT`` is a plain module attribute, ``(stage, micro-batch, kind)`` while a stage runs
   a forward (``"F"``) or a backward (``"B"``), else None. A pipeline runs its stages from one
-  thread, so a context variable's cost (~1 us per set/reset) buys nothing here. When one
+  thread, so a context variable's cost (a set and a reset per action) buys nothing here. When one
   autograd call runs the backwards of several stages (the executor chains synchronous stages
   and batches independent stage backwards, saving a fixed engine cost per call), ``ACTIVE``
   maps each of those stages to its (micro-batch, kind).

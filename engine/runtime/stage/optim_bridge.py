@@ -21,21 +21,48 @@ weight store's parameter order (the order the optimizer factory received the par
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.optim.optimizer as _torch_optimizer
 from torch import Tensor
 
 from engine.optim.flat import FlatBinding
+from engine.optim.functional import prediction_coeff
 from engine.runtime.stage import labels
 from engine.runtime.stage.device_flags import SkipFlags
 
 if TYPE_CHECKING:
-    from engine.runtime.stage.graphs import StepGraphs
     from engine.runtime.stage.weight_store import WeightStore
 
 __all__ = ["OptimizerBridge"]
+
+
+class StepReplayer(Protocol):
+    """What runs a bridge's step from recorded graphs (engine.runtime.capture.optimizer_graphs,
+    a floor above this one, attaches it)."""
+
+    def run(self, step: Callable[[], None], extra: tuple[Hashable, ...] = ()) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+def has_step_hooks(opt: Any) -> bool:
+    """Whether step hooks are registered on ``opt`` or for every optimizer (an eager step
+    must then go through ``opt.step()``, and a replay would skip them)."""
+    return bool(
+        opt._optimizer_step_pre_hooks
+        or opt._optimizer_step_post_hooks
+        or _torch_optimizer._global_optimizer_pre_hooks
+        or _torch_optimizer._global_optimizer_post_hooks
+    )
+
+
+def _stepped(opt: Any) -> None:
+    """What an LR scheduler's wrapper of ``opt.step`` records (else it warns that
+    ``scheduler.step()`` ran before ``optimizer.step()``)."""
+    opt._opt_called = True
 
 
 def _is_engine_optimizer(opt: Any) -> bool:
@@ -63,8 +90,8 @@ class OptimizerBridge:
         self._fallback_t2 = False
         self._decay = 0.1
         self.delay = 0
-        #: CUDA graphs of the step (Pipeline(cuda_graphs=True); engine.runtime.stage.graphs)
-        self.graphs: StepGraphs | None = None
+        #: CUDA graphs of the step (Pipeline(cuda_graphs=True); engine.runtime.capture.optimizer_graphs)
+        self.graphs: StepReplayer | None = None
         #: on_nonfinite="skip_update": the found_inf accumulator every step hands the optimizer
         self.skip: SkipFlags | None = None
 
@@ -94,10 +121,23 @@ class OptimizerBridge:
         h = self.opt.param_groups[0].get("prediction_horizon") if self.opt.param_groups else None
         return float(self.delay if h is None else h)
 
-    def enable_fallback_correction(self, decay: float) -> None:
-        """Track PipeMare's delta here (the optimizer does not keep one)."""
-        self._fallback_t2 = True
-        self._decay = decay
+    def serve(self, prediction: bool, correction: bool, decay: float) -> None:
+        """Have the weights the pipeline's mitigations read computed: an engine optimizer is
+        asked to predict (``prediction="linear"`` unless it already predicts, maybe in the
+        momentum form) or to keep PipeMare's delta (with decay ``decay`` unless it keeps one
+        already), through its validated :meth:`~engine.optim.DelayOptimizer.set_group_options`
+        (a ValueError names what it refuses); for a plain torch optimizer the bridge computes
+        the prediction itself and tracks the delta here."""
+        if not self.is_engine:
+            self._fallback_t2, self._decay = correction, decay
+            return
+        options: dict[str, Any] = {}
+        if prediction and not self.predicts:
+            options["prediction"] = "linear"
+        if correction and not self.keeps_delta:
+            options.update(discrepancy_correction=True, correction_decay=decay)
+        if options:
+            self.opt.set_group_options(**options)
 
     def enable_skip_flags(self) -> None:
         """Skip updates on the device when a flagged micro-batch is in the group
@@ -197,7 +237,7 @@ class OptimizerBridge:
             return
         extra = (found_inf.data_ptr(),) if found_inf is not None else ()
         self.graphs.run(lambda: self._eager_step(found_inf), extra)
-        self.opt._opt_called = True  # type: ignore[attr-defined]  (see _eager_step)
+        _stepped(self.opt)
 
     def _eager_step(self, found_inf: Tensor | None = None) -> None:
         """``opt.step()``; without step hooks and with no profiler recording, the step
@@ -205,20 +245,11 @@ class OptimizerBridge:
         label alone costs a dispatcher round trip per update)."""
         opt = self.opt
         raw = getattr(type(opt).step, "__wrapped__", None)
-        if (
-            raw is None
-            or labels.profiling()
-            or opt._optimizer_step_pre_hooks
-            or opt._optimizer_step_post_hooks
-            or _torch_optimizer._global_optimizer_pre_hooks
-            or _torch_optimizer._global_optimizer_post_hooks
-        ):
+        if raw is None or labels.profiling() or has_step_hooks(opt):
             opt.step() if found_inf is None else opt.step(found_inf=found_inf)
         else:
             raw(opt) if found_inf is None else raw(opt, found_inf=found_inf)
-            # what an LR scheduler's wrapper of opt.step would record (else it warns that
-            # scheduler.step() ran before optimizer.step())
-            opt._opt_called = True  # type: ignore[attr-defined]
+            _stepped(opt)
 
     def _torch_step(self) -> None:
         if not self._fallback_t2 or self.delay == 0:
@@ -254,12 +285,10 @@ class OptimizerBridge:
             if mom is None or h == 0:
                 out.copy_(p.detach())
                 continue
-            m = float(group.get("momentum", 0.0))
-            coeff = h if group.get("prediction", "linear") != "momentum" else sum(
-                m**j for j in range(1, int(h) + 1)
-            )
             lr = float(group["lr"]) * float(group.get("lr_scale", 1.0))
-            torch.add(p.detach(), mom, alpha=-lr * coeff, out=out)
+            coeff = prediction_coeff(group.get("prediction") or "linear", lr,
+                                     float(group.get("momentum", 0.0)), h)
+            torch.add(p.detach(), mom, alpha=-coeff, out=out)
 
     def write_backward_weights(self, store: WeightStore, buf: int) -> None:
         """PipeMare T2's w - tau_s * delta into buffer ``buf`` (live weights where no delta)."""

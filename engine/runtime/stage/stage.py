@@ -43,7 +43,7 @@ from torch.profiler import record_function
 from engine.errors import PipelineInputError
 from engine.runtime.stage import fresh_grads, labels, trees
 from engine.runtime.stage import trace as _trace
-from engine.runtime.stage.amp import autocast_context
+from engine.runtime.precision import autocast_context
 from engine.runtime.stage.inputs import checked_loss
 from engine.runtime.stage.optim_bridge import OptimizerBridge
 from engine.runtime.stage.policy import LIVE, PINNED, Transient, WeightPolicy
@@ -59,8 +59,8 @@ _NULL = contextlib.nullcontext()
 
 #: stages with at most this many weight bytes make a backward read the live weights by
 #: copying them into the forward's transient (one memcpy per backward) rather than through
-#: saved-tensor hooks (a Python call per saved tensor, ~16 per residual block): below ~1 MiB
-#: the copy is the cheaper of the two (pb, batch 1, S=8: 43 ms -> 35 ms a step on CPU)
+#: saved-tensor hooks (a Python call per saved tensor, some 16 per residual block): below
+#: about 1 MiB the copy is the cheaper of the two (docs/design-notes.md)
 REBASE_MAX_BYTES = 1 << 20
 
 
@@ -107,7 +107,7 @@ class Stage(StageUpdates):
         #: steps owed until after the window (capture.py) or fed from static slots (lr_feed.py);
         #: grad_hook (the flat gradients before each optimizer step: gloo/NCCL's data-parallel
         #: all-reduce); clipper (clipping.py); autocast (dtype, device type) and loss_scaler
-        #: (amp.py); offload (offload.py)
+        #: (precision.py); offload (offload.py)
         self.scheduler: Any = None
         self.defer_scheduler, self.scheduler_owed, self.lr_feed = False, 0, None
         self.grad_hook: Callable[[list[Tensor]], None] | None = None
@@ -301,7 +301,7 @@ class Stage(StageUpdates):
         the last stage; else the output, or of a tree only the leaves that require grad."""
         if self.is_last:
             root = out if scale == 1.0 else out * scale  # x * 1.0 == x: save the launch
-            scaler = self.loss_scaler  # (asynchronous float16: scaled at the backward, amp.py)
+            scaler = self.loss_scaler  # (asynchronous float16: scaled at the backward, precision.py)
             return root if scaler is None or not scaler.synchronous else scaler.scaled(root)
         return out if isinstance(out, Tensor) else trees.grad_roots(out)
 
@@ -331,7 +331,7 @@ class Stage(StageUpdates):
         return run
 
     def _run(self, x: Any, target: Any) -> Any:
-        if self.autocast is not None:  # the forward and its recomputation alike (amp.py)
+        if self.autocast is not None:  # the forward and its recomputation alike (precision.py)
             with autocast_context(*self.autocast):
                 return self._run_plain(x, target)
         return self._run_plain(x, target)
@@ -406,7 +406,7 @@ class Stage(StageUpdates):
         runs inside the last stage's)."""
         entry = self.stash.pop(i)
         amp = self.loss_scaler
-        if amp is not None and not amp.synchronous:  # float16, one scale per stage (amp.py)
+        if amp is not None and not amp.synchronous:  # float16, one scale per stage (precision.py)
             grad = amp.before_backward(self, i, grad, entry)
         if self.trace:
             self.records.setdefault(n, {})["t_B"] = self.updates

@@ -78,7 +78,7 @@ class StageUpdates:
                 if not self._prepared:
                     self.prepare_grads(expected_weight)
                 self._prepared = False
-                scaler = self.loss_scaler  # float16 (amp.py): a synchronous step unscaled all
+                scaler = self.loss_scaler  # float16 (precision.py): a synchronous step unscaled all
                 if scaler is not None and not scaler.synchronous:
                     scaler.unscale_group(self)
                 if self.clipper is not None:

@@ -37,15 +37,15 @@ discarded without ever being entered.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from engine import trace_events
 
-__all__ = ["Timeline", "ACTIVE", "TraceBlock", "trace", "validate_trace_events"]
+__all__ = ["Timeline", "ACTIVE", "TraceBlock", "trace"]
 
 
 class Timeline:
@@ -63,17 +63,13 @@ class Timeline:
     def add(self, stage: int, name: str, cat: str, t0: int, args: dict[str, Any]) -> None:
         t1 = time.perf_counter_ns()
         self.stages.add(stage)
-        self.events.append({
-            "name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": stage,
-            "ts": (t0 - self.origin) / 1000.0, "dur": (t1 - t0) / 1000.0, "args": args,
-        })
+        self.events.append(trace_events.complete(
+            name, cat, (t0 - self.origin) / 1000.0, (t1 - t0) / 1000.0, self.rank, stage, args))
 
     def metadata(self) -> list[dict[str, Any]]:
-        out = [{"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0,
-                "args": {"name": f"rank {self.rank}"}}]
-        out += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": s,
-                 "args": {"name": f"stage {s}"}} for s in sorted(self.stages)]
-        return out
+        meta = trace_events.metadata
+        return [meta("process_name", self.rank, name=f"rank {self.rank}"),
+                *(meta("thread_name", self.rank, s, name=f"stage {s}") for s in sorted(self.stages))]
 
 
 #: the timeline being recorded, or None (the hot path checks only this)
@@ -195,44 +191,4 @@ def _record(
         if rank != 0:
             return
         events = [e for part in gathered for e in part]
-    with open(path, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
-
-
-_PHASES = set("BEXiIbneCMsftPNODRc")
-
-
-def validate_trace_events(doc: Any) -> list[str]:
-    """Problems of ``doc`` against the Trace Event Format (the JSON object form); [] if none.
-    Checks what Perfetto and chrome://tracing need to load it: a ``traceEvents`` list of
-    objects with a known ``ph``, integer ``pid``/``tid``, numeric ``ts`` (and ``dur`` >= 0
-    for complete events), string names, and ``args`` objects."""
-    problems: list[str] = []
-    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
-        return ["the document is not an object with a 'traceEvents' list"]
-    for k, e in enumerate(doc["traceEvents"]):
-        where = f"event {k}"
-        if not isinstance(e, dict):
-            problems.append(f"{where} is not an object")
-            continue
-        ph = e.get("ph")
-        if ph not in _PHASES:
-            problems.append(f"{where}: unknown ph {ph!r}")
-        if not isinstance(e.get("name"), str):
-            problems.append(f"{where}: name is not a string")
-        for key in ("pid", "tid"):
-            if not isinstance(e.get(key), int):
-                problems.append(f"{where}: {key} is not an integer")
-        if "args" in e and not isinstance(e["args"], dict):
-            problems.append(f"{where}: args is not an object")
-        if ph == "M":
-            if e.get("name") in ("process_name", "thread_name") and not isinstance(
-                e.get("args", {}).get("name"), str
-            ):
-                problems.append(f"{where}: metadata without args.name")
-            continue
-        if not isinstance(e.get("ts"), (int, float)):
-            problems.append(f"{where}: ts is not a number")
-        if ph == "X" and not (isinstance(e.get("dur"), (int, float)) and e["dur"] >= 0):
-            problems.append(f"{where}: a complete event needs dur >= 0")
-    return problems
+    trace_events.write(path, trace_events.document(events))

@@ -15,8 +15,8 @@ are the same list of leaves, in the same order.
 
 Why a flattener of our own rather than ``torch.utils._pytree``: it knows exactly these
 containers (an unknown container in a tree would otherwise become an opaque leaf and not be
-split or sent), it names leaves by path for error messages, and it is ~4x faster for the
-small trees stages pass, on a path that runs for every micro-batch at every stage. A single
+split or sent), it names leaves by path for error messages, and it is faster for the small
+trees stages pass (docs/design-notes.md), on a path that runs for every micro-batch at every stage. A single
 tensor never enters this module: the runtime keeps its fast path.
 """
 

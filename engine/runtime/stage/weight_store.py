@@ -135,6 +135,10 @@ class WeightStore:
             self._flats[buf] = flats
         return flats
 
+    def slot_flats(self) -> list[Tensor]:
+        """The flat tensors of every version slot :meth:`flats` has opened, slot by slot."""
+        return [f for flats in self._flats.values() for f in flats]
+
     def live_flats(self) -> list[Tensor]:
         return self._live_flats
 

@@ -1,10 +1,10 @@
-"""What a built pipeline saves and reports: runtime/state/, floor 6 of engine/runtime/.
+"""What a built pipeline saves and reports: runtime/state/, floor 9 of engine/runtime/.
 
 Why a wing: state dicts, the in-flight state of an unflushed pipeline, forward-only evaluation,
 stats() and throughput. They take PipelineParts (runtime/parts.py), never the facade.
 
-Its files may import each other and the rooms below: stage/, exec/, build/, parts.py,
-assemble.py; never a room above (tests/test_layout.py, RUNTIME_FLOORS).
+Its files may import each other and every room below: setup/, capture/, exec/, stage/, ...,
+parts.py, assemble.py; never a room above (tests/test_layout.py, RUNTIME_FLOORS).
 
 Files:
 

@@ -7,7 +7,7 @@ prediction), one micro-batch at a time, and touches nothing a step keeps: no sta
 version, gradient, update count, RNG state or in-flight activation. Under gloo/NCCL it talks
 over a process group of its own (created on the first call, collectively), so its messages
 can never meet a training step's pending sends. With ``autocast=``, every stage's module runs
-under the pipeline's autocast state, as a step's forward does (engine/runtime/stage/amp.py).
+under the pipeline's autocast state, as a step's forward does (engine/runtime/precision.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from engine.errors import PipelineInputError
 from engine.runtime.stage import trees
-from engine.runtime.stage.amp import autocast_context
+from engine.runtime.precision import autocast_context
 from engine.runtime.exec.placement import RankPlacement
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ def _group(parts: PipelineParts) -> Any:
         lay = parts.layout
         S = lay.stages
         lines = [[r * S + s for s in range(S)] for r in range(lay.replicas)]
-        if hasattr(lay, "pp_lines"):  # a mesh: one line per (replica, tp rank), runtime/dist/mesh.py
+        if hasattr(lay, "pp_lines"):  # a mesh: one line per (replica, tp rank), runtime/ranks/mesh.py
             lines = lay.pp_lines()
         for ranks in lines:
             g = torch.distributed.new_group(

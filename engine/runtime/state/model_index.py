@@ -12,7 +12,7 @@ declares a naming (:mod:`engine.model_names`) saves, next to its state, a small 
 * ``shards``: per tensor-parallel shard, ``{"dim", "of", "at", "shape"}``: this rank's
   ``at``-th of ``of`` equal pieces along ``dim`` of a tensor of global ``shape``;
 * ``tied``: the later holders of a tied weight whose value an asynchronous schedule carries
-  from its owner (runtime/build/tie_carry.py): their module has no tensor of that name, so
+  from its owner (runtime/ties/carry.py): their module has no tensor of that name, so
   the record says whose value it is (the owner's stage and name there).
 
 Plain JSON: it travels in the checkpoint's metadata, so a reader finds every name from the
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.errors import CheckpointError
 from engine.model_names import HOW_TO_DECLARE, NamesError, module_names, naming_of
-from engine.runtime.stage.tensor_parallel import stage_tp
+from engine.runtime.tensor_parallel import stage_tp
 
 if TYPE_CHECKING:
     from engine.runtime.parts import PipelineParts

@@ -35,7 +35,7 @@ def pipeline_stats(parts: PipelineParts, meter: StepMeter) -> dict[str, Any]:
     ``captures``, ``eager`` steps and the ``last_eager_reason``; ``capture``: the ``mode``
     (``"off"``, ``"optimizer"``, ``"program"``) and, for ``"program"``, the ``window``, steps
     ``captures``-d, ``replays``, ``eager`` steps, ``evictions``, ``graphs`` kept and the
-    ``last_eager_reason`` (engine/runtime/exec/capture.py); ``grad_norm``: per stage
+    ``last_eager_reason`` (engine/runtime/capture/synchronous.py); ``grad_norm``: per stage
     the last gradient norm clipping measured (a device tensor, not read here; the global
     norm, the same tensor at every stage, for synchronous schedules; None without
     ``clip_grad_norm`` or before the first update); ``loss_scale``: the float16 loss
