@@ -114,6 +114,7 @@ from harness import (  # noqa: E402
     summary_line,
     write_ratio_csv,
 )
+from outputs import DEFAULT_OUT  # noqa: E402
 
 #: goals of the multi-GPU run, printed beside what was measured
 GOAL_VS_TORCH = 0.9  # engine step time / torch's, at most
@@ -587,7 +588,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argpa
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU, over the NCCL twin, tiny sizes (automatic without CUDA)")
     ap.add_argument("--label", default="", help="machine label for the CSV")
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     args.dry_run = args.dry_run or not torch.cuda.is_available()
     for key, value in (DRY_DEFAULTS if args.dry_run else GPU_DEFAULTS).items():

@@ -109,4 +109,5 @@ def test_no_benchmark_writes_into_the_repository_by_default() -> None:
     outputs = (REPO / "bench" / "outputs.py").read_text()
     assert 'DEFAULT_OUT = Path("out/bench")' in outputs
     users = [p.name for p in scripts if "default=DEFAULT_OUT" in p.read_text()]
-    assert {"optim.py", "overhead.py", "recompute.py", "pipeline_gloo.py", "harness.py"} <= set(users)
+    assert {"optim.py", "overhead.py", "recompute.py", "pipeline_gloo.py", "pipeline_nccl.py",
+            "harness.py"} <= set(users)
