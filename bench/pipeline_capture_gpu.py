@@ -247,7 +247,7 @@ def run(device: torch.device, *, models: Sequence[Model] = (Dense(), Transformer
                                              f"{name}: not replaying: {cap}")
             net = nn.Sequential(*model.layers()).to(device)
             loop = GraphedLoop(net, x, y, model.chunks)
-            sides["loop"] = lambda: loop(x, y)
+            sides["loop"] = (lambda f: lambda: f(x, y))(loop)
             for cand, peer in PAIRS:
                 res = paired(sides[cand], sides[peer], rounds=rounds, warmup=warmup,
                              min_time=min_time, device=device)

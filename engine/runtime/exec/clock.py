@@ -82,7 +82,7 @@ class _Replay:
         self.barrier_w = 0.0
 
     def run(self, log: list[tuple[int, int, int, float] | None], k: int) -> None:
-        S, L = self.S, self.L
+        S = self.S
         free_u, free_w, done = self.free_u, self.free_w, self.done
         bu, bw = self.barrier_u, self.barrier_w
         end_u, end_w = self.end_u, self.end_w

@@ -161,7 +161,7 @@ class RankRuntime:
         """Every rank of the pipeline learns whether any of its stages failed the handshake
         (``problems``: this rank's, "upstream" for a stage whose predecessor failed) and all
         raise the failing stage's error."""
-        lay, tp = self.layout, self.transport
+        lay = self.layout
         real = [p for p in problems if p and p != "upstream"]
         code = 1 if real else (2 if any(problems) else 0)
         codes = torch.tensor([code])
