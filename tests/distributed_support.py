@@ -1079,20 +1079,52 @@ def rank_context() -> Any:
     Why: a spawned rank imports torch again (~2 s of CPU each: ~3 s of wall time per 4-rank
     spawn on 2 cores, over a hundred spawns per suite); a rank forked from the server starts
     in ~0.1 s. Only torch is preloaded: the engine, and everything that reads the environment
-    when imported, is imported by the rank after :func:`_worker` has set its environment."""
+    when imported, is imported by the rank after :func:`_in_env` has set its environment."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed"])
     return ctx
 
 
+def _in_env(env: dict[str, str], target: Callable[..., None], *args: Any) -> None:
+    """``target(*args)`` in ``env``: the starting test's environment now, not the fork
+    server's at its start."""
+    os.environ.clear()
+    os.environ.update(env)
+    target(*args)
+
+
+def run_ranks(
+    world: int, target: Callable[..., None], args: tuple[Any, ...], timeout: float,
+    prefix: str = "engine-dist-",
+) -> list[dict[str, Any]]:
+    """Run ``target(rank, outdir, *args)`` in ``world`` processes (:func:`rank_context`, this
+    process's environment); wait up to ``timeout`` seconds in all, kill what still runs, and
+    return what each rank saved to ``outdir/rank{rank}.pt`` ({} where it saved nothing)."""
+    outdir = tempfile.mkdtemp(prefix=prefix)
+    ctx = rank_context()
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_in_env, args=(env, target, r, outdir, *args))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():  # only our own children, by handle
+            p.kill()
+            p.join(5)
+    out = []
+    for r in range(world):
+        path = os.path.join(outdir, f"rank{r}.pt")
+        out.append(torch.load(path, weights_only=False) if os.path.exists(path) else {})
+    return out
+
+
 def _worker(
-    rank: int, world: int, port: int, phases: list[tuple[str, dict[str, Any]]], outdir: str,
+    rank: int, outdir: str, world: int, port: int, phases: list[tuple[str, dict[str, Any]]],
     transport: str = "gloo", twin: bool = False, init_timeout: float = 60.0,
-    env: dict[str, str] | None = None,
 ) -> None:
-    if env is not None:  # the spawning test's environment now, not the fork server's at its start
-        os.environ.clear()
-        os.environ.update(env)
     torch.set_num_threads(1)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -1154,29 +1186,8 @@ def spawn(
     which the groups the engine creates inherit."""
     if twin is None:
         twin = transport == "nccl" and torch.cuda.device_count() < world
-    outdir = tempfile.mkdtemp(prefix="engine-dist-")
-    ctx = rank_context()
-    port = free_port()
-    env = dict(os.environ)
-    procs = [
-        ctx.Process(target=_worker,
-                    args=(r, world, port, phases, outdir, transport, twin, init_timeout, env))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():  # only our own children, by handle
-            p.kill()
-            p.join(5)
-    out = []
-    for r in range(world):
-        path = os.path.join(outdir, f"rank{r}.pt")
-        out.append(torch.load(path, weights_only=False) if os.path.exists(path) else {})
-    return out
+    return run_ranks(world, _worker, (world, free_port(), phases, transport, twin, init_timeout),
+                     timeout)
 
 
 def phase_resume_inflight(

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -19,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from distributed_support import free_port, run_ranks
 
 WORLD = 4
 DEADLOCK_S = 1.5
@@ -346,7 +344,7 @@ def case_dtensor(rank: int, ctx: Ctx) -> dict[str, Any]:
 # ---------------------------------------------------------------------- spawning
 
 
-def _worker(rank: int, port: int, cases: list[str], outdir: str) -> None:
+def _worker(rank: int, outdir: str, port: int, cases: list[str]) -> None:
     os.environ["ENGINE_NCCL_TWIN_DEADLOCK_S"] = str(DEADLOCK_S)
     torch.set_num_threads(1)
     import engine.testing.nccl_twin  # noqa: F401  (registers the backend)
@@ -378,23 +376,4 @@ def _worker(rank: int, port: int, cases: list[str], outdir: str) -> None:
 
 def spawn(cases: list[str], timeout: float = 150.0) -> list[dict[str, Any]]:
     """Run ``cases`` (names of ``case_*`` here) on 4 twin ranks; each rank's results."""
-    outdir = tempfile.mkdtemp(prefix="engine-twin-")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, port, cases, outdir)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    out = []
-    for r in range(WORLD):
-        path = os.path.join(outdir, f"rank{r}.pt")
-        out.append(torch.load(path, weights_only=False) if os.path.exists(path) else {})
-    return out
+    return run_ranks(WORLD, _worker, (free_port(), cases), timeout, prefix="engine-twin-")

@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import datetime
 import os
-import tempfile
-import time
 import traceback
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from distributed_support import batch, configs, free_port, stage_factories
+from distributed_support import batch, configs, free_port, run_ranks, stage_factories
 from torch import nn
 
 pytestmark = [
@@ -64,7 +61,7 @@ def _run(rank: int) -> dict[str, Any]:
     return out
 
 
-def _worker(rank: int, port: int, outdir: str) -> None:
+def _worker(rank: int, outdir: str, port: int) -> None:
     torch.set_num_threads(1)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(S)
@@ -81,24 +78,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
-    outdir = tempfile.mkdtemp(prefix="engine-p2p-")
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, outdir)) for r in range(S)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 180
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():  # only our own children, by handle
-            p.kill()
-            p.join(5)
-    out = []
-    for r in range(S):
-        path = os.path.join(outdir, f"rank{r}.pt")
-        out.append(torch.load(path, weights_only=False) if os.path.exists(path) else {})
-    return out
+    return run_ranks(S, _worker, (free_port(),), 180, prefix="engine-p2p-")
 
 
 def test_no_rank_failed(results: list[dict[str, Any]]) -> None:
